@@ -1,0 +1,159 @@
+"""Compare the packing policies on realistic item mixes; prints one table and a verdict.
+
+Usage (from the repository root): ``python benchmarks/packing.py``
+
+Mixes are generated with a fixed seed so runs are comparable. Token counts follow
+Qwen2.5-VL: an image of h x w pixels (sides rounded to multiples of 28) yields
+(h/28)*(w/28) output tokens; a video of F frames at h x w yields ceil(F/2) temporal
+groups of that many tokens and counts F frames against the frame budget.
+
+The verdict line answers the question the team asked before making min_padding the
+default: was it ever worse than greedy (more padded tokens) on any mix?
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# The script runs without installing the package, so the repository root goes first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from embedjob.packer import (  # noqa: E402
+    POLICIES,
+    BudgetPlan,
+    generate_budgets,
+    pack,
+    padding_waste,
+    resolve_budgets,
+)
+
+SEED = 1234
+ITEMS = 4096
+RANDOM_MIXES = 200
+MODEL_MIN, MODEL_MAX, FRAMES_PER_VIDEO = 64, 16384, 32
+
+Mix = tuple[list[int], list[int]]
+
+
+def _side(rng: random.Random, low: int, high: int) -> int:
+    return 28 * round(rng.uniform(low, high) / 28)
+
+
+def _image(rng: random.Random, low: int = 224, high: int = 1344) -> tuple[int, int]:
+    return (_side(rng, low, high) // 28) * (_side(rng, low, high) // 28), 0
+
+
+def _video(rng: random.Random) -> tuple[int, int]:
+    frames = rng.randint(2, FRAMES_PER_VIDEO)
+    per_group = (_side(rng, 224, 448) // 28) * (_side(rng, 224, 448) // 28)
+    return math.ceil(frames / 2) * per_group, frames
+
+
+def _long_tail(rng: random.Random) -> tuple[int, int]:
+    # Log-normal pixel area: mostly thumbnails, a few scans larger than any budget.
+    side = min(8192, max(224, int(rng.lognormvariate(6.3, 0.7))))
+    return (side // 28) ** 2, 0
+
+
+def mix(rng: random.Random, count: int, kind: str) -> Mix:
+    """``count`` items of one of the named mixes, as (tokens, frames)."""
+    makers: dict[str, Callable[[], tuple[int, int]]] = {
+        "images 224-1344": lambda: _image(rng),
+        "80% 224px": lambda: (64, 0) if rng.random() < 0.8 else _image(rng),
+        "images+video": lambda: _video(rng) if rng.random() < 0.3 else _image(rng),
+        "long tail": lambda: _long_tail(rng),
+    }
+    pairs = [makers[kind]() for _ in range(count)]
+    return [t for t, _ in pairs], [f for _, f in pairs]
+
+
+MIX_KINDS = ("images 224-1344", "80% 224px", "images+video", "long tail")
+
+
+def plans() -> dict[str, BudgetPlan]:
+    """Auto budgets for the Qwen range, capped budgets, and a tight frame budget."""
+    auto = resolve_budgets(None, None, None, MODEL_MIN, MODEL_MAX, FRAMES_PER_VIDEO, True)
+    capped = resolve_budgets(
+        generate_budgets(64, 4096), None, None, MODEL_MIN, MODEL_MAX, FRAMES_PER_VIDEO, True
+    )
+    tight = resolve_budgets(None, None, 64, MODEL_MIN, MODEL_MAX, FRAMES_PER_VIDEO, True)
+    return {"auto 64..16384": auto, "64..4096": capped, "auto, 64 frames": tight}
+
+
+def timed_pack(tokens: list[int], frames: list[int], plan: BudgetPlan, policy: str):
+    """Batches and the best of three wall times in milliseconds."""
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        batches = pack(tokens, frames, plan, policy)
+        best = min(best, time.perf_counter() - start)
+    return batches, best * 1000
+
+
+def table() -> bool:
+    """Print the table; True when min_padding never wasted more than greedy."""
+    header = (
+        f"{'mix':<16} {'budgets':<16} {'policy':<12} {'items':>6} {'batches':>7} "
+        f"{'waste tok':>10} {'waste %':>8} {'eager':>6} {'pack ms':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    never_worse = True
+    for kind in MIX_KINDS:
+        tokens, frames = mix(random.Random(f"{SEED}-{kind}"), ITEMS, kind)
+        for plan_name, plan in plans().items():
+            waste = {}
+            for policy in POLICIES:
+                batches, ms = timed_pack(tokens, frames, plan, policy)
+                graph = [b for b in batches if b.budget is not None]
+                real = sum(b.tokens for b in graph)
+                waste[policy] = padding_waste(batches)
+                print(
+                    f"{kind:<16} {plan_name:<16} {policy:<12} {len(tokens):>6} "
+                    f"{len(batches):>7} {waste[policy]:>10} "
+                    f"{100 * waste[policy] / max(real, 1):>7.2f}% "
+                    f"{len(batches) - len(graph):>6} {ms:>8.1f}"
+                )
+            never_worse &= waste["min_padding"] <= waste["greedy"]
+    return never_worse
+
+
+def random_mixes() -> tuple[int, int, int, int, int]:
+    """(worse, better, equal, greedy batches, min_padding batches) over random mixes."""
+    rng = random.Random(SEED)
+    plan_list = list(plans().values())
+    worse = better = equal = greedy_batches = best_batches = 0
+    for _ in range(RANDOM_MIXES):
+        tokens, frames = mix(rng, rng.randint(1, 1500), rng.choice(MIX_KINDS))
+        plan = rng.choice(plan_list)
+        greedy = pack(tokens, frames, plan, "greedy")
+        best = pack(tokens, frames, plan, "min_padding")
+        delta = padding_waste(best) - padding_waste(greedy)
+        worse += delta > 0
+        better += delta < 0
+        equal += delta == 0
+        greedy_batches += len(greedy)
+        best_batches += len(best)
+    return worse, better, equal, greedy_batches, best_batches
+
+
+def main() -> int:
+    table_ok = table()
+    worse, better, equal, greedy_batches, best_batches = random_mixes()
+    print()
+    print(f"min_padding never worse than greedy on the table's mixes: {table_ok}")
+    print(
+        f"min_padding never worse than greedy on {RANDOM_MIXES} random mixes: {worse == 0} "
+        f"(better {better}, equal {equal}, worse {worse}; batches "
+        f"greedy {greedy_batches}, min_padding {best_batches})"
+    )
+    return 0 if table_ok and worse == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,569 @@
+"""Parquet input: find the files, map the media and id columns, cut the input into
+fragments, assign fragments to shards and stream rows.
+
+Invariants the rest of the job relies on:
+
+- The global row index is deterministic: files sorted by their path string, row groups
+  in file order, rows in order. `list_fragments` numbers fragments on that order, so a
+  fragment's `first_row` is the index of its first row and fragments tile 0..N-1.
+- Every row of a fragment comes out of `read_rows` exactly once, either with media
+  (`data` or `uri`) or with a typed `error` ("code: message"); a bad cell or a row group
+  that cannot be decoded never stops the job and never drops a row.
+- Job-level problems (no input, a file that is not Parquet, a missing column, a media
+  column of an unsupported type, files that disagree) raise `JobError` before any row
+  is yielded.
+- Nothing reads a whole file: rows are streamed per row group in batches of
+  `input.batch_rows`, and only the media and id columns are read.
+
+Input forms (`input.path`): a file; a directory (every *.parquet file below it,
+skipping names that start with '.' or '_', as pyarrow.dataset and Spark do for temp and
+metadata files); a glob (`*`, `?`, `[...]`, `**` for any depth, taken as written, so
+matched files are read whatever their name); or any of these as an fsspec URI
+(`file://`, `s3://`, `gs://`, `memory://`; the protocol's package must be installed).
+Local paths are relative to the working directory.
+
+Memory: per open file, the footer, plus one row group's media and id column chunks
+(pyarrow pre-buffers them) and one decoded batch of `input.batch_rows` rows.
+
+Paths in string media cells (and in the `path` field of Hugging Face image structs):
+
+- `scheme://...` URIs are kept as they are; with `input.media_root` set they must lie
+  under it (after removing `.`/`..` segments, and the normalised URI is what is returned,
+  so the location checked is the location read).
+- `file://` URIs are treated as local paths.
+- Relative paths resolve against `input.media_root`, or, when it is null, against the
+  directory of the Parquet file that holds them (the layout of datasets that keep a
+  Parquet index next to their media). Without a media_root there is no root to escape.
+- With a media_root, a path that leaves it after normalisation (`..`, an absolute path
+  elsewhere, a symlink pointing out, a URI under another prefix) becomes an error row
+  `path_escape: ...`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+from embedjob.job import InputConfig, JobError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MEDIA_TYPES = (
+    "binary, large_binary or binary_view (media bytes); "
+    "string, large_string or string_view (a path or URI); "
+    "struct<bytes: binary, path: string> (Hugging Face Image/Video)"
+)
+
+# Errors pyarrow raises while decoding pages: corrupt data (ArrowInvalid, OSError for
+# undecodable page headers) or a failed read of a remote file (OSError).
+_DECODE_ERRORS = (pa.ArrowException, OSError)
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_GLOB_CHARS = ("*", "?", "[")
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """One row group of one file: the unit of sharding and resume.
+
+    `path` is a plain absolute path for local files and a full URI otherwise, so it can
+    be opened again in another process without the job spec's filesystem.
+    """
+
+    path: str
+    row_group: int
+    first_row: int
+    num_rows: int
+    cost: int
+
+
+@dataclass
+class InputRow:
+    """One input row: either media (`data` or `uri`) or an `error`, never neither."""
+
+    row: int
+    id: object
+    data: bytes | None
+    uri: str | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class _FileInfo:
+    """What a file's footer says about the configured columns."""
+
+    path: str
+    metadata: pq.FileMetaData
+    media_type: pa.DataType
+    media_kind: str
+    id_type: pa.DataType
+
+
+@dataclass(frozen=True)
+class _Root:
+    """A normalised media_root: an absolute local path (with its realpath) or a URI."""
+
+    location: str
+    real: str | None
+
+
+# ---------------------------------------------------------------- public API
+
+
+def list_fragments(cfg: InputConfig) -> list[Fragment]:
+    """All non-empty row groups of the input, in global row order.
+
+    Reads only file listings and Parquet footers. Raises JobError for any job-level
+    problem of the input (see the module docstring).
+    """
+    _media_root(cfg.media_root)  # a missing media_root is a job error, found before any row is read
+    infos = _scan(cfg)
+    fragments = []
+    first_row = 0
+    for info in infos:
+        for index in range(info.metadata.num_row_groups):
+            group = info.metadata.row_group(index)
+            if group.num_rows == 0:
+                continue
+            cost = _media_bytes(group, cfg.media_column) or group.total_byte_size
+            fragments.append(Fragment(info.path, index, first_row, group.num_rows, cost))
+            first_row += group.num_rows
+    logger.info("input %s: %d files, %d row groups, %d rows", cfg.path, len(infos), len(fragments), first_row)
+    return fragments
+
+
+def id_type(cfg: InputConfig) -> pa.DataType:
+    """Arrow type of the output `id` column: the id column's type, or int64 (row index).
+
+    A file whose id column holds only nulls may store it with Arrow type `null`; the
+    type of the other files wins then.
+    """
+    infos = _scan(cfg)
+    typed = [info.id_type for info in infos if not pa.types.is_null(info.id_type)]
+    return typed[0] if typed else infos[0].id_type
+
+
+def assign_shards(fragments: list[Fragment], num_shards: int) -> list[list[Fragment]]:
+    """Cut `fragments` into `num_shards` contiguous runs with the smallest possible
+    largest total `cost` (linear partition by binary search over that maximum).
+
+    Contiguity keeps the output contract simple: concatenating the shards in shard
+    order gives back `fragments` in order. The result is deterministic. When there are
+    more shards than fragments each fragment gets its own shard and the trailing
+    shards are empty; otherwise no shard is empty.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    cap = _smallest_cap([f.cost for f in fragments], num_shards)
+    shards: list[list[Fragment]] = [[]]
+    load = 0
+    for index, fragment in enumerate(fragments):
+        left_including_this = len(fragments) - index
+        unstarted = num_shards - len(shards)
+        # Close early when the remaining fragments are just enough to give every
+        # unstarted shard one, so no shard stays empty while another holds several.
+        if shards[-1] and (load + fragment.cost > cap or left_including_this <= unstarted):
+            shards.append([])
+            load = 0
+        shards[-1].append(fragment)
+        load += fragment.cost
+    shards.extend([] for _ in range(num_shards - len(shards)))
+    return shards
+
+
+def read_rows(
+    cfg: InputConfig,
+    fragments: Iterable[Fragment],
+    start_row: int | None = None,
+    stop_row: int | None = None,
+) -> Iterator[InputRow]:
+    """Stream the rows of `fragments` (as made by `list_fragments`) in the given order,
+    limited to the global row range [start_row, stop_row) (None: unbounded).
+
+    Fragments entirely outside the range are not opened; fragments cut by it are
+    sliced. Consecutive fragments of one file share one open handle. A row group that
+    fails to decode is retried once with a fresh handle (remote reads can fail
+    transiently); if it fails again its remaining rows become `read_error` rows.
+    """
+    lo = 0 if start_row is None else start_row
+    hi = stop_row
+    root = _media_root(cfg.media_root)
+    for path, group in itertools.groupby(fragments, key=lambda f: f.path):
+        wanted = [f for f in group if f.first_row + f.num_rows > lo and (hi is None or f.first_row < hi)]
+        if wanted:
+            yield from _read_file(cfg, path, wanted, lo, hi, root)
+
+
+# ---------------------------------------------------------------- finding files
+
+
+def _scan(cfg: InputConfig) -> list[_FileInfo]:
+    """Footers of all input files, checked for the configured columns and agreement."""
+    infos = [_describe(path, cfg) for path in _find_files(cfg.path)]
+    _check_agreement(infos, cfg)
+    return infos
+
+
+def _find_files(spec: str) -> list[str]:
+    """Parquet files named by a file, directory, glob or fsspec URI, sorted by path."""
+    try:
+        fs, target = fsspec.core.url_to_fs(os.path.expanduser(spec))
+    except (ImportError, ValueError) as exc:
+        # ImportError: the protocol's package (s3fs, gcsfs, ...) is not installed.
+        raise JobError(f"cannot access input.path {spec!r}: {exc}") from None
+    try:
+        files = _list_files(fs, target, spec)
+    except OSError as exc:
+        raise JobError(f"cannot list input.path {spec!r}: {exc}") from None
+    if not files:
+        raise JobError(f"no *.parquet file under input.path {spec!r}")
+    return sorted(_location(fs, p) for p in set(files))
+
+
+def _list_files(fs: fsspec.AbstractFileSystem, target: str, spec: str) -> list[str]:
+    """Matched files, plus the *.parquet files below matched directories."""
+    if any(c in target for c in _GLOB_CHARS):
+        try:
+            matches = fs.glob(target, detail=True)
+        except ValueError as exc:
+            raise JobError(f"input.path {spec!r} is not a valid glob: {exc}") from None
+        if not matches:
+            raise JobError(f"no file matches input.path {spec!r}")
+    else:
+        try:
+            matches = {target: fs.info(target)}
+        except FileNotFoundError:
+            raise JobError(f"input.path {spec!r} does not exist") from None
+    files = []
+    for name, info in matches.items():
+        if info["type"] == "directory":
+            files.extend(p for p in fs.find(name) if _is_data_file(p, name))
+        else:
+            files.append(name)
+    return files
+
+
+def _is_data_file(path: str, directory: str) -> bool:
+    """A *.parquet file below `directory`, skipping names starting with '.' or '_'
+    (the convention of pyarrow.dataset and Spark for temp files and metadata)."""
+    parts = path[len(directory) :].strip("/").split("/")
+    return parts[-1].endswith(".parquet") and not any(p.startswith((".", "_")) for p in parts)
+
+
+def _location(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+
+
+def _open(location: str) -> pq.ParquetFile:
+    """Open a Parquet file by local path or URI; a bad footer is a JobError naming it."""
+    try:
+        if _SCHEME.match(location):
+            fs, path = fsspec.core.url_to_fs(location)
+            return pq.ParquetFile(path, filesystem=PyFileSystem(FSSpecHandler(fs)))
+        return pq.ParquetFile(location)
+    except pa.ArrowInvalid as exc:
+        raise JobError(f"{location} is not a Parquet file: {exc}") from None
+    except OSError as exc:
+        raise JobError(f"cannot open input file {location}: {exc}") from None
+
+
+def _describe(location: str, cfg: InputConfig) -> _FileInfo:
+    with _open(location) as pf:
+        return _file_info(location, pf, cfg)
+
+
+def _file_info(location: str, pf: pq.ParquetFile, cfg: InputConfig) -> _FileInfo:
+    schema = pf.schema_arrow
+    for key, column in (("input.media_column", cfg.media_column), ("input.id_column", cfg.id_column)):
+        if column is not None and column not in schema.names:
+            raise JobError(
+                f"{key} '{column}' is not a column of {location}; available columns: {', '.join(schema.names)}"
+            )
+    media_type = schema.field(cfg.media_column).type
+    kind = _media_kind(media_type)
+    if kind is None:
+        raise JobError(
+            f"input.media_column '{cfg.media_column}' of {location} has unsupported Arrow type {media_type}; "
+            f"supported: {SUPPORTED_MEDIA_TYPES}"
+        )
+    ids = schema.field(cfg.id_column).type if cfg.id_column is not None else pa.int64()
+    return _FileInfo(location, pf.metadata, media_type, kind, ids)
+
+
+def _media_kind(t: pa.DataType) -> str | None:
+    """'bytes', 'path' or 'struct' from the Arrow type alone (HF files often lack the
+    schema metadata that would name the feature)."""
+    if _is_binary(t):
+        return "bytes"
+    if _is_string(t):
+        return "path"
+    if pa.types.is_struct(t):
+        names = [t.field(i).name for i in range(t.num_fields)]
+        if "bytes" not in names or not _is_binary(t.field("bytes").type):
+            return None
+        if "path" in names and not (_is_string(t.field("path").type) or pa.types.is_null(t.field("path").type)):
+            return None
+        return "struct"
+    return None
+
+
+def _is_binary(t: pa.DataType) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t)
+
+
+def _is_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _check_agreement(infos: list[_FileInfo], cfg: InputConfig) -> None:
+    """All files must hold the same kind of media and the same id type; otherwise the
+    output `id` column would have no single type and rows would mean different things."""
+    first = infos[0]
+    for info in infos[1:]:
+        if info.media_kind != first.media_kind:
+            raise JobError(
+                f"input files disagree on input.media_column '{cfg.media_column}': "
+                f"{first.path} has {first.media_type}, {info.path} has {info.media_type}"
+            )
+    typed = [info for info in infos if not pa.types.is_null(info.id_type)]
+    for info in typed[1:]:
+        if info.id_type != typed[0].id_type:
+            raise JobError(
+                f"input files disagree on input.id_column '{cfg.id_column}': "
+                f"{typed[0].path} has {typed[0].id_type}, {info.path} has {info.id_type}"
+            )
+
+
+def _media_bytes(group: pq.RowGroupMetaData, column: str) -> int:
+    """Compressed bytes of `column` (all leaves of a struct) in one row group."""
+    total = 0
+    for index in range(group.num_columns):
+        chunk = group.column(index)
+        if chunk.path_in_schema == column or chunk.path_in_schema.startswith(column + "."):
+            total += chunk.total_compressed_size
+    return total
+
+
+# ---------------------------------------------------------------- shard balance
+
+
+def _smallest_cap(costs: list[int], parts: int) -> int:
+    """The smallest maximum part cost over all splits of `costs` into <= `parts`
+    contiguous runs (feasibility is monotone in the cap, so binary search is exact)."""
+    if not costs:
+        return 0
+    lo = max(max(costs), -(-sum(costs) // parts))
+    hi = sum(costs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _parts_needed(costs, mid) <= parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _parts_needed(costs: list[int], cap: int) -> int:
+    """Greedy fill is optimal for a fixed cap: fewest contiguous runs of cost <= cap."""
+    parts, load = 1, 0
+    for cost in costs:
+        if load and load + cost > cap:
+            parts += 1
+            load = 0
+        load += cost
+    return parts
+
+
+# ---------------------------------------------------------------- reading rows
+
+
+class _Source:
+    """An open input file plus how to turn its cells into rows; reopenable after a
+    failed read."""
+
+    def __init__(self, location: str, cfg: InputConfig):
+        self.location = location
+        self.base = os.path.dirname(location) if not _SCHEME.match(location) else location.rsplit("/", 1)[0]
+        self.pf = _open(location)
+        try:
+            self.kind = _file_info(location, self.pf, cfg).media_kind
+        except JobError:
+            self.pf.close()
+            raise
+
+    def reopen(self) -> None:
+        self.pf.close()
+        self.pf = _open(self.location)
+
+    def close(self) -> None:
+        self.pf.close()
+
+
+def _read_file(
+    cfg: InputConfig, location: str, fragments: list[Fragment], lo: int, hi: int | None, root: _Root | None
+) -> Iterator[InputRow]:
+    source = _Source(location, cfg)
+    try:
+        for fragment in fragments:
+            _check_unchanged(source, fragment)
+            end = fragment.first_row + fragment.num_rows
+            start = max(lo, fragment.first_row)
+            stop = end if hi is None else min(hi, end)
+            yield from _read_fragment(cfg, source, fragment, start, stop, root)
+    finally:
+        source.close()
+
+
+def _check_unchanged(source: _Source, fragment: Fragment) -> None:
+    """Row indices come from the listing; a file rewritten since would shift them."""
+    metadata = source.pf.metadata
+    actual = metadata.row_group(fragment.row_group).num_rows if fragment.row_group < metadata.num_row_groups else None
+    if actual != fragment.num_rows:
+        raise JobError(
+            f"input file {source.location} changed since it was listed: row group {fragment.row_group} "
+            f"has {actual} rows, expected {fragment.num_rows}; restart the job on the current input"
+        )
+
+
+def _read_fragment(
+    cfg: InputConfig, source: _Source, fragment: Fragment, start: int, stop: int, root: _Root | None
+) -> Iterator[InputRow]:
+    """Rows start..stop-1 of one fragment, each exactly once even if decoding fails."""
+    done = start
+    failure: BaseException | None = None
+    for attempt in (1, 2):
+        if failure is not None:
+            source.reopen()
+        try:
+            for row in _decode(cfg, source, fragment, done, stop, root):
+                yield row
+                done = row.row + 1
+            return
+        except _DECODE_ERRORS as exc:
+            failure = exc
+            logger.warning(
+                "row group %d of %s failed to decode at row %d (attempt %d): %s",
+                fragment.row_group, source.location, done, attempt, exc,
+            )
+    message = f"read_error: row group {fragment.row_group} of {source.location} cannot be decoded: {failure}"
+    for row in range(done, stop):
+        yield InputRow(row, None if cfg.id_column is not None else row, None, None, message)
+
+
+def _decode(
+    cfg: InputConfig, source: _Source, fragment: Fragment, start: int, stop: int, root: _Root | None
+) -> Iterator[InputRow]:
+    columns = list(dict.fromkeys(c for c in (cfg.media_column, cfg.id_column) if c is not None))
+    batches = source.pf.iter_batches(batch_size=cfg.batch_rows, row_groups=[fragment.row_group], columns=columns)
+    first = fragment.first_row
+    for batch in batches:
+        if first >= stop:
+            return
+        end = first + batch.num_rows
+        if end > start:
+            skip = max(start - first, 0)
+            kept = batch.slice(skip, min(stop, end) - first - skip)
+            yield from _batch_rows(cfg, source, kept, first + skip, root)
+        first = end
+
+
+def _batch_rows(
+    cfg: InputConfig, source: _Source, batch: pa.RecordBatch, first: int, root: _Root | None
+) -> Iterator[InputRow]:
+    cells = batch.column(cfg.media_column).to_pylist()
+    ids = batch.column(cfg.id_column).to_pylist() if cfg.id_column is not None else range(first, first + len(cells))
+    for offset, (cell, row_id) in enumerate(zip(cells, ids)):
+        yield _make_row(first + offset, row_id, cell, source, cfg.media_column, root)
+
+
+def _make_row(row: int, row_id: object, cell: object, source: _Source, column: str, root: _Root | None) -> InputRow:
+    if source.kind == "struct":
+        if cell is None:
+            return InputRow(row, row_id, None, None, f"empty: column '{column}' is null")
+        if cell.get("bytes"):
+            return InputRow(row, row_id, cell["bytes"], None, None)
+        if not cell.get("path"):
+            return InputRow(row, row_id, None, None, f"empty: column '{column}' has neither bytes nor a path")
+        cell = cell["path"]
+    elif source.kind == "bytes":
+        if cell is None:
+            return InputRow(row, row_id, None, None, f"empty: column '{column}' is null")
+        if not cell:
+            return InputRow(row, row_id, None, None, f"empty: column '{column}' holds 0 bytes")
+        return InputRow(row, row_id, cell, None, None)
+    if cell is None or not cell.strip():
+        return InputRow(row, row_id, None, None, f"empty: column '{column}' holds no path")
+    uri, error = _resolve(cell, source.base, root)
+    return InputRow(row, row_id, None, uri, error)
+
+
+# ---------------------------------------------------------------- path resolution
+
+
+def _media_root(media_root: str | None) -> _Root | None:
+    if media_root is None:
+        return None
+    location = _strip_file_scheme(os.path.expanduser(media_root))
+    if _SCHEME.match(location):
+        return _Root(_normalise_uri(location).rstrip("/"), None)
+    absolute = os.path.abspath(location)
+    if not os.path.isdir(absolute):
+        raise JobError(f"input.media_root {media_root!r} is not a directory")
+    return _Root(absolute, os.path.realpath(absolute))
+
+
+def _resolve(value: str, base: str, root: _Root | None) -> tuple[str | None, str | None]:
+    """(uri, None) for a path that may be read, (None, "path_escape: ...") otherwise."""
+    location = _strip_file_scheme(value)
+    if _SCHEME.match(location):
+        if root is None:
+            return location, None
+        target = _normalise_uri(location)
+    else:
+        target = _join(root.location if root is not None else base, location)
+    if root is not None and not _within(target, root):
+        return None, f"path_escape: {value!r} resolves to {target}, outside media_root {root.location}"
+    return target, None
+
+
+def _strip_file_scheme(value: str) -> str:
+    return value[len("file://") :] if value.startswith("file://") else value
+
+
+def _join(anchor: str, path: str) -> str:
+    if os.path.isabs(path) or not _SCHEME.match(anchor):
+        return os.path.normpath(os.path.join(anchor, path))
+    return _normalise_uri(anchor.rstrip("/") + "/" + path)
+
+
+def _normalise_uri(uri: str) -> str:
+    """Remove '.' and '..' path segments (RFC 3986); '..' never climbs above the host."""
+    scheme, rest = uri.split("://", 1)
+    host, _, path = rest.partition("/")
+    segments: list[str] = []
+    for segment in path.split("/"):
+        if segment == "..":
+            if segments:
+                segments.pop()
+        elif segment != ".":
+            segments.append(segment)
+    return f"{scheme}://{host}/" + "/".join(segments)
+
+
+def _within(target: str, root: _Root) -> bool:
+    if root.real is None:
+        return target == root.location or target.startswith(root.location + "/")
+    if _SCHEME.match(target):
+        return False
+    real = os.path.realpath(target)
+    return os.path.commonpath([real, root.real]) == root.real

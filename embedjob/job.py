@@ -69,6 +69,8 @@ class VideoConfig:
 
     fps: float = 2.0
     max_frames: int = 32
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
 
 @dataclass
@@ -79,7 +81,7 @@ class BatchingConfig:
     max_items_per_batch: Auto | int = "auto"
     max_frames_per_batch: Auto | int = "auto"
     cuda_graphs: bool = True
-    policy: Literal["greedy", "min_padding"] = "greedy"
+    policy: Literal["greedy", "min_padding"] = "min_padding"
     window: int = 512
     compile: bool = False
     min_budget: int | None = None

@@ -1,0 +1,30 @@
+"""Encoder adapters, one module per family; `load_adapter` picks by `model.family`."""
+
+from __future__ import annotations
+
+import torch
+
+from embedjob.encoders.base import EncoderAdapter, EncoderInput, StaticInputs, resolve_dtype
+from embedjob.job import Job
+
+__all__ = ["EncoderAdapter", "EncoderInput", "StaticInputs", "load_adapter"]
+
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
+    """Build the adapter the job asks for, on `device`, in the job's dtype (float32 on CPU)."""
+    dtype = resolve_dtype(job.model.dtype, device)
+    options = {
+        "cache_dir": job.runtime.cache_dir,
+        "min_pixels": job.preprocess.min_pixels,
+        "max_pixels": job.preprocess.max_pixels,
+        "video_min_pixels": job.video.min_pixels,
+        "video_max_pixels": job.video.max_pixels,
+        "video_max_frames": job.video.max_frames,
+    }
+    if job.model.family in QWEN_FAMILIES:
+        from embedjob.encoders.qwen import build_adapter
+
+        return build_adapter(job.model.family, job.model.path, dtype, device, options)
+    raise ValueError(f"model.family {job.model.family!r} has no adapter yet")

@@ -1,0 +1,161 @@
+"""The model side of the graph protocol, shared by every encoder family.
+
+An adapter turns decoded media into `EncoderInput`s (on the CPU, in decode workers),
+and runs batches of them on the device, either eagerly at their exact size or through
+static, budget-sized buffers that a captured graph reads. Everything that differs
+between families lives in the subclasses; the graph manager and the runner only use
+the methods declared here.
+
+Invariants every adapter keeps:
+- `EncoderInput.tokens` is the number of output rows the item produces, and `split`
+  returns exactly that many rows per item, in batch order.
+- `forward(static_inputs(budget))` writes real rows first and never lets pad rows
+  influence real rows, so a batch's graph output equals its eager output on the same
+  padded buffers.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PAD_ZERO = "zero"
+PAD_REPEAT_LAST = "repeat_last"
+
+
+@dataclass
+class EncoderInput:
+    """One preprocessed item, ready to be packed.
+
+    `tensors` are CPU tensors whose layout only the adapter understands; `tokens` is the
+    number of output embeddings, `frames` the number of video frames (0 for an image) and
+    `size` the input cost used for load balancing (e.g. patches).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    tokens: int
+    frames: int
+    size: int
+    modality: str = "image"
+
+
+class Preprocessor(Protocol):
+    """Picklable callable run in decode workers: decoded media -> EncoderInput."""
+
+    frame_multiple: int
+
+    def __call__(self, media: Any) -> EncoderInput: ...
+
+
+@dataclass
+class StaticInputs:
+    """The buffers a captured graph reads, plus the pad rule of each buffer.
+
+    `tensors` hold device tensors whose shapes depend only on the budget; `pad` maps a
+    key to PAD_ZERO (zero the tail) or PAD_REPEAT_LAST (repeat the last written value,
+    e.g. cumulative offsets); `constants` are Python values baked into the graph (such as
+    attention length bounds) that every replay of this budget shares.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    pad: dict[str, str] = field(default_factory=dict)
+    constants: dict[str, Any] = field(default_factory=dict)
+
+
+class EncoderAdapter(abc.ABC):
+    """Base class of encoder families. Subclasses set the attributes in `__init__`."""
+
+    family: str
+    device: torch.device
+    dtype: torch.dtype
+    embed_dim: int
+    min_budget: int
+    max_budget: int
+    max_frames_per_video: int
+
+    @abc.abstractmethod
+    def preprocessor(self) -> Preprocessor:
+        """The CPU-side preprocessing, picklable so decode workers can run it."""
+
+    @abc.abstractmethod
+    def static_inputs(self, budget: int, max_items: int, max_frames: int) -> StaticInputs:
+        """Device buffers for one budget, filled with a valid dummy batch (for warm-up and capture)."""
+
+    @abc.abstractmethod
+    def batch_values(self, items: list[EncoderInput], static: StaticInputs) -> dict[str, torch.Tensor]:
+        """CPU tensors of one batch, each no longer than its static buffer; the manager pads the tail."""
+
+    @abc.abstractmethod
+    def eager_inputs(self, items: list[EncoderInput]) -> StaticInputs:
+        """Exact-size device inputs of one batch for eager execution (no padding)."""
+
+    @abc.abstractmethod
+    def forward(self, inputs: StaticInputs) -> torch.Tensor:
+        """The encoder body: inputs -> output rows (real rows first, in item order)."""
+
+    def split(self, output: torch.Tensor, items: list[EncoderInput]) -> list[torch.Tensor]:
+        """Views of each item's rows in `output`, in batch order."""
+        views, offset = [], 0
+        for item in items:
+            views.append(output[offset : offset + item.tokens])
+            offset += item.tokens
+        return views
+
+    def describe(self) -> dict[str, Any]:
+        """What identifies this encoder's outputs (for manifests and resume checks)."""
+        return {"family": self.family, "dtype": str(self.dtype).removeprefix("torch."), "embed_dim": self.embed_dim}
+
+
+def cache_root(configured: str | None) -> Path:
+    """Where builtin models and compiled artefacts are kept.
+
+    The job key wins, then $EMBEDJOB_CACHE, then ~/.cache/embedjob, so cluster users can
+    point every task at one shared directory.
+    """
+    if configured:
+        return Path(configured).expanduser()
+    env = os.environ.get("EMBEDJOB_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "embedjob"
+
+
+def save_atomically(build: Any, target: Path) -> None:
+    """Run `build(tmpdir)` and rename the result to `target`.
+
+    Several SLURM tasks may create the same builtin model at once; the rename makes
+    exactly one of them win and the others find a complete directory.
+    """
+    if target.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    build(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not target.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype: the job's choice on CUDA, float32 on CPU.
+
+    bfloat16/float16 matmuls on CPU are slow and not what anyone benchmarks, and CPU runs
+    exist for CI and small jobs, so CPU always computes in float32.
+    """
+    if device.type != "cuda":
+        if name != "float32":
+            logger.info("running on CPU: computing in float32 instead of %s", name)
+        return torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]

@@ -1,0 +1,553 @@
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision towers through transformers.
+
+The three towers share native-resolution patching (images are one temporal patch,
+videos `frames / temporal_patch_size`), a 2x2 spatial merger (4 consecutive patches
+become one output token) and packed attention over `cu_seqlens`. They differ in what
+they precompute from the grid: Qwen2.5-VL adds window attention (`window_index`,
+`cu_window_seqlens`), Qwen3-VL an interpolated learned position table. transformers
+(>= 5.17) accepts every such value as a keyword argument, so the data-dependent work
+is done on the CPU, per item, in the decode workers, and the device forward has no host
+synchronisation — which is what makes it capturable.
+
+Padding to a budget (see DESIGN.md "Padding inside a graph"): real patches come first,
+pad patches follow as their own attention segments of at most PAD_SEGMENT patches,
+cumulative offsets are padded by repeating the last one, pad merge units map to
+themselves in the window permutation, and the length bounds are constants per budget.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision.transforms.v2.functional as tvF
+
+from embedjob.encoders.attention import register as register_attention
+from embedjob.encoders.base import (
+    PAD_REPEAT_LAST,
+    PAD_ZERO,
+    EncoderAdapter,
+    EncoderInput,
+    StaticInputs,
+    cache_root,
+    save_atomically,
+)
+
+logger = logging.getLogger(__name__)
+
+PAD_SEGMENT = 64
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class QwenFamily:
+    """What differs between the Qwen-VL generations."""
+
+    name: str
+    vision_model_type: str
+    full_model_type: str
+    class_name: str
+    patch_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    windowed: bool
+    interpolated_positions: bool
+
+
+FAMILIES = {
+    "qwen2_vl": QwenFamily(
+        "qwen2_vl", "qwen2_vl_vision", "qwen2_vl", "Qwen2VisionTransformerPretrainedModel", 14, CLIP_MEAN, CLIP_STD, False, False
+    ),
+    "qwen2_5_vl": QwenFamily(
+        "qwen2_5_vl",
+        "qwen2_5_vl_vision",
+        "qwen2_5_vl",
+        "Qwen2_5_VisionTransformerPretrainedModel",
+        14,
+        CLIP_MEAN,
+        CLIP_STD,
+        True,
+        False,
+    ),
+    "qwen3_vl": QwenFamily(
+        "qwen3_vl", "qwen3_vl_vision", "qwen3_vl", "Qwen3VLVisionModel", 16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), False, True
+    ),
+}
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen-VL's target size: both sides multiples of `factor`, area within [min, max], aspect kept.
+
+    Raises ValueError for aspect ratios above 200, which the model family rejects too.
+    """
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above 200")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class QwenPreprocessor:
+    """Decoded media -> patches and per-item attention metadata; runs in decode workers.
+
+    Matches transformers' Qwen2VLImageProcessor / Qwen2VLVideoProcessor: bicubic
+    antialiased resize of uint8 pixels to `smart_resize`, fused rescale+normalise in
+    float32, then the patch order (merge blocks, channel, time, row, column).
+    """
+
+    family: str
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    video_min_pixels: int
+    video_max_pixels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    window_size: int | None
+    pos_grid_side: int | None
+
+    @property
+    def frame_multiple(self) -> int:
+        return self.temporal_patch_size
+
+    def __call__(self, media: Any) -> EncoderInput:
+        frames = getattr(media, "frames", None)
+        if frames is None:
+            video = torch.from_numpy(media.pixels).permute(2, 0, 1).unsqueeze(0)
+            bounds = (self.min_pixels, self.max_pixels)
+            modality, num_frames = "image", 0
+        else:
+            video = torch.from_numpy(frames).permute(0, 3, 1, 2)
+            bounds = (self.video_min_pixels, self.video_max_pixels)
+            modality, num_frames = "video", int(frames.shape[0])
+        pixels, grid = self.patchify(self.resize_normalize(video, *bounds), image=frames is None)
+        tensors = {"pixel_values": pixels, "grid_thw": torch.tensor(grid, dtype=torch.int64)}
+        tensors.update(self.item_metadata(grid))
+        t, h, w = grid
+        tokens = t * h * w // (self.merge_size**2)
+        return EncoderInput(tensors, tokens=tokens, frames=num_frames, size=t * h * w, modality=modality)
+
+    def resize_normalize(self, frames: torch.Tensor, min_pixels: int, max_pixels: int) -> torch.Tensor:
+        """(T, 3, H, W) uint8 -> (T, 3, H', W') float32, normalised."""
+        height, width = frames.shape[-2:]
+        factor = self.patch_size * self.merge_size
+        size = smart_resize(height, width, factor, min_pixels, max_pixels)
+        resized = tvF.resize(frames, list(size), interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+        mean = torch.tensor(self.mean) * 255.0
+        std = torch.tensor(self.std) * 255.0
+        return tvF.normalize(resized.to(torch.float32), mean.tolist(), std.tolist())
+
+    def patchify(self, frames: torch.Tensor, image: bool) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """(T, C, H, W) -> (t*h*w, C*tp*p*p) in the model's patch order, and the grid (t, h, w).
+
+        An image is one frame repeated `temporal_patch_size` times; a video's frame count
+        is padded to a multiple of it with its last frame, as transformers does.
+        """
+        tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
+        if image:
+            frames = frames.expand(tp, -1, -1, -1)
+        elif pad := -frames.shape[0] % tp:
+            frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+        num, channels, height, width = frames.shape
+        t, h, w = num // tp, height // p, width // p
+        patches = frames.reshape(t, tp, channels, h // m, m, p, w // m, m, p)
+        patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return patches.reshape(t * h * w, channels * tp * p * p).contiguous(), (t, h, w)
+
+    def item_metadata(self, grid: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+        """Per-item precomputes, offsets starting at 0; batch assembly shifts them."""
+        from transformers.vision_utils import (
+            get_vision_interpolation_indices_and_weights,
+            get_vision_position_ids,
+            get_vision_window_index,
+        )
+
+        grid_thw = torch.tensor([grid], dtype=torch.int64)
+        out = {"position_ids": get_vision_position_ids(grid_thw, self.merge_size)}
+        if self.window_size is not None:
+            window_index, cu_window = get_vision_window_index(
+                grid_thw, spatial_merge_size=self.merge_size, window_size=self.window_size, patch_size=self.patch_size
+            )
+            out["window_index"] = window_index
+            out["cu_window_seqlens"] = cu_window
+        if self.pos_grid_side is not None:
+            indices, weights = get_vision_interpolation_indices_and_weights(
+                grid_thw, self.pos_grid_side, mode="bilinear", align_corners=True, spatial_merge_size=self.merge_size
+            )
+            out["interp_indices"] = indices
+            out["interp_weights"] = weights
+        return out
+
+
+class QwenAdapter(EncoderAdapter):
+    """A Qwen-VL vision tower run on packed batches with precomputed metadata."""
+
+    def __init__(
+        self,
+        family: QwenFamily,
+        model: torch.nn.Module,
+        processing: QwenPreprocessor,
+        device: torch.device,
+        dtype: torch.dtype,
+        source: str,
+    ) -> None:
+        self.family = family.name
+        self.spec = family
+        self.model = model
+        self.processing = processing
+        self.device = device
+        self.dtype = dtype
+        self.source = source
+        config = model.config
+        self.embed_dim = int(getattr(config, "out_hidden_size", None) or config.hidden_size)
+        self.merge_unit = processing.merge_size**2
+        self.patch_dim = 3 * processing.temporal_patch_size * processing.patch_size**2
+        self.min_budget = 64
+        self.max_budget = 16384
+        self.max_frames_per_video = 0
+        self.max_frame_patches = max(processing.max_pixels, processing.video_max_pixels) // processing.patch_size**2
+        if family.windowed:
+            self.window_patches = (processing.window_size // processing.patch_size) ** 2
+
+    def preprocessor(self) -> QwenPreprocessor:
+        return self.processing
+
+    def describe(self) -> dict[str, Any]:
+        info = super().describe()
+        p = self.processing
+        info.update(
+            source=self.source,
+            min_pixels=p.min_pixels,
+            max_pixels=p.max_pixels,
+            video_min_pixels=p.video_min_pixels,
+            video_max_pixels=p.video_max_pixels,
+        )
+        return info
+
+    def static_inputs(self, budget: int, max_items: int, max_frames: int) -> StaticInputs:
+        patches = budget * self.merge_unit
+        segments = min(budget, max_items + max_frames // self.processing.temporal_patch_size)
+        pad_segments = math.ceil(patches / PAD_SEGMENT)
+        tensors = {
+            "pixel_values": torch.zeros(patches, self.patch_dim, dtype=self.dtype),
+            "position_ids": torch.zeros(patches, 2, dtype=torch.int64),
+            "cu_seqlens": _pad_offsets(torch.zeros(1, dtype=torch.int32), patches, segments + pad_segments + 1),
+        }
+        pad = {"cu_seqlens": PAD_REPEAT_LAST}
+        constants = {"max_seqlen": min(patches, self.max_frame_patches), "budget": budget}
+        if self.spec.windowed:
+            tensors["window_index"] = torch.arange(budget, dtype=torch.int64)
+            windows = budget + pad_segments + 1
+            tensors["cu_window_seqlens"] = _pad_offsets(torch.zeros(1, dtype=torch.int32), patches, windows)
+            pad["cu_window_seqlens"] = PAD_REPEAT_LAST
+            constants["max_window_seqlen"] = min(patches, self.window_patches)
+        if self.spec.interpolated_positions:
+            tensors["interp_indices"] = torch.zeros(patches, 4, dtype=torch.int64)
+            tensors["interp_weights"] = torch.zeros(patches, 4, dtype=torch.float32)
+        tensors = {k: v.to(self.device) for k, v in tensors.items()}
+        return StaticInputs(tensors, pad, constants)
+
+    def batch_values(self, items: list[EncoderInput], static: StaticInputs) -> dict[str, torch.Tensor]:
+        patches = static.tensors["pixel_values"].shape[0]
+        values = self._concat(items)
+        values["cu_seqlens"] = _pad_offsets(values["cu_seqlens"], patches, static.tensors["cu_seqlens"].shape[0])
+        if self.spec.windowed:
+            units = patches // self.merge_unit
+            real = values["window_index"].shape[0]
+            values["window_index"] = torch.cat([values["window_index"], torch.arange(real, units)])
+            length = static.tensors["cu_window_seqlens"].shape[0]
+            values["cu_window_seqlens"] = _pad_offsets(values["cu_window_seqlens"], patches, length)
+        return values
+
+    def eager_inputs(self, items: list[EncoderInput]) -> StaticInputs:
+        values = self._concat(items)
+        constants = {"max_seqlen": _max_gap(values["cu_seqlens"])}
+        if self.spec.windowed:
+            constants["max_window_seqlen"] = _max_gap(values["cu_window_seqlens"])
+        tensors = {k: v.to(self.device, non_blocking=True) for k, v in values.items()}
+        return StaticInputs(tensors, {}, constants)
+
+    def forward(self, inputs: StaticInputs) -> torch.Tensor:
+        t = inputs.tensors
+        kwargs = {k: v for k, v in t.items() if k != "pixel_values"}
+        kwargs.update((k, v) for k, v in inputs.constants.items() if k != "budget")
+        pixels = t["pixel_values"].to(self.dtype)
+        return self.model(hidden_states=pixels, grid_thw=self._grid_placeholder, **kwargs).pooler_output
+
+    @property
+    def _grid_placeholder(self) -> torch.Tensor:
+        """grid_thw is a required argument but unused once every value is precomputed."""
+        cached = getattr(self, "_grid", None)
+        if cached is None:
+            cached = self._grid = torch.ones(1, 3, dtype=torch.int64, device=self.device)
+        return cached
+
+    def _concat(self, items: list[EncoderInput]) -> dict[str, torch.Tensor]:
+        """Join per-item tensors into one packed batch, shifting per-item offsets."""
+        seg_lengths, windows, window_index = [], [torch.zeros(1, dtype=torch.int32)], []
+        unit_offset = patch_offset = 0
+        for item in items:
+            t, h, w = item.tensors["grid_thw"].tolist()
+            seg_lengths.extend([h * w] * t)
+            if self.spec.windowed:
+                window_index.append(item.tensors["window_index"] + unit_offset)
+                windows.append(item.tensors["cu_window_seqlens"][1:].to(torch.int32) + patch_offset)
+            unit_offset += item.tokens
+            patch_offset += t * h * w
+        values = {
+            "pixel_values": torch.cat([i.tensors["pixel_values"] for i in items]).to(self.dtype),
+            "position_ids": torch.cat([i.tensors["position_ids"] for i in items]),
+            "cu_seqlens": torch.tensor([0, *_cumsum(seg_lengths)], dtype=torch.int32),
+        }
+        if self.spec.windowed:
+            values["window_index"] = torch.cat(window_index)
+            values["cu_window_seqlens"] = torch.cat(windows)
+        if self.spec.interpolated_positions:
+            values["interp_indices"] = torch.cat([i.tensors["interp_indices"] for i in items])
+            values["interp_weights"] = torch.cat([i.tensors["interp_weights"] for i in items])
+        return values
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def _max_gap(offsets: torch.Tensor) -> int:
+    return int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+
+
+def _pad_offsets(offsets: torch.Tensor, total: int, length: int) -> torch.Tensor:
+    """Extend cumulative offsets to `total` with segments of <= PAD_SEGMENT, then repeat the last.
+
+    Pad rows get small segments of their own so they neither attend to real rows nor cost
+    quadratic work; the repeats make zero-length segments that kernels skip.
+    """
+    last = int(offsets[-1])
+    extra = list(range(last + PAD_SEGMENT, total, PAD_SEGMENT))
+    if last < total:
+        extra.append(total)
+    needed = offsets.shape[0] + len(extra)
+    if needed > length:
+        raise ValueError(f"batch needs {needed} segment offsets but the budget's buffer holds {length}")
+    tail = [total] * (length - needed)
+    return torch.cat([offsets.to(torch.int32), torch.tensor(extra + tail, dtype=torch.int32)])
+
+
+BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2_vl": dict(depth=4, embed_dim=128, hidden_size=128, num_heads=4, mlp_ratio=2),
+    "qwen2_5_vl": dict(
+        depth=4,
+        hidden_size=128,
+        num_heads=4,
+        intermediate_size=256,
+        out_hidden_size=128,
+        window_size=112,
+        fullatt_block_indexes=[1, 3],
+    ),
+    "qwen3_vl": dict(
+        depth=4,
+        hidden_size=128,
+        num_heads=4,
+        intermediate_size=256,
+        out_hidden_size=128,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[1, 2],
+    ),
+}
+BUILTIN_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 448 * 448, "video_min_pixels": 56 * 56, "video_max_pixels": 224 * 224}
+BUILTIN_VERSION = 1
+
+
+def _transformers_class(spec: QwenFamily) -> type:
+    module = importlib.import_module(f"transformers.models.{spec.name}.modeling_{spec.name}")
+    return getattr(module, spec.class_name)
+
+
+def _config_class(spec: QwenFamily) -> type:
+    return _transformers_class(spec).config_class
+
+
+def builtin_dir(spec: QwenFamily, cache_dir: str | None) -> Path:
+    """Create the tiny builtin tower once (fixed seed) and return its directory.
+
+    It is saved with `save_pretrained` and loaded back through `load_model`, the path a
+    user's checkpoint takes, so the demo exercises the real loading code.
+    """
+    target = cache_root(cache_dir) / "builtin" / f"tiny-{spec.name}-v{BUILTIN_VERSION}"
+
+    def build(tmp: Path) -> None:
+        from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+        config = _config_class(spec)(**BUILTIN_CONFIGS[spec.name])
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = _transformers_class(spec)._from_config(config, dtype=torch.float32)
+        model.save_pretrained(tmp)
+        common = dict(patch_size=spec.patch_size, temporal_patch_size=2, merge_size=2, image_mean=list(spec.mean), image_std=list(spec.std))
+        Qwen2VLImageProcessor(
+            size={"shortest_edge": BUILTIN_PIXELS["min_pixels"], "longest_edge": BUILTIN_PIXELS["max_pixels"]}, **common
+        ).save_pretrained(tmp)
+        Qwen2VLVideoProcessor(
+            size={"shortest_edge": BUILTIN_PIXELS["video_min_pixels"], "longest_edge": BUILTIN_PIXELS["video_max_pixels"]},
+            **common,
+        ).save_pretrained(tmp)
+        logger.info("created builtin model %s in %s", spec.name, target)
+
+    save_atomically(build, target)
+    return target
+
+
+def resolve_checkpoint(spec: QwenFamily, path: str, cache_dir: str | None) -> Path:
+    """A local directory holding the checkpoint: builtin, local path or hub id."""
+    if path.startswith("builtin:"):
+        name = path.removeprefix("builtin:")
+        family = name.removeprefix("tiny-")
+        if not name.startswith("tiny-") or family not in FAMILIES:
+            raise ValueError(f"unknown builtin model {path!r}; available: builtin:tiny-{', builtin:tiny-'.join(FAMILIES)}")
+        if family != spec.name:
+            raise ValueError(f"model.path {path!r} is a {family} model but model.family is {spec.name!r}")
+        return builtin_dir(spec, cache_dir)
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists() or path.startswith(("/", "./", "../")):
+        raise ValueError(f"model.path {path!r} is not a checkpoint directory")
+    return _download(path)
+
+
+def _download(repo_id: str) -> Path:
+    """Fetch only what the vision tower needs from the hub (config, processor, visual shards)."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    config_file = Path(hf_hub_download(repo_id, "config.json"))
+    root = config_file.parent
+    try:
+        index = Path(hf_hub_download(repo_id, "model.safetensors.index.json"))
+    except Exception:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"]))
+    shards = sorted({f for k, f in json.loads(index.read_text())["weight_map"].items() if "visual." in k})
+    for name in shards + ["preprocessor_config.json", "video_preprocessor_config.json"]:
+        try:
+            hf_hub_download(repo_id, name)
+        except Exception:
+            logger.debug("%s has no %s", repo_id, name)
+    return root
+
+
+def load_model(spec: QwenFamily, directory: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """Load the vision tower from a vision-only or a full vision-language checkpoint."""
+    config = json.loads((directory / "config.json").read_text())
+    model_type = config.get("model_type")
+    cls = _transformers_class(spec)
+    if model_type == spec.vision_model_type:
+        return cls.from_pretrained(directory, dtype=dtype)
+    if model_type == spec.full_model_type:
+        return _load_from_full(spec, directory, config, dtype)
+    hint = next(
+        (f"; set model.family to {f.name!r}" for f in FAMILIES.values() if model_type in (f.vision_model_type, f.full_model_type)),
+        "",
+    )
+    raise ValueError(
+        f"checkpoint {directory} has model_type {model_type!r}; model.family {spec.name!r} expects "
+        f"{spec.vision_model_type!r} (vision tower) or {spec.full_model_type!r} (full model){hint}"
+    )
+
+
+def _load_from_full(spec: QwenFamily, directory: Path, config: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
+    """Build the tower from `vision_config` and load only the `visual.` weights."""
+    from safetensors import safe_open
+
+    vision_config = _config_class(spec)(**config["vision_config"])
+    model = _transformers_class(spec)._from_config(vision_config, dtype=dtype)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                prefix = _visual_prefix(key)
+                if prefix is not None:
+                    state[key[len(prefix) :]] = handle.get_tensor(key)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {directory}: vision weights do not match the config "
+            f"(missing {missing[:3]}..., unexpected {unexpected[:3]}...)"
+        )
+    return model.to(dtype)
+
+
+def _visual_prefix(key: str) -> str | None:
+    for prefix in ("model.visual.", "visual."):
+        if key.startswith(prefix):
+            return prefix
+    return None
+
+
+def load_processing(spec: QwenFamily, directory: Path, model_config: Any, overrides: dict[str, Any]) -> QwenPreprocessor:
+    """Preprocessing parameters: the checkpoint's processor configs, then the job's overrides."""
+    image = _read_json(directory / "preprocessor_config.json")
+    video = _read_json(directory / "video_preprocessor_config.json")
+    min_px, max_px = _pixel_bounds(image, 56 * 56, 28 * 28 * 1280)
+    vmin_px, vmax_px = _pixel_bounds(video, 128 * 28 * 28, 28 * 28 * 768)
+    values = dict(
+        min_pixels=overrides.get("min_pixels") or min_px,
+        max_pixels=overrides.get("max_pixels") or max_px,
+        video_min_pixels=overrides.get("video_min_pixels") or vmin_px,
+        video_max_pixels=overrides.get("video_max_pixels") or vmax_px,
+    )
+    return QwenPreprocessor(
+        family=spec.name,
+        patch_size=int(model_config.patch_size),
+        temporal_patch_size=int(model_config.temporal_patch_size),
+        merge_size=int(model_config.spatial_merge_size),
+        mean=tuple(image.get("image_mean", spec.mean)),
+        std=tuple(image.get("image_std", spec.std)),
+        window_size=int(model_config.window_size) if spec.windowed else None,
+        pos_grid_side=int(model_config.num_position_embeddings**0.5) if spec.interpolated_positions else None,
+        **values,
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _pixel_bounds(config: dict[str, Any], default_min: int, default_max: int) -> tuple[int, int]:
+    size = config.get("size") or {}
+    low = config.get("min_pixels") or size.get("shortest_edge") or default_min
+    high = config.get("max_pixels") or size.get("longest_edge") or default_max
+    return int(low), int(high)
+
+
+def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: dict[str, Any]) -> QwenAdapter:
+    """Load a Qwen-VL tower ready for packed, capturable execution on `device`."""
+    spec = FAMILIES[family]
+    directory = resolve_checkpoint(spec, path, options.get("cache_dir"))
+    model = load_model(spec, directory, dtype).to(device).eval()
+    model.config._attn_implementation = register_attention()
+    model.requires_grad_(False)
+    processing = load_processing(spec, directory, model.config, options)
+    adapter = QwenAdapter(spec, model, processing, device, dtype, source=path)
+    adapter.max_frames_per_video = int(options.get("video_max_frames", 0))
+    return adapter

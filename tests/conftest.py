@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny builtin encoders made once per session in a private cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from embedjob.encoders import load_adapter
+from embedjob.job import Job, job_from_dict
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One model cache for the whole session, so each builtin tower is built once."""
+    return str(tmp_path_factory.mktemp("embedjob-cache"))
+
+
+def make_job(cache_dir: str, **sections: dict) -> Job:
+    raw: dict = {"input": {"path": "unused.parquet", "media_column": "image"}, "output": {"path": "unused"}}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    raw.setdefault("runtime", {})["cache_dir"] = cache_dir
+    return job_from_dict(raw)
+
+
+@pytest.fixture(scope="session")
+def qwen_adapter(cache_dir: str):
+    """The builtin tiny Qwen2.5-VL tower on the CPU (float32)."""
+    return load_adapter(make_job(cache_dir), torch.device("cpu"))
+
+
+def random_image(height: int, width: int, seed: int = 0) -> SimpleNamespace:
+    """A decoded image as the decode stage hands it over: (H, W, 3) uint8."""
+    rng = np.random.default_rng(seed)
+    return SimpleNamespace(pixels=rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def random_video(frames: int, height: int, width: int, seed: int = 0) -> SimpleNamespace:
+    rng = np.random.default_rng(seed)
+    return SimpleNamespace(frames=rng.integers(0, 256, (frames, height, width, 3), dtype=np.uint8))

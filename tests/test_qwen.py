@@ -1,0 +1,138 @@
+"""Qwen-VL adapter: preprocessing parity with transformers, packed eager forward
+against the unmodified model, and loading user checkpoints (vision-only and full)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+from embedjob.encoders import load_adapter
+from embedjob.encoders.qwen import FAMILIES, builtin_dir, load_model, smart_resize
+
+from conftest import make_job, random_image, random_video
+
+SIZES = [(224, 224), (300, 500), (641, 479), (57, 1000), (1400, 900), (30, 30)]
+
+
+def _reference_processor(adapter, video: bool = False):
+    p = adapter.processing
+    common = dict(
+        patch_size=p.patch_size,
+        temporal_patch_size=p.temporal_patch_size,
+        merge_size=p.merge_size,
+        image_mean=list(p.mean),
+        image_std=list(p.std),
+    )
+    if video:
+        size = {"shortest_edge": p.video_min_pixels, "longest_edge": p.video_max_pixels}
+        return Qwen2VLVideoProcessor(size=size, **common)
+    return Qwen2VLImageProcessor(size={"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels}, **common)
+
+
+@pytest.mark.parametrize(("height", "width"), SIZES)
+def test_image_preprocessing_equals_transformers(qwen_adapter, height: int, width: int) -> None:
+    image = random_image(height, width, seed=height)
+    ours = qwen_adapter.preprocessor()(image)
+    ref = _reference_processor(qwen_adapter)(
+        images=[torch.from_numpy(image.pixels).permute(2, 0, 1)], return_tensors="pt"
+    )
+    assert ours.tensors["grid_thw"].tolist() == ref["image_grid_thw"][0].tolist()
+    assert torch.equal(ours.tensors["pixel_values"], ref["pixel_values"])
+    t, h, w = ours.tensors["grid_thw"].tolist()
+    assert ours.tokens == t * h * w // 4 and ours.frames == 0 and ours.modality == "image"
+
+
+@pytest.mark.parametrize(("frames", "height", "width"), [(4, 240, 320), (3, 50, 66), (8, 720, 1280)])
+def test_video_preprocessing_equals_transformers(qwen_adapter, frames: int, height: int, width: int) -> None:
+    video = random_video(frames, height, width)
+    ours = qwen_adapter.preprocessor()(video)
+    processor = _reference_processor(qwen_adapter, video=True)
+    kwargs = {"do_sample_frames": False, "return_tensors": "pt"}
+    if "cap_pixels_per_frame" in inspect.signature(processor._preprocess).parameters:
+        kwargs["cap_pixels_per_frame"] = False
+    ref = processor(videos=[torch.from_numpy(video.frames).permute(0, 3, 1, 2)], **kwargs)
+    assert ours.tensors["grid_thw"].tolist() == ref["video_grid_thw"][0].tolist()
+    assert torch.equal(ours.tensors["pixel_values"], ref["pixel_values_videos"])
+    t, h, w = ours.tensors["grid_thw"].tolist()
+    assert t == -(-frames // 2) and ours.frames == frames and ours.tokens == t * h * w // 4
+
+
+def test_smart_resize_keeps_bounds_and_multiples() -> None:
+    for height, width in SIZES:
+        h, w = smart_resize(height, width, 28, 56 * 56, 448 * 448)
+        assert h % 28 == 0 and w % 28 == 0
+        assert 56 * 56 <= h * w <= 448 * 448
+    with pytest.raises(ValueError, match="aspect ratio"):
+        smart_resize(10, 3000, 28, 56 * 56, 448 * 448)
+
+
+def _reference_embeddings(model: torch.nn.Module, items) -> list[torch.Tensor]:
+    """The unmodified transformers tower (sdpa attention), one item at a time."""
+    saved = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
+    try:
+        with torch.no_grad():
+            return [
+                model(hidden_states=i.tensors["pixel_values"], grid_thw=i.tensors["grid_thw"][None]).pooler_output
+                for i in items
+            ]
+    finally:
+        model.config._attn_implementation = saved
+
+
+def _relative_errors(adapter, media) -> list[float]:
+    items = [adapter.preprocessor()(m) for m in media]
+    with torch.no_grad():
+        packed = adapter.split(adapter.forward(adapter.eager_inputs(items)), items)
+    refs = _reference_embeddings(adapter.model, items)
+    return [float((ours - ref).norm() / ref.norm()) for ours, ref in zip(packed, refs)]
+
+
+MIXED_MEDIA = [random_image(224, 224, 1), random_image(300, 500, 2), random_video(4, 112, 168, 3), random_image(640, 480, 4)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_eager_forward_matches_transformers_per_item(cache_dir: str, family: str) -> None:
+    job = make_job(cache_dir, model={"family": family, "path": f"builtin:tiny-{family}"})
+    adapter = load_adapter(job, torch.device("cpu"))
+    errors = _relative_errors(adapter, MIXED_MEDIA)
+    assert max(errors) < 1e-5, errors
+
+
+def test_builtin_model_is_made_once_and_reloaded_identically(cache_dir: str, qwen_adapter) -> None:
+    directory = builtin_dir(FAMILIES["qwen2_5_vl"], cache_dir)
+    assert (directory / "config.json").exists() and (directory / "preprocessor_config.json").exists()
+    again = load_model(FAMILIES["qwen2_5_vl"], directory, torch.float32)
+    for (name, a), (_, b) in zip(qwen_adapter.model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_full_vision_language_checkpoint_loads_only_the_tower(tmp_path: Path, cache_dir: str) -> None:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from embedjob.encoders.qwen import BUILTIN_CONFIGS
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=BUILTIN_CONFIGS["qwen2_5_vl"])
+    torch.manual_seed(1)
+    full = Qwen2_5_VLForConditionalGeneration(config)
+    full.save_pretrained(tmp_path / "full")
+    job = make_job(cache_dir, model={"path": str(tmp_path / "full")})
+    adapter = load_adapter(job, torch.device("cpu"))
+    visual = full.model.visual.state_dict()
+    loaded = adapter.model.state_dict()
+    assert visual.keys() == loaded.keys()
+    assert all(torch.equal(visual[k], loaded[k]) for k in visual)
+
+
+def test_wrong_family_for_checkpoint_is_a_clear_error(tmp_path: Path, cache_dir: str) -> None:
+    directory = builtin_dir(FAMILIES["qwen2_vl"], cache_dir)
+    job = make_job(cache_dir, model={"family": "qwen2_5_vl", "path": str(directory)})
+    with pytest.raises(ValueError, match="model_type 'qwen2_vl_vision'.*set model.family to 'qwen2_vl'"):
+        load_adapter(job, torch.device("cpu"))
+    with pytest.raises(ValueError, match="is a qwen3_vl model but model.family is 'qwen2_5_vl'"):
+        load_adapter(make_job(cache_dir, model={"path": "builtin:tiny-qwen3_vl"}), torch.device("cpu"))

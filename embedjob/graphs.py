@@ -1,0 +1,247 @@
+"""Budget graph manager: one captured encoder graph per token budget, replayed per batch.
+
+The design of vLLM's EncoderCudaGraphManager: each budget gets static input buffers
+from the adapter and one graph, captured largest budget first into one shared memory
+pool after one eager warm-up. A batch is copied into the buffers of the smallest budget
+that fits (the packer chose it), the graph is replayed, and each item's rows are read
+out of the static output before the next replay overwrites them. Items over the largest
+budget run eagerly ("misses").
+
+Two backends share this code: `cuda` captures real `torch.cuda.CUDAGraph`s; `replay`
+(used on CPU, so CI exercises buffer filling, padding and slicing without a GPU)
+records the graph body at capture and re-runs it on the same static buffers at replay,
+writing into a static output buffer exactly like a graph does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from embedjob.encoders.base import PAD_REPEAT_LAST, EncoderAdapter, EncoderInput, StaticInputs
+from embedjob.packer import BudgetPlan
+
+logger = logging.getLogger(__name__)
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def clone_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The default per-item read-out: a copy that survives the next replay."""
+    return rows.clone()
+
+
+@dataclass
+class GraphStats:
+    """Per-item hits and misses, and what the budgets cost in padding.
+
+    Invariant: hits + misses == number of items run; padding_waste is the sum over graph
+    batches of (budget - real tokens).
+    """
+
+    hits: int = 0
+    misses: int = 0
+    graph_batches: int = 0
+    eager_batches: int = 0
+    real_tokens: int = 0
+    padding_waste: int = 0
+    budget_batches: Counter = field(default_factory=Counter)
+    budget_items: Counter = field(default_factory=Counter)
+    capture_seconds: float = 0.0
+    pool_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def merge(self, other: "GraphStats") -> None:
+        """Add another manager's counts (e.g. another rank's)."""
+        for name in ("hits", "misses", "graph_batches", "eager_batches", "real_tokens", "padding_waste"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.budget_batches.update(other.budget_batches)
+        self.budget_items.update(other.budget_items)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "graph_hits": self.hits,
+            "graph_misses": self.misses,
+            "hit_rate": round(self.hit_rate, 6),
+            "graph_batches": self.graph_batches,
+            "eager_batches": self.eager_batches,
+            "real_tokens": self.real_tokens,
+            "padding_waste": self.padding_waste,
+            "budget_batches": {str(k): v for k, v in sorted(self.budget_batches.items())},
+            "budget_items": {str(k): v for k, v in sorted(self.budget_items.items())},
+            "capture_seconds": round(self.capture_seconds, 3),
+            "graph_pool_bytes": self.pool_bytes,
+        }
+
+
+class _RecordedGraph:
+    """The `replay` backend's graph: the recorded body re-run on the static buffers.
+
+    Like a CUDA graph it writes into one output tensor that every replay overwrites;
+    that tensor is allocated by the first replay, so capturing costs nothing on a CPU.
+    """
+
+    def __init__(self, body: Callable[[], torch.Tensor]) -> None:
+        self.body = body
+        self.output: torch.Tensor | None = None
+
+    def replay(self) -> None:
+        result = self.body()
+        if self.output is None:
+            self.output = result
+        else:
+            self.output.copy_(result)
+
+
+class _CudaGraph:
+    """A captured CUDA graph and the static output tensor it writes."""
+
+    def __init__(self, body: Callable[[], torch.Tensor], pool: Any) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = body()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+@dataclass
+class _Entry:
+    static: StaticInputs
+    graph: _RecordedGraph | _CudaGraph
+
+
+class GraphManager:
+    """Captures one graph per budget of `plan` and runs packed batches through them."""
+
+    BACKENDS = ("cuda", "replay")
+
+    def __init__(self, adapter: EncoderAdapter, plan: BudgetPlan, backend: str | None) -> None:
+        if backend is not None and backend not in self.BACKENDS:
+            raise ValueError(f"unknown graph backend {backend!r}; allowed: {', '.join(self.BACKENDS)} or None (eager)")
+        if backend == "cuda" and adapter.device.type != "cuda":
+            raise ValueError("the cuda graph backend needs the adapter on a CUDA device")
+        self.adapter = adapter
+        self.plan = plan
+        self.backend = backend
+        self.stats = GraphStats()
+        self._graphs: dict[int, _Entry] = {}
+        self._pool: Any = None
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        return self.plan.token_budgets
+
+    def capture(self) -> None:
+        """Capture every budget, largest first so smaller graphs reuse the shared pool's blocks."""
+        if self.backend is None or self._graphs:
+            return
+        start = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.adapter.device) if self.backend == "cuda" else 0
+        if self.backend == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for budget in sorted(self.plan.token_budgets, reverse=True):
+                static = self.adapter.static_inputs(budget, self.plan.max_items, self.plan.max_frames)
+                self._graphs[budget] = _Entry(static, self._capture_one(static))
+        if self.backend == "cuda":
+            torch.cuda.synchronize(self.adapter.device)
+            self.stats.pool_bytes = torch.cuda.memory_reserved(self.adapter.device) - before
+        self.stats.capture_seconds = time.perf_counter() - start
+        logger.info(
+            "captured %d graphs (%s backend) for budgets %s in %.1f s",
+            len(self._graphs),
+            self.backend,
+            list(self.plan.token_budgets),
+            self.stats.capture_seconds,
+        )
+
+    def _capture_one(self, static: StaticInputs) -> _RecordedGraph | _CudaGraph:
+        def body() -> torch.Tensor:
+            return self.adapter.forward(static)
+
+        if self.backend == "replay":
+            return _RecordedGraph(body)
+        side = torch.cuda.Stream(self.adapter.device)
+        side.wait_stream(torch.cuda.current_stream(self.adapter.device))
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream(self.adapter.device).wait_stream(side)
+        return _CudaGraph(body, self._pool)
+
+    def run(self, items: list[EncoderInput], budget: int | None, reduce: Reduce = clone_rows) -> list[torch.Tensor]:
+        """Embed one packed batch; returns `reduce(rows)` per item, in batch order.
+
+        `budget` is the packer's choice: a captured budget (replay) or None (eager). The
+        reduce runs before the next replay, so it may read the static output directly.
+        """
+        tokens = sum(item.tokens for item in items)
+        entry = self._graphs.get(budget) if budget is not None else None
+        with torch.inference_mode():
+            if entry is None:
+                output = self.adapter.forward(self.adapter.eager_inputs(items))
+                self._count(items, None, tokens)
+            else:
+                self._fill(entry.static, self.adapter.batch_values(items, entry.static))
+                entry.graph.replay()
+                output = entry.graph.output
+                self._count(items, budget, tokens)
+            return [reduce(rows) for rows in self.adapter.split(output, items)]
+
+    def run_padded_eager(self, items: list[EncoderInput], budget: int) -> torch.Tensor:
+        """The graph body run eagerly on this batch's padded buffers (for equality checks)."""
+        entry = self._graphs[budget]
+        with torch.inference_mode():
+            self._fill(entry.static, self.adapter.batch_values(items, entry.static))
+            return self.adapter.forward(entry.static).clone()
+
+    @staticmethod
+    def _fill(static: StaticInputs, values: dict[str, torch.Tensor]) -> None:
+        """Copy a batch into the static buffers: prefix copy, then the key's pad rule for the tail."""
+        for key, buffer in static.tensors.items():
+            value = values[key]
+            count = value.shape[0]
+            if count > buffer.shape[0]:
+                raise ValueError(f"batch value {key!r} has {count} rows but the budget's buffer holds {buffer.shape[0]}")
+            buffer[:count].copy_(value, non_blocking=True)
+            if count == buffer.shape[0]:
+                continue
+            if static.pad.get(key) == PAD_REPEAT_LAST:
+                buffer[count:].copy_(value[-1:].expand(buffer.shape[0] - count, *value.shape[1:]), non_blocking=True)
+            else:
+                buffer[count:].zero_()
+
+    def _count(self, items: list[EncoderInput], budget: int | None, tokens: int) -> None:
+        stats = self.stats
+        stats.real_tokens += tokens
+        if budget is None:
+            stats.misses += len(items)
+            stats.eager_batches += 1
+            return
+        stats.hits += len(items)
+        stats.graph_batches += 1
+        stats.padding_waste += budget - tokens
+        stats.budget_batches[budget] += 1
+        stats.budget_items[budget] += len(items)
+        if stats.graph_batches % 100 == 0:
+            logger.debug("graph stats: %s", stats.to_dict())
+
+    def clear(self) -> None:
+        """Release every graph, its buffers and the shared pool."""
+        self._graphs.clear()
+        self._pool = None
+        if self.backend == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,111 @@
+"""The graph manager on the CPU replay backend: the same buffer filling, padding and
+slicing the CUDA backend uses, checked against eager execution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from embedjob.graphs import GraphManager
+from embedjob.packer import BudgetPlan, pack
+
+from conftest import random_image, random_video
+
+PLAN = BudgetPlan(token_budgets=(64, 128, 256, 512), max_items=8, max_frames=16)
+
+
+@pytest.fixture(scope="module")
+def manager(qwen_adapter) -> GraphManager:
+    graphs = GraphManager(qwen_adapter, PLAN, "replay")
+    graphs.capture()
+    return graphs
+
+
+@pytest.fixture(scope="module")
+def items(qwen_adapter):
+    media = [
+        random_image(224, 224, 1),
+        random_image(120, 300, 2),
+        random_video(4, 112, 112, 3),
+        random_image(56, 56, 4),
+        random_image(400, 300, 5),
+    ]
+    return [qwen_adapter.preprocessor()(m) for m in media]
+
+
+def test_capture_makes_one_graph_per_budget(manager: GraphManager) -> None:
+    assert manager.num_graphs == len(PLAN.token_budgets)
+    assert manager.budgets == PLAN.token_budgets
+
+
+def test_replay_equals_eager_on_the_same_padded_batch_bitwise(manager: GraphManager, items) -> None:
+    batch = items[:3]
+    budget = 512
+    replayed = manager.run(batch, budget)
+    padded = manager.run_padded_eager(batch, budget)
+    offset = 0
+    for item, out in zip(batch, replayed):
+        assert torch.equal(out, padded[offset : offset + item.tokens])
+        offset += item.tokens
+
+
+def test_graph_path_matches_unpadded_eager(qwen_adapter, manager: GraphManager, items) -> None:
+    """Padding must not change any real item's embedding (pad rows never attend to real ones)."""
+    with torch.no_grad():
+        eager = qwen_adapter.split(qwen_adapter.forward(qwen_adapter.eager_inputs(items[:4])), items[:4])
+    replayed = manager.run(items[:4], 512)
+    for ours, ref in zip(replayed, eager):
+        assert ours.shape == ref.shape
+        assert torch.allclose(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_outputs_survive_the_next_replay(manager: GraphManager, items) -> None:
+    first = manager.run(items[:1], 128)
+    kept = first[0].clone()
+    manager.run(items[3:4], 128)
+    assert torch.equal(first[0], kept)
+
+
+def test_statistics_add_up_over_a_packed_stream(qwen_adapter, items) -> None:
+    graphs = GraphManager(qwen_adapter, BudgetPlan(token_budgets=(64, 128), max_items=4, max_frames=8), "replay")
+    graphs.capture()
+    tokens = [i.tokens for i in items]
+    frames = [i.frames for i in items]
+    batches = pack(tokens, frames, graphs.plan)
+    for batch in batches:
+        graphs.run([items[i] for i in batch.indices], batch.budget)
+    stats = graphs.stats
+    assert stats.hits + stats.misses == len(items)
+    oversized = sum(t > 128 for t in tokens)
+    assert stats.misses == oversized and oversized > 0
+    assert stats.padding_waste == sum(b.budget - b.tokens for b in batches if b.budget is not None)
+    assert sum(stats.budget_items.values()) == stats.hits
+    assert stats.real_tokens == sum(tokens)
+    assert stats.to_dict()["hit_rate"] == pytest.approx(stats.hits / len(items), abs=1e-6)
+
+
+def test_eager_fallback_gives_the_same_embedding(qwen_adapter, manager: GraphManager, items) -> None:
+    eager = manager.run(items[:2], None)
+    replayed = manager.run(items[:2], 256)
+    for a, b in zip(eager, replayed):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_pad_rows_are_finite_and_real_rows_come_first(manager: GraphManager, items) -> None:
+    padded = manager.run_padded_eager(items[3:4], 64)
+    assert torch.isfinite(padded).all()
+    assert padded.shape[0] == 64 and items[3].tokens < 64
+
+
+def test_clear_releases_graphs(qwen_adapter) -> None:
+    graphs = GraphManager(qwen_adapter, PLAN, "replay")
+    graphs.capture()
+    graphs.clear()
+    assert graphs.num_graphs == 0
+
+
+def test_unknown_backend_and_cuda_on_cpu_are_refused(qwen_adapter) -> None:
+    with pytest.raises(ValueError, match="unknown graph backend"):
+        GraphManager(qwen_adapter, PLAN, "magic")
+    with pytest.raises(ValueError, match="needs the adapter on a CUDA device"):
+        GraphManager(qwen_adapter, PLAN, "cuda")

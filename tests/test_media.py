@@ -1,0 +1,423 @@
+"""Image decoding, sniffing, reading and the worker pool of embedjob.media.
+
+Repo-local media (tests/data, licences in tests/data/LICENSES.tsv) carry the essential
+coverage; the larger real corpus in ../shared/data is used when present and skipped
+on a clean clone.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import itertools
+import os
+import pickle
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+from embedjob import media
+from embedjob.media import DecodedImage, DecodedVideo, DecodeOptions, DecodePool, MediaError
+
+LOCAL = Path(__file__).parent / "data"
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is not present (clean clone)")
+
+IMAGE = DecodeOptions(modality="image", max_image_pixels=50_000_000, fps=2.0, max_frames=32, frame_multiple=2)
+AUTO = DecodeOptions(modality="auto", max_image_pixels=50_000_000, fps=2.0, max_frames=32, frame_multiple=2)
+VIDEO = DecodeOptions(modality="video", max_image_pixels=50_000_000, fps=2.0, max_frames=32, frame_multiple=2)
+
+LOCAL_IMAGES = ["img2dataset_123_456.jpg", "img2dataset_456_123.jpg", "hfdatasets_test_image_rgba.png"]
+LOCAL_VIDEOS = sorted(p.name for p in LOCAL.iterdir() if p.suffix in (".mov", ".mp4", ".mkv"))
+
+
+def shared_files(folder: str) -> list[Path]:
+    return sorted((SHARED / folder).iterdir()) if (SHARED / folder).is_dir() else []
+
+
+def encode(img: Image.Image, fmt: str, **kwargs: object) -> bytes:
+    out = io.BytesIO()
+    img.save(out, fmt, **kwargs)
+    return out.getvalue()
+
+
+def reference_rgb(data: bytes) -> np.ndarray:
+    """Pillow's own rendering: EXIF transpose, then alpha over white."""
+    img = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+    white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+    return np.asarray(Image.alpha_composite(white, img.convert("RGBA")).convert("RGB"))
+
+
+# ---------------------------------------------------------------- real images
+
+IMAGE_FILES = [LOCAL / name for name in LOCAL_IMAGES] + shared_files("images")
+
+
+@pytest.mark.parametrize("path", IMAGE_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_real_images_decode_to_rgb_matching_pillow(path: Path) -> None:
+    data = path.read_bytes()
+    result = media.decode(data, IMAGE)
+    expected = reference_rgb(data)
+    assert isinstance(result, DecodedImage)
+    assert result.pixels.dtype == np.uint8 and result.pixels.flags.c_contiguous
+    assert result.pixels.shape == expected.shape
+    # Same libjpeg-turbo/zlib underneath; rounding of the alpha blend may differ by 1.
+    assert np.abs(result.pixels.astype(int) - expected).mean() < 1.0
+
+
+# ---------------------------------------------------------------- synthetic images
+
+
+def halves(left: tuple[int, ...], right: tuple[int, ...], mode: str, size: tuple[int, int] = (60, 40)) -> Image.Image:
+    """An image whose left half is one colour and right half another."""
+    img = Image.new(mode, size, left)
+    img.paste(Image.new(mode, (size[0] // 2, size[1]), right), (size[0] // 2, 0))
+    return img
+
+
+def exif_orientation(value: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = value
+    return exif.tobytes()
+
+
+def palette_with_transparency() -> bytes:
+    img = Image.fromarray(np.tile(np.array([0] * 30 + [1] * 30, dtype=np.uint8), (40, 1)), "P")
+    img.putpalette([255, 0, 0, 0, 255, 0] + [0] * 762)
+    return encode(img, "PNG", transparency=1)
+
+
+def two_frame_gif() -> bytes:
+    first = Image.new("RGB", (60, 40), (255, 0, 0)).convert("P")
+    second = Image.new("RGB", (60, 40), (0, 0, 255)).convert("P")
+    return encode(first, "GIF", save_all=True, append_images=[second])
+
+
+RED, BLUE, WHITE = (255, 0, 0), (0, 0, 255), (255, 255, 255)
+
+# name -> (encoded bytes, expected (H, W), expected colour of the left/top half, of the right/bottom half, tolerance)
+SYNTHETIC = {
+    "L_png": (lambda: encode(Image.new("L", (60, 40), 77), "PNG"), (40, 60), (77,) * 3, (77,) * 3, 0),
+    "L_jpeg": (lambda: encode(Image.new("L", (60, 40), 77), "JPEG"), (40, 60), (77,) * 3, (77,) * 3, 2),
+    "LA_png_alpha_on_white": (lambda: encode(halves((100, 0), (100, 255), "LA"), "PNG"), (40, 60), WHITE, (100,) * 3, 0),
+    "CMYK_jpeg": (lambda: encode(Image.new("CMYK", (60, 40), (0, 255, 255, 0)), "JPEG"), (40, 60), RED, RED, 8),
+    "I16_png": (
+        lambda: encode(Image.fromarray(np.full((40, 60), 32896, dtype=np.uint16)), "PNG"),
+        (40, 60), (128,) * 3, (128,) * 3, 0,
+    ),
+    "P_png_transparency": (palette_with_transparency, (40, 60), RED, WHITE, 0),
+    "RGBA_png_half_alpha": (lambda: encode(halves((0, 0, 255, 255), (0, 0, 255, 128), "RGBA"), "PNG"), (40, 60), BLUE, (127, 127, 255), 1),
+    "GIF_first_frame": (two_frame_gif, (40, 60), RED, RED, 0),
+    "TIFF": (lambda: encode(halves(RED, BLUE, "RGB"), "TIFF"), (40, 60), RED, BLUE, 0),
+    "TIFF_orientation_6": (lambda: encode(halves(RED, BLUE, "RGB"), "TIFF", exif=exif_orientation(6)), (60, 40), RED, BLUE, 0),
+    "BMP": (lambda: encode(halves(RED, BLUE, "RGB"), "BMP"), (40, 60), RED, BLUE, 0),
+    "WEBP_lossless_alpha": (lambda: encode(halves((255, 0, 0, 255), (0, 0, 255, 0), "RGBA"), "WEBP", lossless=True), (40, 60), RED, WHITE, 0),
+    "JPEG_orientation_6": (lambda: encode(halves(RED, BLUE, "RGB"), "JPEG", quality=95, exif=exif_orientation(6)), (60, 40), RED, BLUE, 12),
+    "PNG_orientation_6": (lambda: encode(halves(RED, BLUE, "RGB"), "PNG", exif=exif_orientation(6)), (60, 40), RED, BLUE, 0),
+    "PNG_orientation_3": (lambda: encode(halves(RED, BLUE, "RGB"), "PNG", exif=exif_orientation(3)), (40, 60), BLUE, RED, 0),
+}
+
+
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_synthetic_images_become_rgb_with_orientation_and_colours(name: str) -> None:
+    make, shape, first, second, tolerance = SYNTHETIC[name]
+    pixels = media.decode(make(), IMAGE).pixels
+    assert pixels.dtype == np.uint8 and pixels.shape == (*shape, 3)
+    height, width = shape
+    # Orientation 6 turns the left half into the top half (90 degrees clockwise).
+    if height > width:
+        first_half, second_half = pixels[: height // 2 - 2], pixels[height // 2 + 2 :]
+    else:
+        first_half, second_half = pixels[:, : width // 2 - 2], pixels[:, width // 2 + 2 :]
+    assert np.abs(first_half.reshape(-1, 3).astype(int) - first).max() <= tolerance
+    assert np.abs(second_half.reshape(-1, 3).astype(int) - second).max() <= tolerance
+
+
+JPEGS = {name: SYNTHETIC[name][0] for name in SYNTHETIC if "jpeg" in name.lower()}
+JPEGS.update({name: functools.partial((LOCAL / name).read_bytes) for name in LOCAL_IMAGES if name.endswith(".jpg")})
+
+
+@pytest.mark.parametrize("name", JPEGS)
+def test_torchvision_and_pillow_render_jpegs_alike(name: str) -> None:
+    """JPEGs go through torchvision, with Pillow as the fallback for those it refuses:
+    both must give the same picture, orientation included."""
+    data = JPEGS[name]()
+    fast = media.decode(data, IMAGE).pixels
+    pillow = media._decode_with_pillow(Image.open(io.BytesIO(data)))
+    assert fast.shape == pillow.shape
+    assert np.abs(fast.astype(int) - pillow).max() <= 2
+
+
+def png_chunk(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height but whose pixel data is one empty row."""
+    header = png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    return b"\x89PNG\r\n\x1a\n" + header + png_chunk(b"IDAT", zlib.compress(b"\x00")) + png_chunk(b"IEND", b"")
+
+
+def test_pixel_limit_is_checked_from_the_header_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    def must_not_decode(*args: object) -> None:
+        raise AssertionError("pixels were decoded")
+
+    monkeypatch.setattr(media, "_decode_with_torchvision", must_not_decode)
+    monkeypatch.setattr(media, "_decode_with_pillow", must_not_decode)
+    small_limit = DecodeOptions("image", max_image_pixels=1000, fps=2.0, max_frames=32, frame_multiple=2)
+    for data in (encode(Image.new("RGB", (40, 26)), "PNG"), encode(Image.new("RGB", (40, 26)), "GIF")):
+        with pytest.raises(MediaError) as err:
+            media.decode(data, small_limit)
+        assert err.value.code == "too_large" and "1040" in err.value.message
+    # A 100000 x 100000 header with no pixel data at all: only the header can say so.
+    with pytest.raises(MediaError) as err:
+        media.decode(png_header_only(100_000, 100_000), IMAGE)
+    assert err.value.code == "too_large"
+
+
+def test_image_at_the_limit_decodes() -> None:
+    exact = DecodeOptions("image", max_image_pixels=40 * 26, fps=2.0, max_frames=32, frame_multiple=2)
+    assert media.decode(encode(Image.new("RGB", (40, 26)), "PNG"), exact).pixels.shape == (26, 40, 3)
+
+
+def png_with_broken_idat() -> bytes:
+    """A PNG whose pixel data starts with a damaged zlib header (CRC left stale)."""
+    data = bytearray(encode(halves(RED, BLUE, "RGB"), "PNG"))
+    data[data.index(b"IDAT") + 4] ^= 0xFF
+    return bytes(data)
+
+
+def local_jpeg() -> bytes:
+    return (LOCAL / "img2dataset_456_123.jpg").read_bytes()
+
+
+BAD_IMAGES = {
+    "half_jpeg": (lambda: local_jpeg()[: len(local_jpeg()) // 2], IMAGE, "truncated"),
+    "half_png": (lambda: (LOCAL / "hfdatasets_test_image_rgba.png").read_bytes()[:25_000], IMAGE, "truncated"),
+    "half_gif": (lambda: two_frame_gif()[:60], IMAGE, "truncated"),
+    "jpeg_magic_then_garbage": (lambda: b"\xff\xd8\xff" + bytes(range(256)) * 4, IMAGE, "corrupt"),
+    "png_signature_only": (lambda: b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, IMAGE, "corrupt"),
+    # torchvision 0.29.1 segfaults on this one (libpng "IDAT: invalid window size").
+    "png_broken_idat": (png_with_broken_idat, IMAGE, "corrupt"),
+    "heic_brand": (lambda: b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + b"\x00" * 64, IMAGE, "unsupported_format"),
+    "text_auto": (lambda: b"this is not an image\n", AUTO, "unknown_format"),
+    "text_image": (lambda: b"this is not an image\n", IMAGE, "unknown_format"),
+    "empty": (lambda: b"", AUTO, "empty"),
+    "mp4_as_image": (lambda: (LOCAL / "hfdatasets_test_video_66x50.mov").read_bytes(), IMAGE, "not_an_image"),
+    "jpeg_as_video": (local_jpeg, VIDEO, "not_a_video"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_IMAGES)
+def test_bad_images_are_typed_errors(name: str) -> None:
+    make, options, code = BAD_IMAGES[name]
+    with pytest.raises(MediaError) as err:
+        media.decode(make(), options)
+    assert err.value.code == code, str(err.value)
+    assert str(err.value) == f"{code}: {err.value.message}" and err.value.message
+
+
+# What each file of ../shared/data/bad/ gives, per modality (a DecodedVideo = "video").
+SHARED_BAD = {
+    "decord_corrupted.mp4": {"auto": "corrupt", "video": "corrupt", "image": "not_an_image"},
+    "derived_jpeg_half.jpg": {"auto": "truncated", "video": "not_a_video", "image": "truncated"},
+    "derived_mkv_truncated.mkv": {"auto": "video", "video": "video", "image": "not_an_image"},
+    "derived_mp4_as_jpg.jpg": {"auto": "video", "video": "video", "image": "not_an_image"},
+    "derived_text_as_mp4.mp4": {"auto": "unknown_format", "video": "unknown_format", "image": "unknown_format"},
+    "derived_zero_length.mp4": {"auto": "empty", "video": "empty", "image": "empty"},
+}
+
+
+@needs_shared
+def test_shared_bad_files_give_precise_outcomes() -> None:
+    assert sorted(p.name for p in shared_files("bad")) == sorted(SHARED_BAD)
+    for path in shared_files("bad"):
+        for options in (AUTO, VIDEO, IMAGE):
+            try:
+                result = media.decode(path.read_bytes(), options)
+                outcome = "video" if isinstance(result, DecodedVideo) else "image"
+            except MediaError as err:
+                outcome = err.code
+            assert outcome == SHARED_BAD[path.name][options.modality], (path.name, options.modality)
+
+
+# ---------------------------------------------------------------- sniff
+
+SNIFF_EXPECTED = {
+    "decord_corrupted.mp4": "video",
+    "derived_jpeg_half.jpg": "image",
+    "derived_mkv_truncated.mkv": "video",
+    "derived_mp4_as_jpg.jpg": "video",
+    "derived_text_as_mp4.mp4": None,
+    "derived_zero_length.mp4": None,
+}
+
+
+def test_sniff_decides_from_magic_numbers_only() -> None:
+    for name in LOCAL_IMAGES:
+        assert media.sniff((LOCAL / name).read_bytes()) == "image", name
+    for name in LOCAL_VIDEOS:
+        assert media.sniff((LOCAL / name).read_bytes()) == "video", name
+    for fmt in ("GIF", "TIFF", "BMP", "WEBP", "ICO"):
+        assert media.sniff(encode(Image.new("RGB", (16, 16)), fmt)) == "image", fmt
+    assert media.sniff(b"RIFF\x00\x00\x00\x00AVI LIST") == "video"
+    assert media.sniff(b"") is None and media.sniff(b"hello world") is None
+
+
+@needs_shared
+def test_sniff_on_every_shared_file() -> None:
+    for path in shared_files("images"):
+        assert media.sniff(path.read_bytes()) == "image", path.name
+    for path in shared_files("videos"):
+        assert media.sniff(path.read_bytes()) == "video", path.name
+    for path in shared_files("bad"):
+        assert media.sniff(path.read_bytes()) == SNIFF_EXPECTED[path.name], path.name
+
+
+# ---------------------------------------------------------------- read_source and options
+
+
+def test_read_source_paths_uris_and_failures(tmp_path: Path) -> None:
+    path = LOCAL / LOCAL_IMAGES[0]
+    assert media.read_source(str(path)) == path.read_bytes()
+    assert media.read_source(path.as_uri()) == path.read_bytes()
+    failures = {
+        str(tmp_path / "missing.jpg"): "not_found",
+        (tmp_path / "missing.jpg").as_uri(): "not_found",
+        str(tmp_path): "unreadable",
+        "nosuchprotocol://bucket/x.jpg": "unreadable",
+    }
+    for uri, code in failures.items():
+        with pytest.raises(MediaError) as err:
+            media.read_source(uri)
+        assert err.value.code == code, uri
+
+
+def test_mislabelled_file_is_judged_by_its_bytes(tmp_path: Path) -> None:
+    named_jpg = tmp_path / "photo.jpg"
+    named_jpg.write_bytes((LOCAL / "hfdatasets_test_video_66x50.mov").read_bytes())
+    assert isinstance(media.decode(media.read_source(str(named_jpg)), AUTO), DecodedVideo)
+
+
+def test_invalid_options_are_rejected_at_construction() -> None:
+    with pytest.raises(ValueError, match="frame_multiple"):
+        DecodeOptions("video", max_image_pixels=1, fps=2.0, max_frames=1, frame_multiple=2)
+    with pytest.raises(ValueError, match="modality"):
+        DecodeOptions("audio", max_image_pixels=1, fps=2.0, max_frames=4, frame_multiple=2)
+    with pytest.raises(ValueError, match="fps"):
+        DecodeOptions("video", max_image_pixels=1, fps=0.0, max_frames=4, frame_multiple=2)
+
+
+def test_media_error_survives_pickling() -> None:
+    err = pickle.loads(pickle.dumps(MediaError("corrupt", "bad NAL unit")))
+    assert (err.code, err.message, str(err)) == ("corrupt", "bad NAL unit", "corrupt: bad NAL unit")
+
+
+# ---------------------------------------------------------------- DecodePool
+
+def pool_task(task: tuple[str, object]) -> object:
+    """Module level so that worker processes can import it."""
+    kind, value = task
+    if kind == "sleep":
+        time.sleep(float(value))  # type: ignore[arg-type]
+        return value
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "crash":
+        os._exit(3)
+    if kind == "media":
+        raise MediaError("corrupt", str(value))
+    if kind == "bug":
+        raise ValueError(value)
+    return int(value) ** 2  # type: ignore[call-overload]
+
+
+MIXED = [
+    ("square", 1), ("sleep", 0.3), ("hang", None), ("square", 3), ("crash", None),
+    ("media", "broken"), ("bug", "oops"), ("square", 7), ("sleep", 0.1), ("square", 9),
+]
+
+
+def expected_outcome(result: object) -> object:
+    return result.code if isinstance(result, MediaError) else result
+
+
+MIXED_EXPECTED = [1, 0.3, "decode_timeout", 9, "decoder_crashed", "corrupt", "internal_error", 49, 0.1, 81]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DecodePool(pool_task, workers=2, timeout=1.5) as shared_pool:
+        yield shared_pool
+
+
+def test_pool_keeps_order_and_isolates_timeouts_crashes_and_errors(pool: DecodePool) -> None:
+    results = list(pool.imap(MIXED))
+    assert [expected_outcome(r) for r in results] == MIXED_EXPECTED
+    # Replacement workers serve the next run, and nothing of the last run leaks into it.
+    assert list(pool.imap([("square", i) for i in range(8)])) == [i * i for i in range(8)]
+
+
+def test_pool_bounds_in_flight_and_recovers_after_early_exit(pool: DecodePool) -> None:
+    pulled: list[int] = []
+
+    def endless():
+        for i in itertools.count():
+            pulled.append(i)
+            yield ("square", i)
+
+    results = pool.imap(endless())
+    assert [next(results) for _ in range(5)] == [0, 1, 4, 9, 16]
+    assert len(pulled) <= 5 + 2 * 2  # yielded + max_in_flight (default 2 * workers)
+    results.close()
+    assert list(pool.imap([("sleep", 0.2), ("square", 5)])) == [0.2, 25]
+
+
+def with_chunk_offset_past_the_end(data: bytes) -> bytes:
+    """The clip with its first chunk offset (stco) pointing far past the end of the
+    file: decord 0.6.0 segfaults on it, a real corrupt-file crash."""
+    out = bytearray(data)
+    out[out.index(b"stco") + 12] = 227  # high byte of the first entry
+    return bytes(out)
+
+
+def test_pool_decodes_real_media_like_inline_decoding_and_survives_a_decord_crash() -> None:
+    paths = [LOCAL / "decord_video_90.mov", LOCAL / "hfdatasets_test_image_rgba.png", LOCAL / "torchcodec_av1_video.mkv"]
+    tasks = [p.read_bytes() for p in paths] + [b""]
+    fn = functools.partial(media.decode, options=AUTO)
+    crashing = with_chunk_offset_past_the_end((LOCAL / "hfdatasets_test_video_66x50.mov").read_bytes())
+    with DecodePool(fn, workers=1, timeout=30) as workers, DecodePool(fn, workers=0, timeout=30) as inline:
+        pooled = list(workers.imap(tasks[:2] + [crashing] + tasks[2:]))
+        direct = list(inline.imap(tasks))
+    assert isinstance(pooled[2], MediaError) and pooled[2].code == "decoder_crashed"
+    del pooled[2]
+    assert isinstance(pooled[0], DecodedVideo) and np.array_equal(pooled[0].frames, direct[0].frames)
+    assert pooled[0].frames.shape[1:3] == (568, 320)
+    # A PNG after a video in the same worker: decord's zlib is loaded (see media._decord).
+    assert isinstance(pooled[1], DecodedImage) and np.array_equal(pooled[1].pixels, direct[1].pixels)
+    assert [str(r) for r in pooled[2:]] == [str(r) for r in direct[2:]]
+    assert [r.code for r in pooled[2:]] == ["unsupported_codec", "empty"]
+
+
+class ExitsWhenUnpickled:
+    """A task function whose unpickling kills the worker before it takes a task."""
+
+    def __reduce__(self) -> tuple[object, tuple[int]]:
+        return (os._exit, (7,))
+
+
+def test_pool_stops_when_workers_cannot_start() -> None:
+    with DecodePool(ExitsWhenUnpickled(), workers=1, timeout=1.0) as broken:
+        with pytest.raises(RuntimeError, match="cannot start"):
+            list(broken.imap([1, 2]))
+
+
+def test_inline_pool_maps_failures_to_errors_in_order() -> None:
+    tasks = [("square", 2), ("media", "x"), ("bug", "y"), ("square", 4)]
+    with DecodePool(pool_task, workers=0, timeout=1.0) as inline:
+        assert [expected_outcome(r) for r in inline.imap(tasks)] == [4, "corrupt", "internal_error", 16]

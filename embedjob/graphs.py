@@ -52,6 +52,7 @@ class GraphStats:
     padding_waste: int = 0
     budget_batches: Counter = field(default_factory=Counter)
     budget_items: Counter = field(default_factory=Counter)
+    capacity_fallbacks: int = 0
     capture_seconds: float = 0.0
     pool_bytes: int = 0
 
@@ -62,7 +63,7 @@ class GraphStats:
 
     def merge(self, other: "GraphStats") -> None:
         """Add another manager's counts (e.g. another rank's)."""
-        for name in ("hits", "misses", "graph_batches", "eager_batches", "real_tokens", "padding_waste"):
+        for name in ("hits", "misses", "graph_batches", "eager_batches", "real_tokens", "padding_waste", "capacity_fallbacks"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.budget_batches.update(other.budget_batches)
         self.budget_items.update(other.budget_items)
@@ -78,9 +79,16 @@ class GraphStats:
             "padding_waste": self.padding_waste,
             "budget_batches": {str(k): v for k, v in sorted(self.budget_batches.items())},
             "budget_items": {str(k): v for k, v in sorted(self.budget_items.items())},
+            "capacity_fallbacks": self.capacity_fallbacks,
             "capture_seconds": round(self.capture_seconds, 3),
             "graph_pool_bytes": self.pool_bytes,
         }
+
+
+def _pinned(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and value.device.type == "cpu" and not value.is_pinned():
+        return value.pin_memory()
+    return value
 
 
 class _RecordedGraph:
@@ -136,10 +144,12 @@ class GraphManager:
         self.stats = GraphStats()
         self._graphs: dict[int, _Entry] = {}
         self._pool: Any = None
+        self._captured = False
 
     @property
     def num_graphs(self) -> int:
-        return len(self._graphs)
+        """Budgets that replay a graph (captured on CUDA, recorded on the replay backend)."""
+        return len(self.plan.token_budgets) if self._captured else 0
 
     @property
     def budgets(self) -> tuple[int, ...]:
@@ -147,40 +157,52 @@ class GraphManager:
 
     def capture(self) -> None:
         """Capture every budget, largest first so smaller graphs reuse the shared pool's blocks."""
-        if self.backend is None or self._graphs:
+        if self.backend is None or self._captured:
             return
         start = time.perf_counter()
         before = torch.cuda.memory_reserved(self.adapter.device) if self.backend == "cuda" else 0
         if self.backend == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for budget in sorted(self.plan.token_budgets, reverse=True):
-                static = self.adapter.static_inputs(budget, self.plan.max_items, self.plan.max_frames)
-                self._graphs[budget] = _Entry(static, self._capture_one(static))
         if self.backend == "cuda":
+            with torch.inference_mode():
+                for budget in sorted(self.plan.token_budgets, reverse=True):
+                    self._graphs[budget] = self._make_entry(budget)
             torch.cuda.synchronize(self.adapter.device)
             self.stats.pool_bytes = torch.cuda.memory_reserved(self.adapter.device) - before
+        self._captured = True
         self.stats.capture_seconds = time.perf_counter() - start
         logger.info(
             "captured %d graphs (%s backend) for budgets %s in %.1f s",
-            len(self._graphs),
+            self.num_graphs,
             self.backend,
             list(self.plan.token_budgets),
             self.stats.capture_seconds,
         )
 
-    def _capture_one(self, static: StaticInputs) -> _RecordedGraph | _CudaGraph:
+    def _make_entry(self, budget: int) -> _Entry:
+        static = self.adapter.static_inputs(budget, self.plan.max_items, self.plan.max_frames)
+
         def body() -> torch.Tensor:
             return self.adapter.forward(static)
 
         if self.backend == "replay":
-            return _RecordedGraph(body)
+            return _Entry(static, _RecordedGraph(body))
         side = torch.cuda.Stream(self.adapter.device)
         side.wait_stream(torch.cuda.current_stream(self.adapter.device))
         with torch.cuda.stream(side):
             body()
         torch.cuda.current_stream(self.adapter.device).wait_stream(side)
-        return _CudaGraph(body, self._pool)
+        return _Entry(static, _CudaGraph(body, self._pool))
+
+    def _entry(self, budget: int | None) -> _Entry | None:
+        """The graph of `budget`; the replay backend allocates a budget's buffers on first
+        use, since host memory for every budget's buffers would be spent for nothing."""
+        if budget is None or not self._captured or budget not in self.plan.token_budgets:
+            return None
+        entry = self._graphs.get(budget)
+        if entry is None:
+            entry = self._graphs[budget] = self._make_entry(budget)
+        return entry
 
     def run(self, items: list[EncoderInput], budget: int | None, reduce: Reduce = clone_rows) -> list[torch.Tensor]:
         """Embed one packed batch; returns `reduce(rows)` per item, in batch order.
@@ -189,7 +211,10 @@ class GraphManager:
         reduce runs before the next replay, so it may read the static output directly.
         """
         tokens = sum(item.tokens for item in items)
-        entry = self._graphs.get(budget) if budget is not None else None
+        entry = self._entry(budget)
+        if entry is not None and not self.adapter.fits(items, entry.static):
+            self.stats.capacity_fallbacks += 1
+            entry = None
         with torch.inference_mode():
             if entry is None:
                 output = self.adapter.forward(self.adapter.eager_inputs(items))
@@ -203,16 +228,23 @@ class GraphManager:
 
     def run_padded_eager(self, items: list[EncoderInput], budget: int) -> torch.Tensor:
         """The graph body run eagerly on this batch's padded buffers (for equality checks)."""
-        entry = self._graphs[budget]
+        entry = self._entry(budget)
+        if entry is None:
+            raise ValueError(f"budget {budget} has no graph")
         with torch.inference_mode():
             self._fill(entry.static, self.adapter.batch_values(items, entry.static))
             return self.adapter.forward(entry.static).clone()
 
     @staticmethod
     def _fill(static: StaticInputs, values: dict[str, torch.Tensor]) -> None:
-        """Copy a batch into the static buffers: prefix copy, then the key's pad rule for the tail."""
+        """Copy a batch into the static buffers: prefix copy, then the key's pad rule for the tail.
+
+        Host values are page-locked first: a copy from pageable memory blocks the host
+        until it has run, i.e. until the previous replay is done, which would serialise
+        the host's batch preparation with the device's work.
+        """
         for key, buffer in static.tensors.items():
-            value = values[key]
+            value = _pinned(values[key], buffer.device)
             count = value.shape[0]
             if count > buffer.shape[0]:
                 raise ValueError(f"batch value {key!r} has {count} rows but the budget's buffer holds {buffer.shape[0]}")
@@ -242,6 +274,7 @@ class GraphManager:
     def clear(self) -> None:
         """Release every graph, its buffers and the shared pool."""
         self._graphs.clear()
+        self._captured = False
         self._pool = None
         if self.backend == "cuda":
             torch.cuda.empty_cache()

@@ -82,7 +82,7 @@ class BatchingConfig:
     max_frames_per_batch: Auto | int = "auto"
     cuda_graphs: bool = True
     policy: Literal["greedy", "min_padding"] = "min_padding"
-    window: int = 512
+    window: int = 256
     compile: bool = False
     min_budget: int | None = None
     max_budget: int | None = None

@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
 from embedjob.encoders import load_adapter
-from embedjob.encoders.qwen import FAMILIES, builtin_dir, load_model, smart_resize
+from embedjob.encoders.qwen import FAMILIES, builtin_dir, expand_pixels, load_model, smart_resize
 
 from conftest import make_job, random_image, random_video
 
@@ -41,7 +41,7 @@ def test_image_preprocessing_equals_transformers(qwen_adapter, height: int, widt
         images=[torch.from_numpy(image.pixels).permute(2, 0, 1)], return_tensors="pt"
     )
     assert ours.tensors["grid_thw"].tolist() == ref["image_grid_thw"][0].tolist()
-    assert torch.equal(ours.tensors["pixel_values"], ref["pixel_values"])
+    assert torch.equal(expand_pixels(ours.tensors["pixel_values"], ref["pixel_values"].shape[1]), ref["pixel_values"])
     t, h, w = ours.tensors["grid_thw"].tolist()
     assert ours.tokens == t * h * w // 4 and ours.frames == 0 and ours.modality == "image"
 
@@ -70,14 +70,15 @@ def test_smart_resize_keeps_bounds_and_multiples() -> None:
         smart_resize(10, 3000, 28, 56 * 56, 448 * 448)
 
 
-def _reference_embeddings(model: torch.nn.Module, items) -> list[torch.Tensor]:
+def _reference_embeddings(adapter, items) -> list[torch.Tensor]:
     """The unmodified transformers tower (sdpa attention), one item at a time."""
+    model = adapter.model
     saved = model.config._attn_implementation
     model.config._attn_implementation = "sdpa"
     try:
         with torch.no_grad():
             return [
-                model(hidden_states=i.tensors["pixel_values"], grid_thw=i.tensors["grid_thw"][None]).pooler_output
+                model(hidden_states=expand_pixels(i.tensors["pixel_values"], adapter.patch_dim), grid_thw=i.tensors["grid_thw"][None]).pooler_output
                 for i in items
             ]
     finally:
@@ -88,7 +89,7 @@ def _relative_errors(adapter, media) -> list[float]:
     items = [adapter.preprocessor()(m) for m in media]
     with torch.no_grad():
         packed = adapter.split(adapter.forward(adapter.eager_inputs(items)), items)
-    refs = _reference_embeddings(adapter.model, items)
+    refs = _reference_embeddings(adapter, items)
     return [float((ours - ref).norm() / ref.norm()) for ours, ref in zip(packed, refs)]
 
 

@@ -1,0 +1,530 @@
+"""Wires the stages of one shard: read -> decode -> pack -> encode -> write.
+
+Rows stream through bounded buffers: the reader yields record batches, the decode pool
+keeps a bounded number of items in flight, and the encoder works on windows of
+`batching.window` decoded items, each packed on its own. Within a window outputs are
+put back in input order, and windows are written in order, so the output is in input
+order without holding more than one window and one part in memory.
+
+Every input row becomes exactly one output row: decode and preprocess failures become
+error rows in the workers, encode failures become error rows here (after retrying the
+failed batch one item at a time), and rows already committed by an earlier run are
+skipped through the checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import functools
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from embedjob import media, packer, reader
+from embedjob.checkpoint import Checkpoint, PartRecord, open_checkpoint
+from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
+from embedjob.graphs import GraphManager
+from embedjob.job import Job, JobError
+from embedjob.writer import OutputRow, output_schema, part_name, write_part
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard `index` of `count` (0-based)."""
+
+    index: int = 0
+    count: int = 1
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Shard":
+        """`I/N` from the CLI, else SLURM's array variables, else the whole input."""
+        if text is None:
+            task, count = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_ARRAY_TASK_COUNT")
+            if task is None or count is None:
+                return cls()
+            text = f"{task}/{count}"
+        try:
+            index, count = (int(p) for p in text.split("/"))
+        except ValueError:
+            raise JobError(f"--shard expects I/N with integers (e.g. 0/8), got {text!r}") from None
+        if count < 1 or not 0 <= index < count:
+            raise JobError(f"--shard {text}: need 0 <= I < N and N >= 1")
+        return cls(index, count)
+
+
+@dataclass
+class Decoded:
+    """A row after the decode stage: a preprocessed item or an error, never both."""
+
+    row: int
+    id: Any
+    modality: str | None
+    item: EncoderInput | None
+    error: str | None
+
+
+@functools.cache
+def _one_thread_per_worker() -> None:
+    """Decode workers run one per core; torch's default of one thread per core inside each
+    of them would oversubscribe the machine many times over."""
+    if multiprocessing.parent_process() is not None:
+        torch.set_num_threads(1)
+
+
+def decode_row(row: reader.InputRow, options: media.DecodeOptions, preprocess: Any) -> Decoded:
+    """Worker function: bytes (or a path) -> decoded media -> EncoderInput, or an error row."""
+    _one_thread_per_worker()
+    fixed = None if options.modality == "auto" else options.modality
+    if row.error is not None:
+        return Decoded(row.row, row.id, fixed, None, row.error)
+    try:
+        data = row.data if row.data is not None else media.read_source(row.uri or "")
+        decoded = media.decode(data, options)
+    except media.MediaError as err:
+        return Decoded(row.row, row.id, fixed, None, str(err))
+    modality = "video" if isinstance(decoded, media.DecodedVideo) else "image"
+    try:
+        item = preprocess(decoded)
+    except Exception as exc:  # a preprocessing failure is one bad row, not a failed job
+        return Decoded(row.row, row.id, modality, None, f"preprocess_failed: {type(exc).__name__}: {exc}")
+    return Decoded(row.row, row.id, modality, item, None)
+
+
+def job_fingerprint(job: Job) -> dict[str, Any]:
+    """What determines the embeddings; a resume into output with another fingerprint is refused."""
+    return {
+        "model": {"family": job.model.family, "path": job.model.path, "dtype": job.model.dtype},
+        "preprocessing": {"preprocess": vars(job.preprocess), "video": vars(job.video)},
+        "pooling": job.output.pooling,
+        "output_dtype": job.output.dtype,
+        "input": {k: getattr(job.input, k) for k in ("path", "media_column", "id_column", "modality", "media_root")},
+    }
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise JobError("runtime.device is 'cuda' but no CUDA device is visible; use runtime.device=cpu or auto")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_workers(value: str | int) -> int:
+    return (os.cpu_count() or 1) if value == "auto" else int(value)
+
+
+def budget_plan(job: Job, adapter: EncoderAdapter) -> packer.BudgetPlan:
+    """The packer's plan from the job's batching keys and the adapter's budget range."""
+    b = job.batching
+    auto = lambda v: None if v == "auto" else v  # noqa: E731
+    try:
+        return packer.resolve_budgets(
+            auto(b.token_budgets),
+            auto(b.max_items_per_batch),
+            auto(b.max_frames_per_batch),
+            model_min=b.min_budget or adapter.min_budget,
+            model_max=b.max_budget or adapter.max_budget,
+            max_frames_per_video=job.video.max_frames,
+            video_enabled=job.input.modality != "image",
+        )
+    except ValueError as exc:
+        raise JobError(f"batching: {exc}") from None
+
+
+@dataclass
+class StageClock:
+    """Seconds spent per stage, so the progress bar and stats can name the bottleneck."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
+
+    def add(self, stage: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[stage] += now - since
+        return now
+
+    def bottleneck(self) -> str:
+        return max(self.seconds, key=self.seconds.__getitem__) if self.seconds else "-"
+
+
+@dataclass
+class PendingWindow:
+    """A window whose batches are enqueued on the device; its results arrive by `ready`."""
+
+    window: list[Decoded]
+    positions: list[int]
+    shapes: list[tuple[int, ...]]
+    host: torch.Tensor | None
+    ready: torch.cuda.Event | None
+    failures: dict[int, str]
+
+
+class WindowEncoder:
+    """Packs a window, runs its batches and brings the embeddings back to the host.
+
+    Split in two so the device never waits for the host: `enqueue` launches every batch
+    of window k and an asynchronous device-to-host copy of its results; the caller then
+    finalises window k-1 (waits for its copy, builds rows) while the device works on k.
+    """
+
+    def __init__(self, manager: GraphManager, plan: packer.BudgetPlan, job: Job) -> None:
+        self.manager = manager
+        self.plan = plan
+        self.policy = job.batching.policy
+        self.pooling = job.output.pooling
+        self.out_dtype = torch.float16 if job.output.dtype == "float16" else torch.float32
+
+    def enqueue(self, window: list[Decoded]) -> PendingWindow:
+        ready = [i for i, d in enumerate(window) if d.item is not None]
+        tokens = [window[i].item.tokens for i in ready]
+        frames = [window[i].item.frames for i in ready]
+        results: dict[int, torch.Tensor] = {}
+        failures: dict[int, str] = {}
+        for batch in packer.pack(tokens, frames, self.plan, self.policy):
+            self._run_batch(window, [ready[i] for i in batch.indices], batch.budget, results, failures)
+        positions = sorted(results)
+        shapes = [tuple(results[p].shape) for p in positions]
+        host, event = self._to_host([results[p] for p in positions])
+        return PendingWindow(window, positions, shapes, host, event, failures)
+
+    def finalize(self, pending: PendingWindow) -> dict[int, np.ndarray]:
+        """Wait for the window's copy; embeddings by window position."""
+        if pending.ready is not None:
+            pending.ready.synchronize()
+        if pending.host is None:
+            return {}
+        flat = pending.host.numpy()
+        out, offset = {}, 0
+        for position, shape in zip(pending.positions, pending.shapes):
+            count = 1 if len(shape) == 1 else shape[0]
+            out[position] = flat[offset : offset + count].reshape(shape)
+            offset += count
+        return out
+
+    def _to_host(self, results: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
+        if not results:
+            return None, None
+        rows = torch.cat([r.reshape(-1, r.shape[-1]) for r in results]).to(self.out_dtype)
+        if rows.device.type != "cuda":
+            return rows, None
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _run_batch(
+        self,
+        window: list[Decoded],
+        positions: list[int],
+        budget: int | None,
+        results: dict[int, torch.Tensor],
+        failures: dict[int, str],
+    ) -> None:
+        """Run one batch; if it fails, retry its items one at a time eagerly so one bad
+        item (e.g. out of memory on a huge video) costs one error row, not the batch."""
+        items = [window[p].item for p in positions]
+        try:
+            outputs = self.manager.run(items, budget, reduce=self._reduce)
+        except Exception as exc:
+            if len(positions) == 1 and budget is None:
+                failures[positions[0]] = f"encode_failed: {type(exc).__name__}: {exc}"
+                logger.warning("row %d failed to encode: %s", window[positions[0]].row, exc)
+                return
+            logger.warning("batch of %d items failed (%s); retrying one at a time", len(items), exc)
+            for p in positions:
+                self._run_batch(window, [p], None, results, failures)
+            return
+        results.update(zip(positions, outputs))
+
+    def _reduce(self, rows: torch.Tensor) -> torch.Tensor:
+        """Pooling, applied to an item's rows before the next replay overwrites them."""
+        if self.pooling == "mean":
+            return rows.float().mean(dim=0)
+        return rows.clone()
+
+
+class Runner:
+    """Runs one shard of a job end to end."""
+
+    def __init__(self, job: Job, shard: Shard = Shard(), overwrite: bool = False) -> None:
+        self.job = job
+        self.shard = shard
+        self.overwrite = overwrite
+        self.clock = StageClock()
+        self.errors = 0
+        self.rows_done = 0
+
+    def run(self) -> dict[str, Any]:
+        """Run (or resume) the shard; returns its statistics. Raises JobError if it cannot run."""
+        start = time.perf_counter()
+        fragments = reader.assign_shards(reader.list_fragments(self.job.input), self.shard.count)[self.shard.index]
+        first_row, end_row = self._row_range(fragments)
+        checkpoint = self._open_checkpoint(first_row, end_row)
+        if checkpoint.is_done():
+            logger.info("shard %d/%d is already complete in %s", self.shard.index, self.shard.count, self.job.output.path)
+            return checkpoint.finished_stats()
+        device = resolve_device(self.job.runtime.device)
+        adapter = load_adapter(self.job, device)
+        plan = budget_plan(self.job, adapter)
+        if self.job.batching.compile:
+            if device.type == "cuda":
+                adapter.compile(dynamic=True)
+            else:
+                logger.info("batching.compile applies to CUDA only; running uncompiled on %s", device)
+        manager = GraphManager(adapter, plan, self._graph_backend(device))
+        manager.capture()
+        resumed = checkpoint.resume_row
+        if resumed > first_row:
+            logger.info("resuming shard %d at row %d (%d rows committed)", self.shard.index, resumed, resumed - first_row)
+        schema = output_schema(reader.id_type(self.job.input), adapter.embed_dim, self.job.output.pooling, self.job.output.dtype)
+        rows = reader.read_rows(self.job.input, fragments, start_row=resumed, stop_row=end_row)
+        preprocess = adapter.preprocessor()
+        fn = functools.partial(decode_row, options=self._decode_options(adapter), preprocess=preprocess)
+        encoder = WindowEncoder(manager, plan, self.job)
+        workers = resolve_workers(self.job.runtime.workers)
+        in_flight = 2 * self.job.batching.window
+        preload = (__name__, type(preprocess).__module__)
+        with media.DecodePool(fn, workers, self.job.runtime.decode_timeout, in_flight, preload) as pool:
+            setup = time.perf_counter() - start
+            with self._progress(end_row - resumed) as bar, PartSink(checkpoint, schema) as parts:
+                self._pipeline(pool, rows, encoder, parts, bar)
+        seconds = time.perf_counter() - start
+        stats = self._stats(checkpoint, manager, plan, device, seconds, resumed)
+        stats["setup_seconds"] = round(setup, 3)
+        stats["pipeline_seconds"] = round(seconds - setup, 3)
+        checkpoint.finish(stats)
+        manager.clear()
+        return stats
+
+    def _pipeline(
+        self, pool: media.DecodePool, rows: Iterable[reader.InputRow], encoder: WindowEncoder, parts: "PartSink", bar: tqdm
+    ) -> None:
+        """decode (workers) | enqueue window k (device) | finalise window k-1 | write (thread)."""
+        pending: PendingWindow | None = None
+        for window in self._windows(pool, rows):
+            since = time.perf_counter()
+            current = encoder.enqueue(window)
+            self.clock.add("host", since)
+            if pending is not None:
+                self._emit(pending, encoder, parts, bar)
+            pending = current
+        if pending is not None:
+            self._emit(pending, encoder, parts, bar)
+
+    def _emit(self, pending: PendingWindow, encoder: WindowEncoder, parts: "PartSink", bar: tqdm) -> None:
+        since = time.perf_counter()
+        embeddings = encoder.finalize(pending)
+        since = self.clock.add("device", since)
+        out = [
+            self._output_row(d, embeddings.get(pos), pending.failures.get(pos)) for pos, d in enumerate(pending.window)
+        ]
+        parts.add(out)
+        self.clock.add("write", since)
+        self._report(bar, len(out), encoder.manager)
+
+    def _row_range(self, fragments: list[reader.Fragment]) -> tuple[int, int]:
+        if fragments:
+            return fragments[0].first_row, fragments[-1].first_row + fragments[-1].num_rows
+        return 0, 0
+
+    def _open_checkpoint(self, first_row: int, end_row: int) -> Checkpoint:
+        directory = Path(self.job.output.path)
+        if "://" in self.job.output.path:
+            raise JobError(f"output.path {self.job.output.path!r} must be a local or mounted directory")
+        try:
+            return open_checkpoint(
+                directory,
+                self.shard.index,
+                self.shard.count,
+                first_row,
+                end_row,
+                self.job.output.rows_per_part,
+                job_fingerprint(self.job),
+                self.overwrite,
+            )
+        except OSError as exc:
+            raise JobError(f"cannot write to output.path {directory}: {exc.strerror or exc}") from None
+
+    def _graph_backend(self, device: torch.device) -> str | None:
+        if not self.job.batching.cuda_graphs:
+            return None
+        return "cuda" if device.type == "cuda" else "replay"
+
+    def _decode_options(self, adapter: EncoderAdapter) -> media.DecodeOptions:
+        preprocess = adapter.preprocessor()
+        frame_pixels = getattr(preprocess, "video_max_pixels", None)
+        return media.DecodeOptions(
+            modality=self.job.input.modality,
+            max_image_pixels=self.job.preprocess.max_image_pixels,
+            fps=self.job.video.fps,
+            max_frames=self.job.video.max_frames,
+            frame_multiple=preprocess.frame_multiple,
+            max_frame_pixels=4 * frame_pixels if frame_pixels else None,
+        )
+
+    def _windows(self, pool: media.DecodePool, rows: Iterable[reader.InputRow]) -> Iterator[list[Decoded]]:
+        """Decoded rows in input order, `batching.window` at a time.
+
+        The pool returns a bare MediaError for an item it had to cut off (timeout, crash);
+        the queue of submitted rows tells which row that was.
+        """
+        submitted: collections.deque[reader.InputRow] = collections.deque()
+
+        def track() -> Iterator[reader.InputRow]:
+            for row in rows:
+                submitted.append(row)
+                yield row
+
+        window: list[Decoded] = []
+        since = time.perf_counter()
+        for result in pool.imap(track()):
+            row = submitted.popleft()
+            if isinstance(result, media.MediaError):
+                result = Decoded(row.row, row.id, None, None, str(result))
+            window.append(result)
+            if len(window) >= self.job.batching.window:
+                self.clock.add("decode", since)
+                yield window
+                window = []
+                since = time.perf_counter()
+        if window:
+            self.clock.add("decode", since)
+            yield window
+
+    def _output_row(self, d: Decoded, embedding: np.ndarray | None, failure: str | None) -> OutputRow:
+        error = d.error or failure
+        if error is not None:
+            self.errors += 1
+        item = d.item
+        return OutputRow(
+            row=d.row,
+            id=d.id,
+            modality=d.modality,
+            tokens=item.tokens if item else None,
+            frames=item.frames if item else None,
+            embedding=None if error else embedding,
+            error=error,
+        )
+
+    def _progress(self, total: int) -> tqdm:
+        return tqdm(
+            total=total,
+            unit="row",
+            desc=f"shard {self.shard.index}/{self.shard.count}",
+            disable=not self.job.runtime.progress,
+            dynamic_ncols=True,
+        )
+
+    def _report(self, bar: tqdm, count: int, manager: GraphManager) -> None:
+        self.rows_done += count
+        bar.update(count)
+        bar.set_postfix(
+            errors=self.errors, hit=f"{manager.stats.hit_rate:.0%}", slowest=self.clock.bottleneck(), refresh=False
+        )
+
+    def _stats(
+        self,
+        checkpoint: Checkpoint,
+        manager: GraphManager,
+        plan: packer.BudgetPlan,
+        device: torch.device,
+        seconds: float,
+        resumed: int,
+    ) -> dict[str, Any]:
+        stats = {
+            "shard": self.shard.index,
+            "num_shards": self.shard.count,
+            "rows": checkpoint.end_row - checkpoint.first_row,
+            "rows_this_run": self.rows_done,
+            "resumed_from_row": resumed,
+            "errors": sum(p.errors for p in checkpoint.parts),
+            "num_graphs": manager.num_graphs,
+            "token_budgets": list(plan.token_budgets),
+            "max_items_per_batch": plan.max_items,
+            "max_frames_per_batch": plan.max_frames,
+            "graph_backend": manager.backend,
+            "device": str(device),
+            "model": self.job.model.path,
+            "seconds": round(seconds, 3),
+            "items_per_second": round(self.rows_done / seconds, 3) if seconds > 0 else 0.0,
+            "stage_seconds": {k: round(v, 3) for k, v in self.clock.seconds.items()},
+        }
+        stats.update(manager.stats.to_dict())
+        return stats
+
+
+class PartSink:
+    """Cuts the ordered row stream into the checkpoint's parts and commits each one.
+
+    Parts are encoded and written on one writer thread, so Parquet encoding overlaps the
+    next window's work; one thread keeps the order, and at most one window is in flight
+    (`add` first waits for the previous one, re-raising its failure).
+    """
+
+    def __init__(self, checkpoint: Checkpoint, schema: Any) -> None:
+        self.checkpoint = checkpoint
+        self.schema = schema
+        self.buffer: list[OutputRow] = []
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedjob-writer")
+        self._last: concurrent.futures.Future | None = None
+
+    def __enter__(self) -> "PartSink":
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        try:
+            if exc_type is None:
+                self._submit(self._close)
+            if self._last is not None and exc_type is None:
+                self._last.result()
+        finally:
+            self._thread.shutdown(wait=True)
+
+    def add(self, rows: list[OutputRow]) -> None:
+        self._submit(lambda: self._add(rows))
+
+    def _submit(self, work: Any) -> None:
+        if self._last is not None:
+            self._last.result()
+        self._last = self._thread.submit(work)
+
+    def _add(self, rows: list[OutputRow]) -> None:
+        self.buffer.extend(rows)
+        while self.buffer:
+            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
+            if len(self.buffer) < end - first:
+                return
+            self._commit(self.buffer[: end - first], first, end)
+            self.buffer = self.buffer[end - first :]
+
+    def _close(self) -> None:
+        """Write the last, shorter part; it must end at the shard's last row."""
+        if self.buffer:
+            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
+            self._commit(self.buffer, first, end)
+            self.buffer = []
+
+    def _commit(self, rows: list[OutputRow], first: int, end: int) -> None:
+        if rows[0].row != first or rows[-1].row != end - 1 or len(rows) != end - first:
+            raise RuntimeError(f"part rows {rows[0].row}..{rows[-1].row} do not match [{first}, {end})")
+        part = self.checkpoint.next_part
+        name = part_name(self.checkpoint.shard, part)
+        write_part(self.checkpoint.directory, name, rows, self.schema)
+        self.checkpoint.commit(PartRecord(part, name, first, end, sum(r.error is not None for r in rows)))
+
+
+def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[str, Any]:
+    """Run one shard of `job`; the statistics it wrote."""
+    return Runner(job, shard, overwrite).run()

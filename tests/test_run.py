@@ -1,0 +1,120 @@
+"""`embedjob run` end to end on the CPU: the demo job, its output contract, and the
+failures a user must see as one clear line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from embedjob.cli import main
+
+from conftest import REPO
+
+DEMO = str(REPO / "jobs" / "demo.yaml")
+
+
+def run(out: Path, cache_dir: str, *extra: str) -> int:
+    return main(["run", DEMO, "--set", f"output.path={out}", "--set", f"runtime.cache_dir={cache_dir}", *extra])
+
+
+def read(out: Path) -> list[dict]:
+    return pq.read_table(sorted(out.glob("part-*.parquet"))).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def demo_out(tmp_path_factory: pytest.TempPathFactory, cache_dir: str) -> Path:
+    out = tmp_path_factory.mktemp("demo")
+    assert run(out, cache_dir, "--set", "runtime.workers=2") == 0
+    return out
+
+
+def test_demo_writes_every_row_in_order_with_errors_for_broken_media(demo_out: Path) -> None:
+    rows = read(demo_out)
+    assert [r["row"] for r in rows] == list(range(12))
+    assert rows[0]["id"] == "img2dataset_123_456" and rows[11]["id"] == "text_not_an_image"
+    good = [r for r in rows if r["error"] is None]
+    assert len(good) == 10
+    for r in good:
+        vector = np.array(r["embedding"], dtype=np.float32)
+        assert vector.shape == (128,) and np.isfinite(vector).all() and np.abs(vector).sum() > 0
+        assert r["modality"] == "image" and r["tokens"] > 0 and r["frames"] == 0
+    assert rows[10]["error"].startswith("truncated: ")
+    assert rows[11]["error"].startswith("unknown_format: ")
+    assert all(np.isnan(np.array(r["embedding"], dtype=np.float32)).all() for r in rows[10:])
+
+
+def test_demo_parts_manifest_stats_and_success_marker(demo_out: Path) -> None:
+    parts = sorted(p.name for p in demo_out.glob("part-*.parquet"))
+    assert parts == ["part-00000-00000.parquet", "part-00000-00001.parquet", "part-00000-00002.parquet"]
+    assert (demo_out / "_SUCCESS-00000").exists()
+    assert not [p for p in demo_out.iterdir() if ".tmp-" in p.name]
+    manifest = json.loads((demo_out / "manifest-00000.json").read_text())
+    assert [(p["first_row"], p["end_row"]) for p in manifest["parts"]] == [(0, 5), (5, 10), (10, 12)]
+    stats = json.loads((demo_out / "stats-00000.json").read_text())
+    for key in ("rows", "errors", "graph_hits", "graph_misses", "hit_rate", "num_graphs", "token_budgets",
+                "padding_waste", "seconds", "items_per_second"):
+        assert key in stats, key
+    assert (stats["rows"], stats["errors"]) == (12, 2)
+    assert stats["graph_hits"] + stats["graph_misses"] == 10
+
+
+def test_workers_and_inline_decoding_give_identical_output(demo_out: Path, tmp_path: Path, cache_dir: str) -> None:
+    assert run(tmp_path, cache_dir, "--set", "runtime.workers=0") == 0
+    for a, b in zip(read(tmp_path), read(demo_out), strict=True):
+        ea, eb = (np.array(r.pop("embedding"), dtype=np.float32) for r in (a, b))
+        assert a == b and np.array_equal(ea, eb, equal_nan=True)
+
+
+def test_rerun_of_a_finished_shard_does_nothing(demo_out: Path, cache_dir: str, capsys: pytest.CaptureFixture) -> None:
+    before = {p.name: p.stat().st_mtime_ns for p in demo_out.iterdir()}
+    assert run(demo_out, cache_dir) == 0
+    assert "already complete" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in demo_out.iterdir()} == before
+
+
+def test_changed_job_refuses_to_resume_unless_overwrite(demo_out: Path, tmp_path: Path, cache_dir: str, capsys) -> None:
+    out = tmp_path / "o"
+    assert run(out, cache_dir, "--set", "runtime.workers=0") == 0
+    assert run(out, cache_dir, "--set", "output.pooling=none") == 2
+    err = capsys.readouterr().err
+    assert "different job" in err and "pooling" in err and "--overwrite" in err
+    assert run(out, cache_dir, "--set", "output.pooling=none", "--set", "runtime.workers=0", "--overwrite") == 0
+    rows = read(out)
+    assert len(rows) == 12
+    first = rows[0]
+    assert len(first["embedding"]) == first["tokens"] and len(first["embedding"][0]) == 128
+    assert rows[10]["embedding"] is None
+
+
+def test_eager_float32_output_matches_graph_output(demo_out: Path, tmp_path: Path, cache_dir: str) -> None:
+    assert run(tmp_path, cache_dir, "--set", "batching.cuda_graphs=false", "--set", "output.dtype=float32",
+               "--set", "runtime.workers=0") == 0
+    stats = json.loads((tmp_path / "stats-00000.json").read_text())
+    assert stats["graph_hits"] == 0 and stats["graph_misses"] == 10
+    eager = read(tmp_path)
+    for a, b in zip(eager, read(demo_out)):
+        if a["error"] is None:
+            x, y = np.array(a["embedding"]), np.array(b["embedding"], dtype=np.float32)
+            assert np.allclose(x, y, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--set", "output.pooling=max"], "key 'output.pooling' = 'max' is not allowed"),
+        (["--set", "input.path=/nonexistent/*.parquet"], "/nonexistent/*.parquet"),
+        (["--set", "input.media_column=jpg"], "jpg"),
+        (["--set", "batching.token_budgets=[16, 32]", "--set", "batching.max_items_per_batch=64"], "max_items"),
+        (["--shard", "3/2"], "--shard 3/2"),
+    ],
+)
+def test_bad_jobs_stop_before_any_output_with_one_line(tmp_path: Path, cache_dir: str, capsys, overrides, message) -> None:
+    out = tmp_path / "never"
+    assert run(out, cache_dir, *overrides) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("embedjob: error: ") and message in err and "\n" not in err
+    assert not list(out.glob("part-*")) if out.exists() else True

@@ -1,0 +1,431 @@
+"""`embedjob bench`: the encoder on fixed mixes, four ways, in one process, on one GPU.
+
+Builds a Qwen2.5-VL-7B-size vision tower with random bf16 weights and times, on the
+same packed batches of each mix:
+
+  (a) hf_sdpa      plain transformers, sdpa attention (split per segment on the host)
+  (b) hf_varlen    transformers with the varlen attention, packed, eager; transformers
+                   computes positions and windows itself
+  (c) ours_eager   embedjob's adapter, eager: metadata precomputed per item on the CPU
+  (d) ours_graphs  embedjob's graph manager: one CUDA graph per budget
+  (e) ours_graphs_compiled  (d) with each block compiled (when --compile is on)
+
+and an end-to-end `embedjob run` over a Parquet file of real JPEGs (decode included)
+against the encoder-only rate of the same images. Times are CUDA-event medians after a
+warm-up; MFU is useful FLOPs (real tokens only, padding excluded) over the time, against
+a bf16 matmul timed in the same process. The last thing printed is the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from embedjob import packer
+from embedjob.encoders.base import EncoderInput, cache_root
+from embedjob.encoders.qwen import FAMILIES, QwenAdapter, QwenPreprocessor, expand_pixels, tune_for_cuda
+from embedjob.graphs import GraphManager
+
+logger = logging.getLogger(__name__)
+
+TOWER_7B = dict(
+    depth=32,
+    hidden_size=1280,
+    num_heads=16,
+    intermediate_size=3420,
+    out_hidden_size=3584,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+)
+MAX_PIXELS = 1344 * 1344
+
+
+@dataclass
+class Row:
+    """One line of the result table."""
+
+    mix: str
+    variant: str
+    items: int
+    seconds: float
+    flops: float
+    peak: float
+    hit_rate: float | None = None
+    waste: float | None = None
+    note: str = ""
+
+    @property
+    def items_per_second(self) -> float:
+        return self.items / self.seconds
+
+    @property
+    def mfu(self) -> float:
+        return self.flops / self.seconds / self.peak
+
+
+def cuda_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median seconds of `fn` over `repeats` runs, timed with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+def matmul_peak(size: int = 8192, repeats: int = 10) -> float:
+    """Measured bf16 matmul FLOP/s on random data: the MFU denominator."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    seconds = cuda_time(lambda: a @ b, repeats, warmup=3)
+    return 2 * size**3 / seconds
+
+
+def build_tower(device: torch.device) -> QwenAdapter:
+    """The 7B-size Qwen2.5-VL tower, random bf16 weights (fixed seed), as an adapter."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+        Qwen2_5_VLVisionConfig,
+    )
+
+    from embedjob.encoders.attention import register
+
+    torch.manual_seed(0)
+    config = Qwen2_5_VLVisionConfig(**TOWER_7B)
+    model = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=torch.bfloat16).to(device).eval()
+    model.requires_grad_(False)
+    model.config._attn_implementation = register()
+    spec = FAMILIES["qwen2_5_vl"]
+    processing = QwenPreprocessor(
+        family="qwen2_5_vl",
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+        min_pixels=56 * 56,
+        max_pixels=MAX_PIXELS,
+        video_min_pixels=56 * 56,
+        video_max_pixels=448 * 448,
+        mean=spec.mean,
+        std=spec.std,
+        window_size=112,
+        pos_grid_side=None,
+    )
+    adapter = QwenAdapter(spec, model, processing, device, torch.bfloat16, source="bench:qwen2_5_vl-7b-size")
+    adapter.max_frames_per_video = 32
+    adapter.cache_dir = cache_root(None)
+    return adapter
+
+
+def make_mix(name: str, processing: QwenPreprocessor) -> list[EncoderInput]:
+    """Fixed-seed mixes of random pixels, preprocessed like real media."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng({"mixed": 1, "224px": 2, "video": 3}[name])
+    media = []
+    if name == "mixed":
+        for _ in range(64):
+            h, w = (int(v) for v in rng.integers(224, 1345, size=2))
+            media.append(SimpleNamespace(pixels=rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
+    elif name == "224px":
+        media = [SimpleNamespace(pixels=rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)) for _ in range(256)]
+    else:
+        for i in range(16):
+            frames = int(rng.choice([8, 16, 32]))
+            h, w = (int(v) for v in rng.integers(224, 449, size=2))
+            media.append(SimpleNamespace(frames=rng.integers(0, 256, (frames, h, w, 3), dtype=np.uint8)))
+            if i % 2 == 0:
+                h, w = (int(v) for v in rng.integers(224, 897, size=2))
+                media.append(SimpleNamespace(pixels=rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
+    return [processing(m) for m in media]
+
+
+def encoder_flops(items: list[EncoderInput], config: Any) -> float:
+    """Useful FLOPs of the tower on these items (multiply-adds count 2)."""
+    d, inner, out = config.hidden_size, config.intermediate_size, config.out_hidden_size
+    depth, full = config.depth, len(config.fullatt_block_indexes)
+    total = 0.0
+    for item in items:
+        t, h, w = item.tensors["grid_thw"].tolist()
+        n = t * h * w
+        windows = item.tensors["cu_window_seqlens"].double()
+        window_sq = float(((windows[1:] - windows[:-1]) ** 2).sum())
+        full_sq = t * float(h * w) ** 2
+        dense = n * (2 * 3 * d * d + 2 * d * d + 3 * 2 * d * inner)
+        attention = (depth - full) * 4 * d * window_sq + full * 4 * d * full_sq
+        total += 2 * n * 1176 * d + depth * dense + attention + 2 * (n // 4) * (4 * d) * (4 * d) + 2 * (n // 4) * 4 * d * out
+    return total
+
+
+class MixRunner:
+    """Runs one mix's packed batches through a variant."""
+
+    def __init__(self, adapter: QwenAdapter, items: list[EncoderInput], plan: packer.BudgetPlan) -> None:
+        self.adapter = adapter
+        self.items = items
+        self.plan = plan
+        self.batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")
+
+    def hf(self, attention: str) -> Callable[[], None]:
+        model = self.adapter.model
+        device = self.adapter.device
+        inputs = []
+        for batch in self.batches:
+            chosen = [self.items[i] for i in batch.indices]
+            pixels = torch.cat([expand_pixels(i.tensors["pixel_values"], self.adapter.patch_dim) for i in chosen])
+            pixels = pixels.to(device, torch.bfloat16)
+            grid = torch.stack([i.tensors["grid_thw"] for i in chosen]).to(device)
+            inputs.append((pixels, grid))
+
+        def run() -> None:
+            saved = model.config._attn_implementation
+            model.config._attn_implementation = attention
+            try:
+                with torch.inference_mode():
+                    for pixels, grid in inputs:
+                        model(hidden_states=pixels, grid_thw=grid)
+            finally:
+                model.config._attn_implementation = saved
+
+        return run
+
+    def ours(self, manager: GraphManager) -> Callable[[], None]:
+        def run() -> None:
+            for batch in self.batches:
+                chosen = [self.items[i] for i in batch.indices]
+                manager.run(chosen, batch.budget if manager.backend else None, reduce=_mean)
+
+        return run
+
+
+def _mean(rows: torch.Tensor) -> torch.Tensor:
+    return rows.float().mean(dim=0)
+
+
+def _our_managers(adapter: QwenAdapter, plan: packer.BudgetPlan, notes: dict[str, Any], suffix: str) -> dict[str, GraphManager]:
+    graphs = GraphManager(adapter, plan, "cuda")
+    graphs.capture()
+    notes[f"capture{suffix}_s"] = round(graphs.stats.capture_seconds, 1)
+    notes[f"graph_pool{suffix}_GiB"] = round(graphs.stats.pool_bytes / 2**30, 2)
+    return {f"ours_eager{suffix}": GraphManager(adapter, plan, None), f"ours_graphs{suffix}": graphs}
+
+
+def save_checkpoint(adapter: QwenAdapter, workdir: Path) -> Path:
+    """The untuned tower saved like a user's checkpoint, for the end-to-end run."""
+    checkpoint = workdir / "tower"
+    adapter.model.save_pretrained(checkpoint)
+    (checkpoint / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 56 * 56, "max_pixels": MAX_PIXELS}))
+    return checkpoint
+
+
+def bench_mix(name: str, adapter: QwenAdapter, plan: packer.BudgetPlan, managers: dict[str, GraphManager], args: argparse.Namespace, peak: float) -> list[Row]:
+    items = make_mix(name, adapter.preprocessor())
+    runner = MixRunner(adapter, items, plan)
+    flops = encoder_flops(items, adapter.model.config)
+    waste = packer.padding_waste(runner.batches) / sum(i.tokens for i in items)
+    rows = []
+    plain = [("hf_sdpa", runner.hf("sdpa")), ("hf_varlen", runner.hf(adapter.model.config._attn_implementation))]
+    for variant, fn in plain:
+        if variant in args.skip:
+            continue
+        rows.append(Row(name, variant, len(items), cuda_time(fn, args.hf_repeats), flops, peak))
+        logger.info("%s %s done", name, variant)
+    for variant, manager in managers.items():
+        before = manager.stats.hits, manager.stats.misses
+        seconds = cuda_time(runner.ours(manager), args.repeats)
+        hits, misses = manager.stats.hits - before[0], manager.stats.misses - before[1]
+        hit_rate = hits / (hits + misses) if manager.backend else None
+        rows.append(Row(name, variant, len(items), seconds, flops, peak, hit_rate, waste if manager.backend else None))
+        logger.info("%s %s done", name, variant)
+    return rows
+
+
+def kernel_table(adapter: QwenAdapter, plan: packer.BudgetPlan, workdir: Path, rows: int = 20) -> None:
+    """The CUDA kernels of one compiled eager forward of the largest budget, by device time:
+    where the time goes when MFU stays below the matmul rate."""
+    from torch.profiler import ProfilerActivity, profile
+
+    items = make_mix("mixed", adapter.preprocessor())
+    batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")
+    batch = max(batches, key=lambda b: b.tokens)
+    chosen = [items[i] for i in batch.indices]
+    inputs = adapter.eager_inputs(chosen)
+    with torch.inference_mode():
+        adapter.forward(inputs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            adapter.forward(inputs)
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    (workdir / "kernels.txt").write_text(table)
+    logger.info("kernel table of a %d-token batch:\n%s", batch.tokens, table)
+
+
+def make_jpeg_parquet(path: Path, count: int, seed: int = 0) -> None:
+    """A Parquet file of real JPEGs: the repository's real photos re-encoded at sizes 224-1344."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    repo = Path(__file__).resolve().parent.parent
+    table = pq.read_table(repo / "jobs" / "data" / "demo-images.parquet")
+    photos = []
+    for blob in table.column("image").to_pylist():
+        try:
+            photos.append(Image.open(io.BytesIO(blob)).convert("RGB"))
+        except Exception:
+            continue
+    rng = np.random.default_rng(seed)
+    blobs = []
+    for i in range(count):
+        h, w = (int(v) for v in rng.integers(224, 1345, size=2))
+        out = io.BytesIO()
+        photos[i % len(photos)].resize((w, h)).save(out, format="JPEG", quality=90)
+        blobs.append(out.getvalue())
+    pq.write_table(pa.table({"image": pa.array(blobs, type=pa.binary())}), path, row_group_size=128)
+
+
+def end_to_end(adapter: QwenAdapter, checkpoint: Path, workdir: Path, args: argparse.Namespace, peak: float, compiled: bool) -> list[Row]:
+    """`embedjob run` on real JPEGs against the encoder-only rate of the same images."""
+    from embedjob import media
+    from embedjob.job import job_from_dict
+    from embedjob.runner import Runner
+
+    parquet = workdir / "jpegs.parquet"
+    make_jpeg_parquet(parquet, args.e2e_images)
+    job = job_from_dict(
+        {
+            "input": {"path": str(parquet), "media_column": "image"},
+            "model": {"path": str(checkpoint), "dtype": "bfloat16"},
+            "output": {"path": str(workdir / "out"), "rows_per_part": 100_000},
+            "batching": {"compile": compiled},
+            "runtime": {"device": "cuda", "progress": False, "cache_dir": str(workdir / "cache")},
+        }
+    )
+    start = time.perf_counter()
+    stats = Runner(job, overwrite=True).run()
+    wall = time.perf_counter() - start
+    e2e_seconds = stats["pipeline_seconds"]
+    options = media.DecodeOptions("image", 10**9, 2.0, 32, 2)
+    import pyarrow.parquet as pq
+
+    blobs = pq.read_table(parquet).column("image").to_pylist()
+    items = [adapter.preprocessor()(media.decode(b, options)) for b in blobs]
+    flops = encoder_flops(items, adapter.model.config)
+    plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, False)
+    manager = GraphManager(adapter, plan, "cuda")
+    manager.capture()
+    encoder = cuda_time(MixRunner(adapter, items, plan).ours(manager), args.repeats)
+    manager.clear()
+    stages = ", ".join(f"{k} {v:.1f}s" for k, v in stats["stage_seconds"].items())
+    note = f"wall {wall:.1f}s incl. {stats['setup_seconds']:.1f}s setup; e2e/encoder {encoder / e2e_seconds:.0%}; stages: {stages}"
+    return [
+        Row("jpeg e2e", "embedjob run", len(items), e2e_seconds, flops, peak, stats["hit_rate"], stats["padding_waste"] / stats["real_tokens"], note),
+        Row("jpeg e2e", "encoder only", len(items), encoder, flops, peak),
+    ]
+
+
+def render(rows: list[Row], header: dict[str, Any]) -> str:
+    lines = [f"# embedjob bench — {header['date']}", ""]
+    lines += [f"- {k}: {v}" for k, v in header.items() if k != "date"]
+    lines += ["", "| mix | variant | items | seconds | items/s | MFU | hit rate | padding | note |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        hit = "-" if r.hit_rate is None else f"{r.hit_rate:.0%}"
+        waste = "-" if r.waste is None else f"{r.waste:.1%}"
+        lines.append(
+            f"| {r.mix} | {r.variant} | {r.items} | {r.seconds:.3f} | {r.items_per_second:.1f} | {r.mfu:.1%} | {hit} | {waste} | {r.note} |"
+        )
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        raise RuntimeError("embedjob bench needs a CUDA GPU")
+    device = torch.device("cuda")
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    peak = matmul_peak()
+    adapter = build_tower(device)
+    checkpoint = save_checkpoint(adapter, workdir) if args.e2e_images else None
+    plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
+    notes: dict[str, Any] = {}
+    rows: list[Row] = []
+    untuned = _our_managers(adapter, plan, notes, "")
+    for mix in args.mixes:
+        rows += bench_mix(mix, adapter, plan, untuned, args, peak)
+    untuned["ours_graphs"].clear()
+    tune_for_cuda(adapter.model)
+    only_ours = argparse.Namespace(**{**vars(args), "skip": {"hf_sdpa", "hf_varlen"}})
+    tuned = _our_managers(adapter, plan, notes, "_tuned")
+    for mix in args.mixes:
+        rows += bench_mix(mix, adapter, plan, tuned, only_ours, peak)
+    tuned["ours_graphs_tuned"].clear()
+    for mode in args.compile_modes:
+        start = time.perf_counter()
+        torch._dynamo.reset()
+        adapter.compile(dynamic=mode == "dynamic")
+        compiled = GraphManager(adapter, plan, "cuda")
+        compiled.capture()
+        notes[f"{mode} compile+capture_s"] = round(time.perf_counter() - start, 1)
+        notes[f"{mode} compiled pool_GiB"] = round(compiled.stats.pool_bytes / 2**30, 2)
+        mixes = args.mixes if mode == "dynamic" else args.mixes[:1]
+        for mix in mixes:
+            rows += bench_mix(mix, adapter, plan, {f"ours_graphs_tuned_compiled_{mode}": compiled}, only_ours, peak)
+        compiled.clear()
+        if mode == "dynamic" and args.profile:
+            kernel_table(adapter, plan, workdir)
+    if checkpoint is not None:
+        rows += end_to_end(adapter, checkpoint, workdir, args, peak, compiled="dynamic" in args.compile_modes)
+    header = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name(),
+        "versions": f"python {platform.python_version()}, torch {torch.__version__}, transformers {_version('transformers')}",
+        "bf16 matmul": f"{peak / 1e12:.0f} TFLOP/s (8192^3, median of 10)",
+        "tower": "Qwen2.5-VL-7B-size vision tower, random bf16 weights",
+        "budgets": list(plan.token_budgets),
+        "max_items/max_frames": f"{plan.max_items}/{plan.max_frames}",
+        **notes,
+    }
+    table = render(rows, header)
+    (workdir / "bench.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def _version(name: str) -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version(name)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mixes", nargs="*", default=["mixed", "224px", "video"], choices=["mixed", "224px", "video"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hf-repeats", type=int, default=2)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["hf_sdpa", "hf_varlen"])
+    parser.add_argument(
+        "--compile-modes",
+        nargs="*",
+        default=["dynamic", "static"],
+        choices=["dynamic", "static"],
+        help="compiled variants: dynamic sequence length (all mixes), static shapes per budget (first mix)",
+    )
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True, help="kernel table of a compiled forward")
+    parser.add_argument("--e2e-images", type=int, default=768, help="rows of the real-JPEG Parquet file (0: skip)")
+    parser.add_argument("--workdir", default="bench-work")

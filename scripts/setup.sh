@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv (once) and installs embedjob with its test tools into it.
+# torch 2.14.1 / torchvision 0.29.1 are the newest releases these machines carry locally;
+# on other machines pip downloads them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+.venv/bin/python -m pip install -q -e '.[test]'

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from embedjob.encoders.base import PAD_REPEAT_LAST, EncoderAdapter, EncoderInput, StaticInputs
-from embedjob.packer import BudgetPlan
+from embedjob.packer import BudgetPlan, pack
 
 logger = logging.getLogger(__name__)
 
@@ -278,3 +278,73 @@ class GraphManager:
         self._pool = None
         if self.backend == "cuda":
             torch.cuda.empty_cache()
+
+
+class BatchEncoder:
+    """Packs items under a plan and runs every batch through one GraphManager.
+
+    This is the interface the runner uses to encode a window (other encoders, e.g. a
+    dual-path or a data-parallel one, provide the same methods): `encode` returns one
+    result per item (`reduce` of its rows) or, for an item that failed, None and a
+    reason. A failed batch is retried one item at a time eagerly, so one bad item (e.g.
+    out of memory on a huge video) costs one error row, not the batch.
+    """
+
+    def __init__(self, manager: GraphManager, policy: str) -> None:
+        self.manager = manager
+        self.policy = policy
+
+    def capture(self) -> None:
+        self.manager.capture()
+
+    def clear(self) -> None:
+        self.manager.clear()
+
+    @property
+    def hit_rate(self) -> float:
+        return self.manager.stats.hit_rate
+
+    def stats(self) -> dict[str, Any]:
+        """Graph statistics and the plan, as written to stats-*.json."""
+        plan = self.manager.plan
+        out = {
+            "num_graphs": self.manager.num_graphs,
+            "token_budgets": list(plan.token_budgets),
+            "max_items_per_batch": plan.max_items,
+            "max_frames_per_batch": plan.max_frames,
+            "graph_backend": self.manager.backend,
+        }
+        out.update(self.manager.stats.to_dict())
+        return out
+
+    def encode(self, items: list[EncoderInput], reduce: Reduce) -> tuple[list[torch.Tensor | None], list[str | None]]:
+        results: list[torch.Tensor | None] = [None] * len(items)
+        failures: list[str | None] = [None] * len(items)
+        tokens = [item.tokens for item in items]
+        frames = [item.frames for item in items]
+        for batch in pack(tokens, frames, self.manager.plan, self.policy):
+            self._run(items, list(batch.indices), batch.budget, reduce, results, failures)
+        return results, failures
+
+    def _run(
+        self,
+        items: list[EncoderInput],
+        indices: list[int],
+        budget: int | None,
+        reduce: Reduce,
+        results: list[torch.Tensor | None],
+        failures: list[str | None],
+    ) -> None:
+        try:
+            outputs = self.manager.run([items[i] for i in indices], budget, reduce=reduce)
+        except Exception as exc:
+            if len(indices) == 1 and budget is None:
+                failures[indices[0]] = f"encode_failed: {type(exc).__name__}: {exc}"
+                logger.warning("an item failed to encode: %s", exc)
+                return
+            logger.warning("batch of %d items failed (%s); retrying one at a time", len(indices), exc)
+            for i in indices:
+                self._run(items, [i], None, reduce, results, failures)
+            return
+        for i, output in zip(indices, outputs):
+            results[i] = output

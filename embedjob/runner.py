@@ -33,7 +33,7 @@ from tqdm import tqdm
 from embedjob import media, packer, reader
 from embedjob.checkpoint import Checkpoint, PartRecord, open_checkpoint
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
-from embedjob.graphs import GraphManager
+from embedjob.graphs import BatchEncoder, GraphManager
 from embedjob.job import Job, JobError
 from embedjob.writer import OutputRow, output_schema, part_name, write_part
 
@@ -171,28 +171,23 @@ class PendingWindow:
 
 
 class WindowEncoder:
-    """Packs a window, runs its batches and brings the embeddings back to the host.
+    """Encodes a window and brings the embeddings back to the host.
 
     Split in two so the device never waits for the host: `enqueue` launches every batch
     of window k and an asynchronous device-to-host copy of its results; the caller then
     finalises window k-1 (waits for its copy, builds rows) while the device works on k.
     """
 
-    def __init__(self, manager: GraphManager, plan: packer.BudgetPlan, job: Job) -> None:
-        self.manager = manager
-        self.plan = plan
-        self.policy = job.batching.policy
+    def __init__(self, encoder: BatchEncoder, job: Job) -> None:
+        self.encoder = encoder
         self.pooling = job.output.pooling
         self.out_dtype = torch.float16 if job.output.dtype == "float16" else torch.float32
 
     def enqueue(self, window: list[Decoded]) -> PendingWindow:
         ready = [i for i, d in enumerate(window) if d.item is not None]
-        tokens = [window[i].item.tokens for i in ready]
-        frames = [window[i].item.frames for i in ready]
-        results: dict[int, torch.Tensor] = {}
-        failures: dict[int, str] = {}
-        for batch in packer.pack(tokens, frames, self.plan, self.policy):
-            self._run_batch(window, [ready[i] for i in batch.indices], batch.budget, results, failures)
+        outputs, reasons = self.encoder.encode([window[i].item for i in ready], self._reduce)
+        results = {p: r for p, r in zip(ready, outputs) if r is not None}
+        failures = {p: f for p, f in zip(ready, reasons) if f is not None}
         positions = sorted(results)
         shapes = [tuple(results[p].shape) for p in positions]
         host, event = self._to_host([results[p] for p in positions])
@@ -224,30 +219,6 @@ class WindowEncoder:
         event.record()
         return host, event
 
-    def _run_batch(
-        self,
-        window: list[Decoded],
-        positions: list[int],
-        budget: int | None,
-        results: dict[int, torch.Tensor],
-        failures: dict[int, str],
-    ) -> None:
-        """Run one batch; if it fails, retry its items one at a time eagerly so one bad
-        item (e.g. out of memory on a huge video) costs one error row, not the batch."""
-        items = [window[p].item for p in positions]
-        try:
-            outputs = self.manager.run(items, budget, reduce=self._reduce)
-        except Exception as exc:
-            if len(positions) == 1 and budget is None:
-                failures[positions[0]] = f"encode_failed: {type(exc).__name__}: {exc}"
-                logger.warning("row %d failed to encode: %s", window[positions[0]].row, exc)
-                return
-            logger.warning("batch of %d items failed (%s); retrying one at a time", len(items), exc)
-            for p in positions:
-                self._run_batch(window, [p], None, results, failures)
-            return
-        results.update(zip(positions, outputs))
-
     def _reduce(self, rows: torch.Tensor) -> torch.Tensor:
         """Pooling, applied to an item's rows before the next replay overwrites them."""
         if self.pooling == "mean":
@@ -277,14 +248,13 @@ class Runner:
             return checkpoint.finished_stats()
         device = resolve_device(self.job.runtime.device)
         adapter = load_adapter(self.job, device)
-        plan = budget_plan(self.job, adapter)
         if self.job.batching.compile:
             if device.type == "cuda":
                 adapter.compile(dynamic=True)
             else:
                 logger.info("batching.compile applies to CUDA only; running uncompiled on %s", device)
-        manager = GraphManager(adapter, plan, self._graph_backend(device))
-        manager.capture()
+        batches = self._build_encoder(adapter, device)
+        batches.capture()
         resumed = checkpoint.resume_row
         if resumed > first_row:
             logger.info("resuming shard %d at row %d (%d rows committed)", self.shard.index, resumed, resumed - first_row)
@@ -292,7 +262,7 @@ class Runner:
         rows = reader.read_rows(self.job.input, fragments, start_row=resumed, stop_row=end_row)
         preprocess = adapter.preprocessor()
         fn = functools.partial(decode_row, options=self._decode_options(adapter), preprocess=preprocess)
-        encoder = WindowEncoder(manager, plan, self.job)
+        encoder = WindowEncoder(batches, self.job)
         workers = resolve_workers(self.job.runtime.workers)
         in_flight = 2 * self.job.batching.window
         preload = (__name__, type(preprocess).__module__)
@@ -301,11 +271,11 @@ class Runner:
             with self._progress(end_row - resumed) as bar, PartSink(checkpoint, schema) as parts:
                 self._pipeline(pool, rows, encoder, parts, bar)
         seconds = time.perf_counter() - start
-        stats = self._stats(checkpoint, manager, plan, device, seconds, resumed)
+        stats = self._stats(checkpoint, batches, device, seconds, resumed)
         stats["setup_seconds"] = round(setup, 3)
         stats["pipeline_seconds"] = round(seconds - setup, 3)
         checkpoint.finish(stats)
-        manager.clear()
+        batches.clear()
         return stats
 
     def _pipeline(
@@ -332,7 +302,7 @@ class Runner:
         ]
         parts.add(out)
         self.clock.add("write", since)
-        self._report(bar, len(out), encoder.manager)
+        self._report(bar, len(out), encoder.encoder)
 
     def _row_range(self, fragments: list[reader.Fragment]) -> tuple[int, int]:
         if fragments:
@@ -357,10 +327,13 @@ class Runner:
         except OSError as exc:
             raise JobError(f"cannot write to output.path {directory}: {exc.strerror or exc}") from None
 
-    def _graph_backend(self, device: torch.device) -> str | None:
-        if not self.job.batching.cuda_graphs:
-            return None
-        return "cuda" if device.type == "cuda" else "replay"
+    def _build_encoder(self, adapter: EncoderAdapter, device: torch.device) -> BatchEncoder:
+        """Budgets, graph backend and packing policy for this job and adapter."""
+        backend = None
+        if self.job.batching.cuda_graphs:
+            backend = "cuda" if device.type == "cuda" else "replay"
+        manager = GraphManager(adapter, budget_plan(self.job, adapter), backend)
+        return BatchEncoder(manager, self.job.batching.policy)
 
     def _decode_options(self, adapter: EncoderAdapter) -> media.DecodeOptions:
         preprocess = adapter.preprocessor()
@@ -427,21 +400,15 @@ class Runner:
             dynamic_ncols=True,
         )
 
-    def _report(self, bar: tqdm, count: int, manager: GraphManager) -> None:
+    def _report(self, bar: tqdm, count: int, batches: BatchEncoder) -> None:
         self.rows_done += count
         bar.update(count)
         bar.set_postfix(
-            errors=self.errors, hit=f"{manager.stats.hit_rate:.0%}", slowest=self.clock.bottleneck(), refresh=False
+            errors=self.errors, hit=f"{batches.hit_rate:.0%}", slowest=self.clock.bottleneck(), refresh=False
         )
 
     def _stats(
-        self,
-        checkpoint: Checkpoint,
-        manager: GraphManager,
-        plan: packer.BudgetPlan,
-        device: torch.device,
-        seconds: float,
-        resumed: int,
+        self, checkpoint: Checkpoint, batches: BatchEncoder, device: torch.device, seconds: float, resumed: int
     ) -> dict[str, Any]:
         stats = {
             "shard": self.shard.index,
@@ -450,18 +417,13 @@ class Runner:
             "rows_this_run": self.rows_done,
             "resumed_from_row": resumed,
             "errors": sum(p.errors for p in checkpoint.parts),
-            "num_graphs": manager.num_graphs,
-            "token_budgets": list(plan.token_budgets),
-            "max_items_per_batch": plan.max_items,
-            "max_frames_per_batch": plan.max_frames,
-            "graph_backend": manager.backend,
             "device": str(device),
             "model": self.job.model.path,
             "seconds": round(seconds, 3),
             "items_per_second": round(self.rows_done / seconds, 3) if seconds > 0 else 0.0,
             "stage_seconds": {k: round(v, 3) for k, v in self.clock.seconds.items()},
         }
-        stats.update(manager.stats.to_dict())
+        stats.update(batches.stats())
         return stats
 
 

@@ -109,3 +109,24 @@ def test_unknown_backend_and_cuda_on_cpu_are_refused(qwen_adapter) -> None:
         GraphManager(qwen_adapter, PLAN, "magic")
     with pytest.raises(ValueError, match="needs the adapter on a CUDA device"):
         GraphManager(qwen_adapter, PLAN, "cuda")
+
+
+def test_batch_encoder_isolates_an_item_that_fails_to_encode(qwen_adapter, items, monkeypatch) -> None:
+    """One item that breaks the encoder costs one error row, not its whole batch."""
+    from embedjob.graphs import BatchEncoder
+
+    graphs = GraphManager(qwen_adapter, PLAN, "replay")
+    graphs.capture()
+    poisoned = items[1]
+    real_run = graphs.run
+
+    def run(batch, budget, reduce):
+        if any(item is poisoned for item in batch):
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real_run(batch, budget, reduce)
+
+    monkeypatch.setattr(graphs, "run", run)
+    results, failures = BatchEncoder(graphs, "min_padding").encode(items, lambda rows: rows.mean(0))
+    assert failures[1] == "encode_failed: RuntimeError: CUDA out of memory (simulated)"
+    assert results[1] is None
+    assert all(r is not None and f is None for i, (r, f) in enumerate(zip(results, failures)) if i != 1)

@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch
 
 from embedjob.encoders.base import PAD_REPEAT_LAST, EncoderAdapter, EncoderInput, StaticInputs
+from embedjob import packer
+from embedjob.job import Job, JobError
 from embedjob.packer import BudgetPlan, pack
 
 logger = logging.getLogger(__name__)
@@ -348,3 +350,37 @@ class BatchEncoder:
             return
         for i, output in zip(indices, outputs):
             results[i] = output
+
+
+def budget_plan(job: Job, adapter: EncoderAdapter) -> packer.BudgetPlan:
+    """The packer's plan from the job's batching keys and the adapter's budget range."""
+    b = job.batching
+    try:
+        return packer.resolve_budgets(
+            _auto(b.token_budgets),
+            _auto(b.max_items_per_batch),
+            _auto(b.max_frames_per_batch),
+            model_min=b.min_budget or adapter.min_budget,
+            model_max=b.max_budget or adapter.max_budget,
+            max_frames_per_video=job.video.max_frames,
+            video_enabled=job.input.modality != "image",
+        )
+    except ValueError as exc:
+        raise JobError(f"batching: {exc}") from None
+
+
+def _auto(value: Any) -> Any:
+    """The job's "auto" is the packer's None."""
+    return None if value == "auto" else value
+
+
+def build_encoder(job: Job, adapter: EncoderAdapter, device: torch.device) -> BatchEncoder:
+    """The batch encoder for this job and adapter: budgets, graph backend, packing policy.
+
+    The backend is real CUDA graphs on a GPU, the replay backend on a CPU (same packing
+    and padding, so results and statistics match), or none when graphs are turned off.
+    """
+    backend = None
+    if job.batching.cuda_graphs:
+        backend = "cuda" if device.type == "cuda" else "replay"
+    return BatchEncoder(GraphManager(adapter, budget_plan(job, adapter), backend), job.batching.policy)

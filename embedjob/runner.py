@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from embedjob import media, packer, reader
+from embedjob import media, reader
 from embedjob.checkpoint import Checkpoint, PartRecord, open_checkpoint
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
-from embedjob.graphs import BatchEncoder, GraphManager
+from embedjob.graphs import BatchEncoder, build_encoder
 from embedjob.job import Job, JobError
 from embedjob.writer import OutputRow, output_schema, part_name, write_part
 
@@ -123,24 +123,6 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_workers(value: str | int) -> int:
     return (os.cpu_count() or 1) if value == "auto" else int(value)
-
-
-def budget_plan(job: Job, adapter: EncoderAdapter) -> packer.BudgetPlan:
-    """The packer's plan from the job's batching keys and the adapter's budget range."""
-    b = job.batching
-    auto = lambda v: None if v == "auto" else v  # noqa: E731
-    try:
-        return packer.resolve_budgets(
-            auto(b.token_budgets),
-            auto(b.max_items_per_batch),
-            auto(b.max_frames_per_batch),
-            model_min=b.min_budget or adapter.min_budget,
-            model_max=b.max_budget or adapter.max_budget,
-            max_frames_per_video=job.video.max_frames,
-            video_enabled=job.input.modality != "image",
-        )
-    except ValueError as exc:
-        raise JobError(f"batching: {exc}") from None
 
 
 @dataclass
@@ -328,12 +310,7 @@ class Runner:
             raise JobError(f"cannot write to output.path {directory}: {exc.strerror or exc}") from None
 
     def _build_encoder(self, adapter: EncoderAdapter, device: torch.device) -> BatchEncoder:
-        """Budgets, graph backend and packing policy for this job and adapter."""
-        backend = None
-        if self.job.batching.cuda_graphs:
-            backend = "cuda" if device.type == "cuda" else "replay"
-        manager = GraphManager(adapter, budget_plan(self.job, adapter), backend)
-        return BatchEncoder(manager, self.job.batching.policy)
+        return build_encoder(self.job, adapter, device)
 
     def _decode_options(self, adapter: EncoderAdapter) -> media.DecodeOptions:
         preprocess = adapter.preprocessor()

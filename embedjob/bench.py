@@ -234,6 +234,59 @@ def save_checkpoint(adapter: QwenAdapter, workdir: Path) -> Path:
     return checkpoint
 
 
+class Fidelity:
+    """Per-item relative error against an fp32 reference of the same weights.
+
+    The reference is transformers' own forward (sdpa attention) of the untuned tower
+    upcast to fp32, one image at a time; each variant is compared on the same images.
+    The target: embedjob's graphs (tuned, compiled) are no worse than transformers' own
+    bf16 forward.
+    """
+
+    def __init__(self, adapter: QwenAdapter, count: int) -> None:
+        import copy
+
+        self.items = make_mix("mixed", adapter.preprocessor())[:count]
+        reference = copy.deepcopy(adapter.model).float()
+        self.refs = self._hf(reference, adapter, torch.float32)
+        del reference
+        torch.cuda.empty_cache()
+        self.errors: dict[str, list[float]] = {}
+
+    def _hf(self, model: torch.nn.Module, adapter: QwenAdapter, dtype: torch.dtype) -> list[torch.Tensor]:
+        saved = model.config._attn_implementation
+        model.config._attn_implementation = "sdpa"
+        try:
+            with torch.inference_mode():
+                return [
+                    model(
+                        hidden_states=expand_pixels(i.tensors["pixel_values"], adapter.patch_dim).to(adapter.device, dtype),
+                        grid_thw=i.tensors["grid_thw"][None].to(adapter.device),
+                    ).pooler_output.float()
+                    for i in self.items
+                ]
+        finally:
+            model.config._attn_implementation = saved
+
+    def transformers_bf16(self, adapter: QwenAdapter) -> None:
+        self._record("transformers bf16", self._hf(adapter.model, adapter, torch.bfloat16))
+
+    def graphs(self, name: str, manager: GraphManager) -> None:
+        outputs = []
+        for item in self.items:
+            budget = next(b for b in manager.plan.token_budgets if b >= item.tokens)
+            outputs.extend(manager.run([item], budget, reduce=lambda rows: rows.float().clone()))
+        self._record(name, outputs)
+
+    def _record(self, name: str, outputs: list[torch.Tensor]) -> None:
+        self.errors[name] = [float((o - r).norm() / r.norm()) for o, r in zip(outputs, self.refs)]
+
+    def summary(self) -> str:
+        return "; ".join(
+            f"{name}: median {statistics.median(e):.2e}, max {max(e):.2e}" for name, e in self.errors.items()
+        )
+
+
 def bench_mix(name: str, adapter: QwenAdapter, plan: packer.BudgetPlan, managers: dict[str, GraphManager], args: argparse.Namespace, peak: float) -> list[Row]:
     items = make_mix(name, adapter.preprocessor())
     runner = MixRunner(adapter, items, plan)
@@ -366,7 +419,10 @@ def main(args: argparse.Namespace) -> int:
     plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
     notes: dict[str, Any] = {}
     rows: list[Row] = []
+    fidelity = Fidelity(adapter, args.fidelity_items)
+    fidelity.transformers_bf16(adapter)
     untuned = _our_managers(adapter, plan, notes, "")
+    fidelity.graphs("embedjob graphs", untuned["ours_graphs"])
     for mix in args.mixes:
         rows += bench_mix(mix, adapter, plan, untuned, args, peak)
     untuned["ours_graphs"].clear()
@@ -384,6 +440,7 @@ def main(args: argparse.Namespace) -> int:
         compiled.capture()
         notes[f"{mode} compile+capture_s"] = round(time.perf_counter() - start, 1)
         notes[f"{mode} compiled pool_GiB"] = round(compiled.stats.pool_bytes / 2**30, 2)
+        fidelity.graphs(f"embedjob graphs tuned compiled {mode}", compiled)
         mixes = args.mixes if mode == "dynamic" else args.mixes[:1]
         for mix in mixes:
             rows += bench_mix(mix, adapter, plan, {f"ours_graphs_tuned_compiled_{mode}": compiled}, only_ours, peak)
@@ -400,6 +457,7 @@ def main(args: argparse.Namespace) -> int:
         "tower": "Qwen2.5-VL-7B-size vision tower, random bf16 weights",
         "budgets": list(plan.token_budgets),
         "max_items/max_frames": f"{plan.max_items}/{plan.max_frames}",
+        "fidelity vs fp32 (per image, first images of the mixed mix)": fidelity.summary(),
         **notes,
     }
     table = render(rows, header)
@@ -417,6 +475,7 @@ def _version(name: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixes", nargs="*", default=["mixed", "224px", "video"], choices=["mixed", "224px", "video"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fidelity-items", type=int, default=16, help="images compared with the fp32 reference")
     parser.add_argument("--hf-repeats", type=int, default=2)
     parser.add_argument("--skip", nargs="*", default=[], choices=["hf_sdpa", "hf_varlen"])
     parser.add_argument(

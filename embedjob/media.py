@@ -661,7 +661,7 @@ class _VideoJob:
 def _decode_video(data: bytes, options: DecodeOptions, fmt: str | None) -> DecodedVideo:
     facts = _mp4_facts(data) if fmt in ("MP4", "MOV") else _Mp4Facts()
     if facts.truncated:
-        logger.debug("%s is truncated; decoding the frames that are there", fmt)
+        raise MediaError("truncated", f"{fmt}: a box runs past the end of the file ({len(data)} bytes)")
     with _StderrCapture() as log:
         job = _VideoJob(_patched(data, facts.patches), fmt, facts, options, log)
         video = _decode_video_job(job)
@@ -678,6 +678,8 @@ def _decode_video_job(job: _VideoJob) -> DecodedVideo:
     source_fps = float(reader.get_avg_fps())
     indices = sample_frame_indices(num_frames, source_fps, options.fps, options.max_frames, options.frame_multiple)
     times = _frame_times(reader, num_frames)
+    if job.fmt == "MATROSKA":
+        _check_matroska_complete(bytes(job.source[:_EBML_HEAD]), times, num_frames, source_fps)
     if times is not None:
         indices = _time_uniform(indices, times)
     if options.max_frame_pixels is not None:
@@ -688,6 +690,72 @@ def _decode_video_job(job: _VideoJob) -> DecodedVideo:
     else:
         timestamps = [i / source_fps if source_fps > 0 else 0.0 for i in indices]
     return DecodedVideo(np.ascontiguousarray(frames), timestamps, source_fps, num_frames)
+
+
+_EBML_HEAD = 1 << 16
+_EBML_SEGMENT, _EBML_INFO, _EBML_SCALE, _EBML_DURATION = 0x18538067, 0x1549A966, 0x2AD7B1, 0x4489
+
+
+def _check_matroska_complete(head: bytes, times: np.ndarray | None, num_frames: int, fps: float) -> None:
+    """A Matroska file cut short still opens and decodes the frames before the cut, so
+    compare the duration its header declares with the frames actually present: a file
+    missing more than a tenth of it is `truncated` (an embedding of half a clip must not
+    pass for the clip)."""
+    declared = _matroska_duration(head)
+    if declared is None or declared <= 0:
+        return
+    if times is not None:
+        present = float(times[-1, 1] - times[0, 0])
+    else:
+        present = num_frames / fps if fps > 0 else 0.0
+    if present < 0.9 * declared:
+        raise MediaError("truncated", f"Matroska declares {declared:.2f}s but only {present:.2f}s of frames are present")
+
+
+def _matroska_duration(head: bytes) -> float | None:
+    """Segment > Info > Duration (seconds, scaled by TimecodeScale) from the file's start."""
+    segment = _ebml_child(head, 0, len(head), _EBML_SEGMENT)
+    info = segment and _ebml_child(head, *segment, _EBML_INFO)
+    if not info:
+        return None
+    duration = _ebml_child(head, *info, _EBML_DURATION)
+    if not duration or duration[1] - duration[0] not in (4, 8):
+        return None
+    raw = head[duration[0] : duration[1]]
+    value = struct.unpack(">f" if len(raw) == 4 else ">d", raw)[0]
+    scale = _ebml_child(head, *info, _EBML_SCALE)
+    nanoseconds = int.from_bytes(head[scale[0] : scale[1]], "big") if scale else 1_000_000
+    return value * nanoseconds / 1e9
+
+
+def _ebml_child(data: bytes, start: int, end: int, wanted: int) -> tuple[int, int] | None:
+    """(payload start, payload end) of the first element `wanted` in data[start:end]; an
+    unknown or overlong size runs to `end`."""
+    pos = start
+    while pos < end:
+        ident, pos = _ebml_vint(data, pos, keep_marker=True)
+        size, pos = _ebml_vint(data, pos, keep_marker=False)
+        if ident is None or size is None:
+            return None
+        stop = min(end, pos + size) if size >= 0 else end
+        if ident == wanted:
+            return pos, stop
+        pos = stop
+    return None
+
+
+def _ebml_vint(data: bytes, pos: int, keep_marker: bool) -> tuple[int | None, int]:
+    """An EBML variable-length integer at `pos`; -1 for the reserved "unknown size"."""
+    if pos >= len(data) or data[pos] == 0:
+        return None, pos
+    length = 8 - data[pos].bit_length() + 1
+    if pos + length > len(data):
+        return None, pos
+    value = int.from_bytes(data[pos : pos + length], "big")
+    if keep_marker:
+        return value, pos + length
+    value &= (1 << (7 * length)) - 1
+    return (-1 if value == (1 << (7 * length)) - 1 else value), pos + length
 
 
 def _patched(data: bytes, patches: list[tuple[int, bytes]]) -> bytes | bytearray:

@@ -131,7 +131,7 @@ LOCAL_EXPECTED: dict[str, tuple[int, int, int] | str] = {
     "torchcodec_h265_10bits.mp4": (200, 200, 30),
     "torchcodec_h264_10bits.mp4": (200, 200, 30),
     "torchcodec_nasa_13013.mp4": (180, 320, 325),  # first of two video streams
-    "derived_mkv_truncated.mkv": (240, 426, 150),  # the surviving first half
+    "derived_mkv_truncated.mkv": "truncated",  # the first half of a 10.4 s clip: half a clip is not the clip
     "torchcodec_av1_video.mkv": "unsupported_codec",  # FFmpeg 4.1 in decord has no AV1 decoder
     "decord_corrupted.mp4": "corrupt",  # H.264 units corrupt mid-stream
 }
@@ -358,10 +358,10 @@ def test_decoder_diagnostics_go_into_the_error_not_to_stderr(capfd: pytest.Captu
     assert capfd.readouterr().err == ""
 
 
-@needs_shared
-def test_truncated_mkv_yields_the_original_frames_that_survive() -> None:
-    truncated = decode_video(local("derived_mkv_truncated.mkv"), QWEN)
-    full_bytes = (SHARED / "videos" / "decord_flipping_a_pancake.mkv").read_bytes()
-    full = decord_frames(full_bytes, sample_frame_indices(150, 30.0, 2.0, 32, 2))
-    assert truncated.source_frames == 150 and truncated.timestamps[-1] < 5.0
-    assert np.array_equal(truncated.frames, full)
+def test_truncated_mkv_is_an_error_that_says_how_much_is_missing() -> None:
+    with pytest.raises(MediaError) as err:
+        media.decode(local("derived_mkv_truncated.mkv"), QWEN)
+    assert err.value.code == "truncated"
+    assert "declares 10.38s but only 5.00s" in err.value.message
+
+

@@ -44,13 +44,23 @@ def main() -> None:
     table = pa.table({"id": pa.array(ids), "image": pa.array(blobs, type=pa.binary())})
     OUT.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, OUT / "demo-images.parquet", row_group_size=6)
-    with open(OUT / "LICENSES.tsv", "w", newline="") as handle:
+    ours = [[name.rsplit(".", 1)[0], row["source"], row["original_path"], row["license_or_note"]] for name, row in zip(IMAGES, licences)]
+    ours.append(["truncated_jpeg", "derived here", "first half of img2dataset_321_421.jpg", "as its source (MIT repo)"])
+    ours.append(["text_not_an_image", "written here", "-", "public domain"])
+    write_licences(OUT / "LICENSES.tsv", ours)
+
+
+def write_licences(path: Path, ours: list[list[str]]) -> None:
+    """Replace this script's rows in the shared licence file, keeping the other demos' rows."""
+    header = ["id", "source", "original_path", "license_or_note"]
+    mine = {row[0] for row in ours}
+    others = []
+    if path.exists():
+        with open(path, newline="") as handle:
+            others = [row for row in list(csv.reader(handle, delimiter="\t"))[1:] if row and row[0] not in mine]
+    with open(path, "w", newline="") as handle:
         writer = csv.writer(handle, delimiter="\t")
-        writer.writerow(["id", "source", "original_path", "license_or_note"])
-        for name, row in zip(IMAGES, licences):
-            writer.writerow([name.rsplit(".", 1)[0], row["source"], row["original_path"], row["license_or_note"]])
-        writer.writerow(["truncated_jpeg", "derived here", "first half of img2dataset_321_421.jpg", "as its source (MIT repo)"])
-        writer.writerow(["text_not_an_image", "written here", "-", "public domain"])
+        writer.writerows([header, *ours, *others])
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ Two backends share this code: `cuda` captures real `torch.cuda.CUDAGraph`s; `rep
 (used on CPU, so CI exercises buffer filling, padding and slicing without a GPU)
 records the graph body at capture and re-runs it on the same static buffers at replay,
 writing into a static output buffer exactly like a graph does.
+
+Encoders that see a global view plus local tiles run two such managers, one per path
+(`DualPathEncoder`, DESIGN seed point 6), packed together by `packer.pack_dual`.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from typing import Any, Callable
 import torch
 
 from embedjob.encoders.base import PAD_REPEAT_LAST, EncoderAdapter, EncoderInput, StaticInputs
+from embedjob.encoders.fixed import FixedResAdapter
 from embedjob import packer
 from embedjob.job import Job, JobError
-from embedjob.packer import BudgetPlan, pack
+from embedjob.packer import BudgetPlan, DualBatch, DualPlan, pack, pack_dual
 
 logger = logging.getLogger(__name__)
 
@@ -306,6 +310,10 @@ class BatchEncoder:
     def hit_rate(self) -> float:
         return self.manager.stats.hit_rate
 
+    def graph_stats(self) -> GraphStats:
+        """The counts as one GraphStats (what data-parallel ranks merge)."""
+        return self.manager.stats
+
     def stats(self) -> dict[str, Any]:
         """Graph statistics and the plan, as written to stats-*.json."""
         plan = self.manager.plan
@@ -374,13 +382,243 @@ def _auto(value: Any) -> Any:
     return None if value == "auto" else value
 
 
-def build_encoder(job: Job, adapter: EncoderAdapter, device: torch.device) -> BatchEncoder:
+def _backend(job: Job, device: torch.device) -> str | None:
+    """Real CUDA graphs on a GPU, the replay backend on a CPU, none when graphs are off."""
+    if not job.batching.cuda_graphs:
+        return None
+    return "cuda" if device.type == "cuda" else "replay"
+
+
+def whole_image_plan(plan: BudgetPlan, tokens_per_image: int) -> BudgetPlan:
+    """A fixed-resolution encoder's plan: budgets rounded down to whole images.
+
+    A budget's buffers hold budget // tokens_per_image images, so the rest of a budget
+    that is not a multiple could never be used and would only inflate the padding count.
+    A budget below one image is a configuration error (JobError naming the numbers).
+    """
+    budgets = sorted({b // tokens_per_image * tokens_per_image for b in plan.token_budgets})
+    if budgets[0] == 0:
+        raise JobError(
+            f"batching: token budget {plan.token_budgets[0]} is smaller than one image, which is "
+            f"{tokens_per_image} tokens for this encoder; use budgets that are multiples of {tokens_per_image}"
+        )
+    if tuple(budgets) != plan.token_budgets:
+        logger.info("token budgets %s rounded down to whole images: %s", list(plan.token_budgets), budgets)
+    return BudgetPlan(tuple(budgets), plan.max_items, plan.max_frames)
+
+
+def build_encoder(job: Job, adapter: EncoderAdapter, device: torch.device) -> BatchEncoder | DualPathEncoder:
     """The batch encoder for this job and adapter: budgets, graph backend, packing policy.
 
     The backend is real CUDA graphs on a GPU, the replay backend on a CPU (same packing
     and padding, so results and statistics match), or none when graphs are turned off.
+    A fixed-resolution adapter that makes local tiles (`preprocess.tiling: anyres`) gets
+    the dual-path encoder, whose two paths share the job's budgets (the local one adds 0).
     """
-    backend = None
-    if job.batching.cuda_graphs:
-        backend = "cuda" if device.type == "cuda" else "replay"
-    return BatchEncoder(GraphManager(adapter, budget_plan(job, adapter), backend), job.batching.policy)
+    backend = _backend(job, device)
+    plan = budget_plan(job, adapter)
+    if isinstance(adapter, FixedResAdapter):
+        plan = whole_image_plan(plan, adapter.tokens_per_image)
+        if len(adapter.views) > 1:
+            paths = dual_paths(adapter, packer.resolve_dual_budgets(plan, plan), backend)
+            return DualPathEncoder(adapter, paths, job.batching.policy)
+    return BatchEncoder(GraphManager(adapter, plan, backend), job.batching.policy)
+
+
+@dataclass
+class EncoderPath:
+    """One graph set of a multi-path encoder, as data.
+
+    `key` names the item tensor the path encodes (the adapter's `path_input` makes an
+    ordinary item of it); `plan` holds the budgets the packer picks from, which for the
+    local path start with 0 (a batch without tiles skips the path); `manager` captures
+    and replays the positive budgets of that plan.
+    """
+
+    name: str
+    key: str
+    plan: BudgetPlan
+    manager: GraphManager
+
+
+def dual_paths(adapter: FixedResAdapter, plan: DualPlan, backend: str | None) -> list[EncoderPath]:
+    """The global and local paths of `plan`, in the order `pack_dual` gives their budgets."""
+    paths = []
+    for name, key, path_plan in zip(("global", "local"), adapter.views, (plan.global_plan, plan.local_plan)):
+        positive = BudgetPlan(tuple(b for b in path_plan.token_budgets if b > 0), path_plan.max_items, path_plan.max_frames)
+        paths.append(EncoderPath(name, key, path_plan, GraphManager(adapter, positive, backend)))
+    return paths
+
+
+@dataclass
+class DualStats:
+    """Per-item outcome over both paths.
+
+    Invariant: hits + misses == items encoded; an item is a hit when every path it used
+    replayed a graph, a miss otherwise; `partial` counts the misses in which one path
+    did replay while the other fell back to eager.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    partial: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def count(self, replayed: list[bool]) -> None:
+        """Record one item from whether each path it used replayed."""
+        if all(replayed):
+            self.hits += 1
+            return
+        self.misses += 1
+        self.partial += int(any(replayed))
+
+
+class DualPathEncoder:
+    """A global view plus local tiles per item, each path with its own graph set (DESIGN
+    seed point 6), behind BatchEncoder's interface.
+
+    Items are packed with `pack_dual` against both paths' budgets at once; per batch,
+    each path runs the items that have views for it, replaying the budget the packer
+    chose for that path or running eagerly where it chose None, so one path may replay
+    while the other falls back. The paths' per-view rows are merged by the adapter's
+    `combine` before `reduce`. Statistics: each path's manager counts its own hits and
+    misses; `DualStats` counts items over both. As in BatchEncoder, a failed batch is
+    retried one item at a time eagerly (the failed attempt's path counts stay, since
+    that work was done; the per-item counts only record the attempt that succeeded).
+    """
+
+    def __init__(self, adapter: FixedResAdapter, paths: list[EncoderPath], policy: str) -> None:
+        if len(paths) != 2:
+            raise ValueError(f"a dual-path encoder needs a global and a local path, got {[p.name for p in paths]}")
+        self.adapter = adapter
+        self.paths = paths
+        self.plan = DualPlan(paths[0].plan, paths[1].plan)
+        self.policy = policy
+        self.counts = DualStats()
+
+    def capture(self) -> None:
+        for path in self.paths:
+            path.manager.capture()
+
+    def clear(self) -> None:
+        for path in self.paths:
+            path.manager.clear()
+
+    @property
+    def hit_rate(self) -> float:
+        return self.counts.hit_rate
+
+    def graph_stats(self) -> GraphStats:
+        """Both paths as one GraphStats (what data-parallel ranks merge): hits and misses
+        per item over both paths, every other count summed over the paths."""
+        total = GraphStats()
+        for path in self.paths:
+            total.merge(path.manager.stats)
+            total.capture_seconds += path.manager.stats.capture_seconds
+            total.pool_bytes += path.manager.stats.pool_bytes
+        total.hits, total.misses = self.counts.hits, self.counts.misses
+        return total
+
+    def stats(self) -> dict[str, Any]:
+        """The combined statistics under the single-path keys, plus the partial fallbacks
+        and each path's own statistics under `paths`."""
+        out: dict[str, Any] = {
+            "num_graphs": sum(p.manager.num_graphs for p in self.paths),
+            "token_budgets": list(self.paths[0].plan.token_budgets),
+            "max_items_per_batch": self.plan.global_plan.max_items,
+            "max_frames_per_batch": self.plan.global_plan.max_frames,
+            "graph_backend": self.paths[0].manager.backend,
+        }
+        out.update(self.graph_stats().to_dict())
+        out["partial_fallbacks"] = self.counts.partial
+        out["paths"] = {p.name: {"token_budgets": list(p.plan.token_budgets), **p.manager.stats.to_dict()} for p in self.paths}
+        return out
+
+    def path_inputs(self, items: list[EncoderInput]) -> list[list[EncoderInput | None]]:
+        """Per path, per item: the item's input on that path, or None (no views there)."""
+        return [[self.adapter.path_input(item, path.key) for item in items] for path in self.paths]
+
+    def batches(self, items: list[EncoderInput]) -> list[DualBatch]:
+        """How `encode` packs these items (both paths' limits at once)."""
+        return self._pack(self.path_inputs(items), [item.frames for item in items])
+
+    def _pack(self, inputs: list[list[EncoderInput | None]], frames: list[int]) -> list[DualBatch]:
+        tokens = [[0 if sub is None else sub.tokens for sub in column] for column in inputs]
+        return pack_dual(tokens[0], tokens[1], frames, self.plan, self.policy)
+
+    def encode(self, items: list[EncoderInput], reduce: Reduce) -> tuple[list[torch.Tensor | None], list[str | None]]:
+        results: list[torch.Tensor | None] = [None] * len(items)
+        failures: list[str | None] = [None] * len(items)
+        inputs = self.path_inputs(items)
+        for batch in self._pack(inputs, [item.frames for item in items]):
+            budgets = (batch.global_budget, batch.local_budget)
+            self._encode_batch(inputs, list(batch.indices), budgets, reduce, results, failures)
+        return results, failures
+
+    def run(self, items: list[EncoderInput], budgets: tuple[int | None, ...], reduce: Reduce = clone_rows) -> list[torch.Tensor]:
+        """Embed one packed batch with one budget per path (None: that path runs eagerly)."""
+        inputs = self.path_inputs(items)
+        return [reduce(rows) for rows in self._run_paths(inputs, list(range(len(items))), budgets)]
+
+    def run_padded_eager(self, items: list[EncoderInput], budgets: tuple[int | None, ...]) -> list[torch.Tensor]:
+        """Each path's graph body run eagerly on this batch's padded buffers, combined per
+        item like `run` (for equality checks). Every path with items needs a graph budget."""
+        inputs = self.path_inputs(items)
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in items]
+        for path, column, budget in zip(self.paths, inputs, budgets):
+            chosen = [(k, sub) for k, sub in enumerate(column) if sub is not None]
+            if not chosen:
+                continue
+            subs = [sub for _, sub in chosen]
+            output = path.manager.run_padded_eager(subs, budget)
+            for (k, _), rows in zip(chosen, self.adapter.split(output, subs)):
+                parts[k][path.key] = rows
+        return [self.adapter.combine(p) for p in parts]
+
+    def _encode_batch(
+        self,
+        inputs: list[list[EncoderInput | None]],
+        indices: list[int],
+        budgets: tuple[int | None, ...],
+        reduce: Reduce,
+        results: list[torch.Tensor | None],
+        failures: list[str | None],
+    ) -> None:
+        try:
+            outputs = self._run_paths(inputs, indices, budgets)
+        except Exception as exc:
+            if len(indices) == 1 and all(b is None for b in budgets):
+                failures[indices[0]] = f"encode_failed: {type(exc).__name__}: {exc}"
+                logger.warning("an item failed to encode: %s", exc)
+                return
+            logger.warning("dual-path batch of %d items failed (%s); retrying one at a time", len(indices), exc)
+            for i in indices:
+                self._encode_batch(inputs, [i], (None,) * len(self.paths), reduce, results, failures)
+            return
+        for i, rows in zip(indices, outputs):
+            results[i] = reduce(rows)
+
+    def _run_paths(
+        self, inputs: list[list[EncoderInput | None]], indices: list[int], budgets: tuple[int | None, ...]
+    ) -> list[torch.Tensor]:
+        """Run every path on its share of the batch, then combine per item."""
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in indices]
+        replayed: list[list[bool]] = [[] for _ in indices]
+        for path, column, budget in zip(self.paths, inputs, budgets):
+            chosen = [(k, column[i]) for k, i in enumerate(indices) if column[i] is not None]
+            if not chosen:
+                continue
+            hits = path.manager.stats.hits
+            rows = path.manager.run([sub for _, sub in chosen], budget)
+            hit = path.manager.stats.hits > hits
+            for (k, _), item_rows in zip(chosen, rows):
+                parts[k][path.key] = item_rows
+                replayed[k].append(hit)
+        combined = [self.adapter.combine(p) for p in parts]
+        for item_replayed in replayed:
+            self.counts.count(item_replayed)
+        return combined

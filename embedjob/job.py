@@ -49,6 +49,9 @@ class ModelConfig:
     family: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "clip", "siglip", "dinov2"] = "qwen2_5_vl"
     path: str = "builtin:tiny-qwen2_5_vl"
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # DINOv2's image embedding: its CLS token (the model's pooled output) or the mean of
+    # its patch tokens; CLIP and SigLIP have one fixed pooled output.
+    dinov2_pool: Literal["cls", "patch_mean"] = "cls"
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Job:
 
 
 REQUIRED = ("input.path", "input.media_column", "output.path")
+FIXED_RESOLUTION = ("clip", "siglip", "dinov2")
 
 
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Job:
@@ -309,6 +313,13 @@ def _check(job: Job) -> None:
     if job.runtime.gpus != "auto" and job.runtime.gpus < 1:
         raise JobError(f"key 'runtime.gpus' = {job.runtime.gpus} must be 'auto' or >= 1")
     pp = job.preprocess
+    if pp.tiling == "anyres" and job.model.family not in FIXED_RESOLUTION:
+        raise JobError(
+            f"preprocess.tiling = 'anyres' needs a fixed-resolution encoder ({', '.join(FIXED_RESOLUTION)}); "
+            f"model.family {job.model.family!r} already sees images at their native resolution: use tiling: none"
+        )
+    if job.model.dinov2_pool != "cls" and job.model.family != "dinov2":
+        raise JobError(f"model.dinov2_pool applies to model.family 'dinov2' only, not {job.model.family!r}; remove it")
     if pp.min_pixels is not None and pp.max_pixels is not None and pp.min_pixels > pp.max_pixels:
         raise JobError(
             f"preprocess.min_pixels = {pp.min_pixels} is larger than preprocess.max_pixels = {pp.max_pixels}; "

@@ -10,6 +10,7 @@ from embedjob.job import Job
 __all__ = ["EncoderAdapter", "EncoderInput", "StaticInputs", "load_adapter"]
 
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FIXED_FAMILIES = ("clip", "siglip", "dinov2")
 
 
 def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
@@ -22,9 +23,17 @@ def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
         "video_min_pixels": job.video.min_pixels,
         "video_max_pixels": job.video.max_pixels,
         "video_max_frames": job.video.max_frames,
+        "tiling": job.preprocess.tiling,
+        "max_tiles": job.preprocess.max_tiles,
+        "tile_combine": job.preprocess.tile_combine,
+        "dinov2_pool": job.model.dinov2_pool,
     }
     if job.model.family in QWEN_FAMILIES:
         from embedjob.encoders.qwen import build_adapter
 
         return build_adapter(job.model.family, job.model.path, dtype, device, options)
+    if job.model.family in FIXED_FAMILIES:
+        from embedjob.encoders.fixed import build_adapter as build_fixed
+
+        return build_fixed(job.model.family, job.model.path, dtype, device, options)
     raise ValueError(f"model.family {job.model.family!r} has no adapter yet")

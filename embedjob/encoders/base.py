@@ -7,8 +7,10 @@ between families lives in the subclasses; the graph manager and the runner only 
 the methods declared here.
 
 Invariants every adapter keeps:
-- `EncoderInput.tokens` is the number of output rows the item produces, and `split`
-  returns exactly that many rows per item, in batch order.
+- `EncoderInput.tokens` is what the item costs in a token budget (the encoder tokens it
+  occupies), and `split` returns the item's output rows in batch order: one per output
+  token for native-resolution towers (Qwen-VL), one per view (image or video frame) for
+  fixed-resolution ones (CLIP, SigLIP, DINOv2).
 - `forward(static_inputs(budget))` writes real rows first and never lets pad rows
   influence real rows, so a batch's graph output equals its eager output on the same
   padded buffers.
@@ -37,9 +39,9 @@ PAD_REPEAT_LAST = "repeat_last"
 class EncoderInput:
     """One preprocessed item, ready to be packed.
 
-    `tensors` are CPU tensors whose layout only the adapter understands; `tokens` is the
-    number of output embeddings, `frames` the number of video frames (0 for an image) and
-    `size` the input cost used for load balancing (e.g. patches).
+    `tensors` are CPU tensors whose layout only the adapter understands; `tokens` is what
+    the item costs in a token budget, `frames` the number of video frames (0 for an
+    image) and `size` the input cost used for load balancing (e.g. patches).
     """
 
     tensors: dict[str, torch.Tensor]

@@ -1,0 +1,519 @@
+"""CLIP, SigLIP and DINOv2 vision encoders through transformers: a fixed token count per image.
+
+Every image (or video frame, or tile) is resized to the model's input size, so it costs
+the same `tokens_per_image` encoder tokens: (side / patch)^2 patches, plus a CLS token for
+CLIP and DINOv2. A batch of n images is one (n, 3, H, W) tensor; the images never attend
+to each other, so pad images (zeros) cannot change a real image's embedding.
+
+What the numbers mean (the contract the packer, the graph manager and the writer rely on):
+- `EncoderInput.tokens` is the item's encoder tokens, views x tokens_per_image (views: 1
+  for an image, its frames for a video, plus its tiles in the dual-path mode). It is what
+  budgets count, what padding waste is measured in and what the `tokens` column reports.
+- `split` returns one row per view, not per token: a fixed-resolution encoder emits one
+  pooled embedding per image. An image gives 1 row; a video one row per frame, which the
+  runner averages (`output.pooling: mean`) or keeps (`none`).
+- A budget of B tokens holds B // tokens_per_image images; budgets are multiples of it.
+
+Embeddings: CLIP and SigLIP return what `get_image_features` returns (CLIP: the
+post-layernorm CLS through `visual_projection`; SigLIP: its attention-pooling head).
+DINOv2 returns its CLS token after the final layernorm (`pooler_output`) by default, or
+the mean of its patch tokens with `model.dinov2_pool: patch_mean`.
+
+Dual path (`preprocess.tiling: anyres`): each image also yields up to `max_tiles` local
+tiles (see tiling.py) under `tile_pixels`; the global view is exactly the single-view
+input, so a tiled job's global half equals the untiled job's embedding. `combine` merges
+the two paths per view: `concat` -> [global ; mean of tiles] (2 x dim), `mean` -> the
+average of those two halves. A view without tiles (a small image, a video frame) uses its
+global embedding as its local half, i.e. the image counts as its own single tile, so
+tiled and untiled items stay comparable by cosine similarity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision.transforms.v2.functional as tvF
+
+from embedjob.encoders.base import EncoderAdapter, EncoderInput, StaticInputs, cache_root, save_atomically
+from embedjob.encoders.tiling import cut_tiles, select_grid
+
+logger = logging.getLogger(__name__)
+
+GLOBAL_KEY = "pixel_values"
+LOCAL_KEY = "tile_pixels"
+MAX_IMAGES_PER_BATCH = 256
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# PIL resample codes as saved in preprocessor configs -> the torchvision modes transformers
+# maps them to; box and hamming have no tensor implementation in torchvision.
+INTERPOLATIONS = {
+    0: tvF.InterpolationMode.NEAREST_EXACT,
+    1: tvF.InterpolationMode.LANCZOS,
+    2: tvF.InterpolationMode.BILINEAR,
+    3: tvF.InterpolationMode.BICUBIC,
+}
+
+
+@dataclass(frozen=True)
+class FixedFamily:
+    """What differs between the fixed-resolution families.
+
+    `full_class` is the dual-encoder checkpoint (vision + text), `vision_class` the
+    vision-only one and `projected_class` a vision-only one that keeps the projection.
+    `layers` is the attribute path of the repeated blocks inside the vision tower.
+    """
+
+    name: str
+    full_type: str | None
+    vision_type: str
+    full_class: str | None
+    vision_class: str
+    projected_class: str | None
+    processor_class: str
+    cls_token: bool
+    layers: str
+
+
+FAMILIES = {
+    "clip": FixedFamily(
+        "clip", "clip", "clip_vision_model", "CLIPModel", "CLIPVisionModel", "CLIPVisionModelWithProjection",
+        "CLIPImageProcessor", True, "encoder.layers",
+    ),
+    "siglip": FixedFamily(
+        "siglip", "siglip", "siglip_vision_model", "SiglipModel", "SiglipVisionModel", None,
+        "SiglipImageProcessor", False, "encoder.layers",
+    ),
+    "dinov2": FixedFamily("dinov2", None, "dinov2", None, "Dinov2Model", None, "BitImageProcessor", True, "encoder.layer"),
+}
+
+
+@dataclass(frozen=True)
+class FixedPreprocessor:
+    """Decoded media -> normalised views (and tiles) of the model's input size; runs in decode workers.
+
+    Matches the transformers image processor of the checkpoint (torchvision backend):
+    antialiased resize of uint8 pixels (shortest edge to `shortest_edge`, or straight to
+    `resize_to`), center crop to `crop` (padding with black when the crop is larger, as
+    transformers does), then the fused rescale + normalise in float32. A video is the
+    same per frame. `max_tiles` > 0 adds the anyres tiles of an image.
+    """
+
+    family: str
+    shortest_edge: int | None
+    resize_to: tuple[int, int] | None
+    crop: tuple[int, int] | None
+    interpolation: tvF.InterpolationMode
+    rescale: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+    input_size: tuple[int, int]
+    tokens_per_image: int
+    max_tiles: int = 0
+    pixel_dtype: str = "float32"
+
+    @property
+    def frame_multiple(self) -> int:
+        """Every frame is encoded on its own, so any frame count works."""
+        return 1
+
+    @property
+    def video_max_pixels(self) -> int:
+        """Frame pixels the decoder needs: the model input with room for a 4:1 aspect
+        ratio. The runner lets decode shrink frames to 4x this, far above what the
+        resize keeps, so decoding full-size 4K frames is not paid for nothing."""
+        return 4 * self.input_size[0] * self.input_size[1]
+
+    def __call__(self, media: Any) -> EncoderInput:
+        frames = getattr(media, "frames", None)
+        if frames is None:
+            stack = torch.from_numpy(media.pixels).permute(2, 0, 1).unsqueeze(0)
+            modality, num_frames = "image", 0
+        else:
+            stack = torch.from_numpy(frames).permute(0, 3, 1, 2)
+            modality, num_frames = "video", int(frames.shape[0])
+        dtype = getattr(torch, self.pixel_dtype)
+        views = self.process(stack).to(dtype)
+        tensors = {GLOBAL_KEY: views}
+        count = views.shape[0]
+        if self.max_tiles:
+            tiles = self.tiles(stack[0]) if frames is None else self._no_tiles()
+            tensors[LOCAL_KEY] = tiles.to(dtype)
+            count += tiles.shape[0]
+        tokens = count * self.tokens_per_image
+        return EncoderInput(tensors, tokens=tokens, frames=num_frames, size=tokens, modality=modality)
+
+    def process(self, images: torch.Tensor) -> torch.Tensor:
+        """(N, 3, H, W) uint8 -> (N, 3, h, w) float32 model input, h x w = `input_size`."""
+        if self.shortest_edge is not None:
+            images = self._resize(images, shortest_edge_size(*images.shape[-2:], self.shortest_edge))
+        elif self.resize_to is not None:
+            images = self._resize(images, self.resize_to)
+        if self.crop is not None:
+            images = center_crop(images, *self.crop)
+        return self.normalize(images)
+
+    def tiles(self, image: torch.Tensor) -> torch.Tensor:
+        """(3, H, W) uint8 -> (tiles, 3, h, w) normalised local tiles; none when the best grid is 1 x 1."""
+        grid = select_grid(image.shape[-2], image.shape[-1], *self.input_size, self.max_tiles)
+        if grid == (1, 1):
+            return self._no_tiles()
+        return self.normalize(cut_tiles(image, grid, self.input_size, self.interpolation))
+
+    def _no_tiles(self) -> torch.Tensor:
+        """Video frames and images no larger than a tile get an empty tile tensor (0 local tokens)."""
+        return torch.empty((0, 3, *self.input_size), dtype=torch.float32)
+
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 -> float32: rescale and normalise fused into one subtract and divide, with
+        the mean and std scaled by 1/rescale in float32 as transformers does (bitwise equal)."""
+        pixels = images.to(torch.float32)
+        if self.mean is None or self.std is None:
+            return pixels * self.rescale if self.rescale is not None else pixels
+        factor = 1.0 / self.rescale if self.rescale is not None else 1.0
+        return tvF.normalize(pixels, torch.tensor(self.mean) * factor, torch.tensor(self.std) * factor)
+
+    def _resize(self, images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        return tvF.resize(images, list(size), interpolation=self.interpolation, antialias=True)
+
+
+def shortest_edge_size(height: int, width: int, edge: int) -> tuple[int, int]:
+    """(h, w) with the shorter side `edge` and the longer truncated to keep the aspect ratio
+    (transformers' `default_to_square=False` rule, which truncates rather than rounds)."""
+    if width <= height:
+        return int(edge * height / width), edge
+    return edge, int(edge * width / height)
+
+
+def center_crop(images: torch.Tensor, crop_h: int, crop_w: int) -> torch.Tensor:
+    """Crop the centre, offsets truncated towards the top-left; a side shorter than the
+    crop is first padded with black, split evenly with the odd pixel at the bottom/right."""
+    height, width = images.shape[-2:]
+    if crop_h > height or crop_w > width:
+        pad_w, pad_h = max(crop_w - width, 0), max(crop_h - height, 0)
+        images = tvF.pad(images, [pad_w // 2, pad_h // 2, (pad_w + 1) // 2, (pad_h + 1) // 2], fill=0)
+        height, width = images.shape[-2:]
+    top, left = int((height - crop_h) / 2.0), int((width - crop_w) / 2.0)
+    return images[..., top : top + crop_h, left : left + crop_w]
+
+
+class FixedResAdapter(EncoderAdapter):
+    """A CLIP, SigLIP or DINOv2 vision tower run on batches of fixed-size images.
+
+    `views` lists the item tensors this adapter produces: the global views, plus the
+    local tiles in the dual-path mode (the dual-path encoder runs one graph set per key
+    through `path_input` and merges them with `combine`).
+    """
+
+    def __init__(
+        self,
+        spec: FixedFamily,
+        tower: torch.nn.Module,
+        projection: torch.nn.Module | None,
+        processing: FixedPreprocessor,
+        device: torch.device,
+        dtype: torch.dtype,
+        source: str,
+        pool: str,
+        tile_combine: str,
+    ) -> None:
+        self.family = spec.name
+        self.spec = spec
+        self.tower = tower
+        self.projection = projection
+        self.processing = processing
+        self.device = device
+        self.dtype = dtype
+        self.source = source
+        self.pool = pool
+        self.tile_combine = tile_combine
+        self.tokens_per_image = processing.tokens_per_image
+        self.feature_dim = int(projection.out_features if projection is not None else tower.config.hidden_size)
+        tiled = processing.max_tiles > 0
+        self.views = (GLOBAL_KEY, LOCAL_KEY) if tiled else (GLOBAL_KEY,)
+        self.embed_dim = self.feature_dim * (2 if tiled and tile_combine == "concat" else 1)
+        self.min_budget = self.tokens_per_image
+        self.max_budget = self.tokens_per_image * MAX_IMAGES_PER_BATCH
+        self.max_frames_per_video = 0
+
+    def preprocessor(self) -> FixedPreprocessor:
+        """The processing, emitting pixels in the model's dtype (rounded once, in the worker)."""
+        return dataclasses.replace(self.processing, pixel_dtype=str(self.dtype).removeprefix("torch."))
+
+    def compile_units(self) -> list[torch.nn.Module]:
+        return list(functools.reduce(getattr, self.spec.layers.split("."), self.tower))
+
+    def describe(self) -> dict[str, Any]:
+        info = super().describe()
+        p = self.processing
+        info.update(
+            source=self.source,
+            input_size=list(p.input_size),
+            tokens_per_image=self.tokens_per_image,
+            pool=self.pool,
+            max_tiles=p.max_tiles,
+            tile_combine=self.tile_combine if p.max_tiles else None,
+        )
+        return info
+
+    def images_for(self, budget: int) -> int:
+        """How many images a budget's buffers hold; a budget below one image holds none."""
+        count = budget // self.tokens_per_image
+        if count < 1:
+            raise ValueError(
+                f"token budget {budget} is smaller than one image ({self.tokens_per_image} tokens for "
+                f"{self.family} at {self.processing.input_size[0]}x{self.processing.input_size[1]}); "
+                f"use budgets that are multiples of {self.tokens_per_image}"
+            )
+        return count
+
+    def static_inputs(self, budget: int, max_items: int, max_frames: int) -> StaticInputs:
+        """budget // tokens_per_image zero images (a valid dummy batch: every image is finite)."""
+        height, width = self.processing.input_size
+        pixels = torch.zeros(self.images_for(budget), 3, height, width, dtype=self.dtype, device=self.device)
+        return StaticInputs({GLOBAL_KEY: pixels}, constants={"budget": budget})
+
+    def batch_values(self, items: list[EncoderInput], static: StaticInputs) -> dict[str, torch.Tensor]:
+        return {GLOBAL_KEY: self._joined(items)}
+
+    def eager_inputs(self, items: list[EncoderInput]) -> StaticInputs:
+        return StaticInputs({GLOBAL_KEY: self._joined(items).to(self.device, non_blocking=True)})
+
+    def forward(self, inputs: StaticInputs) -> torch.Tensor:
+        """(N, 3, h, w) -> (N, feature_dim): one embedding per image, in input order."""
+        output = self.tower(pixel_values=inputs.tensors[GLOBAL_KEY])
+        if self.pool == "patch_mean":
+            pooled = output.last_hidden_state[:, int(self.spec.cls_token) :].mean(dim=1)
+        else:
+            pooled = output.pooler_output
+        return pooled if self.projection is None else self.projection(pooled)
+
+    def split(self, output: torch.Tensor, items: list[EncoderInput]) -> list[torch.Tensor]:
+        """One row per view of each item (1 for an image, one per frame for a video)."""
+        views, offset = [], 0
+        for item in items:
+            count = item.tensors[GLOBAL_KEY].shape[0]
+            views.append(output[offset : offset + count])
+            offset += count
+        return views
+
+    def path_input(self, item: EncoderInput, key: str) -> EncoderInput | None:
+        """The part of `item` one path encodes (its views under `key`) as an ordinary item,
+        or None when it has none (an image without tiles). Only the global views are the
+        video's frames; tiles count no frames."""
+        views = item.tensors.get(key)
+        if views is None or views.shape[0] == 0:
+            return None
+        tokens = views.shape[0] * self.tokens_per_image
+        frames = item.frames if key == GLOBAL_KEY else 0
+        return EncoderInput({GLOBAL_KEY: views}, tokens=tokens, frames=frames, size=tokens, modality=item.modality)
+
+    def combine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-view rows of both paths -> (views, embed_dim) float32 (see the module docstring)."""
+        global_rows = parts[GLOBAL_KEY].float()
+        tiles = parts.get(LOCAL_KEY)
+        local = global_rows if tiles is None else tiles.float().mean(dim=0, keepdim=True).expand_as(global_rows)
+        if self.tile_combine == "concat":
+            return torch.cat([global_rows, local], dim=-1)
+        return (global_rows + local) / 2
+
+    def _joined(self, items: list[EncoderInput]) -> torch.Tensor:
+        """All items' views in one new tensor, page-locked when it feeds a GPU so the copy
+        to the device is asynchronous."""
+        parts = [item.tensors[GLOBAL_KEY] for item in items]
+        rows = sum(p.shape[0] for p in parts)
+        out = torch.empty((rows, *parts[0].shape[1:]), dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        offset = 0
+        for part in parts:
+            out[offset : offset + part.shape[0]].copy_(part)
+            offset += part.shape[0]
+        return out
+
+
+BUILTIN_VERSION = 1
+BUILTIN_VISION: dict[str, dict[str, Any]] = {
+    "clip": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16),
+    "siglip": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16),
+    # image_size 70 (5x5 positions) against a 56-pixel crop exercises the position
+    # interpolation every real DINOv2 checkpoint runs (518 pretraining size, 224 crop).
+    "dinov2": dict(hidden_size=64, mlp_ratio=2, num_hidden_layers=2, num_attention_heads=4, image_size=70, patch_size=14),
+}
+BUILTIN_TEXT = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=128,
+    max_position_embeddings=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+BUILTIN_PROCESSORS: dict[str, dict[str, Any]] = {
+    "clip": dict(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}),
+    "siglip": dict(size={"height": 64, "width": 64}),
+    "dinov2": dict(
+        size={"shortest_edge": 64}, crop_size={"height": 56, "width": 56}, image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD)
+    ),
+}
+
+
+def _transformers(name: str) -> Any:
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def _build_builtin(spec: FixedFamily) -> torch.nn.Module:
+    """The tiny model: the full dual encoder where the family has one, so the demo loads
+    through the same path as a user's CLIP or SigLIP checkpoint."""
+    vision = BUILTIN_VISION[spec.name]
+    if spec.name == "clip":
+        config = _transformers("CLIPConfig")(text_config=BUILTIN_TEXT, vision_config=vision, projection_dim=48)
+    elif spec.name == "siglip":
+        config = _transformers("SiglipConfig")(text_config=BUILTIN_TEXT, vision_config=vision)
+    else:
+        config = _transformers("Dinov2Config")(**vision)
+    cls = _transformers(spec.full_class or spec.vision_class)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return cls._from_config(config, dtype=torch.float32)
+
+
+def builtin_dir(spec: FixedFamily, cache_dir: str | None) -> Path:
+    """Create the tiny builtin model once (fixed seed) with its image processor config."""
+    target = cache_root(cache_dir) / "builtin" / f"tiny-{spec.name}-v{BUILTIN_VERSION}"
+
+    def build(tmp: Path) -> None:
+        _build_builtin(spec).save_pretrained(tmp)
+        _transformers(spec.processor_class)(**BUILTIN_PROCESSORS[spec.name]).save_pretrained(tmp)
+        logger.info("created builtin model %s in %s", spec.name, target)
+
+    save_atomically(build, target)
+    return target
+
+
+def resolve_checkpoint(spec: FixedFamily, path: str, cache_dir: str | None) -> Path:
+    """A local directory holding the checkpoint: builtin, local path or hub id."""
+    if path.startswith("builtin:"):
+        name = path.removeprefix("builtin:")
+        family = name.removeprefix("tiny-")
+        if not name.startswith("tiny-") or family not in FAMILIES:
+            raise ValueError(f"unknown builtin model {path!r}; available: builtin:tiny-{', builtin:tiny-'.join(FAMILIES)}")
+        if family != spec.name:
+            raise ValueError(f"model.path {path!r} is a {family} model but model.family is {spec.name!r}")
+        return builtin_dir(spec, cache_dir)
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists() or path.startswith(("/", "./", "../")):
+        raise ValueError(f"model.path {path!r} is not a checkpoint directory")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
+
+
+def load_model(spec: FixedFamily, directory: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The vision tower and its projection (None where the checkpoint has none).
+
+    A full dual encoder is loaded whole and its text tower dropped, which works across
+    transformers versions whatever their weight-name layout; a vision-only checkpoint is
+    loaded as the class it was saved from.
+    """
+    config = json.loads((directory / "config.json").read_text())
+    model_type = config.get("model_type")
+    if spec.full_class is not None and model_type == spec.full_type:
+        full = _transformers(spec.full_class).from_pretrained(directory, dtype=dtype)
+        return full.vision_model, getattr(full, "visual_projection", None)
+    if model_type == spec.vision_type:
+        if spec.projected_class is not None and spec.projected_class in (config.get("architectures") or []):
+            model = _transformers(spec.projected_class).from_pretrained(directory, dtype=dtype)
+            return model.vision_model, model.visual_projection
+        if spec.projected_class is not None:
+            logger.warning("%s has no visual projection: embeddings are the tower's pooled features", directory)
+        return _transformers(spec.vision_class).from_pretrained(directory, dtype=dtype), None
+    expected = " or ".join(repr(t) for t in (spec.full_type, spec.vision_type) if t)
+    hint = next((f"; set model.family to {f.name!r}" for f in FAMILIES.values() if model_type in (f.full_type, f.vision_type)), "")
+    raise ValueError(f"checkpoint {directory} has model_type {model_type!r}; model.family {spec.name!r} expects {expected}{hint}")
+
+
+def _field(size: Any, name: str) -> Any:
+    """A key of a size spec, which transformers gives as a SizeDict or a plain dict."""
+    if size is None:
+        return None
+    return size.get(name) if isinstance(size, dict) else getattr(size, name, None)
+
+
+def _default_processor(spec: FixedFamily, image_size: int) -> Any:
+    """The family's processor for a checkpoint saved without one: the model's own input
+    size, and for DINOv2 its published 256 -> 224 crop with ImageNet statistics."""
+    cls = _transformers(spec.processor_class)
+    if spec.name == "siglip":
+        return cls(size={"height": image_size, "width": image_size})
+    if spec.name == "dinov2":
+        return cls(
+            size={"shortest_edge": 256}, crop_size={"height": 224, "width": 224}, image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD)
+        )
+    return cls(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+
+
+def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_tiles: int) -> FixedPreprocessor:
+    """The checkpoint's image processor settings as a picklable `FixedPreprocessor`.
+
+    Raises ValueError for settings that give no fixed input size (a resize without a
+    crop to a shortest edge) or that the model cannot take (CLIP and SigLIP need their
+    configured image size).
+    """
+    if (directory / "preprocessor_config.json").exists():
+        processor = _transformers("AutoImageProcessor").from_pretrained(directory)
+    else:
+        logger.warning("%s has no preprocessor_config.json; using %s defaults", directory, spec.processor_class)
+        processor = _default_processor(spec, int(vision_config.image_size))
+    size = processor.size if processor.do_resize else None
+    for unsupported in ("longest_edge", "max_height", "max_width"):
+        if _field(size, unsupported):
+            raise ValueError(f"{directory}: image processor size {unsupported!r} is not supported for {spec.name}")
+    shortest = _field(size, "shortest_edge")
+    resize_to = (int(_field(size, "height")), int(_field(size, "width"))) if _field(size, "height") else None
+    crop_size = processor.crop_size if getattr(processor, "do_center_crop", False) else None
+    crop = (int(_field(crop_size, "height")), int(_field(crop_size, "width"))) if crop_size is not None else None
+    input_size = crop or resize_to
+    if input_size is None:
+        raise ValueError(f"{directory}: the image processor gives no fixed input size (no crop and no height/width resize)")
+    patch = int(vision_config.patch_size)
+    if spec.name != "dinov2" and input_size != (int(vision_config.image_size),) * 2:
+        raise ValueError(f"{directory}: the processor makes {input_size} images but the model takes {vision_config.image_size}")
+    resample = int(processor.resample)
+    if resample not in INTERPOLATIONS:
+        raise ValueError(f"{directory}: resample={resample} has no torchvision tensor implementation; use 0, 1, 2 or 3")
+    return FixedPreprocessor(
+        family=spec.name,
+        shortest_edge=int(shortest) if shortest else None,
+        resize_to=resize_to,
+        crop=crop,
+        interpolation=INTERPOLATIONS[resample],
+        rescale=float(processor.rescale_factor) if processor.do_rescale else None,
+        mean=tuple(float(v) for v in processor.image_mean) if processor.do_normalize else None,
+        std=tuple(float(v) for v in processor.image_std) if processor.do_normalize else None,
+        input_size=input_size,
+        tokens_per_image=(input_size[0] // patch) * (input_size[1] // patch) + int(spec.cls_token),
+        max_tiles=max_tiles,
+    )
+
+
+def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: dict[str, Any]) -> FixedResAdapter:
+    """Load a fixed-resolution tower on `device` in `dtype`, with the job's pooling and tiling."""
+    spec = FAMILIES[family]
+    directory = resolve_checkpoint(spec, path, options.get("cache_dir"))
+    tower, projection = load_model(spec, directory, dtype)
+    tower = tower.to(device).eval().requires_grad_(False)
+    if projection is not None:
+        projection = projection.to(device).eval().requires_grad_(False)
+    pool = "patch_mean" if options.get("dinov2_pool") == "patch_mean" else "pooler"
+    if spec.name == "siglip" and not getattr(tower.config, "vision_use_head", True):
+        raise ValueError(f"checkpoint {directory} has no SigLIP pooling head (vision_use_head=false), so no image embedding")
+    max_tiles = int(options.get("max_tiles", 0)) if options.get("tiling") == "anyres" else 0
+    processing = load_processing(spec, directory, tower.config, max_tiles)
+    adapter = FixedResAdapter(spec, tower, projection, processing, device, dtype, path, pool, options.get("tile_combine", "concat"))
+    adapter.max_frames_per_video = int(options.get("video_max_frames", 0))
+    adapter.cache_dir = cache_root(options.get("cache_dir"))
+    return adapter

@@ -1,0 +1,274 @@
+"""CLIP, SigLIP and DINOv2 adapters: preprocessing and embedding parity with transformers,
+user checkpoints (full and vision-only), budgets in whole images, graph replay, and the
+two demo jobs end to end on the CPU."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import (
+    AutoImageProcessor,
+    CLIPModel,
+    CLIPVisionConfig,
+    CLIPVisionModel,
+    CLIPVisionModelWithProjection,
+    Dinov2Model,
+    SiglipModel,
+    SiglipVisionModel,
+)
+
+from embedjob.cli import main
+from embedjob.encoders import load_adapter
+from embedjob.encoders.fixed import BUILTIN_VISION, FAMILIES, builtin_dir
+from embedjob.graphs import BatchEncoder, GraphManager, build_encoder
+from embedjob.job import JobError
+from embedjob.packer import BudgetPlan
+
+from conftest import REPO, make_job, random_image, random_video
+
+SIZES = [(224, 224), (300, 500), (641, 479), (5, 900), (30, 30), (64, 65)]
+CPU = torch.device("cpu")
+
+
+def fixed_job(cache_dir: str, family: str, path: str | None = None, **sections: dict):
+    model = {"family": family, "path": path or f"builtin:tiny-{family}", **sections.pop("model", {})}
+    return make_job(cache_dir, model=model, **sections)
+
+
+@pytest.fixture(scope="module")
+def adapters(cache_dir: str) -> dict:
+    return {family: load_adapter(fixed_job(cache_dir, family), CPU) for family in FAMILIES}
+
+
+def _chw(image) -> torch.Tensor:
+    return torch.from_numpy(image.pixels).permute(2, 0, 1)
+
+
+def _reference_pixels(directory: Path, images: list) -> torch.Tensor:
+    processor = AutoImageProcessor.from_pretrained(directory)
+    return processor(images=[_chw(i) for i in images], return_tensors="pt")["pixel_values"]
+
+
+def _reference_features(family: str, directory: Path, pixels: torch.Tensor) -> torch.Tensor:
+    """What a transformers user gets: get_image_features (CLIP, SigLIP), the CLS output (DINOv2)."""
+    with torch.no_grad():
+        if family == "clip":
+            return CLIPModel.from_pretrained(directory).get_image_features(pixel_values=pixels).pooler_output
+        if family == "siglip":
+            return SiglipModel.from_pretrained(directory).get_image_features(pixel_values=pixels).pooler_output
+        return Dinov2Model.from_pretrained(directory)(pixel_values=pixels).pooler_output
+
+
+def _embed(adapter, media: list) -> torch.Tensor:
+    items = [adapter.preprocessor()(m) for m in media]
+    with torch.no_grad():
+        return torch.cat(adapter.split(adapter.forward(adapter.eager_inputs(items)), items))
+
+
+def _relative(ours: torch.Tensor, ref: torch.Tensor) -> list[float]:
+    return [float((a - b).norm() / b.norm()) for a, b in zip(ours, ref)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_image_preprocessing_equals_the_transformers_processor(adapters, cache_dir: str, family: str) -> None:
+    images = [random_image(h, w, seed=h + w) for h, w in SIZES]
+    items = [adapters[family].preprocessor()(i) for i in images]
+    ref = _reference_pixels(builtin_dir(FAMILIES[family], cache_dir), images)
+    assert torch.equal(torch.cat([i.tensors["pixel_values"] for i in items]), ref)
+    tokens = adapters[family].tokens_per_image
+    assert all(i.tokens == tokens and i.frames == 0 and i.modality == "image" for i in items)
+
+
+@pytest.mark.parametrize(
+    ("family", "changes"),
+    [
+        ("clip", {"size": {"shortest_edge": 60}, "resample": 2}),  # crop larger than the resize: black padding
+        ("dinov2", {"size": {"shortest_edge": 80}, "crop_size": {"height": 70, "width": 70}, "do_normalize": False}),
+        ("siglip", {"resample": 0, "image_mean": [0.4, 0.5, 0.6], "image_std": [0.2, 0.3, 0.4]}),
+    ],
+)
+def test_checkpoint_processor_settings_are_followed(tmp_path: Path, cache_dir: str, family: str, changes: dict) -> None:
+    directory = tmp_path / family
+    shutil.copytree(builtin_dir(FAMILIES[family], cache_dir), directory)
+    config_file = directory / "preprocessor_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **changes}))
+    adapter = load_adapter(fixed_job(cache_dir, family, str(directory)), CPU)
+    images = [random_image(h, w, seed=h) for h, w in SIZES[:4]]
+    ours = torch.cat([adapter.preprocessor()(i).tensors["pixel_values"] for i in images])
+    assert torch.equal(ours, _reference_pixels(directory, images))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_embeddings_equal_transformers_for_the_same_weights(adapters, cache_dir: str, family: str) -> None:
+    images = [random_image(h, w, seed=h * 7 + w) for h, w in SIZES]
+    directory = builtin_dir(FAMILIES[family], cache_dir)
+    ref = _reference_features(family, directory, _reference_pixels(directory, images))
+    ours = _embed(adapters[family], images)
+    assert ours.shape == ref.shape == (len(images), adapters[family].embed_dim)
+    assert max(_relative(ours, ref)) < 1e-5
+
+
+def test_dinov2_patch_mean_is_the_mean_of_the_final_patch_tokens(cache_dir: str) -> None:
+    adapter = load_adapter(fixed_job(cache_dir, "dinov2", model={"dinov2_pool": "patch_mean"}), CPU)
+    images = [random_image(120, 90, 1), random_image(300, 300, 2)]
+    directory = builtin_dir(FAMILIES["dinov2"], cache_dir)
+    with torch.no_grad():
+        hidden = Dinov2Model.from_pretrained(directory)(pixel_values=_reference_pixels(directory, images)).last_hidden_state
+    assert max(_relative(_embed(adapter, images), hidden[:, 1:].mean(dim=1))) < 1e-5
+
+
+def test_video_gives_one_embedding_per_frame_equal_to_the_frame_as_an_image(adapters) -> None:
+    adapter = adapters["siglip"]
+    video = random_video(5, 90, 160, seed=3)
+    item = adapter.preprocessor()(video)
+    assert (item.frames, item.modality, item.tokens) == (5, "video", 5 * adapter.tokens_per_image)
+    frames = [SimpleNamespace(pixels=np.ascontiguousarray(frame)) for frame in video.frames]
+    per_frame = torch.cat([adapter.preprocessor()(f).tensors["pixel_values"] for f in frames])
+    assert torch.equal(item.tensors["pixel_values"], per_frame)
+    rows = _embed(adapter, [video])
+    assert rows.shape == (5, adapter.embed_dim)
+    assert torch.allclose(rows, _embed(adapter, frames), rtol=1e-5, atol=1e-6)
+
+
+def test_vision_only_checkpoints_load_with_and_without_projection(tmp_path: Path, cache_dir: str) -> None:
+    directory = builtin_dir(FAMILIES["clip"], cache_dir)
+    full = CLIPModel.from_pretrained(directory)
+    images = [random_image(100, 140, 5), random_image(64, 64, 6)]
+    pixels = _reference_pixels(directory, images)
+
+    projected = CLIPVisionModelWithProjection(CLIPVisionConfig(**BUILTIN_VISION["clip"], projection_dim=48))
+    projected.vision_model.load_state_dict(full.vision_model.state_dict())
+    projected.visual_projection.load_state_dict(full.visual_projection.state_dict())
+    projected.save_pretrained(tmp_path / "projected")
+    plain = CLIPVisionModel(CLIPVisionConfig(**BUILTIN_VISION["clip"]))
+    plain.load_state_dict(full.vision_model.state_dict())
+    plain.save_pretrained(tmp_path / "plain")
+    for name in ("projected", "plain"):
+        shutil.copy(directory / "preprocessor_config.json", tmp_path / name)
+
+    with torch.no_grad():
+        features = full.get_image_features(pixel_values=pixels).pooler_output
+        pooled = full.vision_model(pixel_values=pixels).pooler_output
+    ours = load_adapter(fixed_job(cache_dir, "clip", str(tmp_path / "projected")), CPU)
+    assert ours.embed_dim == 48 and max(_relative(_embed(ours, images), features)) < 1e-5
+    tower_only = load_adapter(fixed_job(cache_dir, "clip", str(tmp_path / "plain")), CPU)
+    assert tower_only.embed_dim == 64 and max(_relative(_embed(tower_only, images), pooled)) < 1e-5
+
+
+def test_siglip_vision_only_checkpoint_without_processor_config(tmp_path: Path, cache_dir: str, adapters) -> None:
+    """A tower saved alone, without preprocessor_config.json: the family's processor at the model's size."""
+    full = SiglipModel.from_pretrained(builtin_dir(FAMILIES["siglip"], cache_dir))
+    vision = SiglipVisionModel(full.config.vision_config)
+    vision.load_state_dict(full.vision_model.state_dict())
+    vision.save_pretrained(tmp_path / "vision")
+    adapter = load_adapter(fixed_job(cache_dir, "siglip", str(tmp_path / "vision")), CPU)
+    images = [random_image(80, 200, 8), random_image(40, 40, 9)]
+    assert torch.allclose(_embed(adapter, images), _embed(adapters["siglip"], images), rtol=1e-5, atol=1e-6)
+
+
+def test_builtin_model_is_made_once_and_reloaded_identically(adapters, cache_dir: str) -> None:
+    directory = builtin_dir(FAMILIES["clip"], cache_dir)
+    stamp = (directory / "config.json").stat().st_mtime_ns
+    again = load_adapter(fixed_job(cache_dir, "clip"), CPU)
+    assert (directory / "config.json").stat().st_mtime_ns == stamp
+    for (name, a), b in zip(adapters["clip"].tower.state_dict().items(), again.tower.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(adapters["clip"].projection.weight, again.projection.weight)
+
+
+def test_wrong_family_or_builtin_is_a_clear_error(cache_dir: str) -> None:
+    directory = str(builtin_dir(FAMILIES["dinov2"], cache_dir))
+    with pytest.raises(ValueError, match="model_type 'dinov2'.*set model.family to 'dinov2'"):
+        load_adapter(fixed_job(cache_dir, "clip", directory), CPU)
+    with pytest.raises(ValueError, match="is a siglip model but model.family is 'clip'"):
+        load_adapter(fixed_job(cache_dir, "clip", "builtin:tiny-siglip"), CPU)
+    with pytest.raises(JobError, match="model.dinov2_pool applies to model.family 'dinov2' only"):
+        fixed_job(cache_dir, "clip", model={"dinov2_pool": "patch_mean"})
+
+
+def test_budgets_are_whole_images_and_one_below_an_image_is_refused(adapters, cache_dir: str) -> None:
+    adapter = adapters["clip"]
+    auto = build_encoder(fixed_job(cache_dir, "clip"), adapter, CPU)
+    assert all(b % 17 == 0 for b in auto.manager.plan.token_budgets) and auto.manager.plan.token_budgets[0] == 17
+    user = build_encoder(fixed_job(cache_dir, "clip", batching={"token_budgets": [40, 100], "max_items_per_batch": 2}), adapter, CPU)
+    assert user.manager.plan.token_budgets == (34, 85)
+    with pytest.raises(JobError, match="smaller than one image, which is 17 tokens"):
+        build_encoder(fixed_job(cache_dir, "clip", batching={"token_budgets": [16, 64], "max_items_per_batch": 1}), adapter, CPU)
+
+
+def test_replay_equals_padded_eager_bitwise_and_unpadded_eager_closely(adapters) -> None:
+    adapter = adapters["dinov2"]
+    t = adapter.tokens_per_image
+    manager = GraphManager(adapter, BudgetPlan((t, 4 * t, 16 * t), max_items=8, max_frames=16), "replay")
+    manager.capture()
+    items = [adapter.preprocessor()(m) for m in (random_image(90, 60, 1), random_video(3, 50, 80, 2), random_image(20, 20, 3))]
+    budget = 16 * t
+    replayed = torch.cat(manager.run(items, budget))
+    padded = manager.run_padded_eager(items, budget)
+    assert replayed.shape == (5, adapter.embed_dim) and padded.shape == (16, adapter.embed_dim)
+    assert torch.equal(replayed, padded[:5]) and torch.isfinite(padded).all()
+    with torch.no_grad():
+        eager = adapter.forward(adapter.eager_inputs(items))
+    assert torch.allclose(replayed, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_encoder_counts_hits_misses_and_padding_in_tokens(adapters) -> None:
+    adapter = adapters["clip"]
+    t = adapter.tokens_per_image
+    plan = BudgetPlan((t, 2 * t, 4 * t), max_items=4, max_frames=8)
+    manager = GraphManager(adapter, plan, "replay")
+    manager.capture()
+    media = [random_image(50, 50, 1), random_image(70, 30, 2), random_video(3, 40, 40, 3), random_video(6, 40, 40, 4)]
+    items = [adapter.preprocessor()(m) for m in media]
+    results, failures = BatchEncoder(manager, "greedy").encode(items, lambda rows: rows.mean(0))
+    assert failures == [None] * 4 and all(r.shape == (adapter.embed_dim,) for r in results)
+    stats = manager.stats
+    assert (stats.hits, stats.misses) == (3, 1)  # the 6-frame video is 6 images > the 4-image budget
+    assert stats.real_tokens == 11 * t and stats.padding_waste % t == 0
+
+
+def run(job: str, out: Path, cache_dir: str, *extra: str) -> int:
+    args = ["run", str(REPO / "jobs" / job), "--set", f"output.path={out}", "--set", f"runtime.cache_dir={cache_dir}"]
+    return main([*args, "--set", "runtime.workers=0", "--set", "runtime.progress=false", *extra])
+
+
+def read(out: Path) -> list[dict]:
+    return pq.read_table(sorted(out.glob("part-*.parquet"))).to_pylist()
+
+
+def test_clip_demo_job_writes_projected_vectors_for_every_good_row(tmp_path: Path, cache_dir: str) -> None:
+    assert run("demo-clip.yaml", tmp_path, cache_dir) == 0
+    rows = read(tmp_path)
+    assert [r["row"] for r in rows] == list(range(12))
+    good = [r for r in rows if r["error"] is None]
+    assert len(good) == 10 and all(len(r["embedding"]) == 48 and r["tokens"] == 17 and r["frames"] == 0 for r in good)
+    assert rows[10]["error"].startswith("truncated: ") and rows[11]["error"].startswith("unknown_format: ")
+    vectors = np.array([r["embedding"] for r in good], dtype=np.float32)
+    assert np.isfinite(vectors).all() and len({v.tobytes() for v in vectors}) == 10
+    stats = json.loads((tmp_path / "stats-00000.json").read_text())
+    assert (stats["graph_hits"], stats["graph_misses"], stats["errors"]) == (10, 0, 2)
+    assert all(b % 17 == 0 for b in stats["token_budgets"])
+
+
+def test_siglip_video_demo_pools_frames_by_mean_or_keeps_them(tmp_path: Path, cache_dir: str) -> None:
+    assert run("demo-siglip-video.yaml", tmp_path / "mean", cache_dir, "--set", "output.dtype=float32") == 0
+    assert run("demo-siglip-video.yaml", tmp_path / "none", cache_dir, "--set", "output.dtype=float32",
+               "--set", "output.pooling=none") == 0
+    pooled, frames = read(tmp_path / "mean"), read(tmp_path / "none")
+    assert [r["error"] is None for r in pooled] == [True] * 6 + [False] * 3
+    videos = [r for r in frames if r["modality"] == "video" and r["error"] is None]
+    assert len(videos) == 5 and any(r["frames"] > 1 for r in videos)
+    for mean_row, frame_row in zip(pooled, frames):
+        if frame_row["error"] is not None:
+            continue
+        per_frame = np.array(frame_row["embedding"], dtype=np.float32)
+        views = max(frame_row["frames"], 1)
+        assert per_frame.shape == (views, 64) and frame_row["tokens"] == views * 16
+        assert np.allclose(np.array(mean_row["embedding"]), per_frame.mean(axis=0), rtol=1e-5, atol=1e-6)

@@ -226,7 +226,7 @@ def test_bad_images_are_typed_errors(name: str) -> None:
 SHARED_BAD = {
     "decord_corrupted.mp4": {"auto": "corrupt", "video": "corrupt", "image": "not_an_image"},
     "derived_jpeg_half.jpg": {"auto": "truncated", "video": "not_a_video", "image": "truncated"},
-    "derived_mkv_truncated.mkv": {"auto": "video", "video": "video", "image": "not_an_image"},
+    "derived_mkv_truncated.mkv": {"auto": "truncated", "video": "truncated", "image": "not_an_image"},
     "derived_mp4_as_jpg.jpg": {"auto": "video", "video": "video", "image": "not_an_image"},
     "derived_text_as_mp4.mp4": {"auto": "unknown_format", "video": "unknown_format", "image": "unknown_format"},
     "derived_zero_length.mp4": {"auto": "empty", "video": "empty", "image": "empty"},

@@ -1,7 +1,20 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite on this machine (no GPU needed;
 # tests/test_gpu.py runs only where CUDA is present).
+#
+# As root with apt (CI: .ci/run), a single-node SLURM is brought up first for
+# tests/test_slurm.py (scripts/slurm-up.sh, ~5 s) and stopped afterwards; elsewhere, or
+# with EMBEDJOB_TEST_SLURM=0, those tests are skipped. A cluster that already answers
+# is used as it is and left running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+slurm_up() { timeout 10 scontrol ping 2>/dev/null | grep -q "is UP"; }
+if [ "${EMBEDJOB_TEST_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! slurm_up; then
+  if scripts/slurm-up.sh; then
+    trap 'scripts/slurm-down.sh' EXIT
+  else
+    echo "test.sh: SLURM could not be brought up; tests/test_slurm.py will skip its cluster test" >&2
+  fi
+fi
+.venv/bin/python -m pytest -q "$@"

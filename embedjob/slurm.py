@@ -1,0 +1,544 @@
+"""SLURM: an sbatch array script per job, its submission, and the status of an output.
+
+One array task per shard, and the array index IS the shard index, so `squeue`, the
+log names (`<output>/logs/shard-SSSSS-job-J.log`) and the output files
+(`part-SSSSS-*`) all use the same number. Each task runs `embedjob run JOB --shard
+I/N` with the submitter's Python and the job's `--set` overrides, from the directory
+`embedjob submit` ran in, so relative paths mean what they meant there. The task
+passes N explicitly: `SLURM_ARRAY_TASK_COUNT` is the number of tasks submitted, which
+after a partial resubmission is not the number of shards.
+
+Resubmission submits only shards without `_SUCCESS` that no earlier submission of this
+output still has queued or running; with `--requeue`, SLURM itself restarts a task
+after a node failure or pre-emption, and the task resumes from its manifest.
+
+Every submission is recorded in `<output>/slurm-job.json`, so `embedjob status` can ask
+SLURM (`scontrol show job`) about the tasks; without SLURM it reports from the files.
+Status states: done (`_SUCCESS`), running, pending (queued or requeued), failed (SLURM
+says the task ended, or no longer knows the job, and there is no `_SUCCESS`), and
+unfinished (not done, and no scheduler says more: run by hand, or SLURM not reachable).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shlex
+import shutil
+import site
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import embedjob
+from embedjob import reader
+from embedjob.checkpoint import (
+    Checkpoint,
+    ShardProgress,
+    load_manifest,
+    manifest_changes,
+    shard_progress,
+    shards_in,
+    success_name,
+)
+from embedjob.job import Job, JobError, load_job
+from embedjob.writer import write_json
+
+logger = logging.getLogger(__name__)
+
+RECORD_NAME = "slurm-job.json"
+LOG_PATTERN = "shard-%5a-job-%A.log"
+SLURM_TIMEOUT_S = 30
+
+RUNNING_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SIGNALING", "STAGE_OUT", "SUSPENDED", "STOPPED", "RESIZING"}
+PENDING_STATES = {"PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
+STATES = ("done", "running", "pending", "failed", "unfinished")
+
+# Characters an #SBATCH value may hold: sbatch splits those lines on whitespace and
+# does its own quote handling, so anything else is refused rather than guessed at.
+_SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:+=@%/\[\]-]+$")
+
+
+@dataclass(frozen=True)
+class SubmitOptions:
+    """What `embedjob submit` asks of SLURM besides the job itself."""
+
+    num_shards: int
+    gpus_per_task: int = 0
+    partition: str | None = None
+    time: str | None = None
+    cpus_per_task: int | None = None
+    sbatch_options: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TaskCommand:
+    """How each array task runs its shard: which Python, job file, overrides, and where.
+
+    Paths are absolute, so the script means the same thing wherever sbatch runs it.
+    """
+
+    job_file: Path
+    overrides: tuple[str, ...]
+    output: Path
+    workdir: Path
+    python: str
+    python_path: str | None
+    job_name: str
+
+
+@dataclass
+class Submission:
+    """The outcome of `submit`: the shards submitted (none when nothing was left)."""
+
+    shards: list[int]
+    done: list[int]
+    active: dict[int, str]
+    script: str | None = None
+    script_path: Path | None = None
+    job_id: str | None = None
+
+
+@dataclass
+class ShardStatus:
+    """One shard of an output: its state, its rows (None: not known yet), SLURM's view."""
+
+    shard: int
+    state: str
+    rows: int | None
+    committed: int
+    errors: int
+    slurm_task: str | None = None
+    slurm_state: str | None = None
+
+
+@dataclass
+class OutputStatus:
+    """Every shard of an output; `scheduler` says where the SLURM states came from."""
+
+    output: Path
+    num_shards: int
+    shards: list[ShardStatus]
+    scheduler: str
+    job_ids: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        return {state: sum(s.state == state for s in self.shards) for state in STATES}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["output"] = str(self.output)
+        data["counts"] = self.counts()
+        data["rows"] = sum(s.rows or 0 for s in self.shards)
+        data["committed"] = sum(s.committed for s in self.shards)
+        return data
+
+
+# ---------------------------------------------------------------- the script
+
+
+def array_spec(indices: list[int]) -> str:
+    """`--array` value for sorted, distinct indices, runs collapsed: [0,1,2,5,7,8] -> '0-2,5,7-8'."""
+    if not indices:
+        raise ValueError("an array needs at least one index")
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def parse_array_spec(text: str) -> list[int]:
+    """The indices an `ArrayTaskId` names: '2-3', '0,4-6', '0-7%2' (limit), '0-9:3' (step)."""
+    indices: list[int] = []
+    for item in text.split("%")[0].split(","):
+        bounds, _, step = item.partition(":")
+        first, _, last = bounds.partition("-")
+        indices.extend(range(int(first), int(last or first) + 1, int(step or 1)))
+    return indices
+
+
+def render_script(task: TaskCommand, shards: list[int], options: SubmitOptions) -> str:
+    """The sbatch script: one array task per shard in `shards`.
+
+    GPU lines appear only when `options.gpus_per_task` > 0 (a GPU request on a node
+    without GPUs is refused at submission). Raises JobError for values sbatch could
+    not take safely from an `#SBATCH` line.
+    """
+    directives = [
+        f"--job-name={task.job_name}",
+        f"--array={array_spec(shards)}",
+        "--ntasks=1",
+        "--requeue",
+        # A requeued task appends to its log instead of wiping the first attempt's.
+        "--open-mode=append",
+        f"--output={_sbatch_value(str(task.output / 'logs' / LOG_PATTERN), 'output.path')}",
+        f"--chdir={_sbatch_value(str(task.workdir), 'the working directory')}",
+    ]
+    if options.partition:
+        directives.append(f"--partition={_sbatch_value(options.partition, '--partition')}")
+    if options.time:
+        directives.append(f"--time={_sbatch_value(options.time, '--time')}")
+    if options.cpus_per_task is not None:
+        directives.append(f"--cpus-per-task={options.cpus_per_task}")
+    if options.gpus_per_task > 0:
+        directives.append(f"--gpus-per-task={options.gpus_per_task}")
+    for extra in options.sbatch_options:
+        if not extra.startswith("-") or any(c in extra for c in "\n\r\0"):
+            raise JobError(f"--sbatch-option {extra!r} must be one sbatch option, e.g. --sbatch-option=--account=proj")
+        directives.append(extra)
+    run = shlex.join([task.python, "-m", "embedjob.cli", "run", str(task.job_file)])
+    # The only word bash may expand: the task id.
+    shard = f'--shard "${{SLURM_ARRAY_TASK_ID}}/{options.num_shards}"'
+    overrides = "".join(f" --set {shlex.quote(o)}" for o in task.overrides)
+    lines = [
+        "#!/bin/bash",
+        f"# embedjob: {options.num_shards} shards of {task.job_file}; written by `embedjob submit`.",
+        "# Array index = shard index. Resubmit with `embedjob submit` to run what is unfinished.",
+        *(f"#SBATCH {d}" for d in directives),
+        "set -euo pipefail",
+        "export PYTHONUNBUFFERED=1",
+    ]
+    if task.python_path:
+        lines.append(f"export PYTHONPATH={shlex.quote(task.python_path)}${{PYTHONPATH:+:$PYTHONPATH}}")
+    lines.append('echo "embedjob: shard ${SLURM_ARRAY_TASK_ID} on $(hostname), attempt $((${SLURM_RESTART_COUNT:-0} + 1))" >&2')
+    lines.append(f"exec {run} {shard}{overrides}")
+    return "\n".join(lines) + "\n"
+
+
+def _sbatch_value(value: str, what: str) -> str:
+    if not _SBATCH_SAFE.match(value):
+        raise JobError(
+            f"{what} {value!r} cannot go into an #SBATCH line (spaces, quotes and shell characters are not allowed there)"
+        )
+    return value
+
+
+def task_command(job_file: str | Path, overrides: list[str], job: Job) -> TaskCommand:
+    """The task command for `job`, run by this Python from the current directory."""
+    workdir = Path.cwd()
+    package_root = str(Path(embedjob.__file__).resolve().parent.parent)
+    installed = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(job_file).stem) or "job"
+    return TaskCommand(
+        job_file=(workdir / job_file).resolve(),
+        overrides=tuple(overrides),
+        output=output_dir(job),
+        workdir=workdir,
+        python=sys.executable,
+        # Run from a source tree (or an editable install), the tasks must import the
+        # same embedjob as the submitter, whatever their working directory.
+        python_path=None if package_root in installed else package_root,
+        job_name=f"embedjob-{name}",
+    )
+
+
+def output_dir(job: Job) -> Path:
+    if "://" in job.output.path:
+        raise JobError(f"output.path {job.output.path!r} must be a local or mounted directory")
+    return (Path.cwd() / job.output.path).resolve()
+
+
+# ---------------------------------------------------------------- submission
+
+
+def submit(
+    job_file: str | Path, overrides: list[str], options: SubmitOptions, dry_run: bool = False
+) -> Submission:
+    """Submit the shards of a job that are neither done nor still queued or running.
+
+    The job and its input are checked first (bad spec, unreadable input, output of a
+    different job: JobError), so a mistake costs no queue time. The tasks run a copy
+    of the job file kept under `<output>/logs/`. With `dry_run` the script is rendered
+    (naming the job file itself) and nothing is written or submitted.
+    """
+    if options.num_shards < 1:
+        raise JobError(f"--shards must be >= 1, got {options.num_shards}")
+    if options.gpus_per_task < 0:
+        raise JobError(f"--gpus-per-task must be >= 0, got {options.gpus_per_task}")
+    if options.cpus_per_task is not None and options.cpus_per_task < 1:
+        raise JobError(f"--cpus-per-task must be >= 1, got {options.cpus_per_task}")
+    job = load_job(job_file, overrides)
+    task = task_command(job_file, overrides, job)
+    ranges = shard_ranges(job, options.num_shards)
+    _refuse_other_job(job, task.output, ranges)
+    done = [s for s in range(options.num_shards) if (task.output / success_name(s)).exists()]
+    active = _active_shards(task.output, options.num_shards)
+    todo = [s for s in range(options.num_shards) if s not in done and s not in active]
+    result = Submission(todo, done, active)
+    if not todo:
+        return result
+    if dry_run:
+        result.script = render_script(task, todo, options)
+        return result
+    if shutil.which("sbatch") is None:
+        raise RuntimeError("sbatch is not on PATH: run `embedjob submit` where SLURM is installed, or use --dry-run")
+    _check_array_size(todo[-1])
+    logs = task.output / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    # Tasks may start hours later: they read a copy of the job file as it is now, so an
+    # edit in the meantime cannot make one output out of two different jobs.
+    snapshot = logs / f"job-{stamp}.yaml"
+    shutil.copyfile(task.job_file, snapshot)
+    result.script = render_script(replace(task, job_file=snapshot), todo, options)
+    result.script_path = logs / f"submit-{stamp}.sbatch"
+    result.script_path.write_text(result.script)
+    result.job_id = _sbatch(result.script_path, task.workdir)
+    _record(task, options, result, ranges, snapshot)
+    logger.info("submitted job %s: shards %s of %d", result.job_id, array_spec(todo), options.num_shards)
+    return result
+
+
+def shard_ranges(job: Job, num_shards: int) -> list[tuple[int, int]]:
+    """Global row range [first, end) of each shard, as `embedjob run --shard` computes it."""
+    fragments = reader.list_fragments(job.input)
+    shards = reader.assign_shards(fragments, num_shards)
+    if num_shards > len(fragments):
+        logger.warning(
+            "%d shards but the input has %d row groups: %d shards will have no rows",
+            num_shards, len(fragments), num_shards - len(fragments),
+        )
+    return [(s[0].first_row, s[-1].first_row + s[-1].num_rows) if s else (0, 0) for s in shards]
+
+
+def _refuse_other_job(job: Job, output: Path, ranges: list[tuple[int, int]]) -> None:
+    """Every task would refuse to resume into output of another job: say so now, once."""
+    from embedjob.runner import job_fingerprint  # torch-heavy; only submission needs it
+
+    fingerprint = job_fingerprint(job)
+    for shard in sorted(shards_in(output)):
+        manifest = load_manifest(output, shard)
+        if manifest is None:
+            continue
+        first, end = ranges[shard] if shard < len(ranges) else (None, None)
+        expected = Checkpoint(output, shard, len(ranges), first, end, job.output.rows_per_part, fingerprint)
+        changes = manifest_changes(manifest, expected)
+        if changes:
+            raise JobError(
+                f"output {output} holds shard {shard} of a different job ({'; '.join(changes)}); "
+                "use a new output.path, or remove the old output first"
+            )
+
+
+def _active_shards(output: Path, num_shards: int) -> dict[int, str]:
+    """Shards an earlier submission still has queued or running, with their task ids."""
+    status = output_status(output) if (output / RECORD_NAME).exists() else None
+    if status is None:
+        return {}
+    active = {s.shard: s.slurm_task or "" for s in status.shards if s.state in ("running", "pending")}
+    if active and status.num_shards != num_shards:
+        raise JobError(
+            f"job {', '.join(status.job_ids)} still runs {status.num_shards} shards on {output}; "
+            f"cancel it (scancel) before submitting {num_shards} shards"
+        )
+    return active
+
+
+def _check_array_size(largest: int) -> None:
+    """Array indices must stay below the cluster's MaxArraySize (1001 by default); sbatch
+    itself only answers "Invalid job array specification"."""
+    try:
+        config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    match = re.search(r"^MaxArraySize\s*=\s*(\d+)", config.stdout, re.MULTILINE)
+    if match and largest >= int(match.group(1)):
+        raise JobError(
+            f"shard index {largest} is beyond this cluster's MaxArraySize ({match.group(1)}): array indices are shard "
+            f"indices, so use --shards {match.group(1)} or fewer (larger shards), or ask for a larger MaxArraySize"
+        )
+
+
+def _sbatch(script: Path, workdir: Path) -> str:
+    try:
+        done = subprocess.run(
+            ["sbatch", "--parsable", str(script)],
+            cwd=workdir, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"sbatch did not answer within {SLURM_TIMEOUT_S} s; is slurmctld up (scontrol ping)?") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"sbatch failed: {done.stderr.strip() or done.stdout.strip()}")
+    job_id = done.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise RuntimeError(f"sbatch answered {done.stdout.strip()!r}, not a job id")
+    return job_id
+
+
+def _record(
+    task: TaskCommand, options: SubmitOptions, result: Submission, ranges: list[tuple[int, int]], snapshot: Path
+) -> None:
+    record = read_record(task.output)
+    record.setdefault("submissions", []).append(
+        {
+            "job_id": result.job_id,
+            "num_shards": options.num_shards,
+            "shards": result.shards,
+            "array": array_spec(result.shards),
+            "script": str(result.script_path),
+            "job_file": str(task.job_file),
+            "job_snapshot": str(snapshot),
+            "overrides": list(task.overrides),
+            "submitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+    )
+    record["num_shards"] = options.num_shards
+    record["shard_rows"] = [end - first for first, end in ranges]
+    write_json(task.output / RECORD_NAME, record)
+
+
+def read_record(output: Path) -> dict[str, Any]:
+    """`<output>/slurm-job.json`, or an empty record when there is none."""
+    path = output / RECORD_NAME
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise JobError(f"cannot read {path} ({exc}); remove it to forget earlier submissions") from None
+    if not isinstance(record, dict):
+        raise JobError(f"{path} is not an embedjob submission record; remove it to forget earlier submissions")
+    return record
+
+
+# ---------------------------------------------------------------- status
+
+
+def output_status(output: Path) -> OutputStatus:
+    """The state of every shard of `output`, from its files and (if it can) from SLURM."""
+    output = Path(output)
+    if not output.is_dir():
+        raise JobError(f"output {output} does not exist")
+    record = read_record(output)
+    progress = {s: shard_progress(output, s) for s in shards_in(output)}
+    num_shards = _num_shards(output, record, progress)
+    owner = _latest_task(record)
+    slurm = _ask_slurm(sorted(set(owner.values())))
+    known_rows = record.get("shard_rows") if record.get("num_shards") == num_shards else None
+    shards = []
+    for shard in range(num_shards):
+        p = progress.get(shard) or ShardProgress(shard, None, None, 0, 0, 0, False)
+        rows = p.rows if p.rows is not None else (known_rows[shard] if known_rows else None)
+        job_id = owner.get(shard)
+        slurm_state = slurm.state(job_id, shard) if job_id else None
+        task = f"{job_id}_{shard}" if job_id else None
+        shards.append(ShardStatus(shard, _classify(p.done, slurm_state), rows, p.committed, p.errors, task, slurm_state))
+    job_ids = [str(s["job_id"]) for s in record.get("submissions", [])]
+    return OutputStatus(output, num_shards, shards, slurm.source, job_ids)
+
+
+def _num_shards(output: Path, record: dict[str, Any], progress: dict[int, Any]) -> int:
+    if record.get("num_shards"):
+        return int(record["num_shards"])
+    counts = {p.num_shards for p in progress.values() if p.num_shards is not None}
+    if len(counts) > 1:
+        raise JobError(f"the manifests in {output} disagree on the number of shards ({sorted(counts)})")
+    if not counts:
+        raise JobError(f"{output} holds no embedjob shards (no manifest-*.json and no {RECORD_NAME})")
+    return counts.pop()
+
+
+def _latest_task(record: dict[str, Any]) -> dict[int, str]:
+    """For each shard, the job id of the latest submission that ran it."""
+    owner: dict[int, str] = {}
+    for submission in record.get("submissions", []):
+        if submission.get("num_shards") == record.get("num_shards"):
+            for shard in submission.get("shards", []):
+                owner[shard] = str(submission["job_id"])
+    return owner
+
+
+def _classify(done: bool, slurm_state: str | None) -> str:
+    if done:
+        return "done"
+    if slurm_state in RUNNING_STATES:
+        return "running"
+    if slurm_state in PENDING_STATES:
+        return "pending"
+    if slurm_state is None:
+        return "unfinished"
+    return "failed"
+
+
+@dataclass
+class SlurmView:
+    """What SLURM says about the recorded jobs: the state of each array task by
+    (job id, index), the jobs it no longer knows, and where the information came from."""
+
+    states: dict[tuple[str, int], str] = field(default_factory=dict)
+    gone: set[str] = field(default_factory=set)
+    source: str = "files"
+
+    def state(self, job_id: str, index: int) -> str | None:
+        """A task's state; "GONE" once SLURM forgot the job (controllers forget only
+        finished jobs); None when SLURM was not asked or did not answer."""
+        if job_id in self.gone:
+            return "GONE"
+        return self.states.get((job_id, index))
+
+
+def _ask_slurm(job_ids: list[str]) -> SlurmView:
+    if not job_ids:
+        return SlurmView()
+    if shutil.which("scontrol") is None:
+        return SlurmView(source="files (scontrol not found)")
+    view = SlurmView(source="scontrol")
+    for job_id in job_ids:
+        try:
+            done = subprocess.run(
+                ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            return SlurmView(source="files (scontrol timed out)")
+        if done.returncode != 0:
+            if "Invalid job id" in done.stderr:
+                view.gone.add(job_id)
+                continue
+            last = done.stderr.strip().splitlines()[-1:] or ["failed"]
+            return SlurmView(source=f"files ({last[0]})")
+        for line in done.stdout.splitlines():
+            view.states.update(_task_states(line))
+    return view
+
+
+def _task_states(line: str) -> dict[tuple[str, int], str]:
+    """States named by one `scontrol show job -o` record (pending tasks share one record)."""
+    fields = dict(re.findall(r"(\w+)=(\S*)", line))
+    if "ArrayJobId" not in fields or "ArrayTaskId" not in fields or "JobState" not in fields:
+        return {}
+    return {(fields["ArrayJobId"], index): fields["JobState"] for index in parse_array_spec(fields["ArrayTaskId"])}
+
+
+def format_status(status: OutputStatus) -> str:
+    """A summary line, then one line per shard (shard, state, rows committed/total, SLURM task)."""
+    counts = status.counts()
+    total = sum(s.rows or 0 for s in status.shards)
+    committed = sum(s.committed for s in status.shards)
+    unknown = any(s.rows is None for s in status.shards)
+    lines = [
+        f"{status.output}: {status.num_shards} shards: "
+        + ", ".join(f"{counts[state]} {state}" for state in STATES)
+        + f"; {committed} of {total}{'+' if unknown else ''} rows committed (from {status.scheduler})",
+        f"{'shard':>5}  {'state':<10} {'rows':>17}  {'errors':>6}  slurm",
+    ]
+    for s in status.shards:
+        rows = f"{s.committed}/{'?' if s.rows is None else s.rows}"
+        slurm = f"{s.slurm_task} {s.slurm_state}" if s.slurm_task else "-"
+        lines.append(f"{s.shard:>5}  {s.state:<10} {rows:>17}  {s.errors:>6}  {slurm}")
+    for s in status.shards:
+        if s.state == "failed" and s.slurm_task:
+            lines.append(f"shard {s.shard} failed; its log: {log_path(status.output, s.slurm_task)}")
+    return "\n".join(lines)
+
+
+def log_path(output: Path, slurm_task: str) -> Path:
+    """The log file of array task `JOB_INDEX`, as the script's --output names it."""
+    job_id, _, index = slurm_task.partition("_")
+    return output / "logs" / LOG_PATTERN.replace("%5a", f"{int(index):05d}").replace("%A", job_id)

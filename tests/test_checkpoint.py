@@ -1,0 +1,215 @@
+"""The checkpoint on its own (no model): what a restart keeps, what it removes as debris
+of a killed run, what it refuses, and the lock that keeps two runs off one shard."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from embedjob.checkpoint import (
+    Checkpoint,
+    PartRecord,
+    lock_name,
+    manifest_name,
+    open_checkpoint,
+    shard_progress,
+    shards_in,
+    success_name,
+)
+from embedjob.job import JobError
+from embedjob.writer import TMP_MARK, part_name, stats_name
+
+from conftest import REPO
+
+FINGERPRINT = {"model": {"family": "qwen2_5_vl", "path": "builtin:tiny-qwen2_5_vl"}, "pooling": "mean"}
+
+
+def start(directory: Path, shard: int = 0, first: int = 100, end: int = 110, per_part: int = 4,
+          fingerprint: dict | None = None, overwrite: bool = False, num_shards: int = 2) -> Checkpoint:
+    return open_checkpoint(directory, shard, num_shards, first, end, per_part, fingerprint or FINGERPRINT, overwrite)
+
+
+def commit(cp: Checkpoint, count: int) -> None:
+    """Commit the next `count` parts as the runner does: file renamed into place, then recorded."""
+    for _ in range(count):
+        part = cp.next_part
+        first, end = cp.part_bounds(part)
+        name = part_name(cp.shard, part)
+        (cp.directory / name).write_bytes(b"parquet")
+        cp.commit(PartRecord(part, name, first, end, errors=part % 2))
+
+
+def complete(cp: Checkpoint) -> None:
+    while cp.resume_row < cp.end_row:
+        commit(cp, 1)
+    cp.finish({"rows": cp.end_row - cp.first_row})
+
+
+def names(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+def test_parts_are_aligned_to_the_shard_and_a_restart_resumes_after_the_last_committed(tmp_path: Path) -> None:
+    cp = start(tmp_path)
+    assert (cp.resume_row, [cp.part_bounds(k) for k in range(3)]) == (100, [(100, 104), (104, 108), (108, 110)])
+    commit(cp, 2)
+    del cp
+    again = start(tmp_path)
+    assert (again.resume_row, again.next_part, len(again.parts)) == (108, 2, 2)
+    manifest = json.loads((tmp_path / manifest_name(0)).read_text())
+    assert [(p["first_row"], p["end_row"]) for p in manifest["parts"]] == [(100, 104), (104, 108)]
+
+
+def test_a_part_out_of_order_is_refused(tmp_path: Path) -> None:
+    cp = start(tmp_path)
+    with pytest.raises(ValueError, match="out of order"):
+        cp.commit(PartRecord(1, part_name(0, 1), 104, 108, 0))
+
+
+def test_restart_removes_temporaries_and_unlisted_parts_of_its_shard_only(tmp_path: Path) -> None:
+    cp = start(tmp_path)
+    commit(cp, 1)
+    cp.lock.release()
+    debris = {
+        f".{part_name(0, 1)}{TMP_MARK}123",  # killed while writing part 1
+        part_name(0, 1),  # killed between the rename and the manifest update
+        f".{manifest_name(0)}{TMP_MARK}123",
+        f".{stats_name(0)}{TMP_MARK}77",
+    }
+    others = {f".{part_name(1, 0)}{TMP_MARK}9", part_name(1, 0), "notes.txt"}  # shard 1 is another process's
+    for name in debris | others:
+        (tmp_path / name).write_bytes(b"x")
+    again = start(tmp_path)
+    assert again.resume_row == 104
+    assert names(tmp_path) == {manifest_name(0), part_name(0, 0), lock_name(0)} | others
+
+
+def test_a_lost_part_is_recomputed_from_there_and_the_success_marker_withdrawn(tmp_path: Path) -> None:
+    complete(start(tmp_path))
+    (tmp_path / part_name(0, 1)).unlink()
+    again = start(tmp_path)
+    assert (again.resume_row, again.is_done()) == (104, False)
+    assert not (tmp_path / part_name(0, 2)).exists(), "parts after the gap would duplicate recomputed rows"
+    assert len(json.loads((tmp_path / manifest_name(0)).read_text())["parts"]) == 1
+
+
+def test_files_without_a_manifest_are_not_trusted(tmp_path: Path) -> None:
+    complete(start(tmp_path))
+    (tmp_path / manifest_name(0)).unlink()
+    again = start(tmp_path)
+    assert not again.is_done(), "a success marker the manifest no longer backs would skip the whole shard"
+    assert again.resume_row == 100
+    assert names(tmp_path) == {manifest_name(0), lock_name(0)}
+
+
+@pytest.mark.parametrize("text", ['{"parts": [', '{"parts": [{"part": 0}]}', "[]"])
+def test_a_corrupt_manifest_is_a_job_error_that_offers_overwrite(tmp_path: Path, text: str) -> None:
+    commit(start(tmp_path), 1)
+    (tmp_path / manifest_name(0)).write_text(text)
+    with pytest.raises(JobError, match="--overwrite"):
+        start(tmp_path)
+    assert start(tmp_path, overwrite=True).resume_row == 100
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"fingerprint": {**FINGERPRINT, "model": {**FINGERPRINT["model"], "path": "/models/other"}}},
+         "model.path: 'builtin:tiny-qwen2_5_vl' -> '/models/other'"),
+        ({"fingerprint": {**FINGERPRINT, "pooling": "none"}}, "pooling: 'mean' -> 'none'"),
+        ({"num_shards": 4}, "num_shards: 2 -> 4"),
+        ({"per_part": 5}, "rows_per_part: 4 -> 5"),
+        ({"end": 120}, "end_row: 110 -> 120"),
+    ],
+)
+def test_a_changed_job_is_refused_naming_the_change_and_nothing_is_touched(tmp_path: Path, change, named) -> None:
+    commit(start(tmp_path), 2)
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.name != lock_name(0)}
+    with pytest.raises(JobError) as err:
+        start(tmp_path, **change)
+    assert named in str(err.value) and "--overwrite" in str(err.value)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.name != lock_name(0)} == before
+    replaced = start(tmp_path, overwrite=True, **change)
+    assert replaced.resume_row == replaced.first_row and not (tmp_path / part_name(0, 0)).exists()
+
+
+def test_a_finished_shard_of_another_job_is_refused_not_skipped(tmp_path: Path) -> None:
+    complete(start(tmp_path))
+    with pytest.raises(JobError, match="pooling"):
+        start(tmp_path, fingerprint={**FINGERPRINT, "pooling": "none"})
+
+
+def test_finish_writes_stats_then_success_and_leaves_no_lock(tmp_path: Path) -> None:
+    cp = start(tmp_path)
+    with pytest.raises(RuntimeError, match=r"\[100, 110\) are not committed"):
+        cp.finish({})
+    complete(cp)
+    assert names(tmp_path) == {manifest_name(0), stats_name(0), success_name(0), *(part_name(0, k) for k in range(3))}
+    again = start(tmp_path)
+    assert again.is_done() and again.finished_stats() == {"rows": 10, "skipped": True}
+    assert not (tmp_path / lock_name(0)).exists(), "reading a finished shard must not hold its lock"
+
+
+def test_an_empty_shard_commits_no_part_and_finishes(tmp_path: Path) -> None:
+    cp = start(tmp_path, shard=3, first=0, end=0, num_shards=4)
+    cp.finish({"rows": 0})
+    manifest = json.loads((tmp_path / manifest_name(3)).read_text())
+    assert (manifest["parts"], manifest["first_row"], manifest["end_row"]) == ([], 0, 0)
+    assert start(tmp_path, shard=3, first=0, end=0, num_shards=4).is_done()
+    progress = shard_progress(tmp_path, 3)
+    assert (progress.rows, progress.committed, progress.done) == (0, 0, True)
+
+
+def test_progress_reads_committed_rows_and_errors_per_shard(tmp_path: Path) -> None:
+    commit(start(tmp_path, shard=0), 2)
+    complete(start(tmp_path, shard=1, first=110, end=113))
+    (tmp_path / success_name(5)).write_text("{}")
+    assert shards_in(tmp_path) == {0, 1, 5}
+    zero, one, none = (shard_progress(tmp_path, s) for s in (0, 1, 2))
+    assert (zero.rows, zero.committed, zero.parts, zero.errors, zero.done) == (10, 8, 2, 1, False)
+    assert (one.rows, one.committed, one.done, one.num_shards) == (3, 3, True, 2)
+    assert (none.rows, none.committed, none.done) == (None, 0, False)
+
+
+def test_a_second_run_of_a_shard_is_refused_while_the_first_holds_it(tmp_path: Path) -> None:
+    first = start(tmp_path)
+    with pytest.raises(JobError, match=rf"being written by another process \(pid {os.getpid()} on "):
+        start(tmp_path)
+    assert start(tmp_path, shard=1).resume_row == 100, "other shards are not locked"
+    commit(first, 1)
+    del first  # a run that ends without finishing (an exception) drops its lock with it
+    assert start(tmp_path).resume_row == 104
+
+
+def test_the_lock_of_a_killed_process_is_free_and_its_debris_is_removed(tmp_path: Path) -> None:
+    holder = (
+        "import sys, time; from pathlib import Path; from embedjob.checkpoint import open_checkpoint; "
+        f"cp = open_checkpoint(Path(sys.argv[1]), 0, 2, 100, 110, 4, {FINGERPRINT!r}, False); "
+        "Path(sys.argv[1], '.part-00000-00000.parquet.tmp-1').write_bytes(b'half'); print('locked', flush=True); "
+        "time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(JobError, match=rf"pid {proc.pid} on "):
+            start(tmp_path)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            cp = start(tmp_path)
+            break
+        except JobError:
+            assert time.monotonic() < deadline, "the kernel did not drop the lock of a killed process"
+            time.sleep(0.05)
+    assert cp.resume_row == 100
+    assert names(tmp_path) == {manifest_name(0), lock_name(0)}

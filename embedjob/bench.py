@@ -470,21 +470,3 @@ def _version(name: str) -> str:
     import importlib.metadata
 
     return importlib.metadata.version(name)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mixes", nargs="*", default=["mixed", "224px", "video"], choices=["mixed", "224px", "video"])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--fidelity-items", type=int, default=16, help="images compared with the fp32 reference")
-    parser.add_argument("--hf-repeats", type=int, default=2)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["hf_sdpa", "hf_varlen"])
-    parser.add_argument(
-        "--compile-modes",
-        nargs="*",
-        default=["dynamic", "static"],
-        choices=["dynamic", "static"],
-        help="compiled variants: dynamic sequence length (all mixes), static shapes per budget (first mix)",
-    )
-    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True, help="kernel table of a compiled forward")
-    parser.add_argument("--e2e-images", type=int, default=768, help="rows of the real-JPEG Parquet file (0: skip)")
-    parser.add_argument("--workdir", default="bench-work")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -25,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # `embedjob status | head`: the reader left; nothing is wrong with the job.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except JobError as exc:
         print(f"embedjob: error: {exc}", file=sys.stderr)
         return 2
@@ -46,19 +51,40 @@ def _parser() -> argparse.ArgumentParser:
     _job_arguments(run)
     run.add_argument("--shard", help="I/N: run shard I of N (default: SLURM_ARRAY_TASK_ID/COUNT, else 0/1)")
     run.add_argument("--overwrite", action="store_true", help="replace this shard's earlier output instead of resuming")
+    run.add_argument(
+        "--gpus", type=int, metavar="N", help="GPUs (one process each) for this shard; same as --set runtime.gpus=N"
+    )
     run.set_defaults(func=_cmd_run)
+    _slurm_commands(sub)
 
-    bench = sub.add_parser("bench", help="benchmark the encoder four ways on one GPU and print a table")
-    from embedjob.bench import add_arguments
-
-    add_arguments(bench)
-    bench.set_defaults(func=_cmd_bench)
+    _bench_command(sub)
 
     inspect = sub.add_parser("inspect", help="print the job with every default filled in, or every key")
     inspect.add_argument("job", nargs="?", help="job YAML; without it, list every key and its allowed values")
     inspect.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     inspect.set_defaults(func=_cmd_inspect)
     return parser
+
+
+def _bench_command(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmark the encoder four ways on one GPU and print a table")
+    mixes = ["mixed", "224px", "video"]
+    bench.add_argument("--mixes", nargs="*", default=mixes, choices=mixes)
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--fidelity-items", type=int, default=16, help="images compared with the fp32 reference")
+    bench.add_argument("--hf-repeats", type=int, default=2)
+    bench.add_argument("--skip", nargs="*", default=[], choices=["hf_sdpa", "hf_varlen"])
+    bench.add_argument(
+        "--compile-modes",
+        nargs="*",
+        default=["dynamic", "static"],
+        choices=["dynamic", "static"],
+        help="compiled variants: dynamic sequence length (all mixes), static shapes per budget (first mix)",
+    )
+    bench.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True, help="kernel table of a compiled forward")
+    bench.add_argument("--e2e-images", type=int, default=768, help="rows of the real-JPEG Parquet file (0: skip)")
+    bench.add_argument("--workdir", default="bench-work")
+    bench.set_defaults(func=_cmd_bench)
 
 
 def _job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +99,11 @@ def _setup_logging(verbose: int) -> None:
     libraries only warn."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("embedjob").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def _quiet_transformers() -> None:
+    """Model loading chatter (weight-loading bars, warnings) is not what a batch log needs;
+    imported only by the commands that load models, so `status` stays instant."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -82,10 +113,13 @@ def _setup_logging(verbose: int) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     from embedjob.runner import Shard, run_job
 
-    job = load_job(args.job, args.set)
+    _quiet_transformers()
+    gpus = [] if args.gpus is None else [f"runtime.gpus={args.gpus}"]
+    job = load_job(args.job, [*args.set, *gpus])
     shard = Shard.parse(args.shard)
     stats = run_job(job, shard, overwrite=args.overwrite)
-    print(_summary(job, stats), file=sys.stderr)
+    if stats:  # empty on the ranks of a torchrun group that only encode
+        print(_summary(job, stats), file=sys.stderr)
     return 0
 
 
@@ -96,13 +130,21 @@ def _summary(job: Job, stats: dict[str, Any]) -> str:
     return (
         f"{where}: {stats['rows']} rows ({stats['errors']} errors) in {stats['seconds']:.1f} s, "
         f"{stats['items_per_second']:.1f} rows/s; {stats['num_graphs']} graphs, hit rate {stats['hit_rate']:.0%}, "
-        f"padding {stats['padding_waste']} tokens; output in {job.output.path}"
+        f"padding {stats['padding_waste']} tokens;{_ranks(stats)} output in {job.output.path}"
     )
+
+
+def _ranks(stats: dict[str, Any]) -> str:
+    if stats.get("world_size", 1) == 1:
+        return ""
+    ratio = stats["balance_ratio"]
+    return f" {stats['world_size']} ranks, balance ratio {'n/a' if ratio is None else f'{ratio:.3f}'};"
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from embedjob.bench import main as bench_main
 
+    _quiet_transformers()
     return bench_main(args)
 
 
@@ -112,6 +154,70 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     job = load_job(args.job, args.set)
     print(yaml.safe_dump(job.to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def _slurm_commands(sub: Any) -> None:
+    submit = sub.add_parser("submit", help="submit a job to SLURM: one array task per shard, unfinished shards only")
+    _job_arguments(submit)
+    submit.add_argument("--shards", type=int, required=True, metavar="N", help="number of shards (array tasks)")
+    submit.add_argument("--gpus-per-task", type=int, default=0, metavar="G", help="GPUs per task (default 0: no GPU lines)")
+    submit.add_argument("--partition", metavar="P", help="SLURM partition")
+    submit.add_argument("--time", metavar="T", help="time limit per task, e.g. 4:00:00")
+    submit.add_argument("--cpus-per-task", type=int, metavar="C", help="CPUs per task (decode workers)")
+    submit.add_argument(
+        "--sbatch-option", action="append", default=[], metavar="OPT",
+        help="one more sbatch option, e.g. --sbatch-option=--account=proj (repeatable)",
+    )
+    submit.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
+    submit.set_defaults(func=_cmd_submit)
+
+    status = sub.add_parser("status", help="shards done / running / pending / failed of an output, rows committed")
+    status.add_argument("output", help="the job's output.path")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=_cmd_status)
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from embedjob.slurm import SubmitOptions, array_spec, submit
+
+    options = SubmitOptions(
+        num_shards=args.shards,
+        gpus_per_task=args.gpus_per_task,
+        partition=args.partition,
+        time=args.time,
+        cpus_per_task=args.cpus_per_task,
+        sbatch_options=tuple(args.sbatch_option),
+    )
+    result = submit(args.job, args.set, options, dry_run=args.dry_run)
+    if result.done:
+        print(f"embedjob: {len(result.done)} of {args.shards} shards are done", file=sys.stderr)
+    if result.active:
+        tasks = ", ".join(result.active[s] for s in sorted(result.active))
+        print(f"embedjob: still queued or running, not submitted again: {tasks}", file=sys.stderr)
+    if not result.shards:
+        why = f"all {args.shards} shards are done" if len(result.done) == args.shards else "the rest is queued or running"
+        print(f"embedjob: nothing to submit: {why}", file=sys.stderr)
+    elif args.dry_run:
+        print(result.script, end="")
+    else:
+        print(
+            f"embedjob: submitted shards {array_spec(result.shards)} of {args.shards} as job {result.job_id}; "
+            f"logs in {result.script_path.parent}",
+            file=sys.stderr,
+        )
+        print(result.job_id)
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from embedjob.slurm import format_status, output_status
+
+    status = output_status(Path(args.output))
+    print(json.dumps(status.to_dict(), indent=2) if args.json else format_status(status))
     return 0
 
 

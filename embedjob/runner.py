@@ -10,6 +10,10 @@ Every input row becomes exactly one output row: decode and preprocess failures b
 error rows in the workers, encode failures become error rows here (after retrying the
 failed batch one item at a time), and rows already committed by an earlier run are
 skipped through the checkpoint.
+
+With several GPUs (`runtime.gpus`, `distributed.py`) this pipeline runs unchanged in
+rank 0, whose encoder spreads each window over the ranks; the other ranks only encode
+(`serve_rank`).
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from embedjob import media, reader
+from embedjob import distributed, media, reader
 from embedjob.checkpoint import Checkpoint, PartRecord, open_checkpoint
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
-from embedjob.graphs import BatchEncoder, build_encoder
+from embedjob.graphs import BatchEncoder, Reduce, build_encoder
 from embedjob.job import Job, JobError
 from embedjob.writer import OutputRow, output_schema, part_name, write_part
 
@@ -54,6 +58,12 @@ class Shard:
             task, count = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_ARRAY_TASK_COUNT")
             if task is None or count is None:
                 return cls()
+            low, high = os.environ.get("SLURM_ARRAY_TASK_MIN", "0"), os.environ.get("SLURM_ARRAY_TASK_MAX")
+            if low != "0" or (high is not None and int(high) != int(count) - 1):
+                raise JobError(
+                    f"this SLURM array ({low}-{high}, {count} tasks) is not 0..N-1, so its task count is not the "
+                    "number of shards; pass --shard I/N (embedjob submit does)"
+                )
             text = f"{task}/{count}"
         try:
             index, count = (int(p) for p in text.split("/"))
@@ -105,7 +115,7 @@ def decode_row(row: reader.InputRow, options: media.DecodeOptions, preprocess: A
 def job_fingerprint(job: Job) -> dict[str, Any]:
     """What determines the embeddings; a resume into output with another fingerprint is refused."""
     return {
-        "model": {"family": job.model.family, "path": job.model.path, "dtype": job.model.dtype},
+        "model": vars(job.model),
         "preprocessing": {"preprocess": vars(job.preprocess), "video": vars(job.video)},
         "pooling": job.output.pooling,
         "output_dtype": job.output.dtype,
@@ -122,7 +132,46 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_workers(value: str | int) -> int:
-    return (os.cpu_count() or 1) if value == "auto" else int(value)
+    """"auto": one decode worker per core this process may run on (under SLURM, the
+    task's allocation, not the whole node)."""
+    return len(os.sched_getaffinity(0)) if value == "auto" else int(value)
+
+
+def load_encoder_adapter(job: Job, device: torch.device) -> EncoderAdapter:
+    """The job's adapter on `device`, compiled when the job asks for it (CUDA only).
+
+    A checkpoint that cannot serve the job (not a checkpoint, another family) is a job
+    error: the user must change model.path or model.family.
+    """
+    try:
+        adapter = load_adapter(job, device)
+    except (ValueError, OSError) as exc:
+        raise JobError(f"model.path {job.model.path!r} (model.family {job.model.family!r}): {exc}") from None
+    if job.batching.compile:
+        if device.type == "cuda":
+            adapter.compile(dynamic=True)
+        else:
+            logger.info("batching.compile applies to CUDA only; running uncompiled on %s", device)
+    return adapter
+
+
+def reducer(pooling: str) -> Reduce:
+    """Pooling, applied to an item's rows before the next replay overwrites them."""
+    if pooling == "mean":
+        return _mean_rows
+    return _clone_rows
+
+
+def _mean_rows(rows: torch.Tensor) -> torch.Tensor:
+    return rows.float().mean(dim=0)
+
+
+def _clone_rows(rows: torch.Tensor) -> torch.Tensor:
+    return rows.clone()
+
+
+def output_dtype(job: Job) -> torch.dtype:
+    return torch.float16 if job.output.dtype == "float16" else torch.float32
 
 
 @dataclass
@@ -162,12 +211,12 @@ class WindowEncoder:
 
     def __init__(self, encoder: BatchEncoder, job: Job) -> None:
         self.encoder = encoder
-        self.pooling = job.output.pooling
-        self.out_dtype = torch.float16 if job.output.dtype == "float16" else torch.float32
+        self.reduce = reducer(job.output.pooling)
+        self.out_dtype = output_dtype(job)
 
     def enqueue(self, window: list[Decoded]) -> PendingWindow:
         ready = [i for i, d in enumerate(window) if d.item is not None]
-        outputs, reasons = self.encoder.encode([window[i].item for i in ready], self._reduce)
+        outputs, reasons = self.encoder.encode([window[i].item for i in ready], self.reduce)
         results = {p: r for p, r in zip(ready, outputs) if r is not None}
         failures = {p: f for p, f in zip(ready, reasons) if f is not None}
         positions = sorted(results)
@@ -201,20 +250,21 @@ class WindowEncoder:
         event.record()
         return host, event
 
-    def _reduce(self, rows: torch.Tensor) -> torch.Tensor:
-        """Pooling, applied to an item's rows before the next replay overwrites them."""
-        if self.pooling == "mean":
-            return rows.float().mean(dim=0)
-        return rows.clone()
-
 
 class Runner:
-    """Runs one shard of a job end to end."""
+    """Runs one shard of a job end to end.
 
-    def __init__(self, job: Job, shard: Shard = Shard(), overwrite: bool = False) -> None:
+    With a `cluster` (data parallel, this process is its rank 0) the pipeline is the
+    same; only the encoder spreads each window over the ranks.
+    """
+
+    def __init__(
+        self, job: Job, shard: Shard = Shard(), overwrite: bool = False, cluster: distributed.Cluster | None = None
+    ) -> None:
         self.job = job
         self.shard = shard
         self.overwrite = overwrite
+        self.cluster = cluster
         self.clock = StageClock()
         self.errors = 0
         self.rows_done = 0
@@ -228,13 +278,11 @@ class Runner:
         if checkpoint.is_done():
             logger.info("shard %d/%d is already complete in %s", self.shard.index, self.shard.count, self.job.output.path)
             return checkpoint.finished_stats()
-        device = resolve_device(self.job.runtime.device)
-        adapter = load_adapter(self.job, device)
-        if self.job.batching.compile:
-            if device.type == "cuda":
-                adapter.compile(dynamic=True)
-            else:
-                logger.info("batching.compile applies to CUDA only; running uncompiled on %s", device)
+        if checkpoint.resume_row == end_row:
+            return self._finish_without_model(checkpoint, time.perf_counter() - start)
+        device = self.cluster.device if self.cluster else resolve_device(self.job.runtime.device)
+        adapter = load_encoder_adapter(self.job, device)
+        options = self._decode_options(adapter)
         batches = self._build_encoder(adapter, device)
         batches.capture()
         resumed = checkpoint.resume_row
@@ -243,7 +291,7 @@ class Runner:
         schema = output_schema(reader.id_type(self.job.input), adapter.embed_dim, self.job.output.pooling, self.job.output.dtype)
         rows = reader.read_rows(self.job.input, fragments, start_row=resumed, stop_row=end_row)
         preprocess = adapter.preprocessor()
-        fn = functools.partial(decode_row, options=self._decode_options(adapter), preprocess=preprocess)
+        fn = functools.partial(decode_row, options=options, preprocess=preprocess)
         encoder = WindowEncoder(batches, self.job)
         workers = resolve_workers(self.job.runtime.workers)
         in_flight = 2 * self.job.batching.window
@@ -286,6 +334,28 @@ class Runner:
         self.clock.add("write", since)
         self._report(bar, len(out), encoder.encoder)
 
+    def _finish_without_model(self, checkpoint: Checkpoint, seconds: float) -> dict[str, Any]:
+        """An empty shard, or one whose rows are all committed but whose success marker
+        was not written: there is nothing to encode, so no model is loaded (under SLURM
+        an empty array task would otherwise hold a GPU to load one)."""
+        stats = {
+            "shard": self.shard.index,
+            "num_shards": self.shard.count,
+            "rows": checkpoint.end_row - checkpoint.first_row,
+            "rows_this_run": 0,
+            "errors": sum(p.errors for p in checkpoint.parts),
+            "seconds": round(seconds, 3),
+            "items_per_second": 0.0,
+            "graph_hits": 0,
+            "graph_misses": 0,
+            "hit_rate": 0.0,
+            "num_graphs": 0,
+            "token_budgets": [],
+            "padding_waste": 0,
+        }
+        checkpoint.finish(stats)
+        return stats
+
     def _row_range(self, fragments: list[reader.Fragment]) -> tuple[int, int]:
         if fragments:
             return fragments[0].first_row, fragments[-1].first_row + fragments[-1].num_rows
@@ -310,10 +380,18 @@ class Runner:
             raise JobError(f"cannot write to output.path {directory}: {exc.strerror or exc}") from None
 
     def _build_encoder(self, adapter: EncoderAdapter, device: torch.device) -> BatchEncoder:
-        return build_encoder(self.job, adapter, device)
+        local = build_encoder(self.job, adapter, device)
+        if self.cluster is None:
+            return local
+        return distributed.DataParallelEncoder(self.cluster, local, adapter.embed_dim, output_dtype(self.job))
 
     def _decode_options(self, adapter: EncoderAdapter) -> media.DecodeOptions:
         preprocess = adapter.preprocessor()
+        if self.job.video.max_frames < preprocess.frame_multiple:
+            raise JobError(
+                f"video.max_frames = {self.job.video.max_frames} is below the model's temporal patch size "
+                f"{preprocess.frame_multiple}; set video.max_frames to at least {preprocess.frame_multiple}"
+            )
         frame_pixels = getattr(preprocess, "video_max_pixels", None)
         return media.DecodeOptions(
             modality=self.job.input.modality,
@@ -465,5 +543,25 @@ class PartSink:
 
 
 def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[str, Any]:
-    """Run one shard of `job`; the statistics it wrote."""
-    return Runner(job, shard, overwrite).run()
+    """Run one shard of `job` on `runtime.gpus` ranks; the statistics it wrote.
+
+    Ranks other than 0 (under torchrun) return an empty dict: rank 0 writes everything.
+    """
+    layout = distributed.resolve_layout(job.runtime.gpus, resolve_device(job.runtime.device))
+    if layout.world_size == 1:
+        return Runner(job, shard, overwrite).run()
+    with distributed.Cluster.start(layout, serve_rank, (job,)) as cluster:
+        if cluster.rank == 0:
+            return Runner(job, shard, overwrite, cluster).run()
+        serve_rank(cluster, job)
+        return {}
+
+
+def serve_rank(cluster: distributed.Cluster, job: Job) -> None:
+    """A rank other than 0: the same adapter, plan and graphs on its own device, serving
+    rank 0's windows until it says stop."""
+    adapter = load_encoder_adapter(job, cluster.device)
+    encoder = build_encoder(job, adapter, cluster.device)
+    encoder.capture()
+    distributed.serve(cluster, encoder, reducer(job.output.pooling), adapter.embed_dim, output_dtype(job))
+    encoder.clear()

@@ -111,3 +111,107 @@ def test_demo_job_on_cuda_matches_the_cpu_run(tmp_path: Path, cache_dir: str) ->
         if cpu_row["error"] is None:
             a, b = torch.tensor(cpu_row["embedding"]), torch.tensor(gpu_row["embedding"])
             assert float((a - b).norm() / a.norm()) < 3e-2
+
+
+# Fixed-resolution encoders (CLIP, SigLIP, DINOv2) and the dual path (global view + tiles).
+
+FIXED_MEDIA = [random_image(300, 500, 11), random_image(40, 60, 12), random_image(640, 480, 13), random_video(3, 120, 200, 14)]
+
+
+def _fixed_job(cache_dir: str, family: str, **preprocess):
+    model = {"family": family, "path": f"builtin:tiny-{family}", "dtype": "bfloat16"}
+    return make_job(cache_dir, model=model, preprocess=preprocess)
+
+
+def test_dual_path_cuda_replay_equals_eager_on_the_same_padded_batch(cache_dir: str) -> None:
+    from embedjob.graphs import DualPathEncoder, dual_paths
+    from embedjob.packer import resolve_dual_budgets
+
+    adapter = load_adapter(_fixed_job(cache_dir, "clip", tiling="anyres", max_tiles=6), torch.device("cuda"))
+    t = adapter.tokens_per_image
+    single = BudgetPlan(tuple(t * 2**k for k in range(6)), max_items=8, max_frames=16)
+    encoder = DualPathEncoder(adapter, dual_paths(adapter, resolve_dual_budgets(single, single), "cuda"), "min_padding")
+    encoder.capture()
+    assert encoder.stats()["num_graphs"] == 12
+    items = [adapter.preprocessor()(m) for m in FIXED_MEDIA]
+    for batch in encoder.batches(items):
+        budgets = (batch.global_budget, batch.local_budget)
+        assert None not in budgets
+        chosen = [items[i] for i in batch.indices]
+        replayed = encoder.run(chosen, budgets)
+        padded = encoder.run_padded_eager(chosen, budgets)
+        assert all(torch.equal(a, b) for a, b in zip(replayed, padded))
+    stats = encoder.stats()
+    assert stats["graph_hits"] == len(items) and stats["partial_fallbacks"] == 0
+    assert stats["paths"]["local"]["graph_hits"] == 2  # the two large photos have tiles
+    encoder.clear()
+    assert encoder.stats()["num_graphs"] == 0
+
+
+@pytest.mark.parametrize("family", ["clip", "siglip", "dinov2"])
+def test_fixed_res_cuda_graphs_equal_padded_eager_and_the_fp32_cpu_reference(cache_dir: str, family: str) -> None:
+    gpu = load_adapter(_fixed_job(cache_dir, family), torch.device("cuda"))
+    cpu = load_adapter(_fixed_job(cache_dir, family), torch.device("cpu"))
+    t = gpu.tokens_per_image
+    manager = GraphManager(gpu, BudgetPlan((t, 2 * t, 4 * t, 8 * t), max_items=8, max_frames=8), "cuda")
+    manager.capture()
+    items = [gpu.preprocessor()(m) for m in FIXED_MEDIA]  # 6 images: 3 photos and 3 frames
+    replayed = torch.cat(manager.run(items, 8 * t))
+    padded = manager.run_padded_eager(items, 8 * t)
+    assert replayed.shape == (6, gpu.embed_dim) and torch.equal(replayed, padded[:6])
+    cpu_items = [cpu.preprocessor()(m) for m in FIXED_MEDIA]
+    with torch.no_grad():
+        ref = cpu.forward(cpu.eager_inputs(cpu_items))
+    rel = (replayed.float().cpu() - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert float(rel.max()) < 3e-2, rel.tolist()
+    assert manager.stats.hits == len(items)
+
+
+@pytest.mark.parametrize(("job_file", "extra"), [("demo-clip.yaml", ["preprocess.tiling=anyres"]), ("demo-siglip-video.yaml", [])])
+def test_fixed_res_demo_jobs_on_cuda_match_the_cpu_run(tmp_path: Path, cache_dir: str, job_file: str, extra: list[str]) -> None:
+    from embedjob.job import load_job
+    from embedjob.runner import run_job
+
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        overrides = [f"output.path={tmp_path / device}", f"runtime.device={device}", f"runtime.cache_dir={cache_dir}"]
+        stats = run_job(load_job(REPO / "jobs" / job_file, [*overrides, "runtime.workers=0", "runtime.gpus=1", *extra]))
+        outputs[device] = pq.read_table(sorted((tmp_path / device).glob("part-*.parquet"))).to_pylist()
+    assert stats["graph_backend"] == "cuda" and stats["hit_rate"] == 1.0
+    for cpu_row, gpu_row in zip(outputs["cpu"], outputs["cuda"], strict=True):
+        assert (cpu_row["row"], cpu_row["error"], cpu_row["tokens"]) == (gpu_row["row"], gpu_row["error"], gpu_row["tokens"])
+        if cpu_row["error"] is None:
+            a, b = torch.tensor(cpu_row["embedding"]), torch.tensor(gpu_row["embedding"])
+            assert float((a - b).norm() / a.norm()) < 3e-2
+
+
+def test_gpus_1_and_a_one_rank_nccl_group_equal_the_plain_run(tmp_path: Path, cache_dir: str) -> None:
+    """`--gpus 1` runs the plain single-process path; the data-parallel path on one NCCL
+    rank (balance, gloo scatter and exchange, NCCL gather, unpad, reorder) must give the
+    same rows and embeddings, since its one share is the window in the same order."""
+    from embedjob.cli import main
+    from embedjob.distributed import Cluster, Layout
+    from embedjob.job import load_job
+    from embedjob.runner import Runner, serve_rank
+
+    demo = REPO / "jobs" / "demo.yaml"
+    common = ["runtime.device=cuda", f"runtime.cache_dir={cache_dir}", "runtime.workers=0", "batching.window=4"]
+
+    def cli(name: str, *extra: str) -> list[dict]:
+        sets = [arg for key in (f"output.path={tmp_path / name}", *common) for arg in ("--set", key)]
+        assert main(["run", str(demo), *sets, *extra]) == 0
+        return pq.read_table(sorted((tmp_path / name).glob("part-*.parquet"))).to_pylist()
+
+    plain, one_gpu = cli("plain"), cli("gpus1", "--gpus", "1")
+    job = load_job(demo, [f"output.path={tmp_path / 'nccl'}", *common])
+    with Cluster.start(Layout(1, 0, torch.device("cuda", 0)), serve_rank, (job,)) as cluster:
+        stats = Runner(job, cluster=cluster).run()
+    assert stats["world_size"] == 1 and stats["ranks"][0]["device"] == "cuda:0" and stats["balance_ratio"] == 1.0
+    assert stats["graph_backend"] == "cuda" and stats["hit_rate"] == 1.0
+    nccl = pq.read_table(sorted((tmp_path / "nccl").glob("part-*.parquet"))).to_pylist()
+    for other in (one_gpu, nccl):
+        for a, b in zip(plain, other, strict=True):
+            assert {k: v for k, v in a.items() if k != "embedding"} == {k: v for k, v in b.items() if k != "embedding"}
+            if a["error"] is None:
+                ea, eb = (torch.tensor(r["embedding"], dtype=torch.float32) for r in (a, b))
+                assert torch.allclose(ea, eb, rtol=1e-3, atol=1e-3), (a["row"], float((ea - eb).abs().max()))

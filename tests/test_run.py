@@ -118,3 +118,30 @@ def test_bad_jobs_stop_before_any_output_with_one_line(tmp_path: Path, cache_dir
     err = capsys.readouterr().err.strip()
     assert err.startswith("embedjob: error: ") and message in err and "\n" not in err
     assert not list(out.glob("part-*")) if out.exists() else True
+
+
+def test_an_empty_shard_finishes_without_loading_the_model(tmp_path: Path, cache_dir: str, monkeypatch) -> None:
+    """Under SLURM an empty array task must not hold a GPU to load a model for nothing."""
+    import embedjob.runner
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("an empty shard loaded the model")
+
+    monkeypatch.setattr(embedjob.runner, "load_encoder_adapter", no_model)
+    assert run(tmp_path, cache_dir, "--shard", "3/4") == 0
+    stats = json.loads((tmp_path / "stats-00003.json").read_text())
+    assert (stats["rows"], stats["errors"], stats["graph_hits"]) == (0, 0, 0)
+    assert (tmp_path / "_SUCCESS-00003").exists() and not list(tmp_path.glob("part-00003-*"))
+
+
+def test_a_partial_slurm_array_must_name_its_shard(monkeypatch) -> None:
+    from embedjob.job import JobError
+    from embedjob.runner import Shard
+
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "1")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MAX", "3")
+    with pytest.raises(JobError, match="pass --shard I/N"):
+        Shard.parse(None)
+    assert Shard.parse("1/4") == Shard(1, 4)

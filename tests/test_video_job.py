@@ -408,11 +408,6 @@ def test_a_hanging_decoder_is_cut_off_and_its_worker_replaced(
 # ---------------------------------------------------------------- job spec errors
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runner.Runner._decode_options lets DecodeOptions' ValueError escape (traceback, exit 1) "
-    "after open_checkpoint already wrote a manifest that makes the corrected rerun refuse to resume",
-)
 def test_max_frames_below_the_temporal_patch_is_a_one_line_spec_error(
     tmp_path: Path, cache_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from embedjob.encoders.base import PAD_REPEAT_LAST, EncoderAdapter, EncoderInput, StaticInputs
+from embedjob.encoders.base import PAD_REPEAT_LAST, PAD_ZERO, EncoderAdapter, EncoderInput, StaticInputs
 from embedjob.encoders.fixed import FixedResAdapter
 from embedjob import packer
 from embedjob.job import Job, JobError
@@ -257,10 +257,13 @@ class GraphManager:
             buffer[:count].copy_(value, non_blocking=True)
             if count == buffer.shape[0]:
                 continue
-            if static.pad.get(key) == PAD_REPEAT_LAST:
+            rule = static.pad.get(key, PAD_ZERO)
+            if rule == PAD_REPEAT_LAST:
                 buffer[count:].copy_(value[-1:].expand(buffer.shape[0] - count, *value.shape[1:]), non_blocking=True)
-            else:
+            elif rule == PAD_ZERO:
                 buffer[count:].zero_()
+            else:
+                raise ValueError(f"unknown pad rule {rule!r} for {key!r}")
 
     def _count(self, items: list[EncoderInput], budget: int | None, tokens: int) -> None:
         stats = self.stats

@@ -25,7 +25,7 @@ import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
@@ -217,3 +217,32 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             logger.info("running on CPU: computing in float32 instead of %s", name)
         return torch.float32
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def resolve_checkpoint(
+    path: str,
+    family: str,
+    families: Iterable[str],
+    builtin: Callable[[], Path],
+    download: Callable[[str], Path],
+) -> Path:
+    """A local directory holding the checkpoint named by `model.path`.
+
+    `builtin:tiny-<family>` is made locally (`builtin`), an existing directory is used as
+    it is, anything else that does not look like a local path is a hub id (`download`).
+    """
+    if path.startswith("builtin:"):
+        name = path.removeprefix("builtin:")
+        named = name.removeprefix("tiny-")
+        known = list(families)
+        if not name.startswith("tiny-") or named not in known:
+            raise ValueError(f"unknown builtin model {path!r}; available: builtin:tiny-{', builtin:tiny-'.join(known)}")
+        if named != family:
+            raise ValueError(f"model.path {path!r} is a {named} model but model.family is {family!r}")
+        return builtin()
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists() or path.startswith(("/", "./", "../")):
+        raise ValueError(f"model.path {path!r} is not a checkpoint directory")
+    return download(path)

@@ -41,7 +41,14 @@ from typing import Any
 import torch
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.encoders.base import EncoderAdapter, EncoderInput, StaticInputs, cache_root, save_atomically
+from embedjob.encoders.base import (
+    EncoderAdapter,
+    EncoderInput,
+    StaticInputs,
+    cache_root,
+    resolve_checkpoint,
+    save_atomically,
+)
 from embedjob.encoders.tiling import cut_tiles, select_grid
 
 logger = logging.getLogger(__name__)
@@ -392,24 +399,10 @@ def builtin_dir(spec: FixedFamily, cache_dir: str | None) -> Path:
     return target
 
 
-def resolve_checkpoint(spec: FixedFamily, path: str, cache_dir: str | None) -> Path:
-    """A local directory holding the checkpoint: builtin, local path or hub id."""
-    if path.startswith("builtin:"):
-        name = path.removeprefix("builtin:")
-        family = name.removeprefix("tiny-")
-        if not name.startswith("tiny-") or family not in FAMILIES:
-            raise ValueError(f"unknown builtin model {path!r}; available: builtin:tiny-{', builtin:tiny-'.join(FAMILIES)}")
-        if family != spec.name:
-            raise ValueError(f"model.path {path!r} is a {family} model but model.family is {spec.name!r}")
-        return builtin_dir(spec, cache_dir)
-    local = Path(path).expanduser()
-    if local.is_dir():
-        return local
-    if local.exists() or path.startswith(("/", "./", "../")):
-        raise ValueError(f"model.path {path!r} is not a checkpoint directory")
+def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
+    return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"]))
 
 
 def load_model(spec: FixedFamily, directory: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module | None]:
@@ -503,7 +496,9 @@ def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_
 def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: dict[str, Any]) -> FixedResAdapter:
     """Load a fixed-resolution tower on `device` in `dtype`, with the job's pooling and tiling."""
     spec = FAMILIES[family]
-    directory = resolve_checkpoint(spec, path, options.get("cache_dir"))
+    directory = resolve_checkpoint(
+        path, spec.name, FAMILIES, lambda: builtin_dir(spec, options.get("cache_dir")), _download
+    )
     tower, projection = load_model(spec, directory, dtype)
     tower = tower.to(device).eval().requires_grad_(False)
     if projection is not None:

@@ -32,11 +32,11 @@ import torchvision.transforms.v2.functional as tvF
 from embedjob.encoders.attention import register as register_attention
 from embedjob.encoders.base import (
     PAD_REPEAT_LAST,
-    PAD_ZERO,
     EncoderAdapter,
     EncoderInput,
     StaticInputs,
     cache_root,
+    resolve_checkpoint,
     save_atomically,
 )
 
@@ -484,24 +484,6 @@ def builtin_dir(spec: QwenFamily, cache_dir: str | None) -> Path:
     return target
 
 
-def resolve_checkpoint(spec: QwenFamily, path: str, cache_dir: str | None) -> Path:
-    """A local directory holding the checkpoint: builtin, local path or hub id."""
-    if path.startswith("builtin:"):
-        name = path.removeprefix("builtin:")
-        family = name.removeprefix("tiny-")
-        if not name.startswith("tiny-") or family not in FAMILIES:
-            raise ValueError(f"unknown builtin model {path!r}; available: builtin:tiny-{', builtin:tiny-'.join(FAMILIES)}")
-        if family != spec.name:
-            raise ValueError(f"model.path {path!r} is a {family} model but model.family is {spec.name!r}")
-        return builtin_dir(spec, cache_dir)
-    local = Path(path).expanduser()
-    if local.is_dir():
-        return local
-    if local.exists() or path.startswith(("/", "./", "../")):
-        raise ValueError(f"model.path {path!r} is not a checkpoint directory")
-    return _download(path)
-
-
 def _download(repo_id: str) -> Path:
     """Fetch only what the vision tower needs from the hub (config, processor, visual shards)."""
     from huggingface_hub import hf_hub_download, snapshot_download
@@ -676,7 +658,9 @@ def tune_for_cuda(model: torch.nn.Module) -> None:
 def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: dict[str, Any]) -> QwenAdapter:
     """Load a Qwen-VL tower ready for packed, capturable execution on `device`."""
     spec = FAMILIES[family]
-    directory = resolve_checkpoint(spec, path, options.get("cache_dir"))
+    directory = resolve_checkpoint(
+        path, spec.name, FAMILIES, lambda: builtin_dir(spec, options.get("cache_dir")), _download
+    )
     model = load_model(spec, directory, dtype).to(device).eval()
     if device.type == "cuda":
         tune_for_cuda(model)

@@ -120,11 +120,19 @@ class _Root:
 # ---------------------------------------------------------------- public API
 
 
-def list_fragments(cfg: InputConfig) -> list[Fragment]:
-    """All non-empty row groups of the input, in global row order.
+@dataclass(frozen=True)
+class InputListing:
+    """What the file listing and footers say: the fragments and the output id type."""
 
-    Reads only file listings and Parquet footers. Raises JobError for any job-level
-    problem of the input (see the module docstring).
+    fragments: list[Fragment]
+    id_type: pa.DataType
+
+
+def scan_input(cfg: InputConfig) -> InputListing:
+    """Read every footer once and describe the input (see `list_fragments`, `id_type`).
+
+    Footers of thousands of remote files are the expensive part of starting a shard,
+    so a runner asks for both answers from one scan.
     """
     _media_root(cfg.media_root)  # a missing media_root is a job error, found before any row is read
     infos = _scan(cfg)
@@ -139,7 +147,17 @@ def list_fragments(cfg: InputConfig) -> list[Fragment]:
             fragments.append(Fragment(info.path, index, first_row, group.num_rows, cost))
             first_row += group.num_rows
     logger.info("input %s: %d files, %d row groups, %d rows", cfg.path, len(infos), len(fragments), first_row)
-    return fragments
+    typed = [info.id_type for info in infos if not pa.types.is_null(info.id_type)]
+    return InputListing(fragments, typed[0] if typed else infos[0].id_type)
+
+
+def list_fragments(cfg: InputConfig) -> list[Fragment]:
+    """All non-empty row groups of the input, in global row order.
+
+    Reads only file listings and Parquet footers. Raises JobError for any job-level
+    problem of the input (see the module docstring).
+    """
+    return scan_input(cfg).fragments
 
 
 def id_type(cfg: InputConfig) -> pa.DataType:
@@ -148,9 +166,7 @@ def id_type(cfg: InputConfig) -> pa.DataType:
     A file whose id column holds only nulls may store it with Arrow type `null`; the
     type of the other files wins then.
     """
-    infos = _scan(cfg)
-    typed = [info.id_type for info in infos if not pa.types.is_null(info.id_type)]
-    return typed[0] if typed else infos[0].id_type
+    return scan_input(cfg).id_type
 
 
 def assign_shards(fragments: list[Fragment], num_shards: int) -> list[list[Fragment]]:

@@ -272,7 +272,8 @@ class Runner:
     def run(self) -> dict[str, Any]:
         """Run (or resume) the shard; returns its statistics. Raises JobError if it cannot run."""
         start = time.perf_counter()
-        fragments = reader.assign_shards(reader.list_fragments(self.job.input), self.shard.count)[self.shard.index]
+        listing = reader.scan_input(self.job.input)
+        fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
         first_row, end_row = self._row_range(fragments)
         checkpoint = self._open_checkpoint(first_row, end_row)
         if checkpoint.is_done():
@@ -288,7 +289,7 @@ class Runner:
         resumed = checkpoint.resume_row
         if resumed > first_row:
             logger.info("resuming shard %d at row %d (%d rows committed)", self.shard.index, resumed, resumed - first_row)
-        schema = output_schema(reader.id_type(self.job.input), adapter.embed_dim, self.job.output.pooling, self.job.output.dtype)
+        schema = output_schema(listing.id_type, adapter.embed_dim, self.job.output.pooling, self.job.output.dtype)
         rows = reader.read_rows(self.job.input, fragments, start_row=resumed, stop_row=end_row)
         preprocess = adapter.preprocessor()
         fn = functools.partial(decode_row, options=options, preprocess=preprocess)

@@ -242,25 +242,17 @@ def open_checkpoint(
     """
     directory.mkdir(parents=True, exist_ok=True)
     lock = ShardLock.acquire(directory, shard)
+    fresh = Checkpoint(directory, shard, num_shards, first_row, end_row, rows_per_part, _plain(fingerprint), lock=lock)
     try:
-        return _load(directory, shard, num_shards, first_row, end_row, rows_per_part, fingerprint, overwrite, lock)
+        return _load(fresh, overwrite)
     except BaseException:
         lock.release()
         raise
 
 
-def _load(
-    directory: Path,
-    shard: int,
-    num_shards: int,
-    first_row: int,
-    end_row: int,
-    rows_per_part: int,
-    fingerprint: dict[str, Any],
-    overwrite: bool,
-    lock: ShardLock,
-) -> Checkpoint:
-    fresh = Checkpoint(directory, shard, num_shards, first_row, end_row, rows_per_part, _plain(fingerprint), lock=lock)
+def _load(fresh: Checkpoint, overwrite: bool) -> Checkpoint:
+    """The checkpoint `fresh` describes, filled from the shard's manifest when resuming."""
+    directory, shard, end_row = fresh.directory, fresh.shard, fresh.end_row
     manifest = None if overwrite else load_manifest(directory, shard)
     if manifest is not None and not manifest.get("parts") and not (directory / success_name(shard)).exists():
         # A run that committed nothing (e.g. stopped by a spec error after the manifest was
@@ -292,7 +284,7 @@ def _load(
     if fresh.is_done():
         # From here on a finished shard is only read; releasing now lets a duplicate
         # run of it skip it too instead of failing on the lock.
-        lock.release()
+        fresh.lock.release()
         fresh.lock = None
     return fresh
 

@@ -34,7 +34,7 @@ import torch
 
 from embedjob import packer
 from embedjob.encoders.base import EncoderInput, cache_root
-from embedjob.encoders.qwen import FAMILIES, QwenAdapter, QwenPreprocessor, expand_pixels, tune_for_cuda
+from embedjob.encoders.qwen import FAMILIES, QwenAdapter, QwenPreprocessor, tune_for_cuda
 from embedjob.graphs import GraphManager
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class MixRunner:
         inputs = []
         for batch in self.batches:
             chosen = [self.items[i] for i in batch.indices]
-            pixels = torch.cat([expand_pixels(i.tensors["pixel_values"], self.adapter.patch_dim) for i in chosen])
+            pixels = torch.cat([self.adapter.processing.model_pixels(i.tensors["pixel_values"]) for i in chosen])
             pixels = pixels.to(device, torch.bfloat16)
             grid = torch.stack([i.tensors["grid_thw"] for i in chosen]).to(device)
             inputs.append((pixels, grid))
@@ -260,7 +260,7 @@ class Fidelity:
             with torch.inference_mode():
                 return [
                     model(
-                        hidden_states=expand_pixels(i.tensors["pixel_values"], adapter.patch_dim).to(adapter.device, dtype),
+                        hidden_states=adapter.processing.model_pixels(i.tensors["pixel_values"]).to(adapter.device, dtype),
                         grid_thw=i.tensors["grid_thw"][None].to(adapter.device),
                     ).pooler_output.float()
                     for i in self.items
@@ -372,7 +372,7 @@ def end_to_end(adapter: QwenAdapter, checkpoint: Path, workdir: Path, args: argp
         }
     )
     start = time.perf_counter()
-    stats = Runner(job, overwrite=True).run()
+    stats = _profiled(Runner(job, overwrite=True).run, workdir / "e2e-profile.txt") if args.e2e_profile else Runner(job, overwrite=True).run()
     wall = time.perf_counter() - start
     e2e_seconds = stats["pipeline_seconds"]
     options = media.DecodeOptions("image", 10**9, 2.0, 32, 2)
@@ -392,6 +392,21 @@ def end_to_end(adapter: QwenAdapter, checkpoint: Path, workdir: Path, args: argp
         Row("jpeg e2e", "embedjob run", len(items), e2e_seconds, flops, peak, stats["hit_rate"], stats["padding_waste"] / stats["real_tokens"], note),
         Row("jpeg e2e", "encoder only", len(items), encoder, flops, peak),
     ]
+
+
+def _profiled(fn: Callable[[], Any], path: Path, rows: int = 30) -> Any:
+    """Run `fn` under cProfile (the calling thread: the runner's main thread, where host
+    batch preparation happens) and log the functions with the most own time."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    result = profile.runcall(fn)
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(rows)
+    path.write_text(out.getvalue())
+    logger.info("main-thread profile of the end-to-end run:\n%s", out.getvalue())
+    return result
 
 
 def render(rows: list[Row], header: dict[str, Any]) -> str:

@@ -27,10 +27,11 @@ preprocessing, and rank 0's decode pool already uses every core of the node, so 
 decode runs once whichever rank computes on the item. The cost: each item that leaves
 rank 0 is copied once into its rank's send buffer (`pack_items`) and crosses the
 loopback interface over gloo, in the background while rank 0 encodes its own share. That
-is 4.7 kB per Qwen-VL patch (1176 float32), about 5 MB for a 1000-patch image; gloo
-moved such buffers at 1-1.4 GB/s on this project's 2-core CI machine, i.e. about 4 ms
-per such image, against the 25 ms (eager) or about half that (compiled) an H200 spent
-per image with a 7B-size tower (DESIGN.md); rank 0 sends (N-1)/N of the items. Sending
+is 588 bytes per Qwen-VL image patch (resized uint8 pixels, one temporal copy; video
+patches 1176), about 0.6 MB for a 1000-patch image; gloo moved buffers at 1-1.4 GB/s
+on this project's 2-core CI machine, i.e. under 1 ms per such image, against the 25 ms
+(eager) or about half that (compiled) an H200 spent per image with a 7B-size tower
+(DESIGN.md); rank 0 sends (N-1)/N of the items. Sending
 the compressed media instead would need every item's size from its header before
 decoding, per encoder family and for video.
 

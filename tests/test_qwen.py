@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
 from embedjob.encoders import load_adapter
-from embedjob.encoders.qwen import FAMILIES, builtin_dir, expand_pixels, load_model, smart_resize
+from embedjob.encoders.qwen import FAMILIES, builtin_dir, load_model, smart_resize
 
 from conftest import make_job, random_image, random_video
 
@@ -41,7 +41,8 @@ def test_image_preprocessing_equals_transformers(qwen_adapter, height: int, widt
         images=[torch.from_numpy(image.pixels).permute(2, 0, 1)], return_tensors="pt"
     )
     assert ours.tensors["grid_thw"].tolist() == ref["image_grid_thw"][0].tolist()
-    assert torch.equal(expand_pixels(ours.tensors["pixel_values"], ref["pixel_values"].shape[1]), ref["pixel_values"])
+    assert ours.tensors["pixel_values"].dtype == torch.uint8, "workers ship resized uint8 patches"
+    assert torch.equal(qwen_adapter.processing.model_pixels(ours.tensors["pixel_values"]), ref["pixel_values"])
     t, h, w = ours.tensors["grid_thw"].tolist()
     assert ours.tokens == t * h * w // 4 and ours.frames == 0 and ours.modality == "image"
 
@@ -56,7 +57,7 @@ def test_video_preprocessing_equals_transformers(qwen_adapter, frames: int, heig
         kwargs["cap_pixels_per_frame"] = False
     ref = processor(videos=[torch.from_numpy(video.frames).permute(0, 3, 1, 2)], **kwargs)
     assert ours.tensors["grid_thw"].tolist() == ref["video_grid_thw"][0].tolist()
-    assert torch.equal(ours.tensors["pixel_values"], ref["pixel_values_videos"])
+    assert torch.equal(qwen_adapter.processing.model_pixels(ours.tensors["pixel_values"]), ref["pixel_values_videos"])
     t, h, w = ours.tensors["grid_thw"].tolist()
     assert t == -(-frames // 2) and ours.frames == frames and ours.tokens == t * h * w // 4
 
@@ -78,7 +79,7 @@ def _reference_embeddings(adapter, items) -> list[torch.Tensor]:
     try:
         with torch.no_grad():
             return [
-                model(hidden_states=expand_pixels(i.tensors["pixel_values"], adapter.patch_dim), grid_thw=i.tensors["grid_thw"][None]).pooler_output
+                model(hidden_states=adapter.processing.model_pixels(i.tensors["pixel_values"]), grid_thw=i.tensors["grid_thw"][None]).pooler_output
                 for i in items
             ]
     finally:

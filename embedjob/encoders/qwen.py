@@ -17,7 +17,6 @@ themselves in the window permutation, and the length bounds are constants per bu
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import logging
@@ -109,8 +108,13 @@ class QwenPreprocessor:
     """Decoded media -> patches and per-item attention metadata; runs in decode workers.
 
     Matches transformers' Qwen2VLImageProcessor / Qwen2VLVideoProcessor: bicubic
-    antialiased resize of uint8 pixels to `smart_resize`, fused rescale+normalise in
-    float32, then the patch order (merge blocks, channel, time, row, column).
+    antialiased resize of uint8 pixels to `smart_resize`, the patch order (merge blocks,
+    channel, time, row, column), then fused rescale+normalise in float32. The workers
+    stop before the normalisation: items carry the resized uint8 patches (an image's
+    rows once, not once per temporal copy), a quarter of the float32 bytes through the
+    pipes, the host copies and PCIe; `normalize` runs on the device (the adapter's
+    forward), with the same float32 operations, so the values are bitwise those of
+    transformers' processor.
     """
 
     family: str
@@ -125,7 +129,6 @@ class QwenPreprocessor:
     std: tuple[float, ...]
     window_size: int | None
     pos_grid_side: int | None
-    pixel_dtype: str = "float32"
 
     @property
     def frame_multiple(self) -> int:
@@ -141,25 +144,47 @@ class QwenPreprocessor:
             video = torch.from_numpy(frames).permute(0, 3, 1, 2)
             bounds = (self.video_min_pixels, self.video_max_pixels)
             modality, num_frames = "video", int(frames.shape[0])
-        pixels, grid = self.patchify(self.resize_normalize(video, *bounds), image=frames is None)
+        pixels, grid = self.patchify(self.resize(video, *bounds), image=frames is None)
         if frames is None:
             pixels = compact_image_pixels(pixels, self.temporal_patch_size)
-        pixels = pixels.to(getattr(torch, self.pixel_dtype))
         tensors = {"pixel_values": pixels, "grid_thw": torch.tensor(grid, dtype=torch.int64)}
         tensors.update(self.item_metadata(grid))
         t, h, w = grid
         tokens = t * h * w // (self.merge_size**2)
         return EncoderInput(tensors, tokens=tokens, frames=num_frames, size=t * h * w, modality=modality)
 
-    def resize_normalize(self, frames: torch.Tensor, min_pixels: int, max_pixels: int) -> torch.Tensor:
-        """(T, 3, H, W) uint8 -> (T, 3, H', W') float32, normalised."""
+    def resize(self, frames: torch.Tensor, min_pixels: int, max_pixels: int) -> torch.Tensor:
+        """(T, 3, H, W) uint8 -> (T, 3, H', W') uint8 at the `smart_resize` size."""
         height, width = frames.shape[-2:]
         factor = self.patch_size * self.merge_size
         size = smart_resize(height, width, factor, min_pixels, max_pixels)
-        resized = tvF.resize(frames, list(size), interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
-        mean = torch.tensor(self.mean) * 255.0
-        std = torch.tensor(self.std) * 255.0
-        return tvF.normalize(resized.to(torch.float32), mean.tolist(), std.tolist())
+        return tvF.resize(frames, list(size), interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+
+    def pixel_scale(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and std times 255 (float32, computed on the CPU), shaped to broadcast over
+        (rows, channel, values). The adapter keeps them on its device: a captured graph
+        cannot copy constants from host memory."""
+        mean = torch.tensor(self.mean, dtype=torch.float32) * 255.0
+        std = torch.tensor(self.std, dtype=torch.float32) * 255.0
+        return mean.view(1, 3, 1).to(device), std.view(1, 3, 1).to(device)
+
+    def normalize(self, pixels: torch.Tensor, scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """uint8 patch rows (rows, 3 * k) -> float32 rows, rescaled and normalised per channel.
+
+        The channel is the outermost index of a patch row in the model's order, so each
+        third of a row shares one mean and std. Subtract then divide, in float32: the
+        processor's fused rescale+normalise, operation for operation, so CPU and GPU give
+        the same bits. `scale` is `pixel_scale(pixels.device)`, made once by the caller.
+        """
+        mean, std = scale if scale is not None else self.pixel_scale(pixels.device)
+        rows, width = pixels.shape
+        channels = pixels.view(rows, 3, width // 3).to(torch.float32)
+        return ((channels - mean) / std).view(rows, width)
+
+    def model_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """An item's stored pixels as the tower's float32 `hidden_states` (full rows, normalised)."""
+        dim = 3 * self.temporal_patch_size * self.patch_size**2
+        return self.normalize(expand_pixels(pixels, dim))
 
     def patchify(self, frames: torch.Tensor, image: bool) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """(T, C, H, W) -> (t*h*w, C*tp*p*p) in the model's patch order, and the grid (t, h, w).
@@ -245,13 +270,12 @@ class QwenAdapter(EncoderAdapter):
         self.max_budget = 16384
         self.max_frames_per_video = 0
         self.max_frame_patches = max(processing.max_pixels, processing.video_max_pixels) // processing.patch_size**2
+        self.pixel_scale = processing.pixel_scale(device)
         if family.windowed:
             self.window_patches = (processing.window_size // processing.patch_size) ** 2
 
     def preprocessor(self) -> QwenPreprocessor:
-        """The processing, emitting pixels in the model's dtype: rounding in the worker
-        gives the same values as on the device and halves what crosses processes and PCIe."""
-        return dataclasses.replace(self.processing, pixel_dtype=str(self.dtype).removeprefix("torch."))
+        return self.processing
 
     def compile_units(self) -> list[torch.nn.Module]:
         return list(self.model.blocks)
@@ -282,7 +306,7 @@ class QwenAdapter(EncoderAdapter):
         groups = min(max_frames // self.processing.temporal_patch_size, budget // 32)
         full_slots = max_items + groups + math.ceil(patches / FULL_PAD_SEGMENT) + 1
         tensors = {
-            "pixel_values": torch.zeros(patches, self.patch_dim, dtype=self.dtype),
+            "pixel_values": torch.zeros(patches, self.patch_dim, dtype=torch.uint8),
             "position_ids": torch.zeros(patches, 2, dtype=torch.int64),
             "cu_seqlens": _pad_offsets(_START, patches, full_slots, FULL_PAD_SEGMENT),
         }
@@ -337,7 +361,7 @@ class QwenAdapter(EncoderAdapter):
         t = inputs.tensors
         kwargs = {k: v for k, v in t.items() if k != "pixel_values"}
         kwargs.update((k, v) for k, v in inputs.constants.items() if k != "budget")
-        pixels = t["pixel_values"].to(self.dtype)
+        pixels = self.processing.normalize(t["pixel_values"], self.pixel_scale).to(self.dtype)
         return self.model(hidden_states=pixels, grid_thw=self._grid_placeholder, **kwargs).pooler_output
 
     @property
@@ -361,9 +385,8 @@ class QwenAdapter(EncoderAdapter):
             unit_offset += item.tokens
             patch_offset += t * h * w
         pin = self.device.type == "cuda"
-        pixels = [expand_pixels(i.tensors["pixel_values"], self.patch_dim) for i in items]
         values = {
-            "pixel_values": _joined(pixels, self.dtype, pin),
+            "pixel_values": _joined_pixels([i.tensors["pixel_values"] for i in items], self.patch_dim, pin),
             "position_ids": _joined([i.tensors["position_ids"] for i in items], torch.int64, pin),
             "cu_seqlens": torch.tensor([0, *_cumsum(seg_lengths)], dtype=torch.int32),
         }
@@ -385,6 +408,20 @@ def _joined(parts: list[torch.Tensor], dtype: torch.dtype, pin: bool) -> torch.T
     for part in parts:
         out[offset : offset + part.shape[0]].copy_(part)
         offset += part.shape[0]
+    return out
+
+
+def _joined_pixels(parts: list[torch.Tensor], dim: int, pin: bool) -> torch.Tensor:
+    """Items' uint8 pixel rows joined into the model's layout in one pass: compact image
+    rows are expanded while they are copied, never materialised at full width first."""
+    rows = sum(p.shape[0] for p in parts)
+    out = torch.empty((rows, dim), dtype=torch.uint8, pin_memory=pin)
+    offset = 0
+    for part in parts:
+        count, width = part.shape
+        target = out[offset : offset + count].view(count, 3, dim // width, width // 3)
+        target.copy_(part.view(count, 3, 1, width // 3).expand_as(target))
+        offset += count
     return out
 
 

@@ -6,6 +6,7 @@ encoder work done: `python -m pytest tests/test_gpu.py -q`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -215,3 +216,29 @@ def test_gpus_1_and_a_one_rank_nccl_group_equal_the_plain_run(tmp_path: Path, ca
             if a["error"] is None:
                 ea, eb = (torch.tensor(r["embedding"], dtype=torch.float32) for r in (a, b))
                 assert torch.allclose(ea, eb, rtol=1e-3, atol=1e-3), (a["row"], float((ea - eb).abs().max()))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpus_2_with_nccl_equals_the_plain_run(tmp_path: Path, cache_dir: str) -> None:
+    """Two NCCL ranks on two GPUs: the same rows, order and errors as one process, every
+    item encoded on some rank through a graph, and a balance ratio the ledger reports."""
+    from embedjob.cli import main
+
+    demo = REPO / "jobs" / "demo.yaml"
+    common = ["runtime.device=cuda", f"runtime.cache_dir={cache_dir}", "batching.window=4"]
+
+    def cli(name: str, *extra: str) -> tuple[list[dict], dict]:
+        sets = [arg for key in (f"output.path={tmp_path / name}", *common) for arg in ("--set", key)]
+        assert main(["run", str(demo), *sets, *extra]) == 0
+        stats = json.loads(next((tmp_path / name).glob("stats-*.json")).read_text())
+        return pq.read_table(sorted((tmp_path / name).glob("part-*.parquet"))).to_pylist(), stats
+
+    (plain, _), (two, stats) = cli("plain", "--gpus", "1"), cli("two", "--gpus", "2")
+    assert stats["world_size"] == 2 and {r["device"] for r in stats["ranks"]} == {"cuda:0", "cuda:1"}
+    assert all(r["items"] > 0 for r in stats["ranks"]) and stats["hit_rate"] == 1.0
+    assert 1.0 <= stats["balance_ratio"] < 1.5
+    for a, b in zip(plain, two, strict=True):
+        assert {k: v for k, v in a.items() if k != "embedding"} == {k: v for k, v in b.items() if k != "embedding"}
+        if a["error"] is None:
+            ea, eb = (torch.tensor(r["embedding"], dtype=torch.float32) for r in (a, b))
+            assert torch.allclose(ea, eb, rtol=1e-3, atol=1e-3), (a["row"], float((ea - eb).abs().max()))

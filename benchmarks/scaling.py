@@ -1,0 +1,154 @@
+"""Data-parallel scaling of `embedjob run --gpus N` on one node; prints one table.
+
+Usage (from the repository root, on a machine with several CUDA GPUs):
+
+    python benchmarks/scaling.py [--gpus 1 2] [--images 1536] [--repeats 2]
+
+Saves the Qwen2.5-VL-7B-size vision tower of `embedjob bench` (random bf16 weights) as a
+user's checkpoint, writes a Parquet file of real JPEGs re-encoded at 224-1344 px (the
+mixed-size mix), and runs the same job through the CLI, as a user would, once per GPU
+count (compiled blocks, CUDA graphs). Throughput is rows over the run's
+`pipeline_seconds` (decode, encode and write; model load, compile and capture are
+excluded since they do not grow with the dataset), median over the repeats. Scaling
+efficiency is throughput(N) / (N * throughput(1)). The balance ratio is the data-parallel
+ledger's max/mean rank load summed over windows; the busy ratio the same for the ranks'
+measured encode seconds. The last columns compare each run's rows with the first run's:
+ids, order and errors must be identical; embeddings are compared bitwise and by the
+largest relative difference, since a different share of a window packs items into
+different batches, which can move bf16 results by rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+import yaml
+
+# The script runs without installing the package, so the repository root goes first.
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from embedjob.bench import build_tower, make_jpeg_parquet, save_checkpoint  # noqa: E402
+
+
+def prepare(workdir: Path, images: int) -> tuple[Path, Path]:
+    """The tower checkpoint and the JPEG Parquet file; the GPU is freed afterwards."""
+    adapter = build_tower(torch.device("cuda", 0))
+    checkpoint = save_checkpoint(adapter, workdir)
+    del adapter
+    torch.cuda.empty_cache()
+    parquet = workdir / "jpegs.parquet"
+    make_jpeg_parquet(parquet, images)
+    return checkpoint, parquet
+
+
+def write_job(workdir: Path, checkpoint: Path, parquet: Path) -> Path:
+    job = {
+        "input": {"path": str(parquet), "media_column": "image"},
+        "model": {"path": str(checkpoint), "dtype": "bfloat16"},
+        "output": {"path": str(workdir / "out"), "rows_per_part": 100_000},
+        "batching": {"compile": True},
+        "runtime": {"device": "cuda", "progress": False, "cache_dir": str(workdir / "cache")},
+    }
+    path = workdir / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def run_once(job: Path, output: Path, gpus: int) -> dict[str, Any]:
+    """One `embedjob run` through the CLI; its statistics."""
+    command = [sys.executable, "-m", "embedjob.cli", "run", str(job), "--gpus", str(gpus), "--overwrite"]
+    command += ["--set", f"output.path={output}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    start = time.perf_counter()
+    subprocess.run(command, check=True, env=env, cwd=REPO)
+    stats = json.loads(next(output.glob("stats-*.json")).read_text())
+    stats["wall_seconds"] = time.perf_counter() - start
+    return stats
+
+
+def read_rows(output: Path) -> list[dict[str, Any]]:
+    return pq.read_table(sorted(output.glob("part-*.parquet"))).to_pylist()
+
+
+def compare(reference: list[dict[str, Any]], rows: list[dict[str, Any]]) -> tuple[bool, int, float]:
+    """(ids, order and errors identical; rows with bitwise-equal embeddings; largest relative difference)."""
+    same_rows = len(reference) == len(rows)
+    bitwise, worst = 0, 0.0
+    for a, b in zip(reference, rows):
+        same_rows &= {k: v for k, v in a.items() if k != "embedding"} == {k: v for k, v in b.items() if k != "embedding"}
+        if a["embedding"] is None or b["embedding"] is None:
+            bitwise += a["embedding"] == b["embedding"]
+            continue
+        ea, eb = torch.tensor(a["embedding"]), torch.tensor(b["embedding"])
+        bitwise += bool(torch.equal(ea, eb))
+        worst = max(worst, float((ea - eb).norm() / ea.norm().clamp_min(1e-12)))
+    return same_rows, bitwise, worst
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--images", type=int, default=1536)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workdir", default="scaling-work")
+    args = parser.parse_args()
+    available = torch.cuda.device_count()
+    if max(args.gpus) > available:
+        raise SystemExit(f"asked for {max(args.gpus)} GPUs but this machine has {available}")
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    checkpoint, parquet = prepare(workdir, args.images)
+    job = write_job(workdir, checkpoint, parquet)
+    results = []
+    reference: list[dict[str, Any]] | None = None
+    for gpus in args.gpus:
+        output = workdir / f"out-{gpus}"
+        runs = [run_once(job, output, gpus) for _ in range(args.repeats)]
+        rows = read_rows(output)
+        reference = rows if reference is None else reference
+        results.append((gpus, runs, compare(reference, rows)))
+    print(render(args, results))
+    return 0
+
+
+def render(args: argparse.Namespace, results: list[tuple[int, list[dict[str, Any]], tuple[bool, int, float]]]) -> str:
+    base = None
+    lines = [
+        f"# embedjob data-parallel scaling — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- device: {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs; "
+        f"torch {torch.__version__}; {args.images} JPEGs 224-1344 px; Qwen2.5-VL-7B-size tower, bf16, compiled, CUDA graphs",
+        f"- seconds: pipeline (decode + encode + write), median of {args.repeats}; setup excluded",
+        "",
+        "| GPUs | seconds | images/s | images/s per GPU | scaling efficiency | balance ratio | busy ratio | hit rate "
+        "| setup s | rows identical | bitwise-equal embeddings | max rel. diff |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for gpus, runs, (same, bitwise, worst) in results:
+        seconds = statistics.median(r["pipeline_seconds"] for r in runs)
+        rate = runs[0]["rows"] / seconds
+        base = rate if base is None else base
+        efficiency = rate / (gpus * base)
+        last = runs[-1]
+        balance = last.get("balance_ratio", 1.0)
+        busy = last.get("busy_ratio", 1.0)
+        setup = statistics.median(r["setup_seconds"] for r in runs)
+        lines.append(
+            f"| {gpus} | {seconds:.2f} | {rate:.1f} | {rate / gpus:.1f} | {efficiency:.2f} | {balance} | {busy} "
+            f"| {last['hit_rate']:.0%} | {setup:.1f} | {'yes' if same else 'NO'} | {bitwise}/{last['rows']} | {worst:.2e} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

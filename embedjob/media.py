@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import io
+import itertools
 import logging
 import math
 import multiprocessing
@@ -55,6 +56,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import struct
 import sys
 import tempfile
@@ -63,6 +65,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -909,7 +912,6 @@ def _start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-_READY = "ready"
 _MAX_FAILED_STARTS = 3
 
 
@@ -925,10 +927,26 @@ def _run_task(fn: Callable[[Any], Any], task: Any) -> Any:
         return MediaError("internal_error", f"{type(exc).__name__}: {exc}")
 
 
+# Worker -> parent messages travel on the pool's socketpair (the duplex Pipe of a
+# forkserver/spawn context on Unix) in this frame: _FRAME (seq, payload length, buffer
+# count), the buffers' byte counts (uint64 each), the payload (the protocol-5 pickle of
+# the result), then each out-of-band buffer raw, in order. seq is _READY_SEQ for the
+# READY handshake (empty payload). The parent reads a frame in three blocking recvs
+# (prefix, counts + payload, every buffer at once into memory it allocated), each with
+# the GIL released. `Connection.recv` read a large message in pipe-sized chunks,
+# re-taking the GIL after each and copying the bytes twice, which starved the thread
+# that feeds the GPU. Parent -> worker tasks stay on the Connection (small, rare).
+_FRAME = struct.Struct("<qQI")
+_READY_SEQ = -1
+# Views per recvmsg: Linux refuses more than 1024 (UIO_MAXIOV).
+_MAX_IOV = 512
+
+
 def _worker_main(fn: Callable[[Any], Any], conn: multiprocessing.connection.Connection) -> None:
     # Ctrl-C reaches the whole process group; the parent decides what stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn.send(_READY)
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    _send_frame(sock, _READY_SEQ, b"", [])
     while True:
         try:
             message = conn.recv()
@@ -937,20 +955,119 @@ def _worker_main(fn: Callable[[Any], Any], conn: multiprocessing.connection.Conn
         if message is None:
             return
         seq, task = message
-        result = _run_task(fn, task)
+        payload, buffers = _pickle_result(_run_task(fn, task))
+        _send_frame(sock, seq, payload, buffers)
+
+
+def _send_frame(sock: socket.socket, seq: int, payload: bytes, buffers: list[memoryview]) -> None:
+    """Send one frame. A send that fails part-way leaves the stream out of step: the
+    exception ends the worker, and the parent reports its task as crashed."""
+    counts = struct.pack(f"<{len(buffers)}Q", *(b.nbytes for b in buffers))
+    sock.sendall(_FRAME.pack(seq, len(payload), len(buffers)) + counts + payload)
+    for buffer in buffers:
+        sock.sendall(buffer)
+
+
+def _pickle_result(result: Any) -> tuple[bytes, list[memoryview]]:
+    """The result's protocol-5 pickle and its out-of-band buffers (views, not copies).
+
+    ForkingPickler, so every type without out-of-band buffers pickles as
+    `Connection.send` pickles it. A result that cannot be pickled becomes an
+    "internal_error" MediaError, since the parent must get one result per task.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    out = io.BytesIO()
+    try:
+        # Positional: ForkingPickler.__init__ passes on *args only (fix_imports, then buffer_callback).
+        ForkingPickler(out, 5, True, buffers.append).dump(result)
+        return out.getvalue(), [b.raw() for b in buffers]
+    except (pickle.PicklingError, TypeError, AttributeError, ValueError, BufferError) as exc:
+        return pickle.dumps(MediaError("internal_error", f"result cannot be pickled: {exc}"), protocol=5), []
+
+
+def _result_socket(conn: multiprocessing.connection.Connection, timeout: float) -> socket.socket:
+    """A second handle on the parent's end of a worker's socketpair, to read frames.
+
+    Reads block at most `timeout` seconds (SO_RCVTIMEO, so a stalled worker cannot hold
+    the service thread forever). Not `settimeout`: that would make the shared file
+    description non-blocking, and the Connection on the same socket expects blocking
+    I/O. timeval seconds are a C long, hence the clamp.
+    """
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    seconds = min(timeout, 2**31 - 1)
+    timeval = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    return sock
+
+
+def _receive_frame(sock: socket.socket, timeout: float) -> tuple[int, Any]:
+    """(seq, result) of the next frame; the result is None for READY.
+
+    Raises EOFError when the worker's end closes before the frame is complete (it
+    died, possibly mid-send: no half-filled item is ever delivered) and TimeoutError
+    when the frame takes longer than about `timeout` seconds to arrive.
+    """
+    deadline = time.monotonic() + timeout
+    prefix = bytearray(_FRAME.size)
+    _fill(sock, [memoryview(prefix)], deadline, timeout)
+    seq, length, count = _FRAME.unpack(prefix)
+    body = bytearray(8 * count + length)
+    _fill(sock, [memoryview(body)], deadline, timeout)
+    if seq == _READY_SEQ:
+        return seq, None
+    # np.empty: no zero-fill under the GIL; the kernel's copy inside recv touches the pages.
+    buffers = [np.empty(size, dtype=np.uint8) for size in struct.unpack_from(f"<{count}Q", body)]
+    _fill(sock, [memoryview(b) for b in buffers], deadline, timeout)
+    return seq, _load_result(memoryview(body)[8 * count :], buffers)
+
+
+def _fill(sock: socket.socket, views: list[memoryview], deadline: float, timeout: float) -> None:
+    """Fill the byte views in order from the socket: normally one recvmsg for all of
+    them (MSG_WAITALL), more only after a signal or past _MAX_IOV views."""
+    pending = collections.deque(v for v in views if v.nbytes)
+    total = sum(v.nbytes for v in pending)
+    got = 0
+    while pending:
         try:
-            conn.send((seq, result))
-        except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
-            conn.send((seq, MediaError("internal_error", f"result cannot be pickled: {exc}")))
+            count = sock.recvmsg_into(list(itertools.islice(pending, _MAX_IOV)), 0, socket.MSG_WAITALL)[0]
+        except BlockingIOError:
+            raise TimeoutError(f"no data for {timeout:g}s after {got} of {total} bytes") from None
+        if count == 0:
+            raise EOFError(f"the worker closed its end after {got} of {total} bytes")
+        got += count
+        while count and count >= pending[0].nbytes:
+            count -= pending.popleft().nbytes
+        if count:
+            pending[0] = pending[0][count:]
+        if pending and time.monotonic() >= deadline:
+            raise TimeoutError(f"only {got} of {total} bytes after {timeout:g}s")
+
+
+def _load_result(payload: memoryview, buffers: list[np.ndarray]) -> Any:
+    """Unpickle a result over its received buffers; a result that cannot be rebuilt
+    here (a class missing in the parent, ...) is that task's "internal_error"."""
+    try:
+        return pickle.loads(payload, buffers=buffers)
+    except Exception as exc:
+        logger.exception("a decode result cannot be unpickled")
+        return MediaError("internal_error", f"result cannot be unpickled: {type(exc).__name__}: {exc}")
 
 
 @dataclass
 class _Worker:
+    """One worker process and the parent's two handles on its socketpair: `conn` sends
+    tasks (and is what `wait` watches), `sock` reads the worker's frames."""
+
     process: Any
     conn: multiprocessing.connection.Connection
+    sock: socket.socket
     ready: bool = False
     seq: int | None = None
     deadline: float = 0.0
+
+    def close_channel(self) -> None:
+        self.conn.close()
+        self.sock.close()
 
 
 _POLL_SECONDS = 0.05
@@ -1030,9 +1147,15 @@ class DecodePool(Generic[T, R]):
     - At most `max_in_flight` tasks (default 2 * workers) are taken from the input
       and not yet yielded, so memory stays bounded on unbounded input.
     - fn and tasks must be picklable (module-level functions); results come back
-      pickled. workers=0 runs fn inline in the caller: same results, but no timeout
-      and no crash isolation (a hang hangs the caller, a crash kills it; decord
-      0.6.0 segfaults on some corrupt videos, so use workers for untrusted video).
+      as protocol-5 pickles whose out-of-band buffers (numpy arrays, `EncoderInput`
+      tensors) the parent receives straight into their final memory, one blocking
+      recv for all of them, so a busy consumer thread is not starved of the GIL. A
+      result that stops arriving part-way for `timeout` seconds is a
+      "decode_timeout" (its worker is killed); a worker that dies part-way is a
+      "decoder_crashed". No partly received result is ever delivered.
+    - workers=0 runs fn inline in the caller: same results, but no timeout and no
+      crash isolation (a hang hangs the caller, a crash kills it; decord 0.6.0
+      segfaults on some corrupt videos, so use workers for untrusted video).
     - One `imap` at a time. Leaving an `imap` early kills the workers that are still
       busy (their results could not be matched any more) and replaces them.
     """
@@ -1104,7 +1227,7 @@ class DecodePool(Generic[T, R]):
             if worker.process.is_alive():
                 worker.process.kill()
                 worker.process.join()
-            worker.conn.close()
+            worker.close_channel()
         self._workers = []
 
     def _start_worker(self) -> _Worker:
@@ -1112,7 +1235,7 @@ class DecodePool(Generic[T, R]):
         process = self._ctx.Process(target=_worker_main, args=(self._fn, child), daemon=True, name="embedjob-decode")
         process.start()
         child.close()
-        return _Worker(process=process, conn=parent)
+        return _Worker(process=process, conn=parent, sock=_result_socket(parent, self._timeout))
 
     def _imap_workers(self, tasks: Iterator[T]) -> Iterator[R | MediaError]:
         """Yield results in order while a service thread keeps the workers busy.
@@ -1180,33 +1303,51 @@ class DecodePool(Generic[T, R]):
         handles: list[Any] = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
         ready = set(multiprocessing.connection.wait(handles, timeout))
         for index, worker in enumerate(list(self._workers)):
-            if worker.conn in ready or worker.process.sentinel in ready:
+            if worker.conn in ready:
                 self._service(index, worker, done)
+            elif worker.process.sentinel in ready:
+                # Dead with nothing to read, its end kept open by a process it left
+                # behind: reading would only wait for the timeout.
+                self._lost(index, worker, done)
         now = time.monotonic()
         for index, worker in enumerate(list(self._workers)):
-            if worker.seq is not None and worker.deadline <= now:
+            # A result already waiting (unread while another worker's result was being
+            # read) is taken on the next pass, not thrown away as a timeout.
+            if worker.seq is not None and worker.deadline <= now and not worker.conn.poll():
                 logger.warning("task %d ran past %gs; killing its worker", worker.seq, self._timeout)
                 done[worker.seq] = MediaError("decode_timeout", f"no result after {self._timeout:g}s; the decoder was killed")
                 self._replace(index, worker)
 
     def _service(self, index: int, worker: _Worker, done: dict[int, R | MediaError]) -> None:
-        """Take the worker's messages; if it died, fail its task and replace it."""
-        lost = False
+        """Take the worker's next frame; if it died, or stalled in the middle of a
+        frame, fail its task and replace it.
+
+        One frame per call: a worker holds one task at a time, so nothing else can be
+        waiting behind a result (another look would only cost a syscall).
+        """
         try:
-            while worker.conn.poll():
-                message = worker.conn.recv()
-                if message == _READY:
-                    worker.ready = True
-                    self._failed_starts = 0
-                else:
-                    seq, result = message
-                    done[seq] = result
-                    worker.seq = None
-        except (EOFError, OSError):
-            lost = True
-            worker.process.join(timeout=1.0)
-        if worker.process.is_alive() and not lost:
+            seq, result = _receive_frame(worker.sock, self._timeout)
+        except (BlockingIOError, TimeoutError) as exc:
+            # Alive but stuck mid-frame: the stream cannot be put back in step.
+            logger.warning("a result stopped arriving (%s); killing its worker", exc)
+            if worker.seq is not None:
+                done[worker.seq] = MediaError("decode_timeout", f"the result stopped arriving for {self._timeout:g}s; the decoder was killed")
+            self._replace(index, worker)
             return
+        except (EOFError, OSError):
+            self._lost(index, worker, done)
+            return
+        if seq == _READY_SEQ:
+            worker.ready = True
+            self._failed_starts = 0
+        else:
+            done[seq] = result
+            worker.seq = None
+
+    def _lost(self, index: int, worker: _Worker, done: dict[int, R | MediaError]) -> None:
+        """The worker died: fail its task, if any, and replace it."""
+        # Its end of the socket closes a moment before its exit status is known.
+        worker.process.join(timeout=1.0)
         code = worker.process.exitcode
         if not worker.ready:
             # No task is involved: fn cannot be loaded in a fresh process. Replacing
@@ -1222,7 +1363,7 @@ class DecodePool(Generic[T, R]):
     def _replace(self, index: int, worker: _Worker) -> None:
         worker.process.kill()
         worker.process.join()
-        worker.conn.close()
+        worker.close_channel()
         self._workers[index] = self._start_worker()
 
     def _abandon_busy(self) -> None:

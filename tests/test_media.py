@@ -10,18 +10,25 @@ from __future__ import annotations
 import functools
 import io
 import itertools
+import mmap
+import multiprocessing
 import os
 import pickle
+import signal
+import socket
 import struct
+import threading
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageOps
 
 from embedjob import media
+from embedjob.encoders import EncoderInput
 from embedjob.media import DecodedImage, DecodedVideo, DecodeOptions, DecodePool, MediaError
 
 LOCAL = Path(__file__).parent / "data"
@@ -334,7 +341,59 @@ def pool_task(task: tuple[str, object]) -> object:
         raise MediaError("corrupt", str(value))
     if kind == "bug":
         raise ValueError(value)
+    if kind == "item":
+        return sample_item(int(value))  # type: ignore[call-overload]
+    if kind == "cut_item":
+        return item_over_a_cut_file(Path(str(value)))
+    if kind == "stalling_item":
+        return item_that_stalls_in_transfer()
     return int(value) ** 2  # type: ignore[call-overload]
+
+
+def sample_item(rows: int) -> EncoderInput:
+    """A deterministic item with the dtypes adapters produce, an empty tensor and a
+    non-contiguous one."""
+    gen = torch.Generator().manual_seed(rows)
+    tensors = {
+        "pixels": torch.randn(rows, 8, generator=gen),
+        "half": torch.randn(rows, 3, generator=gen).to(torch.bfloat16),
+        "bytes": torch.randint(0, 256, (rows,), generator=gen, dtype=torch.uint8),
+        "grid": torch.tensor([[1, rows, 2]], dtype=torch.int64),
+        "strided": torch.arange(4 * rows, dtype=torch.int64).reshape(rows, 4)[:, ::2],
+        "none": torch.empty(0, 4, dtype=torch.bfloat16),
+    }
+    return EncoderInput(tensors, tokens=rows, frames=0, size=8 * rows, modality="image")
+
+
+def assert_same_item(got: object, want: EncoderInput) -> None:
+    assert isinstance(got, EncoderInput)
+    assert (got.tokens, got.frames, got.size, got.modality) == (want.tokens, want.frames, want.size, want.modality)
+    assert list(got.tensors) == list(want.tensors)
+    for key, tensor in want.tensors.items():
+        assert got.tensors[key].dtype == tensor.dtype and got.tensors[key].shape == tensor.shape, key
+        assert torch.equal(got.tensors[key], tensor), key
+
+
+CUT_ITEM_BYTES = 4 << 20
+
+
+def item_over_a_cut_file(path: Path) -> EncoderInput:
+    """An item whose tensor maps a file cut to a quarter of it after mapping: sending
+    it gets through the first megabyte, then fails (EFAULT), which ends the worker
+    in the middle of the payload."""
+    with open(path, "w+b") as file:
+        file.truncate(CUT_ITEM_BYTES)
+        mapped = mmap.mmap(file.fileno(), CUT_ITEM_BYTES)
+        file.truncate(CUT_ITEM_BYTES // 4)
+    return EncoderInput({"pixels": torch.frombuffer(mapped, dtype=torch.uint8)}, tokens=1, frames=0, size=1)
+
+
+def item_that_stalls_in_transfer() -> EncoderInput:
+    """A 128 MB item whose worker stops itself (SIGSTOP) 2 ms after returning it, while
+    the item is being sent: far too soon for 128 MB to get through."""
+    pixels = torch.zeros(128 << 20, dtype=torch.uint8)
+    threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+    return EncoderInput({"pixels": pixels}, tokens=1, frames=0, size=1)
 
 
 MIXED = [
@@ -376,6 +435,109 @@ def test_pool_bounds_in_flight_and_recovers_after_early_exit(pool: DecodePool) -
     assert len(pulled) <= 5 + 2 * 2  # yielded + max_in_flight (default 2 * workers)
     results.close()
     assert list(pool.imap([("sleep", 0.2), ("square", 5)])) == [0.2, 25]
+
+
+def test_pool_returns_items_of_every_dtype_unchanged(pool: DecodePool) -> None:
+    sizes = [1, 7, 200_000, 3]  # 200_000 rows: a 6 MB tensor, far more than a socket buffer
+    results = list(pool.imap([("item", n) for n in sizes]))
+    for got, rows in zip(results, sizes):
+        assert_same_item(got, sample_item(rows))
+
+
+def test_encoder_input_pickles_tensors_out_of_band_from_protocol_5() -> None:
+    item = sample_item(1000)
+    buffers: list[pickle.PickleBuffer] = []
+    header = pickle.dumps(item, protocol=5, buffer_callback=buffers.append)
+    # The tensors' 55 KB travel beside the pickle, which holds only their layout.
+    assert len(buffers) == len(item.tensors) and len(header) < 1024
+    received = [bytearray(b.raw()) for b in buffers]
+    back = pickle.loads(header, buffers=received)
+    assert_same_item(back, item)
+    # Rebuilt over the received memory itself, not over a copy of it.
+    assert back.tensors["pixels"].data_ptr() == torch.frombuffer(received[0], dtype=torch.uint8).data_ptr()
+
+
+def test_encoder_input_pickles_in_band_below_protocol_5() -> None:
+    """torch.distributed's object collectives pickle with the default protocol 4; protocol
+    5 without a buffer_callback copies the buffers into the pickle."""
+    item = sample_item(50)
+    assert_same_item(pickle.loads(pickle.dumps(item, protocol=4)), item)
+    assert_same_item(pickle.loads(pickle.dumps(item, protocol=5)), item)
+
+
+def test_worker_dying_in_the_middle_of_a_result_is_a_crash_and_the_pool_goes_on(pool: DecodePool, tmp_path: Path) -> None:
+    tasks = [("item", 5), ("cut_item", str(tmp_path / "cut.bin")), ("item", 200_000), ("square", 6)]
+    results = list(pool.imap(tasks))
+    assert isinstance(results[1], MediaError) and results[1].code == "decoder_crashed"
+    # Exit code 1: the failed send ended the worker after part of the payload had gone
+    # out (a fault while pickling would have been a SIGBUS, exit code -7).
+    assert "exit code 1)" in results[1].message
+    assert_same_item(results[0], sample_item(5))
+    assert_same_item(results[2], sample_item(200_000))
+    assert results[3] == 36
+
+
+def test_worker_stalling_in_the_middle_of_a_result_times_out_and_the_pool_goes_on(pool: DecodePool) -> None:
+    start = time.monotonic()
+    results = list(pool.imap([("square", 2), ("stalling_item", None), ("item", 9)]))
+    assert isinstance(results[1], MediaError) and results[1].code == "decode_timeout"
+    assert results[0] == 4
+    assert_same_item(results[2], sample_item(9))
+    assert time.monotonic() - start < 10  # the pool's timeout is 1.5 s
+
+
+def raw_pair(timeout: float) -> tuple[socket.socket, socket.socket]:
+    """The parent's frame socket and a raw handle on the worker's end of a pool pipe."""
+    parent, child = multiprocessing.Pipe(duplex=True)
+    sock = media._result_socket(parent, timeout)
+    peer = socket.socket(fileno=os.dup(child.fileno()))
+    parent.close()
+    child.close()
+    return sock, peer
+
+
+def frame_of(seq: int, result: object) -> bytes:
+    """The bytes a worker sends for `result` (small enough for a socket buffer)."""
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        media._send_frame(sender, seq, *media._pickle_result(result))
+        sender.close()
+        return b"".join(iter(lambda: receiver.recv(1 << 16), b""))
+
+
+def test_a_frame_arrives_whole() -> None:
+    item = sample_item(300)
+    sock, peer = raw_pair(timeout=5.0)
+    with sock, peer:
+        peer.sendall(frame_of(4, item) + frame_of(5, MediaError("corrupt", "bad")))
+        seq, got = media._receive_frame(sock, timeout=5.0)
+        assert seq == 4
+        assert_same_item(got, item)
+        seq, got = media._receive_frame(sock, timeout=5.0)
+        assert (seq, str(got)) == (5, "corrupt: bad")
+
+
+@pytest.mark.parametrize("where", ["prefix", "payload", "buffers"])
+def test_a_frame_cut_short_is_end_of_file_never_a_partial_item(where: str) -> None:
+    frame = frame_of(1, sample_item(300))
+    cut = {"prefix": 7, "payload": 60, "buffers": len(frame) - 100}[where]
+    sock, peer = raw_pair(timeout=5.0)
+    with sock, peer:
+        peer.sendall(frame[:cut])
+        peer.close()
+        with pytest.raises(EOFError, match="closed its end"):
+            media._receive_frame(sock, timeout=5.0)
+
+
+def test_a_stalled_frame_gives_up_after_the_timeout() -> None:
+    frame = frame_of(1, sample_item(300))
+    sock, peer = raw_pair(timeout=0.3)
+    with sock, peer:
+        peer.sendall(frame[:-100])
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            media._receive_frame(sock, timeout=0.3)
+        assert 0.25 < time.monotonic() - start < 3.0
 
 
 def with_chunk_offset_past_the_end(data: bytes) -> bytes:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 import yaml
@@ -41,14 +42,20 @@ sys.path.insert(0, str(REPO))
 from embedjob.bench import build_tower, make_jpeg_parquet, save_checkpoint  # noqa: E402
 
 
-def prepare(workdir: Path, images: int) -> tuple[Path, Path]:
-    """The tower checkpoint and the JPEG Parquet file; the GPU is freed afterwards."""
+def prepare(workdir: Path, images: int, distinct: int) -> tuple[Path, Path]:
+    """The tower checkpoint and the JPEG Parquet file; the GPU is freed afterwards.
+
+    `distinct` JPEGs are made (re-encoding is slow and single-threaded) and repeated to
+    `images` rows; every row is still read, decoded and encoded on its own."""
     adapter = build_tower(torch.device("cuda", 0))
     checkpoint = save_checkpoint(adapter, workdir)
     del adapter
     torch.cuda.empty_cache()
     parquet = workdir / "jpegs.parquet"
-    make_jpeg_parquet(parquet, images)
+    make_jpeg_parquet(parquet, min(distinct, images))
+    table = pq.read_table(parquet)
+    rows = pa.concat_tables([table] * -(-images // table.num_rows)).slice(0, images)
+    pq.write_table(rows, parquet, row_group_size=128)
     return checkpoint, parquet
 
 
@@ -100,6 +107,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--images", type=int, default=1536)
+    parser.add_argument("--distinct", type=int, default=512, help="distinct JPEGs, repeated to --images rows")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workdir", default="scaling-work")
     args = parser.parse_args()
@@ -108,7 +116,7 @@ def main() -> int:
         raise SystemExit(f"asked for {max(args.gpus)} GPUs but this machine has {available}")
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    checkpoint, parquet = prepare(workdir, args.images)
+    checkpoint, parquet = prepare(workdir, args.images, args.distinct)
     job = write_job(workdir, checkpoint, parquet)
     results = []
     reference: list[dict[str, Any]] | None = None
@@ -127,7 +135,7 @@ def render(args: argparse.Namespace, results: list[tuple[int, list[dict[str, Any
     lines = [
         f"# embedjob data-parallel scaling — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- device: {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs; "
-        f"torch {torch.__version__}; {args.images} JPEGs 224-1344 px; Qwen2.5-VL-7B-size tower, bf16, compiled, CUDA graphs",
+        f"torch {torch.__version__}; {args.images} rows ({args.distinct} distinct JPEGs, 224-1344 px); Qwen2.5-VL-7B-size tower, bf16, compiled, CUDA graphs",
         f"- seconds: pipeline (decode + encode + write), median of {args.repeats}; setup excluded",
         "",
         "| GPUs | seconds | images/s | images/s per GPU | scaling efficiency | balance ratio | busy ratio | hit rate "

@@ -223,8 +223,12 @@ class Cluster:
     """
 
     def __init__(self, layout: Layout, spawned: list[_Spawned], store: dist.TCPStore | None = None) -> None:
-        """`store` is given to rank 0 of a spawned group, which joins the process group
-        at its first exchange; every other caller is in it already."""
+        """With a `store` (the ranks of a spawned group) this process joins the process
+        group at its first exchange, after its own setup; under torchrun it is in it already.
+
+        Late joining matters on CUDA beyond overlapping setup: a NCCL group that exists
+        while a rank captures its CUDA graphs has a watchdog thread querying the device,
+        which a capture does not allow, so every rank captures before it joins."""
         self.layout = layout
         self.spawned = spawned
         self.objects: dist.ProcessGroup | None = None
@@ -307,14 +311,15 @@ class Cluster:
             self.objects = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
     def _connect(self) -> None:
-        """Rank 0 of a spawned group joins late, so its own setup (reading, loading the
-        model, capturing) overlaps the other ranks' start."""
+        """Join the process group at the first exchange (see `__init__`): rank 0 first
+        checks that every spawned rank reached the store, failing at once if one ended."""
         if self._store is None:
             return
         store, self._store = self._store, None
-        _wait_until_joined(store, self.spawned, self.world_size)
+        if self.spawned:
+            _wait_until_joined(store, self.spawned, self.world_size)
         dist.init_process_group(
-            self.layout.backend, store=store, rank=0, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT,
+            self.layout.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT,
             device_id=_nccl_device(self.layout),
         )
         self._in_group = True
@@ -494,12 +499,7 @@ def _member_main(
             torch.set_num_threads(member.threads)
         store = dist.TCPStore(member.host, member.port, member.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         store.set(f"embedjob/joined/{member.rank}", "1")
-        layout = Layout(member.world_size, member.rank, device)
-        dist.init_process_group(
-            layout.backend, store=store, rank=member.rank, world_size=member.world_size, timeout=COLLECTIVE_TIMEOUT,
-            device_id=_nccl_device(layout),
-        )
-        with Cluster(layout, []) as cluster:
+        with Cluster(Layout(member.world_size, member.rank, device), [], store) as cluster:
             target(cluster, *args)
     except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}"

@@ -101,7 +101,7 @@ def test_demo_job_on_cuda_matches_the_cpu_run(tmp_path: Path, cache_dir: str) ->
     for device in ("cpu", "cuda"):
         job = load_job(
             REPO / "jobs" / "demo.yaml",
-            [f"output.path={tmp_path / device}", f"runtime.device={device}", f"runtime.cache_dir={cache_dir}", "runtime.workers=0"],
+            [f"output.path={tmp_path / device}", f"runtime.device={device}", f"runtime.cache_dir={cache_dir}", "runtime.workers=0", "runtime.gpus=1"],
         )
         stats = run_job(job)
         assert stats["rows"] == 12 and stats["errors"] == 2

@@ -10,12 +10,14 @@ mixed-size mix), and runs the same job through the CLI, as a user would, once pe
 count (compiled blocks, CUDA graphs). Throughput is rows over the run's
 `pipeline_seconds` (decode, encode and write; model load, compile and capture are
 excluded since they do not grow with the dataset), median over the repeats. Scaling
-efficiency is throughput(N) / (N * throughput(1)). The balance ratio is the data-parallel
-ledger's max/mean rank load summed over windows; the busy ratio the same for the ranks'
-measured encode seconds. The last columns compare each run's rows with the first run's:
-ids, order and errors must be identical; embeddings are compared bitwise and by the
-largest relative difference, since a different share of a window packs items into
-different batches, which can move bf16 results by rounding.
+efficiency is throughput(N) / (N * throughput(1)). The balance ratio is the
+data-parallel ledger's max/mean rank load summed over windows; the busy ratio the same
+for the ranks' measured encode seconds. Below the table, each run's stage seconds and
+every rank's exchange seconds say where a run that does not scale waits. The last
+columns compare each run's rows with the first run's: ids, order and errors must be
+identical; embeddings are compared bitwise and by the largest relative difference,
+since a different share of a window packs items into different batches, which can move
+bf16 results by rounding.
 """
 
 from __future__ import annotations
@@ -155,6 +157,12 @@ def render(args: argparse.Namespace, results: list[tuple[int, list[dict[str, Any
             f"| {gpus} | {seconds:.2f} | {rate:.1f} | {rate / gpus:.1f} | {efficiency:.2f} | {balance} | {busy} "
             f"| {last['hit_rate']:.0%} | {setup:.1f} | {'yes' if same else 'NO'} | {bitwise}/{last['rows']} | {worst:.2e} |"
         )
+    lines += ["", "Where the time went (last run of each): rank 0's pipeline stages, and each rank's exchange wall seconds"]
+    for gpus, runs, _ in results:
+        last = runs[-1]
+        lines.append(f"- {gpus} GPU(s): stages {last.get('stage_seconds')}")
+        for rank in last.get("ranks", []):
+            lines.append(f"  - rank {rank['rank']}: busy {rank['busy_seconds']} s, exchanges {rank.get('exchange_seconds')}")
     return "\n".join(lines)
 
 

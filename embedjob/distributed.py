@@ -47,6 +47,7 @@ parts stay valid and a rerun resumes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import heapq
@@ -237,6 +238,7 @@ class Cluster:
         self._stopping = threading.Event()
         self._closed = False
         self._sending: list[tuple[Any, torch.Tensor]] = []  # each send and the buffer it reads
+        self.seconds: collections.Counter[str] = collections.Counter()  # wall seconds per exchange, for the stats
         self._threads_before: int | None = None
         if spawned and layout.device.type == "cpu":
             self._threads_before = torch.get_num_threads()
@@ -378,6 +380,7 @@ class Cluster:
         return blocks or []
 
     def _collective(self, what: str, call: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
         try:
             self._connect()
             return call()
@@ -385,6 +388,8 @@ class Cluster:
             raise
         except Exception as exc:
             raise RankFailure(self._failure(what, exc)) from exc
+        finally:
+            self.seconds[what] += time.perf_counter() - start
 
     def _failure(self, what: str, exc: BaseException) -> str:
         """Name the rank that ended, if a spawned one did (it may take a moment to be reaped)."""
@@ -499,8 +504,10 @@ def _member_main(
             torch.set_num_threads(member.threads)
         store = dist.TCPStore(member.host, member.port, member.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         store.set(f"embedjob/joined/{member.rank}", "1")
-        with Cluster(Layout(member.world_size, member.rank, device), [], store) as cluster:
-            target(cluster, *args)
+        # Not closed: the process ends right below. Destroying a NCCL group here waits
+        # for rank 0's, while rank 0 waits for this process to end before destroying its
+        # own (seen on two H200s: every run ended 30 s late, after FAILURE_GRACE).
+        target(Cluster(Layout(member.world_size, member.rank, device), [], store), *args)
     except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}"
         logger.error("rank %d failed: %s", member.rank, message)
@@ -594,7 +601,9 @@ class ShareReply:
 
     `shapes[j]` is the result shape of the share's j-th item, or None when it failed
     (then `failures[j]` says why); its rows follow the previous items' rows in the
-    rank's gathered block. `stats` are the rank's cumulative graph statistics.
+    rank's gathered block. `stats` are the rank's cumulative graph statistics and
+    `exchange_seconds` its cumulative wall seconds per kind of exchange up to this
+    window (waiting for rank 0, receiving items, ...), which tell a slow run's cause.
     """
 
     shapes: list[tuple[int, ...] | None]
@@ -602,6 +611,7 @@ class ShareReply:
     busy_seconds: float
     stats: GraphStats
     device: str
+    exchange_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -645,6 +655,7 @@ def serve(cluster: Cluster, encoder: BatchEncoder, reduce: Reduce, width: int, o
     while (items := cluster.receive_items()) is not None:
         _maybe_fail(cluster.rank, window)
         share = encode_share(encoder, items, reduce, width, out_dtype, cluster.device)
+        share.reply.exchange_seconds = dict(cluster.seconds)
         replies = cluster.exchange(share.reply)
         cluster.gather_rows(share.rows, max(r.rows for r in replies))
         window += 1
@@ -668,6 +679,7 @@ class RankLedger:
     busy: list[float] = field(init=False)
     stats: list[GraphStats] = field(init=False)
     devices: list[str] = field(init=False)
+    exchanges: list[dict[str, float]] = field(init=False)
     max_load: float = 0.0
     mean_load: float = 0.0
     max_busy: float = 0.0
@@ -677,6 +689,7 @@ class RankLedger:
         n = self.world_size
         self.items, self.loads, self.busy = [0] * n, [0] * n, [0.0] * n
         self.stats, self.devices = [GraphStats() for _ in range(n)], [""] * n
+        self.exchanges = [{} for _ in range(n)]
 
     def record(self, sizes: Sequence[int], shares: list[list[int]], replies: list[ShareReply]) -> None:
         loads = share_loads(sizes, shares)
@@ -687,6 +700,7 @@ class RankLedger:
             self.busy[rank] += reply.busy_seconds
             self.stats[rank] = reply.stats
             self.devices[rank] = reply.device
+            self.exchanges[rank] = reply.exchange_seconds
         self.max_load += max(loads)
         self.mean_load += sum(loads) / self.world_size
         self.max_busy += max(busy)
@@ -717,6 +731,7 @@ class RankLedger:
                 "graph_misses": self.stats[rank].misses,
                 "hit_rate": round(self.stats[rank].hit_rate, 6),
                 "padding_waste": self.stats[rank].padding_waste,
+                "exchange_seconds": {k: round(v, 3) for k, v in self.exchanges[rank].items()},
             }
             for rank in range(self.world_size)
         ]
@@ -761,6 +776,7 @@ class DataParallelEncoder:
         out = self.local.stats()
         out.update(self.graph_stats().to_dict())
         out.update(self.ledger.to_dict())
+        out["ranks"][0]["exchange_seconds"] = {k: round(v, 3) for k, v in self.cluster.seconds.items()}
         return out
 
     def encode(self, items: list[EncoderInput], reduce: Reduce) -> tuple[list[torch.Tensor | None], list[str | None]]:

@@ -380,16 +380,26 @@ class Cluster:
         return blocks or []
 
     def _collective(self, what: str, call: Callable[[], Any]) -> Any:
+        """Run one exchange, joining the group first if this rank has not yet; its wall
+        seconds go to `seconds[what]`, the join's (waiting for the other ranks' setup) to
+        `seconds["joining the group"]`, so a short run's start-up is not read as throughput."""
         start = time.perf_counter()
         try:
-            self._connect()
+            if self._store is not None:
+                self._connect()
+                start = self._count("joining the group", start)
             return call()
         except RankFailure:
             raise
         except Exception as exc:
             raise RankFailure(self._failure(what, exc)) from exc
         finally:
-            self.seconds[what] += time.perf_counter() - start
+            self._count(what, start)
+
+    def _count(self, what: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[what] += now - since
+        return now
 
     def _failure(self, what: str, exc: BaseException) -> str:
         """Name the rank that ended, if a spawned one did (it may take a moment to be reaped)."""

@@ -112,6 +112,27 @@ def decode_row(row: reader.InputRow, options: media.DecodeOptions, preprocess: A
     return Decoded(row.row, row.id, modality, item, None)
 
 
+FIRST_WINDOW = 32
+"""The smallest first window that ramps up (see `window_sizes`)."""
+
+
+def window_sizes(window: int) -> Iterator[int]:
+    """Window sizes for a run: a short ramp, then `window` for ever.
+
+    The device has nothing to do until the first window is decoded, so the first windows
+    are an eighth, a quarter and a half of `window` (never below FIRST_WINDOW items):
+    the device starts after a few dozen items, and each window takes about as long to
+    encode as the next, twice as large, takes to decode while the pool is filling up.
+    A window of FIRST_WINDOW items or fewer does not ramp.
+    """
+    size = min(window, max(FIRST_WINDOW, window // 8))
+    while size < window:
+        yield size
+        size *= 2
+    while True:
+        yield window
+
+
 def job_fingerprint(job: Job) -> dict[str, Any]:
     """What determines the embeddings; a resume into output with another fingerprint is refused."""
     return {
@@ -404,11 +425,13 @@ class Runner:
         )
 
     def _windows(self, pool: media.DecodePool, rows: Iterable[reader.InputRow]) -> Iterator[list[Decoded]]:
-        """Decoded rows in input order, `batching.window` at a time.
+        """Decoded rows in input order, in windows of `window_sizes(batching.window)`.
 
         The pool returns a bare MediaError for an item it had to cut off (timeout, crash);
         the queue of submitted rows tells which row that was.
         """
+        sizes = window_sizes(self.job.batching.window)
+        size = next(sizes)
         submitted: collections.deque[reader.InputRow] = collections.deque()
 
         def track() -> Iterator[reader.InputRow]:
@@ -423,10 +446,10 @@ class Runner:
             if isinstance(result, media.MediaError):
                 result = Decoded(row.row, row.id, None, None, str(result))
             window.append(result)
-            if len(window) >= self.job.batching.window:
+            if len(window) >= size:
                 self.clock.add("decode", since)
                 yield window
-                window = []
+                window, size = [], next(sizes)
                 since = time.perf_counter()
         if window:
             self.clock.add("decode", since)

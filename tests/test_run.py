@@ -145,3 +145,47 @@ def test_a_partial_slurm_array_must_name_its_shard(monkeypatch) -> None:
     with pytest.raises(JobError, match="pass --shard I/N"):
         Shard.parse(None)
     assert Shard.parse("1/4") == Shard(1, 4)
+
+
+def test_window_sizes_ramp_up_to_the_window() -> None:
+    from embedjob.runner import window_sizes
+
+    def first(window: int, count: int = 6) -> list[int]:
+        sizes = window_sizes(window)
+        return [next(sizes) for _ in range(count)]
+
+    assert first(256) == [32, 64, 128, 256, 256, 256]
+    assert first(100) == [32, 64, 100, 100, 100, 100]
+    assert first(32) == [32] * 6 and first(4) == [4] * 6
+
+
+def test_the_first_windows_are_smaller_and_the_output_does_not_change(tmp_path: Path, cache_dir: str, monkeypatch) -> None:
+    """The device starts after 32 decoded rows instead of a whole window; which rows
+    share a window must not change any output row."""
+    import pyarrow as pa
+
+    import embedjob.runner
+
+    demo = pq.read_table(REPO / "jobs" / "data" / "demo-images.parquet")
+    rows = pa.concat_tables([demo] * 6).slice(0, 72)
+    parquet = tmp_path / "rows.parquet"
+    pq.write_table(rows, parquet)
+    seen: list[int] = []
+    enqueue = embedjob.runner.WindowEncoder.enqueue
+
+    def record(self, window):
+        seen.append(len(window))
+        return enqueue(self, window)
+
+    monkeypatch.setattr(embedjob.runner.WindowEncoder, "enqueue", record)
+    outputs = {}
+    for window in (64, 8):
+        out = tmp_path / f"w{window}"
+        sets = [f"input.path={parquet}", f"batching.window={window}", "runtime.workers=1"]
+        assert run(out, cache_dir, *[a for s in sets for a in ("--set", s)]) == 0
+        outputs[window] = read(out)
+    assert seen == [32, 40] + [8] * 9
+    assert len(outputs[64]) == len(outputs[8]) == 72
+    for a, b in zip(outputs[64], outputs[8]):
+        assert {k: v for k, v in a.items() if k != "embedding"} == {k: v for k, v in b.items() if k != "embedding"}
+        assert np.array_equal(np.array(a["embedding"], dtype=np.float32), np.array(b["embedding"], dtype=np.float32), equal_nan=True)

@@ -184,7 +184,7 @@ class QwenPreprocessor:
     def model_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """An item's stored pixels as the tower's float32 `hidden_states` (full rows, normalised)."""
         dim = 3 * self.temporal_patch_size * self.patch_size**2
-        return self.normalize(expand_pixels(pixels, dim))
+        return self.normalize(expand_pixels(pixels, dim, self.temporal_patch_size))
 
     def patchify(self, frames: torch.Tensor, image: bool) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """(T, C, H, W) -> (t*h*w, C*tp*p*p) in the model's patch order, and the grid (t, h, w).
@@ -235,12 +235,18 @@ def compact_image_pixels(pixels: torch.Tensor, temporal: int) -> torch.Tensor:
     return pixels.view(rows, 3, temporal, dim // (3 * temporal))[:, :, 0].reshape(rows, -1)
 
 
-def expand_pixels(pixels: torch.Tensor, dim: int) -> torch.Tensor:
-    """The model's patch layout (rows, dim) from compact image rows or full video rows (a view)."""
+def expand_pixels(pixels: torch.Tensor, dim: int, temporal: int) -> torch.Tensor:
+    """The model's patch layout (rows, dim) from compact image rows or full video rows."""
+    return patch_view(pixels, dim, temporal).reshape(pixels.shape[0], dim)
+
+
+def patch_view(pixels: torch.Tensor, dim: int, temporal: int) -> torch.Tensor:
+    """Compact image rows or full video rows as one (rows, channel, time, values) view;
+    an image's one temporal copy is repeated by stride 0, so copying the view expands it
+    in one pass, and images and videos share the shape, so a batch joins them as is."""
     rows, width = pixels.shape
-    if width == dim:
-        return pixels
-    return pixels.view(rows, 3, 1, width // 3).expand(rows, 3, dim // width, width // 3).reshape(rows, dim)
+    values = dim // (3 * temporal)
+    return pixels.view(rows, 3, width // (3 * values), values).expand(rows, 3, temporal, values)
 
 
 class QwenAdapter(EncoderAdapter):
@@ -386,7 +392,11 @@ class QwenAdapter(EncoderAdapter):
             patch_offset += t * h * w
         pin = self.device.type == "cuda"
         values = {
-            "pixel_values": _joined_pixels([i.tensors["pixel_values"] for i in items], self.patch_dim, pin),
+            "pixel_values": _joined(
+                [patch_view(i.tensors["pixel_values"], self.patch_dim, self.processing.temporal_patch_size) for i in items],
+                torch.uint8,
+                pin,
+            ).view(-1, self.patch_dim),
             "position_ids": _joined([i.tensors["position_ids"] for i in items], torch.int64, pin),
             "cu_seqlens": torch.tensor([0, *_cumsum(seg_lengths)], dtype=torch.int32),
         }
@@ -408,20 +418,6 @@ def _joined(parts: list[torch.Tensor], dtype: torch.dtype, pin: bool) -> torch.T
     for part in parts:
         out[offset : offset + part.shape[0]].copy_(part)
         offset += part.shape[0]
-    return out
-
-
-def _joined_pixels(parts: list[torch.Tensor], dim: int, pin: bool) -> torch.Tensor:
-    """Items' uint8 pixel rows joined into the model's layout in one pass: compact image
-    rows are expanded while they are copied, never materialised at full width first."""
-    rows = sum(p.shape[0] for p in parts)
-    out = torch.empty((rows, dim), dtype=torch.uint8, pin_memory=pin)
-    offset = 0
-    for part in parts:
-        count, width = part.shape
-        target = out[offset : offset + count].view(count, 3, dim // width, width // 3)
-        target.copy_(part.view(count, 3, 1, width // 3).expand_as(target))
-        offset += count
     return out
 
 

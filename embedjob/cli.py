@@ -83,7 +83,7 @@ def _bench_command(sub: Any) -> None:
     )
     bench.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True, help="kernel table of a compiled forward")
     bench.add_argument("--e2e-images", type=int, default=768, help="rows of the real-JPEG Parquet file (0: skip)")
-    bench.add_argument("--e2e-profile", action="store_true", help="profile the end-to-end run's main thread (cProfile)")
+    bench.add_argument("--e2e-profile", action="store_true", help="profile the end-to-end run (cProfile)")
     bench.add_argument("--workdir", default="bench-work")
     bench.set_defaults(func=_cmd_bench)
 

@@ -313,10 +313,8 @@ class Cluster:
             self.objects = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
     def _connect(self) -> None:
-        """Join the process group at the first exchange (see `__init__`): rank 0 first
-        checks that every spawned rank reached the store, failing at once if one ended."""
-        if self._store is None:
-            return
+        """Join the process group (once, at the first exchange: see `__init__`): rank 0
+        first checks that every spawned rank reached the store, failing at once if one ended."""
         store, self._store = self._store, None
         if self.spawned:
             _wait_until_joined(store, self.spawned, self.world_size)

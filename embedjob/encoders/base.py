@@ -122,7 +122,8 @@ class StaticInputs:
 
 
 class EncoderAdapter(abc.ABC):
-    """Base class of encoder families. Subclasses set the attributes in `__init__`."""
+    """Base class of encoder families. Subclasses set the attributes below that `__init__`
+    does not (the embedding width, the budget range, ...)."""
 
     family: str
     device: torch.device
@@ -132,6 +133,16 @@ class EncoderAdapter(abc.ABC):
     max_budget: int
     max_frames_per_video: int
     cache_dir: Path
+
+    def __init__(self, spec: Any, processing: Any, device: torch.device, dtype: torch.dtype, source: str) -> None:
+        """What every family has: its spec (`spec.name` is the family), the preprocessing
+        its decode workers run, the device and dtype it runs in, and where it was loaded from."""
+        self.family = spec.name
+        self.spec = spec
+        self.processing = processing
+        self.device = device
+        self.dtype = dtype
+        self.source = source
 
     @abc.abstractmethod
     def preprocessor(self) -> Preprocessor:

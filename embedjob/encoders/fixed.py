@@ -230,14 +230,9 @@ class FixedResAdapter(EncoderAdapter):
         pool: str,
         tile_combine: str,
     ) -> None:
-        self.family = spec.name
-        self.spec = spec
+        super().__init__(spec, processing, device, dtype, source)
         self.tower = tower
         self.projection = projection
-        self.processing = processing
-        self.device = device
-        self.dtype = dtype
-        self.source = source
         self.pool = pool
         self.tile_combine = tile_combine
         self.tokens_per_image = processing.tokens_per_image

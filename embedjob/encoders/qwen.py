@@ -261,13 +261,8 @@ class QwenAdapter(EncoderAdapter):
         dtype: torch.dtype,
         source: str,
     ) -> None:
-        self.family = family.name
-        self.spec = family
+        super().__init__(family, processing, device, dtype, source)
         self.model = model
-        self.processing = processing
-        self.device = device
-        self.dtype = dtype
-        self.source = source
         config = model.config
         self.embed_dim = int(getattr(config, "out_hidden_size", None) or config.hidden_size)
         self.merge_unit = processing.merge_size**2

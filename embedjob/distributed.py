@@ -1,56 +1,61 @@
-"""Data parallel across the GPUs of one node: load-balanced items, ordered gather.
+"""Data parallel across the GPUs of one node: load-balanced items, pipelined windows.
 
-One process per GPU ("rank"), joined in one `torch.distributed` process group: NCCL
-between GPUs, gloo on CPUs (CI), plus a gloo group for Python objects. `embedjob run
---gpus N` makes the calling process rank 0 and spawns ranks 1..N-1; under torchrun
-(RANK, WORLD_SIZE, LOCAL_RANK set) every rank was started by torchrun and just joins.
+One process per GPU ("rank"), joined in one gloo process group over the loopback.
+`embedjob run --gpus N` makes the calling process rank 0 and spawns ranks 1..N-1; under
+torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) every rank was started by torchrun and just
+joins.
 
 Roles. Rank 0 is the shard's only reader, decoder and writer: it runs the runner's
-pipeline unchanged, and the encoder the runner sees is a `DataParallelEncoder`. Per
-window of decoded items it
-1. assigns items to ranks largest first to the least-loaded rank by input size
-   (`assign_items`: the seed's load balance),
-2. sends every other rank its items (one gloo scatter),
-3. encodes its own share like any rank (its own graphs on its own device),
-4. exchanges per-item shapes and failures with every rank (one gloo all-gather of small
-   objects), then gathers the embeddings on rank 0 over the device backend, each rank's
-   rows padded to the largest rank's row count (a gather needs one shape), and
-5. unpads them with the shapes and puts them back in the window's order.
-The other ranks (`serve`) loop on 2-4 until rank 0 sends the stop message. The output
-is therefore the single-process output: the same rows in the same parts, manifest and
-statistics, written by one process; only which batch an item is packed into changes,
-which moves an embedding by float rounding at most.
+pipeline unchanged, and the runner's window encoder hands each window to a `Spread`:
+1. it assigns the window's items to ranks largest first to the least-loaded rank by
+   input size (`assign_items`: the seed's load balance),
+2. sends every other rank its items (in the background),
+3. encodes its own share like any rank (its own graphs on its own device), and
+4. when the runner finalises the window, after it has submitted the next one, takes
+   every other rank's reply (per-item shapes and failures) and rows, and puts them
+   back in the window's order.
+The other ranks (`serve`) receive window k+1 while they encode window k and send k's
+rows back while they encode k+1, until rank 0 sends the stop message. Every device thus
+holds up to two windows and none waits at a window boundary for another; a rank waits
+only when rank 0 has not yet decoded its next window. The output is the
+single-process output: the same rows in the same parts, manifest and statistics,
+written by one process; only which batch an item is packed into changes, which moves
+an embedding by float rounding at most.
 
 Why rank 0 decodes every item and sends it, instead of each rank decoding a disjoint
 subset: the balance needs each item's input size, which is known only after decoding and
 preprocessing, and rank 0's decode pool already uses every core of the node, so the CPU
 decode runs once whichever rank computes on the item. The cost: each item that leaves
 rank 0 is copied once into its rank's send buffer (`pack_items`) and crosses the
-loopback interface over gloo, in the background while rank 0 encodes its own share. That
-is 588 bytes per Qwen-VL image patch (resized uint8 pixels, one temporal copy; video
-patches 1176), about 0.6 MB for a 1000-patch image; gloo moved buffers at 1-1.4 GB/s
-on this project's 2-core CI machine, i.e. under 1 ms per such image, against the 25 ms
-(eager) or about half that (compiled) an H200 spent per image with a 7B-size tower
-(DESIGN.md); rank 0 sends (N-1)/N of the items. Sending
-the compressed media instead would need every item's size from its header before
-decoding, per encoder family and for video.
+loopback, on a background thread while rank 0 encodes its own share. That is 588
+bytes per Qwen-VL image patch (resized uint8 pixels, one temporal copy; video patches
+1176), about 0.6 MB for a 1000-patch image; gloo moved buffers at 1-1.4 GB/s on this
+project's 2-core CI machine, i.e. under 1 ms per such image, against the 10-25 ms an
+H200 spends per image with a 7B-size tower (benchmarks/RESULTS.md). Results come back
+the same way, from pinned host memory: a pooled embedding is a few kB. Gloo rather
+than NCCL carries both: rank 0 writes the rows from its host memory anyway, and a gloo
+transfer needs no device stream, so it runs on its own thread in no order with the
+encode.
 
 Failures. A rank that dies makes the job stop with a `RankFailure` naming the rank and
-its exit code (or its own error message), never a hang: gloo fails an exchange with a
-dead peer at once; rank 0 watches the processes it spawned and ends itself if its main
-thread does not notice within `FAILURE_GRACE` seconds (a NCCL wait cannot be
-interrupted); spawned ranks end when rank 0 ends; exchanges with a live but hung peer
-time out after `COLLECTIVE_TIMEOUT`; under torchrun, torchrun stops the other ranks.
-Parts are committed by rank 0 alone, so the checkpoint rules are unchanged: committed
-parts stay valid and a rerun resumes.
+its exit code (or its own error message), never a hang: gloo fails a transfer with a
+dead peer at once and the main thread re-raises it where it waits for that transfer;
+rank 0 also watches the processes it spawned and ends itself if its main thread does not
+notice within `FAILURE_GRACE` seconds; spawned ranks end when rank 0 ends; transfers
+with a live but hung peer time out after `TRANSFER_TIMEOUT`; under torchrun, torchrun
+stops the other ranks. Parts are committed by rank 0 alone, so the checkpoint rules are
+unchanged: committed parts stay valid and a rerun resumes.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
+import copy
 import dataclasses
-import functools
 import heapq
+import itertools
 import logging
 import math
 import multiprocessing
@@ -59,11 +64,12 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -72,9 +78,10 @@ from embedjob.graphs import BatchEncoder, GraphStats, Reduce
 from embedjob.job import JobError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
-COLLECTIVE_TIMEOUT = timedelta(minutes=30)
-"""The longest one exchange may wait. Ranks wait for rank 0's next window while rank 0
+TRANSFER_TIMEOUT = timedelta(minutes=30)
+"""The longest one transfer may wait. Ranks wait for rank 0's next window while rank 0
 decodes it (and at start while it loads and captures), so this must exceed the slowest
 window's decode; it only bounds a hung peer, a dead one is detected at once."""
 
@@ -138,10 +145,6 @@ class Layout:
     rank: int
     device: torch.device
     launched: bool = False
-
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.device.type == "cuda" else "gloo"
 
 
 def resolve_layout(gpus: str | int, device: torch.device) -> Layout:
@@ -216,29 +219,35 @@ class _Spawned:
 
 
 class Cluster:
-    """This process's place in the job's process group, and the exchanges of a window.
+    """This process's place in the job's process group, and its links to the other ranks.
 
     Use as a context manager: leaving it normally tells the other ranks to stop (rank
     0) and waits for them; leaving it by an exception stops the spawned ranks at once,
-    since they may be inside an exchange that will never complete.
+    since they may be inside a transfer that will never complete.
+
+    Transfers run on two single-thread executors, one per direction, so neither the
+    device nor the pipeline waits on the loopback, and each gloo group is only ever
+    used by one thread of each process: windows go out over the default group
+    (`send_window` on rank 0, `receive_window` elsewhere), results come back over
+    `self.results` (`send_reply` elsewhere, `receive_replies` on rank 0). Every rank
+    submits its transfers in window order, so the n-th message on a link is window n's.
     """
 
     def __init__(self, layout: Layout, spawned: list[_Spawned], store: dist.TCPStore | None = None) -> None:
         """With a `store` (the ranks of a spawned group) this process joins the process
-        group at its first exchange, after its own setup; under torchrun it is in it already.
-
-        Late joining matters on CUDA beyond overlapping setup: a NCCL group that exists
-        while a rank captures its CUDA graphs has a watchdog thread querying the device,
-        which a capture does not allow, so every rank captures before it joins."""
+        group at its first transfer (`join`), after its own setup, so rank 0 starts
+        decoding while the others still load and capture; under torchrun it is in it already."""
         self.layout = layout
         self.spawned = spawned
-        self.objects: dist.ProcessGroup | None = None
+        self.results: dist.ProcessGroup | None = None
         self._store = store
         self._in_group = store is None
         self._stopping = threading.Event()
         self._closed = False
-        self._sending: list[tuple[Any, torch.Tensor]] = []  # each send and the buffer it reads
-        self.seconds: collections.Counter[str] = collections.Counter()  # wall seconds per exchange, for the stats
+        self._outgoing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-send")
+        self._incoming = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-receive")
+        self._lock = threading.Lock()
+        self._seconds: collections.Counter[str] = collections.Counter()
         self._threads_before: int | None = None
         if spawned and layout.device.type == "cpu":
             self._threads_before = torch.get_num_threads()
@@ -260,6 +269,12 @@ class Cluster:
     def device(self) -> torch.device:
         return self.layout.device
 
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Wall seconds per kind of transfer or wait so far (every thread's), for the stats."""
+        with self._lock:
+            return dict(self._seconds)
+
     @classmethod
     def start(cls, layout: Layout, target: Callable[..., None], args: tuple[Any, ...]) -> "Cluster":
         """Join the group; when not launched by torchrun, first spawn ranks 1.. to run
@@ -268,12 +283,11 @@ class Cluster:
             torch.cuda.set_device(layout.device)
         if layout.launched:
             dist.init_process_group(
-                layout.backend, init_method="env://", rank=layout.rank, world_size=layout.world_size,
-                timeout=COLLECTIVE_TIMEOUT, device_id=_nccl_device(layout),
+                "gloo", init_method="env://", rank=layout.rank, world_size=layout.world_size, timeout=TRANSFER_TIMEOUT
             )
             return cls(layout, [])
         store = dist.TCPStore(
-            "127.0.0.1", 0, layout.world_size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
+            "127.0.0.1", 0, layout.world_size, is_master=True, timeout=TRANSFER_TIMEOUT, wait_for_workers=False
         )
         return cls(layout, _spawn(layout, store.port, target, args), store)
 
@@ -293,111 +307,124 @@ class Cluster:
             return
         self._closed = True
         self._stopping.set()
-        clean = False
         try:
             if ok and self.rank == 0 and self._in_group:
-                self.send_items(None)
+                self.send_window(None).result()
                 _join(self.spawned)
-            clean = ok
         finally:
             _terminate(self.spawned)
+            # Once the spawned ranks are gone a transfer waiting on them fails at once;
+            # a torchrun peer that failed may never answer, and torchrun ends this process.
+            wait = ok or not self.layout.launched
+            self._outgoing.shutdown(wait=wait, cancel_futures=True)
+            self._incoming.shutdown(wait=wait, cancel_futures=True)
             if self._threads_before is not None:
                 torch.set_num_threads(self._threads_before)
-            if self._in_group and (clean or self.layout.backend == "gloo"):
-                # A NCCL group that failed mid-exchange may block in its destruction;
-                # the process is about to end anyway.
+            if self._in_group and wait:
                 dist.destroy_process_group()
 
+    def join(self) -> None:
+        """Join the process group if this rank has not yet (once, before its first
+        transfer: see `__init__`). Rank 0 first checks that every spawned rank reached
+        the store, failing at once if one ended; the wait is `seconds["joining the group"]`,
+        so a short run's start-up is not read as throughput."""
+        if self._store is None:
+            return
+        with self.timed("joining the group"):
+            store, self._store = self._store, None
+            if self.spawned:
+                _wait_until_joined(store, self.spawned, self.world_size)
+            dist.init_process_group(
+                "gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=TRANSFER_TIMEOUT
+            )
+            self._in_group = True
+            self._make_groups()
+        logger.info("data parallel over %d ranks", self.world_size)
+
     def _make_groups(self) -> None:
-        if self.layout.backend == "nccl":
-            self.objects = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+        self.results = dist.new_group(backend="gloo", timeout=TRANSFER_TIMEOUT)
 
-    def _connect(self) -> None:
-        """Join the process group (once, at the first exchange: see `__init__`): rank 0
-        first checks that every spawned rank reached the store, failing at once if one ended."""
-        store, self._store = self._store, None
-        if self.spawned:
-            _wait_until_joined(store, self.spawned, self.world_size)
-        dist.init_process_group(
-            self.layout.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT,
-            device_id=_nccl_device(self.layout),
-        )
-        self._in_group = True
-        self._make_groups()
-        logger.info("data parallel over %d ranks (%s)", self.world_size, self.layout.backend)
-
-    # Exchanges. Every rank calls them in the same order; each raises RankFailure when
-    # a peer is gone.
-
-    def send_items(self, shares: list[list[EncoderInput]] | None) -> None:
-        """Rank 0: every other rank's items of this window, or None to stop them.
-
-        The item descriptions go out in one scatter; each rank's tensor bytes follow in
-        one buffer, sent in the background while rank 0 encodes its own share
-        (`exchange` waits for them).
-        """
-        packed = [None if shares is None or rank == 0 else pack_items(shares[rank]) for rank in range(self.world_size)]
-        headers = [None if items is None else items.header() for items in packed]
-        scatter = functools.partial(dist.scatter_object_list, [None], headers, src=0, group=self.objects)
-        self._collective("sending a window", scatter)
-        for rank, items in enumerate(packed):
-            if items is not None and items.data.numel():
-                send = functools.partial(dist.isend, items.data, rank, group=self.objects)
-                self._sending.append((self._collective("sending a window", send), items.data))
-
-    def receive_items(self) -> list[EncoderInput] | None:
-        """Ranks 1..: this rank's items of the next window, or None when the job is done."""
-        received: list[Any] = [None]
-        scatter = functools.partial(dist.scatter_object_list, received, None, src=0, group=self.objects)
-        self._collective("waiting for a window", scatter)
-        if received[0] is None:
-            return None
-        shells, layouts, nbytes = received[0]
-        data = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            self._collective("receiving a window", lambda: dist.recv(data, 0, group=self.objects))
-        return PackedItems(shells, layouts, data).items()
-
-    def exchange(self, reply: "ShareReply") -> list["ShareReply"]:
-        """Every rank's reply, in rank order (to every rank, so each knows the gather's shape)."""
-        sending, self._sending = self._sending, []
-        for work, _buffer in sending:
-            self._collective("sending a window", work.wait)
-        replies: list[Any] = [None] * self.world_size
-        self._collective("exchanging results", lambda: dist.all_gather_object(replies, reply, group=self.objects))
-        return replies
-
-    def gather_rows(self, rows: torch.Tensor, max_rows: int) -> list[torch.Tensor]:
-        """Every rank's rows on rank 0 (in rank order, each padded to `max_rows`); [] elsewhere."""
-        if max_rows == 0:
-            return []
-        padded = torch.zeros((max_rows, rows.shape[1]), dtype=rows.dtype, device=rows.device)
-        padded[: rows.shape[0]] = rows
-        blocks = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == 0 else None
-        self._collective("gathering embeddings", lambda: dist.gather(padded, blocks, dst=0))
-        return blocks or []
-
-    def _collective(self, what: str, call: Callable[[], Any]) -> Any:
-        """Run one exchange, joining the group first if this rank has not yet; its wall
-        seconds go to `seconds[what]`, the join's (waiting for the other ranks' setup) to
-        `seconds["joining the group"]`, so a short run's start-up is not read as throughput."""
+    @contextlib.contextmanager
+    def timed(self, what: str) -> Iterator[None]:
+        """Add the block's wall seconds to `seconds[what]`."""
         start = time.perf_counter()
         try:
-            if self._store is not None:
-                self._connect()
-                start = self._count("joining the group", start)
-            return call()
-        except RankFailure:
-            raise
-        except Exception as exc:
-            raise RankFailure(self._failure(what, exc)) from exc
+            yield
         finally:
-            self._count(what, start)
+            with self._lock:
+                self._seconds[what] += time.perf_counter() - start
 
-    def _count(self, what: str, since: float) -> float:
-        now = time.perf_counter()
-        self.seconds[what] += now - since
-        return now
+    def wait(self, what: str, future: "concurrent.futures.Future[T]") -> T:
+        """A transfer's result, the wait counted as `what`; a failed transfer is a RankFailure."""
+        with self.timed(what):
+            try:
+                return future.result()
+            except RankFailure:
+                raise
+            except Exception as exc:
+                raise RankFailure(self._failure(what, exc)) from exc
+
+    # Transfers, each returning a future. A rank's n-th call of each is window n's.
+
+    def send_window(self, shares: list[list[EncoderInput]] | None) -> "concurrent.futures.Future[None]":
+        """Rank 0: ranks 1..'s items of the next window (`shares[r - 1]`), or None to stop them."""
+        return self._outgoing.submit(self._send_window, shares)
+
+    def _send_window(self, shares: list[list[EncoderInput]] | None) -> None:
+        with self.timed("sending windows"):
+            for rank in range(1, self.world_size):
+                packed = None if shares is None else pack_items(shares[rank - 1])
+                dist.send_object_list([None if packed is None else packed.header()], dst=rank)
+                if packed is not None and packed.data.numel():
+                    dist.send(packed.data, dst=rank)
+
+    def receive_window(self) -> "concurrent.futures.Future[list[EncoderInput] | None]":
+        """Ranks 1..: this rank's items of the next window, or None when the job is done."""
+        return self._incoming.submit(self._receive_window)
+
+    def _receive_window(self) -> list[EncoderInput] | None:
+        with self.timed("receiving windows"):
+            received: list[Any] = [None]
+            dist.recv_object_list(received, src=0)
+            if received[0] is None:
+                return None
+            shells, layouts, nbytes = received[0]
+            data = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes:
+                dist.recv(data, src=0)
+            return PackedItems(shells, layouts, data).items()
+
+    def send_reply(self, share: "Share") -> "concurrent.futures.Future[None]":
+        """Ranks 1..: one share's results to rank 0, once its device work is done."""
+        return self._outgoing.submit(self._send_reply, share)
+
+    def _send_reply(self, share: "Share") -> None:
+        share.reply.busy_seconds = share.clock.seconds()  # waits for the rows' copy to the host
+        with self.timed("sending results"):
+            share.reply.exchange_seconds = self.seconds
+            dist.send_object_list([share.reply], dst=0, group=self.results)
+            if share.rows.numel():
+                dist.send(share.rows, dst=0, group=self.results)
+
+    def receive_replies(
+        self, sent: "concurrent.futures.Future[None]", width: int, dtype: torch.dtype
+    ) -> "concurrent.futures.Future[list[Share]]":
+        """Rank 0: every other rank's results for the window whose `send_window` is `sent`."""
+        return self._incoming.submit(self._receive_replies, sent, width, dtype)
+
+    def _receive_replies(self, sent: "concurrent.futures.Future[None]", width: int, dtype: torch.dtype) -> list["Share"]:
+        sent.result()  # a window that never left gets no reply
+        shares = []
+        with self.timed("receiving results"):
+            for rank in range(1, self.world_size):
+                received: list[Any] = [None]
+                dist.recv_object_list(received, src=rank, group=self.results)
+                reply: ShareReply = received[0]
+                rows = torch.empty((reply.rows, width), dtype=dtype)
+                if reply.rows:
+                    dist.recv(rows, src=rank, group=self.results)
+                shares.append(Share(reply, rows))
+        return shares
 
     def _failure(self, what: str, exc: BaseException) -> str:
         """Name the rank that ended, if a spawned one did (it may take a moment to be reaped)."""
@@ -448,12 +475,6 @@ def _spawn(layout: Layout, port: int, target: Callable[..., None], args: tuple[A
         _terminate(spawned)
         raise
     return spawned
-
-
-def _nccl_device(layout: Layout) -> torch.device | None:
-    """The GPU a NCCL group binds to at once (rather than guessing from the current
-    device at its first collective)."""
-    return layout.device if layout.backend == "nccl" else None
 
 
 def _cpu_threads(world_size: int) -> int:
@@ -510,11 +531,10 @@ def _member_main(
             torch.cuda.set_device(device)
         else:
             torch.set_num_threads(member.threads)
-        store = dist.TCPStore(member.host, member.port, member.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        store = dist.TCPStore(member.host, member.port, member.world_size, is_master=False, timeout=TRANSFER_TIMEOUT)
         store.set(f"embedjob/joined/{member.rank}", "1")
-        # Not closed: the process ends right below. Destroying a NCCL group here waits
-        # for rank 0's, while rank 0 waits for this process to end before destroying its
-        # own (seen on two H200s: every run ended 30 s late, after FAILURE_GRACE).
+        # Not closed: `target` returns once its last reply is sent and the process ends
+        # right below; leaving the group first only delays rank 0, which waits for that.
         target(Cluster(Layout(member.world_size, member.rank, device), [], store), *args)
     except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}"
@@ -605,13 +625,14 @@ def pack_items(items: list[EncoderInput]) -> PackedItems:
 
 @dataclass
 class ShareReply:
-    """What a rank tells the others after encoding its share of a window.
+    """What a rank sends rank 0 after encoding its share of a window.
 
     `shapes[j]` is the result shape of the share's j-th item, or None when it failed
     (then `failures[j]` says why); its rows follow the previous items' rows in the
-    rank's gathered block. `stats` are the rank's cumulative graph statistics and
-    `exchange_seconds` its cumulative wall seconds per kind of exchange up to this
-    window (waiting for rank 0, receiving items, ...), which tell a slow run's cause.
+    rows sent with the reply. `busy_seconds` is how long the share occupied the rank's
+    device (`BusyClock`), `stats` the rank's cumulative graph statistics and
+    `exchange_seconds` its cumulative wall seconds per kind of transfer or wait up to
+    this window (waiting for a window, receiving, sending), which tell a slow run's cause.
     """
 
     shapes: list[tuple[int, ...] | None]
@@ -630,43 +651,93 @@ def _row_count(shape: tuple[int, ...]) -> int:
     return 1 if len(shape) == 1 else shape[0]
 
 
+class BusyClock:
+    """How long one share occupied its device, from construction to `stop`.
+
+    On a GPU it is the time between two events on the stream, so a share whose work
+    queued behind the previous window's is not counted twice and the host never waits
+    to measure it; on a CPU the encode is synchronous and wall seconds are the same.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._start = time.perf_counter()
+        self._seconds = 0.0
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._start
+
+    def seconds(self) -> float:
+        """The measured seconds; on a GPU, waits until the share's work is done."""
+        if self._events is None:
+            return self._seconds
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1000.0
+
+
 @dataclass
 class Share:
+    """A share's reply and its rows on the host, in the output dtype; on the rank that
+    encoded it, also the clock whose end says the rows have arrived."""
+
     reply: ShareReply
     rows: torch.Tensor
+    clock: BusyClock | None = None
 
 
 def encode_share(
     encoder: BatchEncoder, items: list[EncoderInput], reduce: Reduce, width: int, out_dtype: torch.dtype,
     device: torch.device,
 ) -> Share:
-    """Encode one rank's items; their rows concatenated in item order, in the output dtype.
+    """Encode one rank's items; their rows concatenated in item order, in the output
+    dtype, on their way to the host (the copy is queued behind the encode; the share's
+    clock stops after it, so `clock.seconds()` returning means the rows have arrived).
 
-    Converting before the gather halves what float16 output sends and changes nothing:
-    the single-process runner converts the same values the same way. The device is
-    synchronised so `busy_seconds` is the rank's real encode time.
+    Converting on the device halves what float16 output moves and changes nothing: the
+    single-process runner converts the same values the same way.
     """
-    start = time.perf_counter()
+    clock = BusyClock(device)
     results, failures = encoder.encode(items, reduce)
     rows = [r.reshape(-1, width).to(out_dtype) for r in results if r is not None]
     flat = torch.cat(rows) if rows else torch.empty((0, width), dtype=out_dtype, device=device)
+    host = flat
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        host = torch.empty(flat.shape, dtype=out_dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+    clock.stop()
     shapes = [None if r is None else tuple(r.shape) for r in results]
-    reply = ShareReply(shapes, failures, time.perf_counter() - start, encoder.graph_stats(), str(device))
-    return Share(reply, flat)
+    # A copy: the reply is pickled on the sending thread while the next share updates the counts.
+    stats = copy.deepcopy(encoder.graph_stats())
+    return Share(ShareReply(shapes, failures, 0.0, stats, str(device)), host, clock)
 
 
 def serve(cluster: Cluster, encoder: BatchEncoder, reduce: Reduce, width: int, out_dtype: torch.dtype) -> None:
-    """Ranks 1..: encode each window's share until rank 0 says stop."""
-    window = 0
-    while (items := cluster.receive_items()) is not None:
+    """Ranks 1..: encode each window's share until rank 0 says stop.
+
+    The next window is received while this one is encoded, and each share's results
+    travel back while the next one is encoded, so the device waits only when rank 0
+    has not yet sent the next window (`exchange_seconds["waiting for a window"]`).
+    """
+    cluster.join()
+    incoming = cluster.receive_window()
+    sending: collections.deque[concurrent.futures.Future[None]] = collections.deque()
+    for window in itertools.count():
+        items = cluster.wait("waiting for a window", incoming)
+        if items is None:
+            break
+        incoming = cluster.receive_window()
         _maybe_fail(cluster.rank, window)
-        share = encode_share(encoder, items, reduce, width, out_dtype, cluster.device)
-        share.reply.exchange_seconds = dict(cluster.seconds)
-        replies = cluster.exchange(share.reply)
-        cluster.gather_rows(share.rows, max(r.rows for r in replies))
-        window += 1
+        sending.append(cluster.send_reply(encode_share(encoder, items, reduce, width, out_dtype, cluster.device)))
+        while sending and sending[0].done():
+            cluster.wait("sending results", sending.popleft())  # raises if it failed
+    while sending:
+        cluster.wait("sending the last results", sending.popleft())
 
 
 # --- rank 0 -------------------------------------------------------------------------
@@ -699,11 +770,11 @@ class RankLedger:
         self.stats, self.devices = [GraphStats() for _ in range(n)], [""] * n
         self.exchanges = [{} for _ in range(n)]
 
-    def record(self, sizes: Sequence[int], shares: list[list[int]], replies: list[ShareReply]) -> None:
-        loads = share_loads(sizes, shares)
+    def record(self, loads: Sequence[int], counts: Sequence[int], replies: list[ShareReply]) -> None:
+        """One window: each rank's load and item count, and its reply (rank 0's own too)."""
         busy = [r.busy_seconds for r in replies]
         for rank, reply in enumerate(replies):
-            self.items[rank] += len(shares[rank])
+            self.items[rank] += counts[rank]
             self.loads[rank] += loads[rank]
             self.busy[rank] += reply.busy_seconds
             self.stats[rank] = reply.stats
@@ -752,11 +823,24 @@ class RankLedger:
         }
 
 
-class DataParallelEncoder:
-    """Rank 0's encoder: the runner's BatchEncoder interface over every rank of a Cluster.
+@dataclass
+class Spreading:
+    """A window rank 0 has spread: the window positions and load of each rank's share,
+    the other ranks' results to come, and the clock of rank 0's own share."""
 
-    `encode` returns what a single BatchEncoder would, in item order: each item's
-    result (already in `out_dtype`, on rank 0's device) or None and a failure reason.
+    shares: list[list[int]]
+    loads: list[int]
+    replies: "concurrent.futures.Future[list[Share]] | None"
+    clock: BusyClock
+
+
+class Spread:
+    """Rank 0's side of data parallel: spreads each window over every rank.
+
+    The runner calls `submit` for window k, encodes the positions it returns on its own
+    device, then `collect`s window k-1 (so it is pipelined like the single-process
+    runner): every rank holds up to two windows, encoding one while the next arrives,
+    and no device waits at a window boundary for another rank, only for rank 0's decode.
     """
 
     def __init__(self, cluster: Cluster, local: BatchEncoder, width: int, out_dtype: torch.dtype) -> None:
@@ -766,11 +850,41 @@ class DataParallelEncoder:
         self.out_dtype = out_dtype
         self.ledger = RankLedger(cluster.world_size)
 
-    def capture(self) -> None:
-        self.local.capture()
+    def submit(self, items: dict[int, EncoderInput]) -> tuple[list[int], Spreading]:
+        """Send the other ranks their shares of a window's items (by window position);
+        the positions rank 0 encodes itself, and what `collect` needs. Rank 0's clock
+        starts here: stop it once its own share's rows are queued for the host."""
+        positions = sorted(items)
+        sizes = [items[p].size for p in positions]
+        shares = assign_items(sizes, self.cluster.world_size)
+        loads = share_loads(sizes, shares)
+        shares = [[positions[i] for i in share] for share in shares]
+        replies = None
+        if self.cluster.world_size > 1:
+            self.cluster.join()
+            sent = self.cluster.send_window([[items[p] for p in share] for share in shares[1:]])
+            replies = self.cluster.receive_replies(sent, self.width, self.out_dtype)
+        return shares[0], Spreading(shares, loads, replies, BusyClock(self.cluster.device))
 
-    def clear(self) -> None:
-        self.local.clear()
+    def collect(self, spreading: Spreading) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+        """The other ranks' embeddings and failures by window position; the window's
+        ledger entry. Call once rank 0's own rows of the window are on the host."""
+        remote = [] if spreading.replies is None else self.cluster.wait("waiting for results", spreading.replies)
+        own = ShareReply([], [], spreading.clock.seconds(), self.local.graph_stats(), str(self.cluster.device))
+        self.ledger.record(spreading.loads, [len(s) for s in spreading.shares], [own, *(s.reply for s in remote)])
+        embeddings: dict[int, np.ndarray] = {}
+        failures: dict[int, str] = {}
+        for share, result in zip(spreading.shares[1:], remote):
+            flat, offset = result.rows.numpy(), 0
+            for position, shape, failure in zip(share, result.reply.shapes, result.reply.failures):
+                if failure is not None:
+                    failures[position] = failure
+                if shape is None:
+                    continue
+                count = _row_count(shape)
+                embeddings[position] = flat[offset : offset + count].reshape(shape)
+                offset += count
+        return embeddings, failures
 
     @property
     def hit_rate(self) -> float:
@@ -786,32 +900,3 @@ class DataParallelEncoder:
         out.update(self.ledger.to_dict())
         out["ranks"][0]["exchange_seconds"] = {k: round(v, 3) for k, v in self.cluster.seconds.items()}
         return out
-
-    def encode(self, items: list[EncoderInput], reduce: Reduce) -> tuple[list[torch.Tensor | None], list[str | None]]:
-        sizes = [item.size for item in items]
-        shares = assign_items(sizes, self.cluster.world_size)
-        self.cluster.send_items([[items[i] for i in share] for share in shares])
-        own_items = [items[i] for i in shares[0]]
-        own = encode_share(self.local, own_items, reduce, self.width, self.out_dtype, self.cluster.device)
-        replies = self.cluster.exchange(own.reply)
-        blocks = self.cluster.gather_rows(own.rows, max(r.rows for r in replies))
-        self.ledger.record(sizes, shares, replies)
-        return _unpack(len(items), shares, replies, blocks)
-
-
-def _unpack(
-    count: int, shares: list[list[int]], replies: list[ShareReply], blocks: list[torch.Tensor]
-) -> tuple[list[torch.Tensor | None], list[str | None]]:
-    """Each rank's rows cut back into items (padding never read), in window order."""
-    results: list[torch.Tensor | None] = [None] * count
-    failures: list[str | None] = [None] * count
-    for rank, (share, reply) in enumerate(zip(shares, replies)):
-        offset = 0
-        for index, shape, failure in zip(share, reply.shapes, reply.failures):
-            failures[index] = failure
-            if shape is None:
-                continue
-            rows = _row_count(shape)
-            results[index] = blocks[rank][offset : offset + rows].reshape(shape)
-            offset += rows
-    return results, failures

@@ -212,7 +212,8 @@ class StageClock:
 
 @dataclass
 class PendingWindow:
-    """A window whose batches are enqueued on the device; its results arrive by `ready`."""
+    """A window whose batches are enqueued on the device; its results arrive by `ready`
+    (and, data parallel, from the other ranks by `spreading`)."""
 
     window: list[Decoded]
     positions: list[int]
@@ -220,6 +221,7 @@ class PendingWindow:
     host: torch.Tensor | None
     ready: torch.cuda.Event | None
     failures: dict[int, str]
+    spreading: distributed.Spreading | None = None
 
 
 class WindowEncoder:
@@ -228,35 +230,51 @@ class WindowEncoder:
     Split in two so the device never waits for the host: `enqueue` launches every batch
     of window k and an asynchronous device-to-host copy of its results; the caller then
     finalises window k-1 (waits for its copy, builds rows) while the device works on k.
+    With a `spread` (data parallel, rank 0) enqueue first sends the other ranks their
+    shares of window k and encodes only its own; finalize adds the other ranks' results.
     """
 
-    def __init__(self, encoder: BatchEncoder, job: Job) -> None:
+    def __init__(self, encoder: BatchEncoder, job: Job, spread: distributed.Spread | None = None) -> None:
         self.encoder = encoder
+        self.spread = spread
         self.reduce = reducer(job.output.pooling)
         self.out_dtype = output_dtype(job)
 
+    @property
+    def hit_rate(self) -> float:
+        return (self.spread or self.encoder).hit_rate
+
+    def stats(self) -> dict[str, Any]:
+        return (self.spread or self.encoder).stats()
+
     def enqueue(self, window: list[Decoded]) -> PendingWindow:
-        ready = [i for i, d in enumerate(window) if d.item is not None]
-        outputs, reasons = self.encoder.encode([window[i].item for i in ready], self.reduce)
-        results = {p: r for p, r in zip(ready, outputs) if r is not None}
-        failures = {p: f for p, f in zip(ready, reasons) if f is not None}
+        items = {p: d.item for p, d in enumerate(window) if d.item is not None}
+        own, spreading = (sorted(items), None) if self.spread is None else self.spread.submit(items)
+        outputs, reasons = self.encoder.encode([items[p] for p in own], self.reduce)
+        results = {p: r for p, r in zip(own, outputs) if r is not None}
+        failures = {p: f for p, f in zip(own, reasons) if f is not None}
         positions = sorted(results)
         shapes = [tuple(results[p].shape) for p in positions]
         host, event = self._to_host([results[p] for p in positions])
-        return PendingWindow(window, positions, shapes, host, event, failures)
+        if spreading is not None:
+            spreading.clock.stop()
+        return PendingWindow(window, positions, shapes, host, event, failures, spreading)
 
     def finalize(self, pending: PendingWindow) -> dict[int, np.ndarray]:
-        """Wait for the window's copy; embeddings by window position."""
+        """Wait for the window's copy (and the other ranks' results); embeddings by window position."""
         if pending.ready is not None:
             pending.ready.synchronize()
-        if pending.host is None:
-            return {}
-        flat = pending.host.numpy()
-        out, offset = {}, 0
-        for position, shape in zip(pending.positions, pending.shapes):
-            count = 1 if len(shape) == 1 else shape[0]
-            out[position] = flat[offset : offset + count].reshape(shape)
-            offset += count
+        out: dict[int, np.ndarray] = {}
+        if pending.host is not None:
+            flat, offset = pending.host.numpy(), 0
+            for position, shape in zip(pending.positions, pending.shapes):
+                count = 1 if len(shape) == 1 else shape[0]
+                out[position] = flat[offset : offset + count].reshape(shape)
+                offset += count
+        if pending.spreading is not None and self.spread is not None:
+            embeddings, failures = self.spread.collect(pending.spreading)
+            out.update(embeddings)
+            pending.failures.update(failures)
         return out
 
     def _to_host(self, results: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
@@ -292,6 +310,10 @@ class Runner:
 
     def run(self) -> dict[str, Any]:
         """Run (or resume) the shard; returns its statistics. Raises JobError if it cannot run."""
+        device = self.cluster.device if self.cluster else resolve_device(self.job.runtime.device)
+        return self._run(device)
+
+    def _run(self, device: torch.device) -> dict[str, Any]:
         start = time.perf_counter()
         listing = reader.scan_input(self.job.input)
         fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
@@ -302,10 +324,9 @@ class Runner:
             return checkpoint.finished_stats()
         if checkpoint.resume_row == end_row:
             return self._finish_without_model(checkpoint, time.perf_counter() - start)
-        device = self.cluster.device if self.cluster else resolve_device(self.job.runtime.device)
         adapter = load_encoder_adapter(self.job, device)
         options = self._decode_options(adapter)
-        batches = self._build_encoder(adapter, device)
+        batches = build_encoder(self.job, adapter, device)
         batches.capture()
         resumed = checkpoint.resume_row
         if resumed > first_row:
@@ -314,7 +335,7 @@ class Runner:
         rows = reader.read_rows(self.job.input, fragments, start_row=resumed, stop_row=end_row)
         preprocess = adapter.preprocessor()
         fn = functools.partial(decode_row, options=options, preprocess=preprocess)
-        encoder = WindowEncoder(batches, self.job)
+        encoder = WindowEncoder(batches, self.job, self._spread(batches, adapter))
         workers = resolve_workers(self.job.runtime.workers)
         in_flight = 2 * self.job.batching.window
         preload = (__name__, type(preprocess).__module__)
@@ -323,7 +344,7 @@ class Runner:
             with self._progress(end_row - resumed) as bar, PartSink(checkpoint, schema) as parts:
                 self._pipeline(pool, rows, encoder, parts, bar)
         seconds = time.perf_counter() - start
-        stats = self._stats(checkpoint, batches, device, seconds, resumed)
+        stats = self._stats(checkpoint, encoder, device, seconds, resumed)
         stats["setup_seconds"] = round(setup, 3)
         stats["pipeline_seconds"] = round(seconds - setup, 3)
         checkpoint.finish(stats)
@@ -354,7 +375,7 @@ class Runner:
         ]
         parts.add(out)
         self.clock.add("write", since)
-        self._report(bar, len(out), encoder.encoder)
+        self._report(bar, len(out), encoder)
 
     def _finish_without_model(self, checkpoint: Checkpoint, seconds: float) -> dict[str, Any]:
         """An empty shard, or one whose rows are all committed but whose success marker
@@ -401,11 +422,10 @@ class Runner:
         except OSError as exc:
             raise JobError(f"cannot write to output.path {directory}: {exc.strerror or exc}") from None
 
-    def _build_encoder(self, adapter: EncoderAdapter, device: torch.device) -> BatchEncoder:
-        local = build_encoder(self.job, adapter, device)
+    def _spread(self, batches: BatchEncoder, adapter: EncoderAdapter) -> distributed.Spread | None:
         if self.cluster is None:
-            return local
-        return distributed.DataParallelEncoder(self.cluster, local, adapter.embed_dim, output_dtype(self.job))
+            return None
+        return distributed.Spread(self.cluster, batches, adapter.embed_dim, output_dtype(self.job))
 
     def _decode_options(self, adapter: EncoderAdapter) -> media.DecodeOptions:
         preprocess = adapter.preprocessor()
@@ -479,15 +499,15 @@ class Runner:
             dynamic_ncols=True,
         )
 
-    def _report(self, bar: tqdm, count: int, batches: BatchEncoder) -> None:
+    def _report(self, bar: tqdm, count: int, encoder: WindowEncoder) -> None:
         self.rows_done += count
         bar.update(count)
         bar.set_postfix(
-            errors=self.errors, hit=f"{batches.hit_rate:.0%}", slowest=self.clock.bottleneck(), refresh=False
+            errors=self.errors, hit=f"{encoder.hit_rate:.0%}", slowest=self.clock.bottleneck(), refresh=False
         )
 
     def _stats(
-        self, checkpoint: Checkpoint, batches: BatchEncoder, device: torch.device, seconds: float, resumed: int
+        self, checkpoint: Checkpoint, encoder: WindowEncoder, device: torch.device, seconds: float, resumed: int
     ) -> dict[str, Any]:
         stats = {
             "shard": self.shard.index,
@@ -502,7 +522,7 @@ class Runner:
             "items_per_second": round(self.rows_done / seconds, 3) if seconds > 0 else 0.0,
             "stage_seconds": {k: round(v, 3) for k, v in self.clock.seconds.items()},
         }
-        stats.update(batches.stats())
+        stats.update(encoder.stats())
         return stats
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -195,6 +196,29 @@ def output_dtype(job: Job) -> torch.dtype:
     return torch.float16 if job.output.dtype == "float16" else torch.float32
 
 
+HOST_THREADS = 4
+"""The most torch CPU threads a process that feeds a GPU uses (see `host_threads`)."""
+
+
+@contextlib.contextmanager
+def host_threads(device: torch.device) -> Iterator[None]:
+    """Limit torch's CPU threads while this process feeds a GPU.
+
+    Its own CPU work is copying items into batches and send buffers. The decode workers
+    already run one per core, and torch's default of one OpenMP thread per core, which
+    spin between parallel regions, takes cores from them and from the other ranks: on
+    2 x H200 with 32 cores, `--gpus 2` ran at 167.5 images/s with the default and 183.6
+    with 4 threads (benchmarks/RESULTS.md). On a CPU the encoder itself needs the threads.
+    """
+    before = torch.get_num_threads()
+    if device.type == "cuda":
+        torch.set_num_threads(min(before, HOST_THREADS))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @dataclass
 class StageClock:
     """Seconds spent per stage, so the progress bar and stats can name the bottleneck."""
@@ -311,7 +335,8 @@ class Runner:
     def run(self) -> dict[str, Any]:
         """Run (or resume) the shard; returns its statistics. Raises JobError if it cannot run."""
         device = self.cluster.device if self.cluster else resolve_device(self.job.runtime.device)
-        return self._run(device)
+        with host_threads(device):
+            return self._run(device)
 
     def _run(self, device: torch.device) -> dict[str, Any]:
         start = time.perf_counter()
@@ -604,8 +629,9 @@ def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[s
 def serve_rank(cluster: distributed.Cluster, job: Job) -> None:
     """A rank other than 0: the same adapter, plan and graphs on its own device, serving
     rank 0's windows until it says stop."""
-    adapter = load_encoder_adapter(job, cluster.device)
-    encoder = build_encoder(job, adapter, cluster.device)
-    encoder.capture()
-    distributed.serve(cluster, encoder, reducer(job.output.pooling), adapter.embed_dim, output_dtype(job))
-    encoder.clear()
+    with host_threads(cluster.device):
+        adapter = load_encoder_adapter(job, cluster.device)
+        encoder = build_encoder(job, adapter, cluster.device)
+        encoder.capture()
+        distributed.serve(cluster, encoder, reducer(job.output.pooling), adapter.embed_dim, output_dtype(job))
+        encoder.clear()

@@ -189,3 +189,22 @@ def test_the_first_windows_are_smaller_and_the_output_does_not_change(tmp_path: 
     for a, b in zip(outputs[64], outputs[8]):
         assert {k: v for k, v in a.items() if k != "embedding"} == {k: v for k, v in b.items() if k != "embedding"}
         assert np.array_equal(np.array(a["embedding"], dtype=np.float32), np.array(b["embedding"], dtype=np.float32), equal_nan=True)
+
+
+def test_a_process_feeding_a_gpu_uses_a_few_cpu_threads_and_gets_its_setting_back() -> None:
+    """Decode workers take every core; a GPU feeder with one spinning OpenMP thread per
+    core slowed two-GPU runs by 9 %. A CPU run keeps every thread for its encoder."""
+    import torch
+
+    from embedjob.runner import HOST_THREADS, host_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(HOST_THREADS + 2)
+    try:
+        with host_threads(torch.device("cuda", 0)):
+            assert torch.get_num_threads() == HOST_THREADS
+        assert torch.get_num_threads() == HOST_THREADS + 2
+        with host_threads(torch.device("cpu")):
+            assert torch.get_num_threads() == HOST_THREADS + 2
+    finally:
+        torch.set_num_threads(before)

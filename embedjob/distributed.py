@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 from embedjob.encoders import EncoderInput
-from embedjob.graphs import BatchEncoder, GraphStats, Reduce
+from embedjob.graphs import BatchEncoder, GraphStats, Reduce, cut_rows, row_count, rows_to_host
 from embedjob.job import JobError
 
 logger = logging.getLogger(__name__)
@@ -644,11 +644,7 @@ class ShareReply:
 
     @property
     def rows(self) -> int:
-        return sum(_row_count(shape) for shape in self.shapes if shape is not None)
-
-
-def _row_count(shape: tuple[int, ...]) -> int:
-    return 1 if len(shape) == 1 else shape[0]
+        return sum(row_count(shape) for shape in self.shapes if shape is not None)
 
 
 class BusyClock:
@@ -699,17 +695,12 @@ def encode_share(
     dtype, on their way to the host (the copy is queued behind the encode; the share's
     clock stops after it, so `clock.seconds()` returning means the rows have arrived).
 
-    Converting on the device halves what float16 output moves and changes nothing: the
-    single-process runner converts the same values the same way.
+    The rows go through `rows_to_host`, like the single-process runner's, so they are
+    the same values, converted on the device (float16 output moves half the bytes).
     """
     clock = BusyClock(device)
     results, failures = encoder.encode(items, reduce)
-    rows = [r.reshape(-1, width).to(out_dtype) for r in results if r is not None]
-    flat = torch.cat(rows) if rows else torch.empty((0, width), dtype=out_dtype, device=device)
-    host = flat
-    if device.type == "cuda":
-        host = torch.empty(flat.shape, dtype=out_dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
+    host = rows_to_host([r for r in results if r is not None], width, out_dtype)
     clock.stop()
     shapes = [None if r is None else tuple(r.shape) for r in results]
     # A copy: the reply is pickled on the sending thread while the next share updates the counts.
@@ -875,15 +866,12 @@ class Spread:
         embeddings: dict[int, np.ndarray] = {}
         failures: dict[int, str] = {}
         for share, result in zip(spreading.shares[1:], remote):
-            flat, offset = result.rows.numpy(), 0
-            for position, shape, failure in zip(share, result.reply.shapes, result.reply.failures):
+            rows = cut_rows(result.rows.numpy(), result.reply.shapes)
+            for position, embedding, failure in zip(share, rows, result.reply.failures):
                 if failure is not None:
                     failures[position] = failure
-                if shape is None:
-                    continue
-                count = _row_count(shape)
-                embeddings[position] = flat[offset : offset + count].reshape(shape)
-                offset += count
+                if embedding is not None:
+                    embeddings[position] = embedding
         return embeddings, failures
 
     @property

@@ -22,8 +22,9 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from embedjob.encoders.base import PAD_REPEAT_LAST, PAD_ZERO, EncoderAdapter, EncoderInput, StaticInputs
@@ -40,6 +41,43 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 def clone_rows(rows: torch.Tensor) -> torch.Tensor:
     """The default per-item read-out: a copy that survives the next replay."""
     return rows.clone()
+
+
+def rows_to_host(results: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Every result's rows in order, as one (rows, width) block in `dtype` on the host.
+
+    From a GPU the copy goes to page-locked memory and is only queued behind the work
+    that made the results: read the block once an event recorded after this call has
+    completed. `cut_rows` undoes the concatenation.
+    """
+    if not results:
+        return torch.empty((0, width), dtype=dtype)
+    flat = torch.cat([r.reshape(-1, width) for r in results]).to(dtype)
+    if flat.device.type != "cuda":
+        return flat
+    host = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    return host
+
+
+def row_count(shape: Sequence[int]) -> int:
+    """Rows one result takes in a block of `rows_to_host`: a pooled vector is one row."""
+    return 1 if len(shape) == 1 else shape[0]
+
+
+def cut_rows(flat: np.ndarray, shapes: Sequence[tuple[int, ...] | None]) -> list[np.ndarray | None]:
+    """The results of a `rows_to_host` block back in their shapes (None, for an item
+    without a result, takes no rows)."""
+    out: list[np.ndarray | None] = []
+    offset = 0
+    for shape in shapes:
+        if shape is None:
+            out.append(None)
+            continue
+        count = row_count(shape)
+        out.append(flat[offset : offset + count].reshape(shape))
+        offset += count
+    return out
 
 
 @dataclass

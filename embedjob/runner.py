@@ -38,7 +38,7 @@ from tqdm import tqdm
 from embedjob import distributed, media, reader
 from embedjob.checkpoint import Checkpoint, PartRecord, open_checkpoint
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
-from embedjob.graphs import BatchEncoder, Reduce, build_encoder
+from embedjob.graphs import BatchEncoder, Reduce, build_encoder, cut_rows, rows_to_host
 from embedjob.job import Job, JobError
 from embedjob.writer import OutputRow, output_schema, part_name, write_part
 
@@ -290,11 +290,7 @@ class WindowEncoder:
             pending.ready.synchronize()
         out: dict[int, np.ndarray] = {}
         if pending.host is not None:
-            flat, offset = pending.host.numpy(), 0
-            for position, shape in zip(pending.positions, pending.shapes):
-                count = 1 if len(shape) == 1 else shape[0]
-                out[position] = flat[offset : offset + count].reshape(shape)
-                offset += count
+            out.update(zip(pending.positions, cut_rows(pending.host.numpy(), pending.shapes)))
         if pending.spreading is not None and self.spread is not None:
             embeddings, failures = self.spread.collect(pending.spreading)
             out.update(embeddings)
@@ -304,11 +300,9 @@ class WindowEncoder:
     def _to_host(self, results: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
         if not results:
             return None, None
-        rows = torch.cat([r.reshape(-1, r.shape[-1]) for r in results]).to(self.out_dtype)
-        if rows.device.type != "cuda":
-            return rows, None
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-        host.copy_(rows, non_blocking=True)
+        host = rows_to_host(results, results[0].shape[-1], self.out_dtype)
+        if results[0].device.type != "cuda":
+            return host, None
         event = torch.cuda.Event()
         event.record()
         return host, event

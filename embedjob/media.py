@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import collections
 import io
-import itertools
 import logging
 import math
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import queue
 import re
 import signal
 import socket
@@ -65,11 +65,12 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
+
+from embedjob import wire
 
 logger = logging.getLogger(__name__)
 
@@ -927,26 +928,18 @@ def _run_task(fn: Callable[[Any], Any], task: Any) -> Any:
         return MediaError("internal_error", f"{type(exc).__name__}: {exc}")
 
 
-# Worker -> parent messages travel on the pool's socketpair (the duplex Pipe of a
-# forkserver/spawn context on Unix) in this frame: _FRAME (seq, payload length, buffer
-# count), the buffers' byte counts (uint64 each), the payload (the protocol-5 pickle of
-# the result), then each out-of-band buffer raw, in order. seq is _READY_SEQ for the
-# READY handshake (empty payload). The parent reads a frame in three blocking recvs
-# (prefix, counts + payload, every buffer at once into memory it allocated), each with
-# the GIL released. `Connection.recv` read a large message in pipe-sized chunks,
-# re-taking the GIL after each and copying the bytes twice, which starved the thread
-# that feeds the GPU. Parent -> worker tasks stay on the Connection (small, rare).
-_FRAME = struct.Struct("<qQI")
+# Worker -> parent results travel on the pool's socketpair (the duplex Pipe of a
+# forkserver/spawn context on Unix) as `wire` frames whose seq is the task's number, or
+# _READY_SEQ for the READY handshake (empty payload); parent -> worker tasks stay on the
+# Connection (small, rare).
 _READY_SEQ = -1
-# Views per recvmsg: Linux refuses more than 1024 (UIO_MAXIOV).
-_MAX_IOV = 512
 
 
 def _worker_main(fn: Callable[[Any], Any], conn: multiprocessing.connection.Connection) -> None:
     # Ctrl-C reaches the whole process group; the parent decides what stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=os.dup(conn.fileno()))
-    _send_frame(sock, _READY_SEQ, b"", [])
+    wire.send_frame(sock, _READY_SEQ, b"", [])
     while True:
         try:
             message = conn.recv()
@@ -956,98 +949,41 @@ def _worker_main(fn: Callable[[Any], Any], conn: multiprocessing.connection.Conn
             return
         seq, task = message
         payload, buffers = _pickle_result(_run_task(fn, task))
-        _send_frame(sock, seq, payload, buffers)
-
-
-def _send_frame(sock: socket.socket, seq: int, payload: bytes, buffers: list[memoryview]) -> None:
-    """Send one frame. A send that fails part-way leaves the stream out of step: the
-    exception ends the worker, and the parent reports its task as crashed."""
-    counts = struct.pack(f"<{len(buffers)}Q", *(b.nbytes for b in buffers))
-    sock.sendall(_FRAME.pack(seq, len(payload), len(buffers)) + counts + payload)
-    for buffer in buffers:
-        sock.sendall(buffer)
+        wire.send_frame(sock, seq, payload, buffers)
 
 
 def _pickle_result(result: Any) -> tuple[bytes, list[memoryview]]:
-    """The result's protocol-5 pickle and its out-of-band buffers (views, not copies).
-
-    ForkingPickler, so every type without out-of-band buffers pickles as
-    `Connection.send` pickles it. A result that cannot be pickled becomes an
-    "internal_error" MediaError, since the parent must get one result per task.
-    """
-    buffers: list[pickle.PickleBuffer] = []
-    out = io.BytesIO()
+    """The result as a wire payload; one that cannot be pickled becomes an
+    "internal_error" MediaError, since the parent must get one result per task."""
     try:
-        # Positional: ForkingPickler.__init__ passes on *args only (fix_imports, then buffer_callback).
-        ForkingPickler(out, 5, True, buffers.append).dump(result)
-        return out.getvalue(), [b.raw() for b in buffers]
+        return wire.pickled(result)
     except (pickle.PicklingError, TypeError, AttributeError, ValueError, BufferError) as exc:
         return pickle.dumps(MediaError("internal_error", f"result cannot be pickled: {exc}"), protocol=5), []
 
 
 def _result_socket(conn: multiprocessing.connection.Connection, timeout: float) -> socket.socket:
-    """A second handle on the parent's end of a worker's socketpair, to read frames.
-
-    Reads block at most `timeout` seconds (SO_RCVTIMEO, so a stalled worker cannot hold
-    the service thread forever). Not `settimeout`: that would make the shared file
-    description non-blocking, and the Connection on the same socket expects blocking
-    I/O. timeval seconds are a C long, hence the clamp.
-    """
+    """A second handle on the parent's end of a worker's socketpair, to read frames;
+    reads block at most `timeout` seconds, so a stalled worker cannot hold the service
+    thread forever."""
     sock = socket.socket(fileno=os.dup(conn.fileno()))
-    seconds = min(timeout, 2**31 - 1)
-    timeval = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    wire.receive_timeout(sock, timeout)
     return sock
 
 
 def _receive_frame(sock: socket.socket, timeout: float) -> tuple[int, Any]:
-    """(seq, result) of the next frame; the result is None for READY.
-
-    Raises EOFError when the worker's end closes before the frame is complete (it
-    died, possibly mid-send: no half-filled item is ever delivered) and TimeoutError
-    when the frame takes longer than about `timeout` seconds to arrive.
-    """
-    deadline = time.monotonic() + timeout
-    prefix = bytearray(_FRAME.size)
-    _fill(sock, [memoryview(prefix)], deadline, timeout)
-    seq, length, count = _FRAME.unpack(prefix)
-    body = bytearray(8 * count + length)
-    _fill(sock, [memoryview(body)], deadline, timeout)
+    """(seq, result) of the next frame; the result is None for READY. Raises EOFError
+    when the worker died mid-frame and TimeoutError when it stalled (see `wire`)."""
+    seq, payload, buffers = wire.receive_frame(sock, timeout)
     if seq == _READY_SEQ:
         return seq, None
-    # np.empty: no zero-fill under the GIL; the kernel's copy inside recv touches the pages.
-    buffers = [np.empty(size, dtype=np.uint8) for size in struct.unpack_from(f"<{count}Q", body)]
-    _fill(sock, [memoryview(b) for b in buffers], deadline, timeout)
-    return seq, _load_result(memoryview(body)[8 * count :], buffers)
-
-
-def _fill(sock: socket.socket, views: list[memoryview], deadline: float, timeout: float) -> None:
-    """Fill the byte views in order from the socket: normally one recvmsg for all of
-    them (MSG_WAITALL), more only after a signal or past _MAX_IOV views."""
-    pending = collections.deque(v for v in views if v.nbytes)
-    total = sum(v.nbytes for v in pending)
-    got = 0
-    while pending:
-        try:
-            count = sock.recvmsg_into(list(itertools.islice(pending, _MAX_IOV)), 0, socket.MSG_WAITALL)[0]
-        except BlockingIOError:
-            raise TimeoutError(f"no data for {timeout:g}s after {got} of {total} bytes") from None
-        if count == 0:
-            raise EOFError(f"the worker closed its end after {got} of {total} bytes")
-        got += count
-        while count and count >= pending[0].nbytes:
-            count -= pending.popleft().nbytes
-        if count:
-            pending[0] = pending[0][count:]
-        if pending and time.monotonic() >= deadline:
-            raise TimeoutError(f"only {got} of {total} bytes after {timeout:g}s")
+    return seq, _load_result(payload, buffers)
 
 
 def _load_result(payload: memoryview, buffers: list[np.ndarray]) -> Any:
     """Unpickle a result over its received buffers; a result that cannot be rebuilt
     here (a class missing in the parent, ...) is that task's "internal_error"."""
     try:
-        return pickle.loads(payload, buffers=buffers)
+        return wire.unpickle(payload, buffers)
     except Exception as exc:
         logger.exception("a decode result cannot be unpickled")
         return MediaError("internal_error", f"result cannot be unpickled: {type(exc).__name__}: {exc}")
@@ -1072,6 +1008,80 @@ class _Worker:
 
 _POLL_SECONDS = 0.05
 _END = object()
+_NOTHING = object()
+
+
+class Idle:
+    """What `DecodePool.imap` yields when no result has arrived for its `idle` seconds."""
+
+    def __repr__(self) -> str:
+        return "IDLE"
+
+
+IDLE = Idle()
+
+
+@dataclass
+class _Failed:
+    """The task iterable raised: re-raised where the results are consumed."""
+
+    error: BaseException
+
+
+class _Tasks:
+    """The tasks of one `imap`, taken from their iterable on a thread of their own.
+
+    Taking a task may block for long (reading the next row group, waiting for rank 0
+    to hand out more rows); on its own thread that wait never stops the pool from
+    dispatching and receiving the tasks it already holds. At most `capacity` taken
+    tasks wait here; after each one (and after the end) a byte on `wake` wakes the
+    service thread, which sleeps on the workers' sockets.
+    """
+
+    def __init__(self, tasks: Iterable[Any], capacity: int, wake: socket.socket | None) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(capacity)
+        self._wake = wake
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._take, args=(iter(tasks),), name="embedjob-decode-tasks", daemon=True)
+        self._thread.start()
+
+    def _take(self, tasks: Iterator[Any]) -> None:
+        try:
+            for task in tasks:
+                if not self._put(task):
+                    return
+            self._put(_END)
+        except BaseException as exc:
+            self._put(_Failed(exc))
+
+    def _put(self, value: Any) -> bool:
+        while not self._stopped.is_set():
+            try:
+                self._queue.put(value, timeout=_POLL_SECONDS)
+            except queue.Full:
+                continue
+            if self._wake is not None:
+                try:
+                    self._wake.send(b"\0")
+                except OSError:
+                    pass
+            return True
+        return False
+
+    def get(self, timeout: float | None) -> Any:
+        """The next task, _END, a _Failed, or _NOTHING when none came within `timeout`
+        seconds (0: do not wait)."""
+        try:
+            return self._queue.get(block=timeout != 0, timeout=timeout or None)
+        except queue.Empty:
+            return _NOTHING
+
+    def stop(self) -> None:
+        """Stop taking tasks; the iterable is left where it is (a generator blocked in
+        it finishes its wait, then ends)."""
+        self._stopped.set()
+        while self.get(0) is not _NOTHING:
+            pass
 
 
 class _Feed:
@@ -1122,7 +1132,9 @@ class _Feed:
             self.stopped = True
             self._cond.notify_all()
 
-    def next_result(self) -> Any:
+    def next_result(self, idle: float | None) -> Any:
+        """The next result in order, _END, or IDLE when none came within `idle` seconds."""
+        deadline = None if idle is None else time.monotonic() + idle
         with self._cond:
             while True:
                 if self._next in self._results:
@@ -1133,7 +1145,10 @@ class _Feed:
                     raise self._error
                 if self._finished:
                     return _END
-                self._cond.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return IDLE
+                self._cond.wait(left)
 
 
 class DecodePool(Generic[T, R]):
@@ -1144,13 +1159,18 @@ class DecodePool(Generic[T, R]):
       `timeout` seconds — the worker is killed and replaced — or "decoder_crashed"
       when its worker died). Other in-flight tasks are not affected: each worker
       holds one task at a time.
-    - At most `max_in_flight` tasks (default 2 * workers) are taken from the input
-      and not yet yielded, so memory stays bounded on unbounded input.
+    - At most `max_in_flight` tasks (default 2 * workers) are dispatched or done and
+      not yet yielded, and at most `workers` more (one for `workers=0`) are taken from
+      the input and waiting, so memory stays bounded on unbounded input. Tasks are
+      taken on a thread of their own: an input that blocks does not stop the workers.
+    - `imap(tasks, idle)` starts at once (the workers decode while the caller does
+      other work) and yields IDLE whenever `idle` seconds pass without a result, so a
+      caller that batches results can flush what it has while the input is stalled.
     - fn and tasks must be picklable (module-level functions); results come back
-      as protocol-5 pickles whose out-of-band buffers (numpy arrays, `EncoderInput`
-      tensors) the parent receives straight into their final memory, one blocking
-      recv for all of them, so a busy consumer thread is not starved of the GIL. A
-      result that stops arriving part-way for `timeout` seconds is a
+      as protocol-5 `wire` frames whose out-of-band buffers (numpy arrays,
+      `EncoderInput` tensors) the parent receives straight into their final memory,
+      one blocking recv for all of them, so a busy consumer thread is not starved of
+      the GIL. A result that stops arriving part-way for `timeout` seconds is a
       "decode_timeout" (its worker is killed); a worker that dies part-way is a
       "decoder_crashed". No partly received result is ever delivered.
     - workers=0 runs fn inline in the caller: same results, but no timeout and no
@@ -1186,7 +1206,7 @@ class DecodePool(Generic[T, R]):
             self._ctx.set_forkserver_preload(["torchvision.io", *preload, "decord", __name__])
         self._workers = [self._start_worker() for _ in range(workers)]
         self._failed_starts = 0
-        self._active = False
+        self._active: Callable[[], None] | None = None
         self._closed = False
 
     def __enter__(self) -> DecodePool[T, R]:
@@ -1195,28 +1215,43 @@ class DecodePool(Generic[T, R]):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def imap(self, tasks: Iterable[T]) -> Iterator[R | MediaError]:
-        """Results of fn over tasks, in input order (a generator)."""
+    def imap(self, tasks: Iterable[T], idle: float | None = None) -> Iterator[R | MediaError | Idle]:
+        """Results of fn over tasks, in input order; IDLE after `idle` quiet seconds
+        (None: never). Taking tasks and decoding start before the first result is asked for."""
         if self._closed:
             raise RuntimeError("DecodePool is closed")
-        if self._active:
+        if self._active is not None:
             raise RuntimeError("DecodePool.imap is already running; consume or close it first")
-        self._active = True
-        try:
-            if self._workers:
-                yield from self._imap_workers(iter(tasks))
-            else:
-                for task in tasks:
-                    yield _run_task(self._fn, task)
-        finally:
-            self._active = False
+        if not self._workers:
+            source = _Tasks(tasks, 1, None)
+            self._active = source.stop
+            return self._inline(source, idle)
+        wake_read, wake_write = socket.socketpair()
+        wake_read.setblocking(False)
+        source = _Tasks(tasks, len(self._workers), wake_write)
+        feed = _Feed(self._max_in_flight)
+        service = threading.Thread(
+            target=self._serve, args=(source, feed, wake_read), name="embedjob-decode-pool", daemon=True
+        )
+        service.start()
+
+        def stop() -> None:
+            feed.stop()
+            source.stop()
+            service.join()
+            wake_read.close()
+            wake_write.close()
             self._abandon_busy()
+
+        self._active = stop
+        return self._results(feed, idle)
 
     def close(self) -> None:
         """Stop the workers (idempotent): ask each to exit, kill those that do not."""
         if self._closed:
             return
         self._closed = True
+        self._end_imap()
         for worker in self._workers:
             try:
                 worker.conn.send(None)
@@ -1230,6 +1265,11 @@ class DecodePool(Generic[T, R]):
             worker.close_channel()
         self._workers = []
 
+    def _end_imap(self) -> None:
+        stop, self._active = self._active, None
+        if stop is not None:
+            stop()
+
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(target=_worker_main, args=(self._fn, child), daemon=True, name="embedjob-decode")
@@ -1237,28 +1277,39 @@ class DecodePool(Generic[T, R]):
         child.close()
         return _Worker(process=process, conn=parent, sock=_result_socket(parent, self._timeout))
 
-    def _imap_workers(self, tasks: Iterator[T]) -> Iterator[R | MediaError]:
-        """Yield results in order while a service thread keeps the workers busy.
+    def _inline(self, source: _Tasks, idle: float | None) -> Iterator[R | MediaError | Idle]:
+        try:
+            while True:
+                task = source.get(idle)
+                if task is _NOTHING:
+                    yield IDLE
+                elif task is _END:
+                    return
+                elif isinstance(task, _Failed):
+                    raise task.error
+                else:
+                    yield _run_task(self._fn, task)
+        finally:
+            self._end_imap()
+
+    def _results(self, feed: _Feed, idle: float | None) -> Iterator[R | MediaError | Idle]:
+        """Yield results in order while the service thread keeps the workers busy.
 
         The caller may spend long stretches between results (encoding a window); if the
         workers were fed and drained only from here they would sit idle, blocked on
-        sending, all that time. The service thread takes tasks, dispatches, receives and
-        enforces timeouts; this generator only waits for the next result in order.
+        sending, all that time. The service thread dispatches, receives and enforces
+        timeouts; this generator only waits for the next result in order.
         """
-        feed = _Feed(self._max_in_flight)
-        service = threading.Thread(target=self._serve, args=(tasks, feed), name="embedjob-decode-pool", daemon=True)
-        service.start()
         try:
             while True:
-                result = feed.next_result()
+                result = feed.next_result(idle)
                 if result is _END:
                     return
                 yield result
         finally:
-            feed.stop()
-            service.join()
+            self._end_imap()
 
-    def _serve(self, tasks: Iterator[T], feed: _Feed) -> None:
+    def _serve(self, source: _Tasks, feed: _Feed, wake: socket.socket) -> None:
         waiting: collections.deque[tuple[int, T]] = collections.deque()
         done: dict[int, R | MediaError] = {}
         taken = 0
@@ -1266,18 +1317,22 @@ class DecodePool(Generic[T, R]):
         try:
             while not feed.stopped:
                 while not exhausted and feed.has_room(taken):
-                    try:
-                        waiting.append((taken, next(tasks)))
-                    except StopIteration:
+                    task = source.get(0)
+                    if task is _NOTHING:
+                        break
+                    if task is _END:
                         exhausted = True
                         break
+                    if isinstance(task, _Failed):
+                        raise task.error
+                    waiting.append((taken, task))
                     taken += 1
                 self._dispatch(waiting)
                 feed.publish(done)
                 if exhausted and feed.delivered(taken):
                     feed.finish()
                     return
-                self._wait(done, poll=_POLL_SECONDS)
+                self._wait(done, wake, poll=_POLL_SECONDS)
         except BaseException as exc:
             feed.fail(exc)
 
@@ -1297,11 +1352,13 @@ class DecodePool(Generic[T, R]):
             worker.seq = seq
             worker.deadline = time.monotonic() + self._timeout
 
-    def _wait(self, done: dict[int, R | MediaError], poll: float) -> None:
+    def _wait(self, done: dict[int, R | MediaError], wake: socket.socket, poll: float) -> None:
         busy = [w for w in self._workers if w.seq is not None]
         timeout = max(0.0, min([w.deadline for w in busy] + [time.monotonic() + poll]) - time.monotonic())
-        handles: list[Any] = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
+        handles: list[Any] = [w.conn for w in self._workers] + [w.process.sentinel for w in self._workers] + [wake]
         ready = set(multiprocessing.connection.wait(handles, timeout))
+        if wake in ready:
+            _drain(wake)
         for index, worker in enumerate(list(self._workers)):
             if worker.conn in ready:
                 self._service(index, worker, done)
@@ -1370,3 +1427,12 @@ class DecodePool(Generic[T, R]):
         for index, worker in enumerate(list(self._workers)):
             if worker.seq is not None:
                 self._replace(index, worker)
+
+
+def _drain(sock: socket.socket) -> None:
+    """Read every wake-up byte waiting on a non-blocking socket."""
+    try:
+        while sock.recv(4096):
+            pass
+    except BlockingIOError:
+        pass

@@ -27,7 +27,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from embedjob import media
+from embedjob import media, wire
 from embedjob.encoders import EncoderInput
 from embedjob.media import DecodedImage, DecodedVideo, DecodeOptions, DecodePool, MediaError
 
@@ -432,9 +432,39 @@ def test_pool_bounds_in_flight_and_recovers_after_early_exit(pool: DecodePool) -
 
     results = pool.imap(endless())
     assert [next(results) for _ in range(5)] == [0, 1, 4, 9, 16]
-    assert len(pulled) <= 5 + 2 * 2  # yielded + max_in_flight (default 2 * workers)
+    # yielded + max_in_flight (default 2 * workers) + waiting (workers) + the one the task thread holds
+    assert len(pulled) <= 5 + 2 * 2 + 2 + 1
     results.close()
     assert list(pool.imap([("sleep", 0.2), ("square", 5)])) == [0.2, 25]
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_a_stalled_input_still_delivers_what_was_taken_and_reports_idle(workers: int) -> None:
+    """A rank whose input waits (rank 0 holds back more rows until this rank's results
+    are written) must still get the results of the rows it has: otherwise it waits for
+    rows that wait for it."""
+    release = threading.Event()
+
+    def stalling():
+        yield ("square", 3)
+        yield ("square", 4)
+        release.wait(10)
+        yield ("square", 5)
+
+    with DecodePool(pool_task, workers=workers, timeout=5.0) as stalled:
+        results = stalled.imap(stalling(), idle=0.2)
+        assert [next(results), next(results)] == [9, 16]
+        assert next(results) is media.IDLE
+        release.set()
+        assert [r for r in results if r is not media.IDLE] == [25]
+
+
+def test_decoding_starts_before_the_first_result_is_asked_for(pool: DecodePool) -> None:
+    results = pool.imap([("sleep", 0.5), ("sleep", 0.5)])
+    time.sleep(0.8)  # what the caller does meanwhile (capturing graphs) overlaps the decode
+    start = time.monotonic()
+    assert list(results) == [0.5, 0.5]
+    assert time.monotonic() - start < 0.3
 
 
 def test_pool_returns_items_of_every_dtype_unchanged(pool: DecodePool) -> None:
@@ -500,7 +530,7 @@ def frame_of(seq: int, result: object) -> bytes:
     """The bytes a worker sends for `result` (small enough for a socket buffer)."""
     sender, receiver = socket.socketpair()
     with sender, receiver:
-        media._send_frame(sender, seq, *media._pickle_result(result))
+        wire.send_frame(sender, seq, *media._pickle_result(result))
         sender.close()
         return b"".join(iter(lambda: receiver.recv(1 << 16), b""))
 

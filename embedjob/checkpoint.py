@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from embedjob.job import JobError
+from embedjob.job import Job, JobError
 from embedjob.writer import TMP_MARK, stats_name, write_json
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,17 @@ _MANIFEST = re.compile(r"^manifest-(\d{5})\.json$")
 _SUCCESS = re.compile(r"^_SUCCESS-(\d{5})$")
 _LAYOUT = ("num_shards", "first_row", "end_row", "rows_per_part")
 _PART_KEYS = {"part", "name", "first_row", "end_row", "errors"}
+
+
+def job_fingerprint(job: Job) -> dict[str, Any]:
+    """What determines the embeddings; a resume into output with another fingerprint is refused."""
+    return {
+        "model": vars(job.model),
+        "preprocessing": {"preprocess": vars(job.preprocess), "video": vars(job.video)},
+        "pooling": job.output.pooling,
+        "output_dtype": job.output.dtype,
+        "input": {k: getattr(job.input, k) for k in ("path", "media_column", "id_column", "modality", "media_root")},
+    }
 
 
 def manifest_name(shard: int) -> str:

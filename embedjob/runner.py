@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from embedjob import distributed, media, reader
-from embedjob.checkpoint import Checkpoint, PartRecord, open_checkpoint
+from embedjob.checkpoint import Checkpoint, PartRecord, job_fingerprint, open_checkpoint
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
 from embedjob.graphs import BatchEncoder, Reduce, build_encoder, cut_rows, rows_to_host
 from embedjob.job import Job, JobError
@@ -132,17 +132,6 @@ def window_sizes(window: int) -> Iterator[int]:
         size *= 2
     while True:
         yield window
-
-
-def job_fingerprint(job: Job) -> dict[str, Any]:
-    """What determines the embeddings; a resume into output with another fingerprint is refused."""
-    return {
-        "model": vars(job.model),
-        "preprocessing": {"preprocess": vars(job.preprocess), "video": vars(job.video)},
-        "pooling": job.output.pooling,
-        "output_dtype": job.output.dtype,
-        "input": {k: getattr(job.input, k) for k in ("path", "media_column", "id_column", "modality", "media_root")},
-    }
 
 
 def resolve_device(name: str) -> torch.device:

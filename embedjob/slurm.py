@@ -39,6 +39,7 @@ from embedjob import reader
 from embedjob.checkpoint import (
     Checkpoint,
     ShardProgress,
+    job_fingerprint,
     load_manifest,
     manifest_changes,
     shard_progress,
@@ -310,8 +311,6 @@ def shard_ranges(job: Job, num_shards: int) -> list[tuple[int, int]]:
 
 def _refuse_other_job(job: Job, output: Path, ranges: list[tuple[int, int]]) -> None:
     """Every task would refuse to resume into output of another job: say so now, once."""
-    from embedjob.runner import job_fingerprint  # torch-heavy; only submission needs it
-
     fingerprint = job_fingerprint(job)
     for shard in sorted(shards_in(output)):
         manifest = load_manifest(output, shard)

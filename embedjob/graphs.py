@@ -13,7 +13,7 @@ records the graph body at capture and re-runs it on the same static buffers at r
 writing into a static output buffer exactly like a graph does.
 
 Encoders that see a global view plus local tiles run two such managers, one per path
-(`DualPathEncoder`, DESIGN seed point 6), packed together by `packer.pack_dual`.
+(`DualPathEncoder`), packed together by `packer.pack_dual`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 
 from embedjob.encoders.base import PAD_REPEAT_LAST, PAD_ZERO, EncoderAdapter, EncoderInput, StaticInputs
@@ -36,48 +35,96 @@ from embedjob.packer import BudgetPlan, DualBatch, DualPlan, pack, pack_dual
 logger = logging.getLogger(__name__)
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+POOLINGS = ("mean", "none")
 
 
 def clone_rows(rows: torch.Tensor) -> torch.Tensor:
-    """The default per-item read-out: a copy that survives the next replay."""
+    """The default per-item read-out of `GraphManager.run`: a copy that survives the next replay."""
     return rows.clone()
 
 
-def rows_to_host(results: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Every result's rows in order, as one (rows, width) block in `dtype` on the host.
+def pool_rows(rows: torch.Tensor, counts: Sequence[int], pooling: str) -> tuple[torch.Tensor, list[int]]:
+    """One batch's output rows (items' rows in order, `counts` each) pooled per item:
+    `mean` gives one float32 row per item, `none` keeps every row.
 
-    From a GPU the copy goes to page-locked memory and is only queued behind the work
-    that made the results: read the block once an event recorded after this call has
-    completed. `cut_rows` undoes the concatenation.
+    The mean of a run of items with equal row counts is one reduction over a (items,
+    rows, dim) view, so a batch costs one call per distinct count, not one per item
+    (a 224 px image mix is one call per batch; fixed-resolution images need none).
+    Each item's mean still reduces only its own rows in their order, so it does not
+    depend on the other items of its batch: a resumed or data-parallel run, which
+    batches differently, gives the same bits on a CPU.
     """
-    if not results:
-        return torch.empty((0, width), dtype=dtype)
-    flat = torch.cat([r.reshape(-1, width) for r in results]).to(dtype)
-    if flat.device.type != "cuda":
-        return flat
-    host = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
-    host.copy_(flat, non_blocking=True)
-    return host
+    if pooling == "none":
+        return rows, list(counts)
+    if pooling != "mean":
+        raise ValueError(f"unknown pooling {pooling!r}; allowed: {', '.join(POOLINGS)}")
+    if all(c == 1 for c in counts):
+        return rows.float(), [1] * len(counts)
+    means, start, index = [], 0, 0
+    while index < len(counts):
+        count, run = counts[index], 1
+        while index + run < len(counts) and counts[index + run] == count:
+            run += 1
+        block = rows[start : start + run * count].view(run, count, -1)
+        means.append(block.float().mean(dim=1))
+        start, index = start + run * count, index + run
+    return torch.cat(means) if len(means) > 1 else means[0], [1] * len(counts)
 
 
-def row_count(shape: Sequence[int]) -> int:
-    """Rows one result takes in a block of `rows_to_host`: a pooled vector is one row."""
-    return 1 if len(shape) == 1 else shape[0]
+@dataclass
+class Encoded:
+    """Results of one `encode` call, item by item.
+
+    Item i's rows are `rows[offsets[i] : offsets[i] + counts[i]]` (one row when
+    pooled), in the requested output dtype, in memory of their own (no later replay
+    overwrites them); a failed item has counts[i] == 0 and `failures[i]` says why.
+    `rows` stays on the encoder's device: the caller copies it to the host once.
+    """
+
+    rows: torch.Tensor
+    offsets: list[int]
+    counts: list[int]
+    failures: list[str | None]
+
+    def item(self, index: int) -> torch.Tensor | None:
+        """Item `index`'s rows, or None for a failed item."""
+        if self.failures[index] is not None:
+            return None
+        start = self.offsets[index]
+        return self.rows[start : start + self.counts[index]]
 
 
-def cut_rows(flat: np.ndarray, shapes: Sequence[tuple[int, ...] | None]) -> list[np.ndarray | None]:
-    """The results of a `rows_to_host` block back in their shapes (None, for an item
-    without a result, takes no rows)."""
-    out: list[np.ndarray | None] = []
-    offset = 0
-    for shape in shapes:
-        if shape is None:
-            out.append(None)
-            continue
-        count = row_count(shape)
-        out.append(flat[offset : offset + count].reshape(shape))
-        offset += count
-    return out
+class _Collector:
+    """Builds an `Encoded` from batches finished in any order."""
+
+    def __init__(self, count: int, width: int, pooling: str, dtype: torch.dtype, device: torch.device) -> None:
+        self.pooling = pooling
+        self.dtype = dtype
+        self.width = width
+        self.device = device
+        self.parts: list[torch.Tensor] = []
+        self.total = 0
+        self.offsets = [0] * count
+        self.counts = [0] * count
+        self.failures: list[str | None] = [None] * count
+
+    def add(self, indices: Sequence[int], rows: torch.Tensor, counts: Sequence[int]) -> None:
+        """The rows of items `indices` (their rows in order, `counts` each), pooled here."""
+        pooled, pooled_counts = pool_rows(rows, counts, self.pooling)
+        self.parts.append(pooled.to(self.dtype, copy=True))
+        for index, count in zip(indices, pooled_counts):
+            self.offsets[index], self.counts[index] = self.total, count
+            self.total += count
+
+    def fail(self, index: int, reason: str) -> None:
+        self.failures[index] = reason
+
+    def result(self) -> Encoded:
+        if not self.parts:
+            rows = torch.empty((0, self.width), dtype=self.dtype, device=self.device)
+        else:
+            rows = torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
+        return Encoded(rows, self.offsets, self.counts, self.failures)
 
 
 @dataclass
@@ -248,17 +295,19 @@ class GraphManager:
             entry = self._graphs[budget] = self._make_entry(budget)
         return entry
 
-    def run(self, items: list[EncoderInput], budget: int | None, reduce: Reduce = clone_rows) -> list[torch.Tensor]:
-        """Embed one packed batch; returns `reduce(rows)` per item, in batch order.
+    def run_batch(self, items: list[EncoderInput], budget: int | None) -> torch.Tensor:
+        """Embed one packed batch; the items' output rows in batch order (`row_counts` each).
 
-        `budget` is the packer's choice: a captured budget (replay) or None (eager). The
-        reduce runs before the next replay, so it may read the static output directly.
+        `budget` is the packer's choice: a captured budget (replay) or None (eager). A
+        replay returns a view of the graph's static output: read it before the next
+        replay overwrites it.
         """
         tokens = sum(item.tokens for item in items)
         entry = self._entry(budget)
         if entry is not None and not self.adapter.fits(items, entry.static):
             self.stats.capacity_fallbacks += 1
             entry = None
+        rows = sum(self.adapter.row_counts(items))
         with torch.inference_mode():
             if entry is None:
                 output = self.adapter.forward(self.adapter.eager_inputs(items))
@@ -268,6 +317,12 @@ class GraphManager:
                 entry.graph.replay()
                 output = entry.graph.output
                 self._count(items, budget, tokens)
+            return output[:rows]
+
+    def run(self, items: list[EncoderInput], budget: int | None, reduce: Reduce = clone_rows) -> list[torch.Tensor]:
+        """`run_batch`, then `reduce(rows)` per item, in batch order (before the next replay)."""
+        output = self.run_batch(items, budget)
+        with torch.inference_mode():
             return [reduce(rows) for rows in self.adapter.split(output, items)]
 
     def run_padded_eager(self, items: list[EncoderInput], budget: int) -> torch.Tensor:
@@ -330,11 +385,11 @@ class GraphManager:
 class BatchEncoder:
     """Packs items under a plan and runs every batch through one GraphManager.
 
-    This is the interface the runner uses to encode a window (other encoders, e.g. a
-    dual-path or a data-parallel one, provide the same methods): `encode` returns one
-    result per item (`reduce` of its rows) or, for an item that failed, None and a
-    reason. A failed batch is retried one item at a time eagerly, so one bad item (e.g.
-    out of memory on a huge video) costs one error row, not the batch.
+    This is the interface the runner uses to encode a window (the dual-path encoder
+    provides the same methods): `encode` returns every item's rows, pooled per batch
+    (`pool_rows`), or, for an item that failed, a reason. A failed batch is retried one
+    item at a time eagerly, so one bad item (e.g. out of memory on a huge video) costs
+    one error row, not the batch.
     """
 
     def __init__(self, manager: GraphManager, policy: str) -> None:
@@ -355,50 +410,48 @@ class BatchEncoder:
         """The counts as one GraphStats (what data-parallel ranks merge)."""
         return self.manager.stats
 
-    def stats(self) -> dict[str, Any]:
-        """Graph statistics and the plan, as written to stats-*.json."""
+    def plan_stats(self) -> dict[str, Any]:
+        """The plan and its graphs, as written to stats-*.json."""
         plan = self.manager.plan
-        out = {
+        return {
             "num_graphs": self.manager.num_graphs,
             "token_budgets": list(plan.token_budgets),
             "max_items_per_batch": plan.max_items,
             "max_frames_per_batch": plan.max_frames,
             "graph_backend": self.manager.backend,
         }
-        out.update(self.manager.stats.to_dict())
-        return out
 
-    def encode(self, items: list[EncoderInput], reduce: Reduce) -> tuple[list[torch.Tensor | None], list[str | None]]:
-        results: list[torch.Tensor | None] = [None] * len(items)
-        failures: list[str | None] = [None] * len(items)
+    def stats(self) -> dict[str, Any]:
+        """The plan and the graph statistics."""
+        return {**self.plan_stats(), **self.manager.stats.to_dict()}
+
+    def encode(self, items: list[EncoderInput], pooling: str, dtype: torch.dtype) -> Encoded:
+        """Every item's rows, pooled per `pooling`, in `dtype`, on the device."""
+        out = _Collector(len(items), self.width, pooling, dtype, self.manager.adapter.device)
         tokens = [item.tokens for item in items]
         frames = [item.frames for item in items]
         for batch in pack(tokens, frames, self.manager.plan, self.policy):
-            self._run(items, list(batch.indices), batch.budget, reduce, results, failures)
-        return results, failures
+            self._run(items, list(batch.indices), batch.budget, out)
+        return out.result()
 
-    def _run(
-        self,
-        items: list[EncoderInput],
-        indices: list[int],
-        budget: int | None,
-        reduce: Reduce,
-        results: list[torch.Tensor | None],
-        failures: list[str | None],
-    ) -> None:
+    @property
+    def width(self) -> int:
+        return self.manager.adapter.embed_dim
+
+    def _run(self, items: list[EncoderInput], indices: list[int], budget: int | None, out: _Collector) -> None:
+        chosen = [items[i] for i in indices]
         try:
-            outputs = self.manager.run([items[i] for i in indices], budget, reduce=reduce)
+            rows = self.manager.run_batch(chosen, budget)
+            with torch.inference_mode():
+                out.add(indices, rows, self.manager.adapter.row_counts(chosen))
         except Exception as exc:
             if len(indices) == 1 and budget is None:
-                failures[indices[0]] = f"encode_failed: {type(exc).__name__}: {exc}"
+                out.fail(indices[0], f"encode_failed: {type(exc).__name__}: {exc}")
                 logger.warning("an item failed to encode: %s", exc)
                 return
             logger.warning("batch of %d items failed (%s); retrying one at a time", len(indices), exc)
             for i in indices:
-                self._run(items, [i], None, reduce, results, failures)
-            return
-        for i, output in zip(indices, outputs):
-            results[i] = output
+                self._run(items, [i], None, out)
 
 
 def budget_plan(job: Job, adapter: EncoderAdapter) -> packer.BudgetPlan:
@@ -519,8 +572,8 @@ class DualStats:
 
 
 class DualPathEncoder:
-    """A global view plus local tiles per item, each path with its own graph set (DESIGN
-    seed point 6), behind BatchEncoder's interface.
+    """A global view plus local tiles per item, each path with its own graph set, behind
+    BatchEncoder's interface.
 
     Items are packed with `pack_dual` against both paths' budgets at once; per batch,
     each path runs the items that have views for it, replaying the budget the packer
@@ -564,20 +617,22 @@ class DualPathEncoder:
         total.hits, total.misses = self.counts.hits, self.counts.misses
         return total
 
-    def stats(self) -> dict[str, Any]:
-        """The combined statistics under the single-path keys, plus the partial fallbacks
-        and each path's own statistics under `paths`."""
-        out: dict[str, Any] = {
+    def plan_stats(self) -> dict[str, Any]:
+        """Both paths' plans under the single-path keys, the partial fallbacks, and each
+        path's own budgets and statistics under `paths`."""
+        return {
             "num_graphs": sum(p.manager.num_graphs for p in self.paths),
             "token_budgets": list(self.paths[0].plan.token_budgets),
             "max_items_per_batch": self.plan.global_plan.max_items,
             "max_frames_per_batch": self.plan.global_plan.max_frames,
             "graph_backend": self.paths[0].manager.backend,
+            "partial_fallbacks": self.counts.partial,
+            "paths": {p.name: {"token_budgets": list(p.plan.token_budgets), **p.manager.stats.to_dict()} for p in self.paths},
         }
-        out.update(self.graph_stats().to_dict())
-        out["partial_fallbacks"] = self.counts.partial
-        out["paths"] = {p.name: {"token_budgets": list(p.plan.token_budgets), **p.manager.stats.to_dict()} for p in self.paths}
-        return out
+
+    def stats(self) -> dict[str, Any]:
+        """The plan and the combined statistics under the single-path keys."""
+        return {**self.plan_stats(), **self.graph_stats().to_dict()}
 
     def path_inputs(self, items: list[EncoderInput]) -> list[list[EncoderInput | None]]:
         """Per path, per item: the item's input on that path, or None (no views there)."""
@@ -591,14 +646,14 @@ class DualPathEncoder:
         tokens = [[0 if sub is None else sub.tokens for sub in column] for column in inputs]
         return pack_dual(tokens[0], tokens[1], frames, self.plan, self.policy)
 
-    def encode(self, items: list[EncoderInput], reduce: Reduce) -> tuple[list[torch.Tensor | None], list[str | None]]:
-        results: list[torch.Tensor | None] = [None] * len(items)
-        failures: list[str | None] = [None] * len(items)
+    def encode(self, items: list[EncoderInput], pooling: str, dtype: torch.dtype) -> Encoded:
+        """Every item's combined rows, pooled per `pooling`, in `dtype`, on the device."""
+        out = _Collector(len(items), self.adapter.embed_dim, pooling, dtype, self.adapter.device)
         inputs = self.path_inputs(items)
         for batch in self._pack(inputs, [item.frames for item in items]):
             budgets = (batch.global_budget, batch.local_budget)
-            self._encode_batch(inputs, list(batch.indices), budgets, reduce, results, failures)
-        return results, failures
+            self._encode_batch(inputs, list(batch.indices), budgets, out)
+        return out.result()
 
     def run(self, items: list[EncoderInput], budgets: tuple[int | None, ...], reduce: Reduce = clone_rows) -> list[torch.Tensor]:
         """Embed one packed batch with one budget per path (None: that path runs eagerly)."""
@@ -621,27 +676,20 @@ class DualPathEncoder:
         return [self.adapter.combine(p) for p in parts]
 
     def _encode_batch(
-        self,
-        inputs: list[list[EncoderInput | None]],
-        indices: list[int],
-        budgets: tuple[int | None, ...],
-        reduce: Reduce,
-        results: list[torch.Tensor | None],
-        failures: list[str | None],
+        self, inputs: list[list[EncoderInput | None]], indices: list[int], budgets: tuple[int | None, ...], out: _Collector
     ) -> None:
         try:
             outputs = self._run_paths(inputs, indices, budgets)
+            with torch.inference_mode():
+                out.add(indices, torch.cat(outputs), [rows.shape[0] for rows in outputs])
         except Exception as exc:
             if len(indices) == 1 and all(b is None for b in budgets):
-                failures[indices[0]] = f"encode_failed: {type(exc).__name__}: {exc}"
+                out.fail(indices[0], f"encode_failed: {type(exc).__name__}: {exc}")
                 logger.warning("an item failed to encode: %s", exc)
                 return
             logger.warning("dual-path batch of %d items failed (%s); retrying one at a time", len(indices), exc)
             for i in indices:
-                self._encode_batch(inputs, [i], (None,) * len(self.paths), reduce, results, failures)
-            return
-        for i, rows in zip(indices, outputs):
-            results[i] = reduce(rows)
+                self._encode_batch(inputs, [i], (None,) * len(self.paths), out)
 
     def _run_paths(
         self, inputs: list[list[EncoderInput | None]], indices: list[int], budgets: tuple[int | None, ...]

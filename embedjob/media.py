@@ -51,6 +51,7 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import queue
@@ -913,6 +914,29 @@ def _start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
+def _context(preload: Iterable[str]) -> Any:
+    """The workers' start context. With forkserver, workers fork from a server that has
+    `preload` (the modules the task function needs) and the decoders loaded, so a new
+    or replacement worker starts in milliseconds instead of importing torch. decord
+    comes after `preload`: its bundled zlib must not be the first one loaded (see
+    `_decord`). The server keeps the list it started with."""
+    context = multiprocessing.get_context(_start_method())
+    if context.get_start_method() == "forkserver":
+        context.set_forkserver_preload(["torchvision.io", *preload, "decord", __name__])
+    return context
+
+
+def start_worker_server(preload: Iterable[str]) -> None:
+    """Start the server that decode workers fork from now, without waiting for it.
+
+    Its imports (torch, transformers, the decoders: seconds) then run in their own
+    process while the caller loads its model, instead of when the first pool starts.
+    """
+    if _start_method() == "forkserver":
+        _context(preload)
+        multiprocessing.forkserver.ensure_running()
+
+
 _MAX_FAILED_STARTS = 3
 
 
@@ -1197,13 +1221,7 @@ class DecodePool(Generic[T, R]):
         self._fn = fn
         self._timeout = timeout
         self._max_in_flight = max_in_flight or max(1, 2 * workers)
-        self._ctx = multiprocessing.get_context(_start_method())
-        if self._ctx.get_start_method() == "forkserver":
-            # Workers fork from a server that has these loaded, so a new or
-            # replacement worker starts in milliseconds instead of importing torch.
-            # `preload` (the modules fn needs) comes before decord, whose bundled zlib
-            # must not be the first one loaded (see `_decord`).
-            self._ctx.set_forkserver_preload(["torchvision.io", *preload, "decord", __name__])
+        self._ctx = _context(preload)
         self._workers = [self._start_worker() for _ in range(workers)]
         self._failed_starts = 0
         self._active: Callable[[], None] | None = None

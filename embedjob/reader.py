@@ -197,6 +197,62 @@ def assign_shards(fragments: list[Fragment], num_shards: int) -> list[list[Fragm
     return shards
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """Rows [first_row, end_row) of a shard: what one rank takes and hands back at once.
+
+    `index` is the chunk's place in the shard (chunks are numbered in row order) and
+    `fragments` the row groups its rows lie in, so a rank can read it without the
+    listing.
+    """
+
+    index: int
+    first_row: int
+    end_row: int
+    fragments: tuple[Fragment, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.end_row - self.first_row
+
+
+def plan_chunks(fragments: list[Fragment], start_row: int, end_row: int, rows: int) -> list[Chunk]:
+    """[start_row, end_row) of `fragments` cut into chunks of at most `rows` rows.
+
+    Invariants: the chunks cover the range exactly, in order, with no gap or overlap;
+    none is empty; row groups are kept whole where they fit (consecutive small row
+    groups share a chunk, so a chunk needs few reads), and a row group larger than
+    `rows` is cut into near-equal pieces that hold no other row group's rows.
+    """
+    if rows < 1:
+        raise ValueError(f"rows per chunk must be >= 1, got {rows}")
+    pieces: list[tuple[int, int, bool]] = []
+    for fragment in fragments:
+        first = max(start_row, fragment.first_row)
+        end = min(end_row, fragment.first_row + fragment.num_rows)
+        if end - first > rows:
+            pieces.extend((a, b, False) for a, b in _even_pieces(first, end, rows))
+        elif first < end:
+            pieces.append((first, end, True))
+    spans: list[tuple[int, int, bool]] = []
+    for first, end, whole in pieces:
+        if spans and whole and spans[-1][2] and end - spans[-1][0] <= rows:
+            spans[-1] = (spans[-1][0], end, True)
+        else:
+            spans.append((first, end, whole))
+    return [
+        Chunk(index, first, end, tuple(f for f in fragments if f.first_row < end and f.first_row + f.num_rows > first))
+        for index, (first, end, _) in enumerate(spans)
+    ]
+
+
+def _even_pieces(first: int, end: int, rows: int) -> list[tuple[int, int]]:
+    """[first, end) in ceil(n / rows) pieces whose sizes differ by at most one."""
+    count = -(-(end - first) // rows)
+    bounds = [first + (end - first) * k // count for k in range(count + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
 def read_rows(
     cfg: InputConfig,
     fragments: Iterable[Fragment],

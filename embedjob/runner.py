@@ -1,32 +1,37 @@
 """Wires the stages of one shard: read -> decode -> pack -> encode -> write.
 
-Rows stream through bounded buffers: the reader yields record batches, the decode pool
-keeps a bounded number of items in flight, and the encoder works on windows of
-`batching.window` decoded items, each packed on its own. Within a window outputs are
-put back in input order, and windows are written in order, so the output is in input
-order without holding more than one window and one part in memory.
+Every GPU runs a whole pipeline (`RankPipeline`), alone or beside others (`--gpus N`,
+distributed.py): it takes chunks of the shard's rows in row order as it needs them,
+reads them, decodes them in its own worker processes, encodes windows of
+`batching.window` decoded items (packed and replayed through its own graphs) and hands
+every finished chunk's rows back as a columnar `RowBlock`. The process of rank 0 also
+writes: a `Coordinator` hands out the chunks and gives their rows, in chunk order, to
+the writer thread, which cuts them into the checkpoint's parts. So the output is in
+input order while no process holds more than a bounded number of chunks.
 
 Every input row becomes exactly one output row: decode and preprocess failures become
 error rows in the workers, encode failures become error rows here (after retrying the
 failed batch one item at a time), and rows already committed by an earlier run are
 skipped through the checkpoint.
 
-With several GPUs (`runtime.gpus`, `distributed.py`) this pipeline runs unchanged in
-rank 0, whose encoder spreads each window over the ranks; the other ranks only encode
-(`serve_rank`).
+The main thread of a rank only launches device work and moves whole windows: pooling
+is one reduction per batch on the device (`graphs.pool_rows`), a window's results
+come to the host in one copy, and output rows are built with array operations; the
+per-item work (decode, resize, patching, metadata) is done by the decode workers.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 import multiprocessing
 import os
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,11 +43,22 @@ from tqdm import tqdm
 from embedjob import distributed, media, reader
 from embedjob.checkpoint import Checkpoint, PartRecord, job_fingerprint, open_checkpoint
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
-from embedjob.graphs import BatchEncoder, Reduce, build_encoder, cut_rows, rows_to_host
+from embedjob.graphs import Encoded, GraphStats, build_encoder
 from embedjob.job import Job, JobError
-from embedjob.writer import OutputRow, output_schema, part_name, write_part
+from embedjob.writer import RowBlock, output_schema, part_name, write_part
 
 logger = logging.getLogger(__name__)
+
+CHUNK_ROWS = 64
+"""Rows a rank takes at a time (fewer when `batching.window` is smaller). Small, so the
+ranks finish close together; a take is one short message, so small costs nothing."""
+
+WORKER_MODULES = (__name__, "embedjob.encoders.qwen", "embedjob.encoders.fixed")
+"""What decode workers import: this module (`decode_row`) and every family's preprocessing."""
+
+LINGER = 0.05
+"""Seconds without a decoded item after which a rank encodes what it has: its input
+may be held back until rows it holds are written (see `Coordinator`)."""
 
 
 @dataclass(frozen=True)
@@ -75,15 +91,20 @@ class Shard:
         return cls(index, count)
 
 
+# --- decode (in the workers) --------------------------------------------------------
+
+
 @dataclass
 class Decoded:
-    """A row after the decode stage: a preprocessed item or an error, never both."""
+    """A row after the decode stage: a preprocessed item or an error, never both, and
+    the seconds the worker spent on it."""
 
     row: int
     id: Any
     modality: str | None
     item: EncoderInput | None
     error: str | None
+    seconds: float = 0.0
 
 
 @functools.cache
@@ -97,6 +118,13 @@ def _one_thread_per_worker() -> None:
 def decode_row(row: reader.InputRow, options: media.DecodeOptions, preprocess: Any) -> Decoded:
     """Worker function: bytes (or a path) -> decoded media -> EncoderInput, or an error row."""
     _one_thread_per_worker()
+    start = time.perf_counter()
+    decoded = _decode_row(row, options, preprocess)
+    decoded.seconds = time.perf_counter() - start
+    return decoded
+
+
+def _decode_row(row: reader.InputRow, options: media.DecodeOptions, preprocess: Any) -> Decoded:
     fixed = None if options.modality == "auto" else options.modality
     if row.error is not None:
         return Decoded(row.row, row.id, fixed, None, row.error)
@@ -134,6 +162,9 @@ def window_sizes(window: int) -> Iterator[int]:
         yield window
 
 
+# --- per process settings -----------------------------------------------------------
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise JobError("runtime.device is 'cuda' but no CUDA device is visible; use runtime.device=cpu or auto")
@@ -142,10 +173,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_workers(value: str | int) -> int:
-    """"auto": one decode worker per core this process may run on (under SLURM, the
-    task's allocation, not the whole node)."""
-    return len(os.sched_getaffinity(0)) if value == "auto" else int(value)
+def resolve_workers(value: str | int, world_size: int = 1) -> int:
+    """Decode workers of one rank. "auto": this rank's share of the cores the process
+    may run on (under SLURM, the task's allocation, not the whole node)."""
+    return distributed.cpu_share(world_size) if value == "auto" else int(value)
 
 
 def load_encoder_adapter(job: Job, device: torch.device) -> EncoderAdapter:
@@ -166,23 +197,27 @@ def load_encoder_adapter(job: Job, device: torch.device) -> EncoderAdapter:
     return adapter
 
 
-def reducer(pooling: str) -> Reduce:
-    """Pooling, applied to an item's rows before the next replay overwrites them."""
-    if pooling == "mean":
-        return _mean_rows
-    return _clone_rows
-
-
-def _mean_rows(rows: torch.Tensor) -> torch.Tensor:
-    return rows.float().mean(dim=0)
-
-
-def _clone_rows(rows: torch.Tensor) -> torch.Tensor:
-    return rows.clone()
-
-
 def output_dtype(job: Job) -> torch.dtype:
     return torch.float16 if job.output.dtype == "float16" else torch.float32
+
+
+def decode_options(job: Job, adapter: EncoderAdapter) -> media.DecodeOptions:
+    """What the decode workers need from the job and the model's preprocessing."""
+    preprocess = adapter.preprocessor()
+    if job.video.max_frames < preprocess.frame_multiple:
+        raise JobError(
+            f"video.max_frames = {job.video.max_frames} is below the model's temporal patch size "
+            f"{preprocess.frame_multiple}; set video.max_frames to at least {preprocess.frame_multiple}"
+        )
+    frame_pixels = getattr(preprocess, "video_max_pixels", None)
+    return media.DecodeOptions(
+        modality=job.input.modality,
+        max_image_pixels=job.preprocess.max_image_pixels,
+        fps=job.video.fps,
+        max_frames=job.video.max_frames,
+        frame_multiple=preprocess.frame_multiple,
+        max_frame_pixels=4 * frame_pixels if frame_pixels else None,
+    )
 
 
 HOST_THREADS = 4
@@ -193,11 +228,10 @@ HOST_THREADS = 4
 def host_threads(device: torch.device) -> Iterator[None]:
     """Limit torch's CPU threads while this process feeds a GPU.
 
-    Its own CPU work is copying items into batches and send buffers. The decode workers
-    already run one per core, and torch's default of one OpenMP thread per core, which
-    spin between parallel regions, takes cores from them and from the other ranks: on
-    2 x H200 with 32 cores, `--gpus 2` ran at 167.5 images/s with the default and 183.6
-    with 4 threads (benchmarks/RESULTS.md). On a CPU the encoder itself needs the threads.
+    Its own CPU work is copying items into batches. The decode workers already run one
+    per core, and torch's default of one OpenMP thread per core, which spin between
+    parallel regions, takes cores from them and from the other ranks (benchmarks/
+    RESULTS.md measured it). On a CPU the encoder itself needs the threads.
     """
     before = torch.get_num_threads()
     if device.type == "cuda":
@@ -208,9 +242,12 @@ def host_threads(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+# --- timing -------------------------------------------------------------------------
+
+
 @dataclass
 class StageClock:
-    """Seconds spent per stage, so the progress bar and stats can name the bottleneck."""
+    """Seconds per stage of one thread, so the statistics can name the bottleneck."""
 
     seconds: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
 
@@ -223,86 +260,467 @@ class StageClock:
         return max(self.seconds, key=self.seconds.__getitem__) if self.seconds else "-"
 
 
+class BusyClock:
+    """How long one window occupied its device, from construction to `stop`.
+
+    On a GPU it is the time between two events on the stream, so a window whose work
+    queued behind the previous window's is not counted twice and the host never waits
+    to measure it; on a CPU the encode is synchronous and wall seconds are the same.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._start = time.perf_counter()
+        self._seconds = 0.0
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._start
+
+    def seconds(self) -> float:
+        """The measured seconds; on a GPU, waits until the window's work is done."""
+        if self._events is None:
+            return self._seconds
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1000.0
+
+
+# --- one window on the device -------------------------------------------------------
+
+
 @dataclass
 class PendingWindow:
-    """A window whose batches are enqueued on the device; its results arrive by `ready`
-    (and, data parallel, from the other ranks by `spreading`)."""
+    """A window whose batches are enqueued on the device; `host` holds its rows once
+    `busy` has stopped on the device."""
 
     window: list[Decoded]
-    positions: list[int]
-    shapes: list[tuple[int, ...]]
-    host: torch.Tensor | None
-    ready: torch.cuda.Event | None
-    failures: dict[int, str]
-    spreading: distributed.Spreading | None = None
+    encoded: Encoded
+    host: torch.Tensor
+    busy: BusyClock
 
 
 class WindowEncoder:
-    """Encodes a window and brings the embeddings back to the host.
+    """Encodes a window and brings its rows back to the host as row blocks.
 
     Split in two so the device never waits for the host: `enqueue` launches every batch
-    of window k and an asynchronous device-to-host copy of its results; the caller then
-    finalises window k-1 (waits for its copy, builds rows) while the device works on k.
-    With a `spread` (data parallel, rank 0) enqueue first sends the other ranks their
-    shares of window k and encodes only its own; finalize adds the other ranks' results.
+    of window k and one asynchronous device-to-host copy of all its rows; the caller
+    then finalises window k-1 (waits for its copy, builds its rows) while the device
+    works on k.
     """
 
-    def __init__(self, encoder: BatchEncoder, job: Job, spread: distributed.Spread | None = None) -> None:
+    def __init__(self, encoder: Any, job: Job, device: torch.device) -> None:
         self.encoder = encoder
-        self.spread = spread
-        self.reduce = reducer(job.output.pooling)
-        self.out_dtype = output_dtype(job)
-
-    @property
-    def hit_rate(self) -> float:
-        return (self.spread or self.encoder).hit_rate
-
-    def stats(self) -> dict[str, Any]:
-        return (self.spread or self.encoder).stats()
+        self.pooling = job.output.pooling
+        self.dtype = output_dtype(job)
+        self.device = device
 
     def enqueue(self, window: list[Decoded]) -> PendingWindow:
-        items = {p: d.item for p, d in enumerate(window) if d.item is not None}
-        own, spreading = (sorted(items), None) if self.spread is None else self.spread.submit(items)
-        outputs, reasons = self.encoder.encode([items[p] for p in own], self.reduce)
-        results = {p: r for p, r in zip(own, outputs) if r is not None}
-        failures = {p: f for p, f in zip(own, reasons) if f is not None}
-        positions = sorted(results)
-        shapes = [tuple(results[p].shape) for p in positions]
-        host, event = self._to_host([results[p] for p in positions])
-        if spreading is not None:
-            spreading.clock.stop()
-        return PendingWindow(window, positions, shapes, host, event, failures, spreading)
+        busy = BusyClock(self.device)
+        items = [d.item for d in window if d.item is not None]
+        encoded = self.encoder.encode(items, self.pooling, self.dtype)
+        host = _to_host(encoded.rows)
+        busy.stop()
+        return PendingWindow(window, encoded, host, busy)
 
-    def finalize(self, pending: PendingWindow) -> dict[int, np.ndarray]:
-        """Wait for the window's copy (and the other ranks' results); embeddings by window position."""
-        if pending.ready is not None:
-            pending.ready.synchronize()
-        out: dict[int, np.ndarray] = {}
-        if pending.host is not None:
-            out.update(zip(pending.positions, cut_rows(pending.host.numpy(), pending.shapes)))
-        if pending.spreading is not None and self.spread is not None:
-            embeddings, failures = self.spread.collect(pending.spreading)
-            out.update(embeddings)
-            pending.failures.update(failures)
-        return out
+    def finalize(self, pending: PendingWindow) -> tuple[list[RowBlock], float]:
+        """The window's rows as blocks of consecutive rows, and its device seconds."""
+        seconds = pending.busy.seconds()
+        return _row_blocks(pending.window, pending.encoded, pending.host.numpy()), seconds
 
-    def _to_host(self, results: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
-        if not results:
-            return None, None
-        host = rows_to_host(results, results[0].shape[-1], self.out_dtype)
-        if results[0].device.type != "cuda":
-            return host, None
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+
+def _to_host(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` on the host: from a GPU, one copy into page-locked memory queued behind
+    the work that makes them (read it once that work is done)."""
+    if rows.device.type != "cuda":
+        return rows
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    host.copy_(rows, non_blocking=True)
+    return host
+
+
+def _row_blocks(window: list[Decoded], encoded: Encoded, rows: np.ndarray) -> list[RowBlock]:
+    """The window's output rows, cut where its row numbers jump (a rank's window may
+    span chunks that other ranks' chunks separate)."""
+    errors = [d.error for d in window]
+    counts = np.zeros(len(window), dtype=np.int64)
+    starts: list[int] = []
+    item = 0
+    for position, d in enumerate(window):
+        if d.item is None:
+            continue
+        failure = encoded.failures[item]
+        if failure is None:
+            counts[position] = encoded.counts[item]
+            starts.append(encoded.offsets[item])
+        else:
+            errors[position] = failure
+        item += 1
+    lengths = counts[counts > 0]
+    first = np.asarray(starts, dtype=np.int64)
+    order = np.repeat(first - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
+    vectors = rows[order] if len(order) else np.zeros((0, rows.shape[1]), dtype=rows.dtype)
+    whole = RowBlock(
+        window[0].row,
+        [d.id for d in window],
+        [d.modality for d in window],
+        [d.item.tokens if d.item is not None else None for d in window],
+        [d.item.frames if d.item is not None else None for d in window],
+        errors,
+        counts,
+        vectors,
+    )
+    numbers = np.fromiter((d.row for d in window), dtype=np.int64, count=len(window))
+    cuts = [0, *(np.flatnonzero(np.diff(numbers) != 1) + 1).tolist(), len(window)]
+    if len(cuts) == 2:
+        return [whole]
+    return [dataclasses.replace(whole.slice(a, b), first_row=int(numbers[a])) for a, b in zip(cuts, cuts[1:])]
+
+
+class ChunkAssembler:
+    """Puts a rank's finished rows back into the chunks it took and hands each chunk on
+    once all its rows are there.
+
+    A rank takes chunks in row order and its windows keep that order, so rows arrive
+    in order: the assembler only cuts at chunk ends. `taken` is filled by the thread
+    that reads the chunks, always before their rows can be decoded.
+    """
+
+    def __init__(self, taken: collections.deque[reader.Chunk], deliver: Callable[[int, RowBlock], None]) -> None:
+        self.taken = taken
+        self.deliver = deliver
+        self._chunk: reader.Chunk | None = None
+        self._parts: list[RowBlock] = []
+        self._have = 0
+
+    def add(self, block: RowBlock) -> None:
+        while len(block):
+            if self._chunk is None:
+                self._chunk = self.taken.popleft()
+            chunk = self._chunk
+            if block.first_row != chunk.first_row + self._have:
+                raise RuntimeError(f"row {block.first_row} arrived for chunk {chunk.index} at row {chunk.first_row + self._have}")
+            take = min(len(block), chunk.end_row - block.first_row)
+            self._parts.append(block.slice(0, take) if take < len(block) else block)
+            self._have += take
+            block = block.slice(take, len(block))
+            if self._have == chunk.rows:
+                self.deliver(chunk.index, RowBlock.concat(self._parts))
+                self._chunk, self._parts, self._have = None, [], 0
+
+
+# --- one rank's pipeline ------------------------------------------------------------
+
+
+@dataclass
+class RankStats:
+    """What one rank did, for the shard's statistics (sent to rank 0 by the others)."""
+
+    rank: int
+    device: str
+    rows: int = 0
+    items: int = 0
+    load: int = 0
+    chunks: int = 0
+    busy_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    setup: dict[str, float] = field(default_factory=dict)
+    stages: dict[str, float] = field(default_factory=dict)
+    waits: dict[str, float] = field(default_factory=dict)
+    ready_at: float | None = None
+    graphs: GraphStats | None = None
+    plan: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        graphs = self.graphs or GraphStats()
+        return {
+            "rank": self.rank,
+            "device": self.device,
+            "rows": self.rows,
+            "items": self.items,
+            "load": self.load,
+            "chunks": self.chunks,
+            "busy_seconds": round(self.busy_seconds, 3),
+            "decode_seconds": round(self.decode_seconds, 3),
+            "host_seconds": round(self.stages.get("host", 0.0), 3),
+            "setup_seconds": round(sum(self.setup.values()), 3),
+            "setup": {k: round(v, 3) for k, v in self.setup.items()},
+            "waits": {k: round(v, 3) for k, v in self.waits.items()},
+            "graph_hits": graphs.hits,
+            "graph_misses": graphs.misses,
+            "hit_rate": round(graphs.hit_rate, 6),
+            "padding_waste": graphs.padding_waste,
+        }
+
+
+class RankPipeline:
+    """One rank's whole pipeline over the chunks it takes (see the module docstring).
+
+    `take` gives the next chunk (None: no more), `deliver(index, block)` takes a
+    finished chunk's rows. The model is loaded only once a first chunk is in hand, so a
+    rank with nothing to do (a finished or empty shard) never loads one. The decode
+    workers start reading and decoding before the graphs are captured, so capture and
+    the first decode overlap.
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        device: torch.device,
+        rank: int,
+        workers: int,
+        take: Callable[[], reader.Chunk | None],
+        deliver: Callable[[int, RowBlock], None],
+    ) -> None:
+        self.job = job
+        self.device = device
+        self.workers = workers
+        self.take = take
+        self.deliver = deliver
+        self.stats = RankStats(rank, str(device))
+        self.clock = StageClock()
+        self.reading = StageClock()
+        self.encoder: Any = None
+        self.options: media.DecodeOptions | None = None
+        self.preprocess: Any = None
+
+    def prepare(self) -> None:
+        """Load the model and build the encoder; a job the model cannot serve (a bad
+        checkpoint, budgets the model cannot take) stops here, before any row is read."""
+        since = time.perf_counter()
+        media.start_worker_server(WORKER_MODULES)
+        adapter = load_encoder_adapter(self.job, self.device)
+        self.options = decode_options(self.job, adapter)
+        self.preprocess = adapter.preprocessor()
+        self.encoder = build_encoder(self.job, adapter, self.device)
+        self._setup("load", since)
+
+    def run(self) -> RankStats:
+        """Take chunks until there are none; `prepare`s first if the caller did not."""
+        first = self.take()
+        if first is None:
+            return self.stats
+        if self.encoder is None:
+            self.prepare()
+        since = time.perf_counter()
+        fn = functools.partial(decode_row, options=self.options, preprocess=self.preprocess)
+        taken: collections.deque[reader.Chunk] = collections.deque()
+        submitted: collections.deque[reader.InputRow] = collections.deque()
+        rows = self._rows(first, taken, submitted)
+        in_flight = 2 * self.job.batching.window
+        with media.DecodePool(fn, self.workers, self.job.runtime.decode_timeout, in_flight, WORKER_MODULES) as pool:
+            stream = pool.imap(rows, idle=LINGER)
+            since = self._setup("workers", since)
+            self.encoder.capture()
+            self._setup("capture", since)
+            self.stats.ready_at = time.time()
+            windows = WindowEncoder(self.encoder, self.job, self.device)
+            self._pipeline(self._windows(stream, submitted), windows, ChunkAssembler(taken, self.deliver))
+        self._finish()
+        self.encoder.clear()
+        return self.stats
+
+    def _setup(self, stage: str, since: float) -> float:
+        now = time.perf_counter()
+        self.stats.setup[stage] = now - since
+        return now
+
+    def _rows(
+        self, first: reader.Chunk, taken: collections.deque[reader.Chunk], submitted: collections.deque[reader.InputRow]
+    ) -> Iterator[reader.InputRow]:
+        """The rows of every chunk this rank takes, in order (runs on the decode pool's
+        task thread, so waiting for a chunk never stops the decoding of rows in hand)."""
+        chunk: reader.Chunk | None = first
+        while chunk is not None:
+            taken.append(chunk)
+            self.stats.chunks += 1
+            since = time.perf_counter()
+            for row in reader.read_rows(self.job.input, chunk.fragments, chunk.first_row, chunk.end_row):
+                since = self.reading.add("reading rows", since)
+                submitted.append(row)
+                yield row
+                since = time.perf_counter()
+            chunk = self.take()
+            self.reading.add("waiting for a chunk", since)
+
+    def _windows(self, stream: Iterator[Any], submitted: collections.deque[reader.InputRow]) -> Iterator[list[Decoded] | None]:
+        """Decoded rows in order, in windows of `window_sizes(batching.window)`; a short
+        window when decoding stalls for LINGER seconds, and None when it stalls with
+        nothing in hand (the caller then finishes what it holds).
+
+        The pool returns a bare MediaError for an item it had to cut off (timeout,
+        crash); the queue of submitted rows tells which row that was.
+        """
+        sizes = window_sizes(self.job.batching.window)
+        size = next(sizes)
+        window: list[Decoded] = []
+        since = time.perf_counter()
+        for result in stream:
+            if result is media.IDLE:
+                self.clock.add("waiting for decode", since)
+                if window:
+                    yield window
+                    window, size = [], next(sizes)
+                else:
+                    yield None
+                since = time.perf_counter()
+                continue
+            row = submitted.popleft()
+            if isinstance(result, media.MediaError):
+                result = Decoded(row.row, row.id, None, None, str(result))
+            window.append(result)
+            if len(window) >= size:
+                self.clock.add("waiting for decode", since)
+                yield window
+                window, size = [], next(sizes)
+                since = time.perf_counter()
+        self.clock.add("waiting for decode", since)
+        if window:
+            yield window
+
+    def _pipeline(self, windows: Iterator[list[Decoded] | None], encoder: WindowEncoder, chunks: ChunkAssembler) -> None:
+        """decode (workers) | enqueue window k (device) | finalise window k-1 | hand over."""
+        pending: PendingWindow | None = None
+        for window in windows:
+            current = None
+            if window is not None:
+                since = time.perf_counter()
+                current = encoder.enqueue(window)
+                self.clock.add("host", since)
+            if pending is not None:
+                self._emit(pending, encoder, chunks)
+            pending = current
+        if pending is not None:
+            self._emit(pending, encoder, chunks)
+
+    def _emit(self, pending: PendingWindow, encoder: WindowEncoder, chunks: ChunkAssembler) -> None:
+        since = time.perf_counter()
+        pending.busy.seconds()
+        since = self.clock.add("waiting for the device", since)
+        blocks, busy = encoder.finalize(pending)
+        for block in blocks:
+            chunks.add(block)
+        self.clock.add("host", since)
+        window = pending.window
+        self.stats.busy_seconds += busy
+        self.stats.rows += len(window)
+        self.stats.decode_seconds += sum(d.seconds for d in window)
+        self.stats.items += sum(d.item is not None for d in window)
+        self.stats.load += sum(d.item.size for d in window if d.item is not None)
+
+    def _finish(self) -> None:
+        self.stats.stages = dict(self.clock.seconds)
+        self.stats.waits = {k: v for k, v in {**self.clock.seconds, **self.reading.seconds}.items() if k != "host"}
+        self.stats.graphs = self.encoder.graph_stats()
+        self.stats.plan = self.encoder.plan_stats()
+
+
+# --- the writer (rank 0) ------------------------------------------------------------
+
+
+class PartSink:
+    """Cuts the ordered stream of row blocks into the checkpoint's parts and commits each.
+
+    Blocks must arrive in row order from the checkpoint's resume row on; a part is
+    written as soon as its last row has arrived, so at most one part's rows are held.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, schema: Any) -> None:
+        self.checkpoint = checkpoint
+        self.schema = schema
+        self.buffer: list[RowBlock] = []
+        self.held = 0
+
+    def add(self, block: RowBlock) -> None:
+        self.buffer.append(block)
+        self.held += len(block)
+        while self.buffer:
+            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
+            if self.held < end - first:
+                return
+            joined = RowBlock.concat(self.buffer)
+            self._commit(joined.slice(0, end - first), first, end)
+            rest = joined.slice(end - first, len(joined))
+            self.buffer, self.held = ([rest] if len(rest) else []), len(rest)
+
+    def close(self) -> None:
+        """Write the last, shorter part; it must end at the shard's last row."""
+        if self.buffer:
+            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
+            self._commit(RowBlock.concat(self.buffer), first, end)
+            self.buffer, self.held = [], 0
+
+    def _commit(self, block: RowBlock, first: int, end: int) -> None:
+        if block.first_row != first or block.end_row != end:
+            raise RuntimeError(f"part rows {block.first_row}..{block.end_row - 1} do not match [{first}, {end})")
+        part = self.checkpoint.next_part
+        name = part_name(self.checkpoint.shard, part)
+        write_part(self.checkpoint.directory, name, block, self.schema)
+        errors = sum(e is not None for e in block.errors)
+        self.checkpoint.commit(PartRecord(part, name, first, end, errors))
+
+
+class Writer:
+    """Rank 0's writer thread: the coordinator's results, in order, into the parts.
+
+    The schema's vector width comes from the first block (every rank's blocks carry
+    their width), so the writer needs no model. A failure stops the coordinator, so no
+    rank waits for rows that will never be written, and is re-raised by `join`.
+    """
+
+    def __init__(self, coordinator: distributed.Coordinator, checkpoint: Checkpoint, id_type: Any, job: Job, bar: tqdm) -> None:
+        self.coordinator = coordinator
+        self.checkpoint = checkpoint
+        self.id_type = id_type
+        self.job = job
+        self.bar = bar
+        self.rows = 0
+        self.errors = 0
+        self.finished_at: float | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="embedjob-writer", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self, error: BaseException) -> None:
+        """Stop writing because the job failed; a part being written is finished first."""
+        self.coordinator.fail(error)
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            sink: PartSink | None = None
+            for block in self.coordinator.results():
+                if sink is None:
+                    schema = output_schema(self.id_type, block.vectors.shape[1], self.job.output.pooling, self.job.output.dtype)
+                    sink = PartSink(self.checkpoint, schema)
+                sink.add(block)
+                self.rows += len(block)
+                self.errors += sum(e is not None for e in block.errors)
+                self.bar.update(len(block))
+                self.bar.set_postfix(errors=self.errors, refresh=False)
+            if sink is not None:
+                sink.close()
+            self.finished_at = time.time()
+        except BaseException as exc:
+            self._error = exc
+            self.coordinator.fail(exc)
+
+
+# --- a shard ------------------------------------------------------------------------
 
 
 class Runner:
-    """Runs one shard of a job end to end.
-
-    With a `cluster` (data parallel, this process is its rank 0) the pipeline is the
-    same; only the encoder spreads each window over the ranks.
-    """
+    """Runs one shard of a job end to end, on one GPU or, with a `cluster` (this
+    process is its rank 0), on every rank of it."""
 
     def __init__(
         self, job: Job, shard: Shard = Shard(), overwrite: bool = False, cluster: distributed.Cluster | None = None
@@ -311,79 +729,86 @@ class Runner:
         self.shard = shard
         self.overwrite = overwrite
         self.cluster = cluster
-        self.clock = StageClock()
-        self.errors = 0
-        self.rows_done = 0
+        self.world_size = cluster.world_size if cluster else 1
 
     def run(self) -> dict[str, Any]:
         """Run (or resume) the shard; returns its statistics. Raises JobError if it cannot run."""
         device = self.cluster.device if self.cluster else resolve_device(self.job.runtime.device)
-        with host_threads(device):
-            return self._run(device)
+        coordinator = distributed.Coordinator(self.world_size, self._lookahead())
+        if self.cluster is not None:
+            self.cluster.hub.serve(coordinator)
+        try:
+            with host_threads(device):
+                return self._run(device, coordinator)
+        except BaseException as exc:
+            coordinator.fail(exc)
+            raise
 
-    def _run(self, device: torch.device) -> dict[str, Any]:
-        start = time.perf_counter()
+    def _lookahead(self) -> int:
+        """Chunks out beyond the first unwritten one: what every rank holds in its
+        pipeline (two windows decoding, two on the device) and one more to take."""
+        per_window = -(-self.job.batching.window // self._chunk_rows())
+        return self.world_size * (4 * per_window + 2)
+
+    def _chunk_rows(self) -> int:
+        return min(CHUNK_ROWS, self.job.batching.window)
+
+    def _run(self, device: torch.device, coordinator: distributed.Coordinator) -> dict[str, Any]:
+        start, started = time.perf_counter(), time.time()
         listing = reader.scan_input(self.job.input)
         fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
         first_row, end_row = self._row_range(fragments)
         checkpoint = self._open_checkpoint(first_row, end_row)
         if checkpoint.is_done():
+            coordinator.open([])
             logger.info("shard %d/%d is already complete in %s", self.shard.index, self.shard.count, self.job.output.path)
             return checkpoint.finished_stats()
-        if checkpoint.resume_row == end_row:
-            return self._finish_without_model(checkpoint, time.perf_counter() - start)
-        adapter = load_encoder_adapter(self.job, device)
-        options = self._decode_options(adapter)
-        batches = build_encoder(self.job, adapter, device)
-        batches.capture()
         resumed = checkpoint.resume_row
-        if resumed > first_row:
-            logger.info("resuming shard %d at row %d (%d rows committed)", self.shard.index, resumed, resumed - first_row)
-        schema = output_schema(listing.id_type, adapter.embed_dim, self.job.output.pooling, self.job.output.dtype)
-        rows = reader.read_rows(self.job.input, fragments, start_row=resumed, stop_row=end_row)
-        preprocess = adapter.preprocessor()
-        fn = functools.partial(decode_row, options=options, preprocess=preprocess)
-        encoder = WindowEncoder(batches, self.job, self._spread(batches, adapter))
-        workers = resolve_workers(self.job.runtime.workers)
-        in_flight = 2 * self.job.batching.window
-        preload = (__name__, type(preprocess).__module__)
-        with media.DecodePool(fn, workers, self.job.runtime.decode_timeout, in_flight, preload) as pool:
-            setup = time.perf_counter() - start
-            with self._progress(end_row - resumed) as bar, PartSink(checkpoint, schema) as parts:
-                self._pipeline(pool, rows, encoder, parts, bar)
-        seconds = time.perf_counter() - start
-        stats = self._stats(checkpoint, encoder, device, seconds, resumed)
-        stats["setup_seconds"] = round(setup, 3)
-        stats["pipeline_seconds"] = round(seconds - setup, 3)
+        chunks = reader.plan_chunks(fragments, resumed, end_row, self._chunk_rows())
+        if not chunks:
+            coordinator.open([])
+            return self._finish_without_model(checkpoint, time.perf_counter() - start)
+        try:
+            return self._encode(device, coordinator, checkpoint, chunks, listing.id_type, started, start)
+        except BaseException:
+            # Now, not when the checkpoint is collected: a caller that runs the shard
+            # again in this process (a test, a notebook) must find it unlocked.
+            if checkpoint.lock is not None:
+                checkpoint.lock.release()
+            raise
+
+    def _encode(
+        self,
+        device: torch.device,
+        coordinator: distributed.Coordinator,
+        checkpoint: Checkpoint,
+        chunks: list[reader.Chunk],
+        id_type: Any,
+        started: float,
+        start: float,
+    ) -> dict[str, Any]:
+        """Hand out `chunks` to every rank, encode rank 0's, write them all in order."""
+        coordinator.open(chunks)
+        pipeline = RankPipeline(
+            self.job, device, 0, resolve_workers(self.job.runtime.workers, self.world_size),
+            functools.partial(coordinator.take, 0), coordinator.put,
+        )
+        pipeline.prepare()
+        resumed = checkpoint.resume_row
+        if resumed > checkpoint.first_row:
+            logger.info("resuming shard %d at row %d (%d rows committed)", self.shard.index, resumed, resumed - checkpoint.first_row)
+        with self._progress(checkpoint.end_row - resumed) as bar:
+            writer = Writer(coordinator, checkpoint, id_type, self.job, bar)
+            try:
+                own = pipeline.run()
+            except BaseException as exc:
+                writer.stop(exc)
+                raise
+            writer.join()
+            others = self.cluster.hub.wait_done() if self.cluster is not None else []
+        stats = self._stats(checkpoint, [own, *others], writer, started, time.perf_counter() - start, resumed)
         checkpoint.finish(stats)
-        batches.clear()
         return stats
-
-    def _pipeline(
-        self, pool: media.DecodePool, rows: Iterable[reader.InputRow], encoder: WindowEncoder, parts: "PartSink", bar: tqdm
-    ) -> None:
-        """decode (workers) | enqueue window k (device) | finalise window k-1 | write (thread)."""
-        pending: PendingWindow | None = None
-        for window in self._windows(pool, rows):
-            since = time.perf_counter()
-            current = encoder.enqueue(window)
-            self.clock.add("host", since)
-            if pending is not None:
-                self._emit(pending, encoder, parts, bar)
-            pending = current
-        if pending is not None:
-            self._emit(pending, encoder, parts, bar)
-
-    def _emit(self, pending: PendingWindow, encoder: WindowEncoder, parts: "PartSink", bar: tqdm) -> None:
-        since = time.perf_counter()
-        embeddings = encoder.finalize(pending)
-        since = self.clock.add("device", since)
-        out = [
-            self._output_row(d, embeddings.get(pos), pending.failures.get(pos)) for pos, d in enumerate(pending.window)
-        ]
-        parts.add(out)
-        self.clock.add("write", since)
-        self._report(bar, len(out), encoder)
 
     def _finish_without_model(self, checkpoint: Checkpoint, seconds: float) -> dict[str, Any]:
         """An empty shard, or one whose rows are all committed but whose success marker
@@ -430,74 +855,6 @@ class Runner:
         except OSError as exc:
             raise JobError(f"cannot write to output.path {directory}: {exc.strerror or exc}") from None
 
-    def _spread(self, batches: BatchEncoder, adapter: EncoderAdapter) -> distributed.Spread | None:
-        if self.cluster is None:
-            return None
-        return distributed.Spread(self.cluster, batches, adapter.embed_dim, output_dtype(self.job))
-
-    def _decode_options(self, adapter: EncoderAdapter) -> media.DecodeOptions:
-        preprocess = adapter.preprocessor()
-        if self.job.video.max_frames < preprocess.frame_multiple:
-            raise JobError(
-                f"video.max_frames = {self.job.video.max_frames} is below the model's temporal patch size "
-                f"{preprocess.frame_multiple}; set video.max_frames to at least {preprocess.frame_multiple}"
-            )
-        frame_pixels = getattr(preprocess, "video_max_pixels", None)
-        return media.DecodeOptions(
-            modality=self.job.input.modality,
-            max_image_pixels=self.job.preprocess.max_image_pixels,
-            fps=self.job.video.fps,
-            max_frames=self.job.video.max_frames,
-            frame_multiple=preprocess.frame_multiple,
-            max_frame_pixels=4 * frame_pixels if frame_pixels else None,
-        )
-
-    def _windows(self, pool: media.DecodePool, rows: Iterable[reader.InputRow]) -> Iterator[list[Decoded]]:
-        """Decoded rows in input order, in windows of `window_sizes(batching.window)`.
-
-        The pool returns a bare MediaError for an item it had to cut off (timeout, crash);
-        the queue of submitted rows tells which row that was.
-        """
-        sizes = window_sizes(self.job.batching.window)
-        size = next(sizes)
-        submitted: collections.deque[reader.InputRow] = collections.deque()
-
-        def track() -> Iterator[reader.InputRow]:
-            for row in rows:
-                submitted.append(row)
-                yield row
-
-        window: list[Decoded] = []
-        since = time.perf_counter()
-        for result in pool.imap(track()):
-            row = submitted.popleft()
-            if isinstance(result, media.MediaError):
-                result = Decoded(row.row, row.id, None, None, str(result))
-            window.append(result)
-            if len(window) >= size:
-                self.clock.add("decode", since)
-                yield window
-                window, size = [], next(sizes)
-                since = time.perf_counter()
-        if window:
-            self.clock.add("decode", since)
-            yield window
-
-    def _output_row(self, d: Decoded, embedding: np.ndarray | None, failure: str | None) -> OutputRow:
-        error = d.error or failure
-        if error is not None:
-            self.errors += 1
-        item = d.item
-        return OutputRow(
-            row=d.row,
-            id=d.id,
-            modality=d.modality,
-            tokens=item.tokens if item else None,
-            frames=item.frames if item else None,
-            embedding=None if error else embedding,
-            error=error,
-        )
-
     def _progress(self, total: int) -> tqdm:
         return tqdm(
             total=total,
@@ -507,91 +864,63 @@ class Runner:
             dynamic_ncols=True,
         )
 
-    def _report(self, bar: tqdm, count: int, encoder: WindowEncoder) -> None:
-        self.rows_done += count
-        bar.update(count)
-        bar.set_postfix(
-            errors=self.errors, hit=f"{encoder.hit_rate:.0%}", slowest=self.clock.bottleneck(), refresh=False
-        )
-
     def _stats(
-        self, checkpoint: Checkpoint, encoder: WindowEncoder, device: torch.device, seconds: float, resumed: int
+        self, checkpoint: Checkpoint, ranks: list[RankStats], writer: Writer, started: float, seconds: float, resumed: int
     ) -> dict[str, Any]:
-        stats = {
+        ready = [r.ready_at for r in ranks if r.ready_at is not None]
+        setup = min(ready) - started if ready else seconds
+        pipeline = max(seconds - setup, 1e-9)
+        stats: dict[str, Any] = {
             "shard": self.shard.index,
             "num_shards": self.shard.count,
             "rows": checkpoint.end_row - checkpoint.first_row,
-            "rows_this_run": self.rows_done,
+            "rows_this_run": writer.rows,
             "resumed_from_row": resumed,
             "errors": sum(p.errors for p in checkpoint.parts),
-            "device": str(device),
+            "device": ranks[0].device,
             "model": self.job.model.path,
             "seconds": round(seconds, 3),
-            "items_per_second": round(self.rows_done / seconds, 3) if seconds > 0 else 0.0,
-            "stage_seconds": {k: round(v, 3) for k, v in self.clock.seconds.items()},
+            "setup_seconds": round(setup, 3),
+            "pipeline_seconds": round(pipeline, 3),
+            "items_per_second": round(writer.rows / pipeline, 3),
+            "stage_seconds": {k: round(v, 3) for k, v in ranks[0].stages.items()},
         }
-        stats.update(encoder.stats())
+        stats.update(_plan(ranks))
+        stats.update(_merged_graphs(ranks).to_dict())
+        stats.update(_ledger(ranks))
         return stats
 
 
-class PartSink:
-    """Cuts the ordered row stream into the checkpoint's parts and commits each one.
+def _plan(ranks: list[RankStats]) -> dict[str, Any]:
+    """The budgets and limits every rank captured (the same plan on each)."""
+    return next((r.plan for r in ranks if r.plan), {"num_graphs": 0, "token_budgets": []})
 
-    Parts are encoded and written on one writer thread, so Parquet encoding overlaps the
-    next window's work; one thread keeps the order, and at most one window is in flight
-    (`add` first waits for the previous one, re-raising its failure).
-    """
 
-    def __init__(self, checkpoint: Checkpoint, schema: Any) -> None:
-        self.checkpoint = checkpoint
-        self.schema = schema
-        self.buffer: list[OutputRow] = []
-        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedjob-writer")
-        self._last: concurrent.futures.Future | None = None
+def _merged_graphs(ranks: list[RankStats]) -> GraphStats:
+    """Every rank's graph statistics summed; ranks capture at once, so capture time is the longest."""
+    total = GraphStats()
+    graphs = [r.graphs for r in ranks if r.graphs is not None]
+    for stats in graphs:
+        total.merge(stats)
+    total.capture_seconds = max((s.capture_seconds for s in graphs), default=0.0)
+    total.pool_bytes = sum(s.pool_bytes for s in graphs)
+    return total
 
-    def __enter__(self) -> "PartSink":
-        return self
 
-    def __exit__(self, exc_type: Any, *rest: Any) -> None:
-        try:
-            if exc_type is None:
-                self._submit(self._close)
-            if self._last is not None and exc_type is None:
-                self._last.result()
-        finally:
-            self._thread.shutdown(wait=True)
+def _ledger(ranks: list[RankStats]) -> dict[str, Any]:
+    """Per-rank statistics and how evenly the work was spread: the largest rank's input
+    size (and device seconds) over the mean, 1.0 for a perfect spread."""
 
-    def add(self, rows: list[OutputRow]) -> None:
-        self._submit(lambda: self._add(rows))
+    def ratio(values: list[float]) -> float | None:
+        mean = sum(values) / len(values)
+        return round(max(values) / mean, 4) if mean else None
 
-    def _submit(self, work: Any) -> None:
-        if self._last is not None:
-            self._last.result()
-        self._last = self._thread.submit(work)
-
-    def _add(self, rows: list[OutputRow]) -> None:
-        self.buffer.extend(rows)
-        while self.buffer:
-            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
-            if len(self.buffer) < end - first:
-                return
-            self._commit(self.buffer[: end - first], first, end)
-            self.buffer = self.buffer[end - first :]
-
-    def _close(self) -> None:
-        """Write the last, shorter part; it must end at the shard's last row."""
-        if self.buffer:
-            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
-            self._commit(self.buffer, first, end)
-            self.buffer = []
-
-    def _commit(self, rows: list[OutputRow], first: int, end: int) -> None:
-        if rows[0].row != first or rows[-1].row != end - 1 or len(rows) != end - first:
-            raise RuntimeError(f"part rows {rows[0].row}..{rows[-1].row} do not match [{first}, {end})")
-        part = self.checkpoint.next_part
-        name = part_name(self.checkpoint.shard, part)
-        write_part(self.checkpoint.directory, name, rows, self.schema)
-        self.checkpoint.commit(PartRecord(part, name, first, end, sum(r.error is not None for r in rows)))
+    return {
+        "world_size": len(ranks),
+        "balance_ratio": ratio([r.load for r in ranks]),
+        "busy_ratio": ratio([r.busy_seconds for r in ranks]),
+        "ranks": [r.to_dict() for r in ranks],
+    }
 
 
 def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[str, Any]:
@@ -610,11 +939,15 @@ def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[s
 
 
 def serve_rank(cluster: distributed.Cluster, job: Job) -> None:
-    """A rank other than 0: the same adapter, plan and graphs on its own device, serving
-    rank 0's windows until it says stop."""
+    """A rank other than 0: its own pipeline over the chunks it takes from rank 0."""
+    link = cluster.link
     with host_threads(cluster.device):
-        adapter = load_encoder_adapter(job, cluster.device)
-        encoder = build_encoder(job, adapter, cluster.device)
-        encoder.capture()
-        distributed.serve(cluster, encoder, reducer(job.output.pooling), adapter.embed_dim, output_dtype(job))
-        encoder.clear()
+        workers = resolve_workers(job.runtime.workers, cluster.world_size)
+        pipeline = RankPipeline(job, cluster.device, cluster.rank, workers, link.take, link.put)
+        try:
+            stats = pipeline.run()
+        except BaseException as exc:
+            link.fail(f"{type(exc).__name__}: {exc}")
+            raise
+        link.finish(stats)
+

@@ -1,6 +1,6 @@
 """Ordered Parquet output: parts written under a temporary name, renamed when complete.
 
-Output contract (DESIGN.md): every input row of a shard appears exactly once, in input
+Output contract (ARCHITECTURE.md): every input row of a shard appears exactly once, in input
 order, with an embedding or a non-null `error`. Columns: `id`, `row`, `modality`,
 `tokens`, `frames`, `embedding`, `error`. A part file either exists complete (renamed
 after fsync) or not at all, so a reader never sees half a part.
@@ -25,16 +25,64 @@ TMP_MARK = ".tmp-"
 
 
 @dataclass
-class OutputRow:
-    """One output row. Exactly one of `embedding` and `error` is set."""
+class RowBlock:
+    """Output rows `first_row` .. `first_row + len(self) - 1`, column by column.
 
-    row: int
-    id: Any
-    modality: str | None
-    tokens: int | None
-    frames: int | None
-    embedding: np.ndarray | None
-    error: str | None
+    Rows are consecutive input rows in order. Row i has `counts[i]` vectors in
+    `vectors` (1 for a pooled embedding, one per token with `pooling: none`, 0 for an
+    error row, whose `errors[i]` is set); the vectors of the rows follow each other in
+    row order. Columns rather than one object per row: a block is built, sent between
+    processes and written with a few array operations whatever its length.
+    """
+
+    first_row: int
+    ids: list[Any]
+    modality: list[str | None]
+    tokens: list[int | None]
+    frames: list[int | None]
+    errors: list[str | None]
+    counts: np.ndarray
+    vectors: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def end_row(self) -> int:
+        return self.first_row + len(self.ids)
+
+    def slice(self, start: int, stop: int) -> "RowBlock":
+        """Rows [start, stop) of this block, by position in it."""
+        offsets = np.concatenate([[0], np.cumsum(self.counts)])
+        return RowBlock(
+            self.first_row + start,
+            self.ids[start:stop],
+            self.modality[start:stop],
+            self.tokens[start:stop],
+            self.frames[start:stop],
+            self.errors[start:stop],
+            self.counts[start:stop],
+            self.vectors[offsets[start] : offsets[stop]],
+        )
+
+    @classmethod
+    def concat(cls, blocks: list["RowBlock"]) -> "RowBlock":
+        """Consecutive blocks as one; each must start where the previous one ends."""
+        for before, after in zip(blocks, blocks[1:]):
+            if after.first_row != before.end_row:
+                raise ValueError(f"blocks are not consecutive: rows up to {before.end_row - 1}, then {after.first_row}")
+        if len(blocks) == 1:
+            return blocks[0]
+        return cls(
+            blocks[0].first_row,
+            [v for b in blocks for v in b.ids],
+            [v for b in blocks for v in b.modality],
+            [v for b in blocks for v in b.tokens],
+            [v for b in blocks for v in b.frames],
+            [v for b in blocks for v in b.errors],
+            np.concatenate([b.counts for b in blocks]),
+            np.concatenate([b.vectors for b in blocks]),
+        )
 
 
 def output_schema(id_type: pa.DataType, embed_dim: int, pooling: str, dtype: str) -> pa.Schema:
@@ -63,55 +111,47 @@ def stats_name(shard: int) -> str:
     return f"stats-{shard:05d}.json"
 
 
-def rows_to_table(rows: list[OutputRow], schema: pa.Schema) -> pa.Table:
-    """Build a table in `rows` order; error rows get a null embedding."""
-    embedding_type = schema.field("embedding").type
+def block_to_table(block: RowBlock, schema: pa.Schema) -> pa.Table:
+    """The block as a table of the part schema, rows in order."""
     columns = [
-        pa.array([r.id for r in rows], type=schema.field("id").type),
-        pa.array([r.row for r in rows], type=pa.int64()),
-        pa.array([r.modality for r in rows], type=pa.string()),
-        pa.array([r.tokens for r in rows], type=pa.int32()),
-        pa.array([r.frames for r in rows], type=pa.int32()),
-        _embedding_array(rows, embedding_type),
-        pa.array([r.error for r in rows], type=pa.string()),
+        pa.array(block.ids, type=schema.field("id").type),
+        pa.array(np.arange(block.first_row, block.end_row, dtype=np.int64)),
+        pa.array(block.modality, type=pa.string()),
+        pa.array(block.tokens, type=pa.int32()),
+        pa.array(block.frames, type=pa.int32()),
+        _embedding_array(block, schema.field("embedding").type),
+        pa.array(block.errors, type=pa.string()),
     ]
     return pa.Table.from_arrays(columns, schema=schema)
 
 
-def _embedding_array(rows: list[OutputRow], kind: pa.DataType) -> pa.Array:
+def _embedding_array(block: RowBlock, kind: pa.DataType) -> pa.Array:
+    """Pooled: one vector per row, all-NaN on an error row (pyarrow before 25 cannot
+    read a Parquet column of fixed-size lists that contains nulls, and NaN cannot pass
+    for a real embedding in any similarity computation). Per token: a list of vectors
+    per row, null on an error row."""
     per_token = pa.types.is_list(kind) and not pa.types.is_fixed_size_list(kind)
     vector = kind.value_type if per_token else kind
     dim = vector.list_size
     np_dtype = np.float16 if vector.value_type == pa.float16() else np.float32
-    blocks = [_as_rows(r.embedding, dim, np_dtype, per_token) for r in rows]
-    flat = np.concatenate(blocks).reshape(-1) if blocks else np.zeros(0, dtype=np_dtype)
-    vectors = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=vector.value_type), dim)
+    vectors = np.asarray(block.vectors, dtype=np_dtype).reshape(-1, dim)
+    missing = block.counts == 0
     if not per_token:
-        return vectors
-    counts = np.array([b.shape[0] for b in blocks], dtype=np.int64)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
-    missing = pa.array([r.embedding is None for r in rows])
-    return pa.ListArray.from_arrays(offsets, vectors, mask=missing)
+        if missing.any():
+            filled = np.full((len(block), dim), np.nan, dtype=np_dtype)
+            filled[~missing] = vectors
+            vectors = filled
+        return pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), type=vector.value_type), dim)
+    values = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), type=vector.value_type), dim)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(block.counts)]).astype(np.int32))
+    return pa.ListArray.from_arrays(offsets, values, mask=pa.array(missing))
 
 
-def _as_rows(embedding: np.ndarray | None, dim: int, dtype: type, per_token: bool) -> np.ndarray:
-    """The vectors this row contributes to the flat value buffer.
-
-    An error row has no per-token vectors (its list is null). A pooled error row holds
-    one all-NaN vector instead of a null: pyarrow before 25 cannot read a Parquet
-    column of fixed-size lists that contains nulls, and NaN cannot pass for a real
-    embedding in any similarity computation.
-    """
-    if embedding is None:
-        return np.full((0 if per_token else 1, dim), np.nan, dtype=dtype)
-    return np.asarray(embedding, dtype=dtype).reshape(-1, dim)
-
-
-def write_part(directory: Path, name: str, rows: list[OutputRow], schema: pa.Schema) -> Path:
-    """Write rows to `directory/name` atomically: temp file, fsync, rename."""
+def write_part(directory: Path, name: str, block: RowBlock, schema: pa.Schema) -> Path:
+    """Write a block to `directory/name` atomically: temp file, fsync, rename."""
     target = directory / name
     tmp = directory / f".{name}{TMP_MARK}{os.getpid()}"
-    pq.write_table(rows_to_table(rows, schema), tmp)
+    pq.write_table(block_to_table(block, schema), tmp)
     _fsync(tmp)
     os.replace(tmp, target)
     return target

@@ -143,9 +143,9 @@ def test_dual_packing_holds_both_limits_and_counts_partial_fallbacks(adapter, sp
             assert len(chosen) == 1  # a miss on either path runs alone
         if local_tokens == 0:
             assert batch.local_budget == 0  # no tiles: the local graph set is skipped
-    results, failures = encoder.encode(items, clone_rows)
-    assert failures == [None] * len(items)
-    assert [r.shape for r in results] == [(v, adapter.embed_dim) for v, _, _ in specs]
+    encoded = encoder.encode(items, "none", torch.float32)
+    assert encoded.failures == [None] * len(items)
+    assert [encoded.item(i).shape for i in range(len(items))] == [(v, adapter.embed_dim) for v, _, _ in specs]
     stats = encoder.stats()
     misses = sum(v * t > largest or n * t > largest or (video and v > 6) for v, n, video in specs)
     partial = sum(n * t > largest and v * t <= largest for v, n, _ in specs)
@@ -164,7 +164,7 @@ def test_one_path_replays_while_the_other_runs_eagerly_with_the_same_result(adap
     item = adapter.preprocessor()(random_image(300, 500, 4))  # 6 tiles: above the 4-image local budgets
     (batch,) = encoder.batches([item])
     assert (batch.global_budget, batch.local_budget) == (adapter.tokens_per_image, None)
-    (partial,) = encoder.encode([item], clone_rows)[0]
+    partial = encoder.encode([item], "none", torch.float32).item(0)
     stats = encoder.stats()
     assert (stats["graph_hits"], stats["graph_misses"], stats["partial_fallbacks"]) == (0, 1, 1)
     assert stats["paths"]["global"]["graph_hits"] == 1 and stats["paths"]["local"]["graph_misses"] == 1
@@ -216,9 +216,9 @@ def test_a_failing_item_costs_one_error_row_in_dual_mode(adapter, monkeypatch) -
         return real_run(batch, budget, reduce)
 
     monkeypatch.setattr(local, "run", run)
-    results, failures = encoder.encode(items, lambda rows: rows.mean(0))
-    assert failures[1] == "encode_failed: RuntimeError: CUDA out of memory (simulated)" and results[1] is None
-    assert all(results[k] is not None and failures[k] is None for k in (0, 2))
+    encoded = encoder.encode(items, "mean", torch.float32)
+    assert encoded.failures[1] == "encode_failed: RuntimeError: CUDA out of memory (simulated)" and encoded.item(1) is None
+    assert all(encoded.item(k) is not None and encoded.failures[k] is None for k in (0, 2))
     assert encoder.stats()["graph_hits"] + encoder.stats()["graph_misses"] == 2
 
 
@@ -230,9 +230,11 @@ def test_build_encoder_picks_the_dual_path_for_tiled_jobs(adapter, plain, cache_
     encoder.capture()
     assert encoder.stats()["num_graphs"] == 2 * len(encoder.paths[0].plan.token_budgets)
     media = [random_image(300, 500, 1), random_image(50, 50, 2), random_video(2, 80, 80, 3)]
-    tiled = encoder.encode([adapter.preprocessor()(m) for m in media], lambda rows: rows.mean(0))[0]
+    encoded = encoder.encode([adapter.preprocessor()(m) for m in media], "mean", torch.float32)
+    tiled = [encoded.item(i)[0] for i in range(len(media))]
     single = build_encoder(make_job(cache_dir, model={"family": "clip", "path": "builtin:tiny-clip"}), plain, CPU)
-    untiled = single.encode([plain.preprocessor()(m) for m in media], lambda rows: rows.mean(0))[0]
+    encoded = single.encode([plain.preprocessor()(m) for m in media], "mean", torch.float32)
+    untiled = [encoded.item(i)[0] for i in range(len(media))]
     d = plain.embed_dim
     for a, b in zip(tiled, untiled):
         assert a.shape == (2 * d,) and torch.allclose(a[:d], b, rtol=1e-5, atol=1e-6)

@@ -227,8 +227,8 @@ def test_batch_encoder_counts_hits_misses_and_padding_in_tokens(adapters) -> Non
     manager.capture()
     media = [random_image(50, 50, 1), random_image(70, 30, 2), random_video(3, 40, 40, 3), random_video(6, 40, 40, 4)]
     items = [adapter.preprocessor()(m) for m in media]
-    results, failures = BatchEncoder(manager, "greedy").encode(items, lambda rows: rows.mean(0))
-    assert failures == [None] * 4 and all(r.shape == (adapter.embed_dim,) for r in results)
+    encoded = BatchEncoder(manager, "greedy").encode(items, "mean", torch.float32)
+    assert encoded.failures == [None] * 4 and all(encoded.item(i).shape == (1, adapter.embed_dim) for i in range(4))
     stats = manager.stats
     assert (stats.hits, stats.misses) == (3, 1)  # the 6-frame video is 6 images > the 4-image budget
     assert stats.real_tokens == 11 * t and stats.padding_waste % t == 0

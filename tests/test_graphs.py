@@ -118,15 +118,35 @@ def test_batch_encoder_isolates_an_item_that_fails_to_encode(qwen_adapter, items
     graphs = GraphManager(qwen_adapter, PLAN, "replay")
     graphs.capture()
     poisoned = items[1]
-    real_run = graphs.run
+    real_run = graphs.run_batch
 
-    def run(batch, budget, reduce):
+    def run_batch(batch, budget):
         if any(item is poisoned for item in batch):
             raise RuntimeError("CUDA out of memory (simulated)")
-        return real_run(batch, budget, reduce)
+        return real_run(batch, budget)
 
-    monkeypatch.setattr(graphs, "run", run)
-    results, failures = BatchEncoder(graphs, "min_padding").encode(items, lambda rows: rows.mean(0))
-    assert failures[1] == "encode_failed: RuntimeError: CUDA out of memory (simulated)"
-    assert results[1] is None
-    assert all(r is not None and f is None for i, (r, f) in enumerate(zip(results, failures)) if i != 1)
+    monkeypatch.setattr(graphs, "run_batch", run_batch)
+    encoded = BatchEncoder(graphs, "min_padding").encode(items, "mean", torch.float32)
+    assert encoded.failures[1] == "encode_failed: RuntimeError: CUDA out of memory (simulated)"
+    assert encoded.item(1) is None and encoded.counts[1] == 0
+    for i, item in enumerate(items):
+        if i != 1:
+            assert encoded.failures[i] is None
+            (alone,) = graphs.run([item], None, lambda rows: rows.mean(0))
+            assert torch.allclose(encoded.item(i)[0], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_pooling_per_batch_equals_each_item_pooled_alone(qwen_adapter, items) -> None:
+    """One reduction per run of equal row counts gives every item's own mean, bit for
+    bit, whatever else shares its batch (resumed and data-parallel runs batch differently)."""
+    from embedjob.graphs import pool_rows
+
+    rows = torch.randn(3 * 4 + 2 * 7 + 5, 16)
+    counts = [4, 4, 4, 7, 7, 5]
+    pooled, pooled_counts = pool_rows(rows, counts, "mean")
+    assert pooled_counts == [1] * 6 and pooled.shape == (6, 16) and pooled.dtype == torch.float32
+    offsets = [0, 4, 8, 12, 19, 26]
+    for i, (offset, count) in enumerate(zip(offsets, counts)):
+        assert torch.equal(pooled[i], rows[offset : offset + count].mean(0))
+    kept, kept_counts = pool_rows(rows, counts, "none")
+    assert kept is rows and kept_counts == counts

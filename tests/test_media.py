@@ -453,8 +453,9 @@ def test_a_stalled_input_still_delivers_what_was_taken_and_reports_idle(workers:
 
     with DecodePool(pool_task, workers=workers, timeout=5.0) as stalled:
         results = stalled.imap(stalling(), idle=0.2)
-        assert [next(results), next(results)] == [9, 16]
-        assert next(results) is media.IDLE
+        real = (r for r in results if r is not media.IDLE)  # workers may still be starting
+        assert [next(real), next(real)] == [9, 16]
+        assert next(results) is media.IDLE  # nothing more can come while the input waits
         release.set()
         assert [r for r in results if r is not media.IDLE] == [25]
 

@@ -151,13 +151,13 @@ class BatchRecord:
 def batch_log(monkeypatch: pytest.MonkeyPatch) -> list[BatchRecord]:
     """Every batch the encoder runs in this process (the runner encodes in-process)."""
     log: list[BatchRecord] = []
-    original = GraphManager.run
+    original = GraphManager.run_batch
 
-    def recording(self: GraphManager, items: list, budget: int | None, *args: Any, **kwargs: Any) -> Any:
+    def recording(self: GraphManager, items: list, budget: int | None) -> Any:
         log.append(BatchRecord([i.frames for i in items], [i.modality for i in items], budget))
-        return original(self, items, budget, *args, **kwargs)
+        return original(self, items, budget)
 
-    monkeypatch.setattr(GraphManager, "run", recording)
+    monkeypatch.setattr(GraphManager, "run_batch", recording)
     return log
 
 

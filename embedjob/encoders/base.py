@@ -188,12 +188,17 @@ class EncoderAdapter(abc.ABC):
         for module in self.compile_units():
             module.compile(dynamic=dynamic)
 
+    def row_counts(self, items: list[EncoderInput]) -> list[int]:
+        """How many rows each item has in `forward`'s output, in batch order: one per
+        output token by default."""
+        return [item.tokens for item in items]
+
     def split(self, output: torch.Tensor, items: list[EncoderInput]) -> list[torch.Tensor]:
         """Views of each item's rows in `output`, in batch order."""
         views, offset = [], 0
-        for item in items:
-            views.append(output[offset : offset + item.tokens])
-            offset += item.tokens
+        for count in self.row_counts(items):
+            views.append(output[offset : offset + count])
+            offset += count
         return views
 
     def describe(self) -> dict[str, Any]:

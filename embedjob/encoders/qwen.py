@@ -9,7 +9,7 @@ they precompute from the grid: Qwen2.5-VL adds window attention (`window_index`,
 is done on the CPU, per item, in the decode workers, and the device forward has no host
 synchronisation — which is what makes it capturable.
 
-Padding to a budget (see DESIGN.md "Padding inside a graph"): real patches come first,
+Padding to a budget (ARCHITECTURE.md, "Invariants across stages"): real patches come first,
 pad patches follow as their own attention segments of at most PAD_SEGMENT patches,
 cumulative offsets are padded by repeating the last one, pad merge units map to
 themselves in the window permutation, and the length bounds are constants per budget.

@@ -129,6 +129,7 @@ def test_video_gives_one_embedding_per_frame_equal_to_the_frame_as_an_image(adap
     video = random_video(5, 90, 160, seed=3)
     item = adapter.preprocessor()(video)
     assert (item.frames, item.modality, item.tokens) == (5, "video", 5 * adapter.tokens_per_image)
+    assert adapter.row_counts([item, adapter.preprocessor()(random_image(40, 40))]) == [5, 1]  # one row per view
     frames = [SimpleNamespace(pixels=np.ascontiguousarray(frame)) for frame in video.frames]
     per_frame = torch.cat([adapter.preprocessor()(f).tensors["pixel_values"] for f in frames])
     assert torch.equal(item.tensors["pixel_values"], per_frame)

@@ -97,6 +97,16 @@ def _relative_errors(adapter, media) -> list[float]:
 MIXED_MEDIA = [random_image(224, 224, 1), random_image(300, 500, 2), random_video(4, 112, 168, 3), random_image(640, 480, 4)]
 
 
+def test_split_cuts_each_items_row_count_in_batch_order_and_drops_pad_rows(qwen_adapter) -> None:
+    items = [qwen_adapter.preprocessor()(m) for m in MIXED_MEDIA]
+    counts = qwen_adapter.row_counts(items)
+    assert counts == [i.tokens for i in items]  # one row per output token
+    output = torch.arange(sum(counts) + 7).unsqueeze(1)  # 7 pad rows, as a budget's output has
+    views = qwen_adapter.split(output, items)
+    assert [v.shape[0] for v in views] == counts
+    assert torch.equal(torch.cat(views), output[: sum(counts)])
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_packed_eager_forward_matches_transformers_per_item(cache_dir: str, family: str) -> None:
     job = make_job(cache_dir, model={"family": family, "path": f"builtin:tiny-{family}"})

@@ -8,9 +8,9 @@ the methods declared here.
 
 Invariants every adapter keeps:
 - `EncoderInput.tokens` is what the item costs in a token budget (the encoder tokens it
-  occupies), and `split` returns the item's output rows in batch order: one per output
-  token for native-resolution towers (Qwen-VL), one per view (image or video frame) for
-  fixed-resolution ones (CLIP, SigLIP, DINOv2).
+  occupies), and `row_counts` gives each item's number of output rows, which `split`
+  cuts in batch order: one per output token for native-resolution towers (Qwen-VL), one
+  per view (image or video frame) for fixed-resolution ones (CLIP, SigLIP, DINOv2).
 - `forward(static_inputs(budget))` writes real rows first and never lets pad rows
   influence real rows, so a batch's graph output equals its eager output on the same
   padded buffers.
@@ -195,13 +195,20 @@ class EncoderAdapter(abc.ABC):
         for module in self.compile_units():
             module.compile(dynamic=dynamic)
 
+    def row_counts(self, items: list[EncoderInput]) -> list[int]:
+        """How many rows each item has in `forward`'s output, in batch order (real rows
+        come first, so item k's rows follow items 0..k-1's). Default: one row per
+        output token (native-resolution towers)."""
+        return [item.tokens for item in items]
+
     def split(self, output: torch.Tensor, items: list[EncoderInput]) -> list[torch.Tensor]:
-        """Views of each item's rows in `output`, in batch order."""
-        views, offset = [], 0
-        for item in items:
-            views.append(output[offset : offset + item.tokens])
-            offset += item.tokens
-        return views
+        """Views of each item's rows in `output`, in batch order.
+
+        One `split` call cuts every item's view; the last section takes a padded
+        output's pad rows and is dropped.
+        """
+        counts = self.row_counts(items)
+        return list(output.split([*counts, output.shape[0] - sum(counts)])[: len(counts)])
 
     def describe(self) -> dict[str, Any]:
         """What identifies this encoder's outputs (for manifests and resume checks)."""

@@ -296,14 +296,10 @@ class FixedResAdapter(EncoderAdapter):
             pooled = output.pooler_output
         return pooled if self.projection is None else self.projection(pooled)
 
-    def split(self, output: torch.Tensor, items: list[EncoderInput]) -> list[torch.Tensor]:
-        """One row per view of each item (1 for an image, one per frame for a video)."""
-        views, offset = [], 0
-        for item in items:
-            count = item.tensors[GLOBAL_KEY].shape[0]
-            views.append(output[offset : offset + count])
-            offset += count
-        return views
+    def row_counts(self, items: list[EncoderInput]) -> list[int]:
+        """One row per global view of each item: 1 for an image, one per frame for a
+        video (and, for a local path's input, one per tile: `path_input` puts them there)."""
+        return [item.tensors[GLOBAL_KEY].shape[0] for item in items]
 
     def path_input(self, item: EncoderInput, key: str) -> EncoderInput | None:
         """The part of `item` one path encodes (its views under `key`) as an ordinary item,

@@ -11,6 +11,11 @@ Invariants every adapter keeps:
   occupies), and `row_counts` gives each item's number of output rows, which `split`
   cuts in batch order: one per output token for native-resolution towers (Qwen-VL), one
   per view (image or video frame) for fixed-resolution ones (CLIP, SigLIP, DINOv2).
+- Batch assembly (`batch_values`, `eager_inputs`) runs on the pipeline's main thread:
+  it makes a constant number of torch calls per batch, not per item (each call costs
+  microseconds and releases and re-takes the GIL, which the process's other threads
+  compete for), and assembles in page-locked memory when the device is CUDA, so the
+  copies to the device are asynchronous.
 - `forward(static_inputs(budget))` writes real rows first and never lets pad rows
   influence real rows, so a batch's graph output equals its eager output on the same
   padded buffers.
@@ -150,6 +155,9 @@ class EncoderAdapter(abc.ABC):
         self.device = device
         self.dtype = dtype
         self.source = source
+        # Batches bound for a GPU are assembled in page-locked memory, so their copies
+        # to the device are asynchronous.
+        self.pin_memory = device.type == "cuda"
 
     @abc.abstractmethod
     def preprocessor(self) -> Preprocessor:

@@ -377,8 +377,10 @@ class QwenAdapter(EncoderAdapter):
 
     def _pixel_rows(self, items: list[EncoderInput], rows: list[int]) -> torch.Tensor:
         """(patches, patch_dim) uint8 in the model's layout. One broadcasting copy per
-        item, all in one call: an image's one temporal copy fills every temporal slot of
-        its rows, a video's rows copy as they are, and each byte is written once."""
+        item, all in one call (`_foreach_copy_`, the list form of `copy_` that torch's
+        optimizers use; on the CPU it loops in C++): an image's one temporal copy fills
+        every temporal slot of its rows, a video's rows copy as they are, and each byte
+        is written once."""
         tp = self.processing.temporal_patch_size
         out = torch.empty((sum(rows), 3, tp, self.patch_dim // (3 * tp)), dtype=torch.uint8, pin_memory=self.pin_memory)
         torch._foreach_copy_(out.split(rows), [i.tensors["pixel_values"] for i in items])

@@ -18,6 +18,11 @@ batch's budget (what a graph replay copies) and `eager_inputs` (the exact-size b
 miss runs). Times are the best of `--repeats` passes over all batches, in microseconds
 per item; calls are torch function calls per batch (attribute reads such as `.shape`
 excluded: they neither dispatch an op nor release the GIL).
+
+On a CPU the time of large items is mostly the first writes into the freshly allocated
+batch tensor (page faults: 1-2 GB/s on a small shared VM) and varies with the machine's
+load; the call counts do not. A CUDA adapter's page-locked batch tensors come from
+torch's caching host allocator, which reuses them.
 """
 
 from __future__ import annotations
@@ -106,8 +111,9 @@ def calls_per_batch(run: Callable[[], None], batches: int) -> float:
     return counter.calls / batches
 
 
-def measure(adapter: EncoderAdapter, plan: Any, items: list[EncoderInput], repeats: int) -> list[tuple[str, float, float]]:
-    """(method, microseconds per item, torch calls per batch) for both assembly paths."""
+def measure(adapter: EncoderAdapter, plan: Any, items: list[EncoderInput], repeats: int) -> list[tuple[str, int, float, float]]:
+    """(method, batches, microseconds per item, torch calls per batch) for both assembly
+    paths, over the batches that fit a budget."""
     batches = pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")
     graphed = [([items[i] for i in b.indices], b.budget) for b in batches if b.budget is not None]
     statics = {b: adapter.static_inputs(b, plan.max_items, plan.max_frames) for b in {b for _, b in graphed}}
@@ -125,7 +131,7 @@ def measure(adapter: EncoderAdapter, plan: Any, items: list[EncoderInput], repea
     with torch.inference_mode():
         for name, run in (("batch_values", replay_values), ("eager_inputs", eager_values)):
             seconds = best_seconds(run, repeats)
-            out.append((name, 1e6 * seconds / len(per_item), calls_per_batch(run, len(graphed))))
+            out.append((name, len(graphed), 1e6 * seconds / len(per_item), calls_per_batch(run, len(graphed))))
     return out
 
 
@@ -144,8 +150,7 @@ def main() -> None:
             adapter, plan = load(family, Path(cache), device)
             for mix, decoded in media.items():
                 items = [adapter.preprocessor()(m) for m in decoded]
-                batches = sum(b.budget is not None for b in pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding"))
-                for method, micros, calls in measure(adapter, plan, items, args.repeats):
+                for method, batches, micros, calls in measure(adapter, plan, items, args.repeats):
                     print(f"{family:<12} {mix:<12} {method:<14} {batches:>7} {micros:>9.1f} {calls:>12.1f}")
 
 

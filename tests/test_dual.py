@@ -114,7 +114,10 @@ def _synthetic(adapter, views: int, tiles: int, video: bool, seed: int) -> Encod
     """An item with the given numbers of global views and tiles (random uint8 pixels, built directly)."""
     generator = torch.Generator().manual_seed(seed)
     shape = (3, *adapter.processing.input_size)
-    tensors = {key: torch.randint(0, 256, (n, *shape), generator=generator, dtype=torch.uint8) for key, n in ((GLOBAL_KEY, views), (LOCAL_KEY, tiles))}
+    tensors = {
+        key: torch.randint(0, 256, (count, *shape), generator=generator, dtype=torch.uint8)
+        for key, count in ((GLOBAL_KEY, views), (LOCAL_KEY, tiles))
+    }
     tokens = (views + tiles) * adapter.tokens_per_image
     return EncoderInput(tensors, tokens=tokens, frames=views if video else 0, size=tokens, modality="video" if video else "image")
 

@@ -98,6 +98,7 @@ def test_items_carry_global_views_and_tiles_and_count_both_in_tokens(adapter, pl
     small = adapter.preprocessor()(random_image(40, 60, 2))
     video = adapter.preprocessor()(random_video(3, 200, 400, 3))
     assert big.tensors[LOCAL_KEY].shape == (6, 3, 64, 64) and big.tokens == 7 * t
+    assert big.tensors[LOCAL_KEY].dtype == big.tensors[GLOBAL_KEY].dtype == torch.uint8  # normalised on the device
     assert small.tensors[LOCAL_KEY].shape[0] == 0 and small.tokens == t
     assert video.tensors[LOCAL_KEY].shape[0] == 0 and video.tokens == 3 * t and video.frames == 3
     for item in (big, small, video):  # decode workers send items and the preprocessor through pipes
@@ -110,10 +111,13 @@ def test_items_carry_global_views_and_tiles_and_count_both_in_tokens(adapter, pl
 
 
 def _synthetic(adapter, views: int, tiles: int, video: bool, seed: int) -> EncoderInput:
-    """An item with the given numbers of global views and tiles (random pixels, built directly)."""
+    """An item with the given numbers of global views and tiles (random uint8 pixels, built directly)."""
     generator = torch.Generator().manual_seed(seed)
     shape = (3, *adapter.processing.input_size)
-    tensors = {GLOBAL_KEY: torch.randn(views, *shape, generator=generator), LOCAL_KEY: torch.randn(tiles, *shape, generator=generator)}
+    tensors = {
+        key: torch.randint(0, 256, (count, *shape), generator=generator, dtype=torch.uint8)
+        for key, count in ((GLOBAL_KEY, views), (LOCAL_KEY, tiles))
+    }
     tokens = (views + tiles) * adapter.tokens_per_image
     return EncoderInput(tensors, tokens=tokens, frames=views if video else 0, size=tokens, modality="video" if video else "image")
 

@@ -26,12 +26,13 @@ from transformers import (
 
 from embedjob.cli import main
 from embedjob.encoders import load_adapter
-from embedjob.encoders.fixed import BUILTIN_VISION, FAMILIES, builtin_dir
+from embedjob.encoders.fixed import BUILTIN_VISION, FAMILIES, GLOBAL_KEY, builtin_dir
 from embedjob.graphs import BatchEncoder, GraphManager, build_encoder
 from embedjob.job import JobError
 from embedjob.packer import BudgetPlan
 
 from conftest import REPO, make_job, random_image, random_video
+from test_qwen import assembly_calls
 
 SIZES = [(224, 224), (300, 500), (641, 479), (5, 900), (30, 30), (64, 65)]
 CPU = torch.device("cpu")
@@ -81,7 +82,9 @@ def test_image_preprocessing_equals_the_transformers_processor(adapters, cache_d
     images = [random_image(h, w, seed=h + w) for h, w in SIZES]
     items = [adapters[family].preprocessor()(i) for i in images]
     ref = _reference_pixels(builtin_dir(FAMILIES[family], cache_dir), images)
-    assert torch.equal(torch.cat([i.tensors["pixel_values"] for i in items]), ref)
+    views = torch.cat([i.tensors["pixel_values"] for i in items])
+    assert views.dtype == torch.uint8, "workers ship resized, cropped uint8 views"
+    assert torch.equal(adapters[family].processing.normalize(views), ref)
     tokens = adapters[family].tokens_per_image
     assert all(i.tokens == tokens and i.frames == 0 and i.modality == "image" for i in items)
 
@@ -102,7 +105,7 @@ def test_checkpoint_processor_settings_are_followed(tmp_path: Path, cache_dir: s
     adapter = load_adapter(fixed_job(cache_dir, family, str(directory)), CPU)
     images = [random_image(h, w, seed=h) for h, w in SIZES[:4]]
     ours = torch.cat([adapter.preprocessor()(i).tensors["pixel_values"] for i in images])
-    assert torch.equal(ours, _reference_pixels(directory, images))
+    assert torch.equal(adapter.processing.normalize(ours), _reference_pixels(directory, images))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -129,6 +132,7 @@ def test_video_gives_one_embedding_per_frame_equal_to_the_frame_as_an_image(adap
     video = random_video(5, 90, 160, seed=3)
     item = adapter.preprocessor()(video)
     assert (item.frames, item.modality, item.tokens) == (5, "video", 5 * adapter.tokens_per_image)
+    assert adapter.row_counts([item, adapter.preprocessor()(random_image(40, 40))]) == [5, 1]  # one row per view
     frames = [SimpleNamespace(pixels=np.ascontiguousarray(frame)) for frame in video.frames]
     per_frame = torch.cat([adapter.preprocessor()(f).tensors["pixel_values"] for f in frames])
     assert torch.equal(item.tensors["pixel_values"], per_frame)
@@ -217,6 +221,17 @@ def test_replay_equals_padded_eager_bitwise_and_unpadded_eager_closely(adapters)
     with torch.no_grad():
         eager = adapter.forward(adapter.eager_inputs(items))
     assert torch.allclose(replayed, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_assembly_is_one_uint8_tensor_made_with_as_many_torch_calls_for_any_batch(adapters) -> None:
+    adapter = adapters["siglip"]
+    media = [random_image(90, 60, 1), random_video(3, 50, 80, 2), random_image(20, 20, 3)] * 4
+    items = [adapter.preprocessor()(m) for m in media]
+    static = adapter.static_inputs(64 * adapter.tokens_per_image, max_items=16, max_frames=16)
+    assert assembly_calls(adapter, items[:2], static) == assembly_calls(adapter, items, static)
+    values = adapter.batch_values(items, static)[GLOBAL_KEY]
+    assert values.dtype == static.tensors[GLOBAL_KEY].dtype == torch.uint8
+    assert torch.equal(values, torch.cat([i.tensors[GLOBAL_KEY] for i in items]))
 
 
 def test_batch_encoder_counts_hits_misses_and_padding_in_tokens(adapters) -> None:

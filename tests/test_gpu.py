@@ -79,6 +79,18 @@ def test_graph_outputs_match_the_fp32_cpu_reference(cuda_manager: GraphManager, 
         assert rel < 3e-2, rel
 
 
+def test_batches_are_page_locked_and_normalise_on_the_device_bitwise(cuda_adapter, items) -> None:
+    """Host values must be page-locked for the copies to the device to be asynchronous;
+    the uint8 rows normalised on the GPU must be the CPU's (so the processor's) bits."""
+    static = cuda_adapter.static_inputs(1024, PLAN.max_items, PLAN.max_frames)
+    assert all(t.device.type == "cuda" for t in static.tensors.values())
+    values = cuda_adapter.batch_values(items[:3], static)
+    assert all(v.device.type == "cpu" and v.is_pinned() for v in values.values())
+    pixels, p = values["pixel_values"], cuda_adapter.processing
+    assert all(t.device.type == "cuda" for t in cuda_adapter.pixel_scale)
+    assert torch.equal(p.normalize(pixels.cuda(), cuda_adapter.pixel_scale).cpu(), p.normalize(pixels))
+
+
 def test_eager_fallback_and_statistics_on_cuda(cuda_adapter, items) -> None:
     manager = GraphManager(cuda_adapter, BudgetPlan(token_budgets=(64, 128), max_items=4, max_frames=8), "cuda")
     manager.capture()
@@ -166,6 +178,18 @@ def test_fixed_res_cuda_graphs_equal_padded_eager_and_the_fp32_cpu_reference(cac
     rel = (replayed.float().cpu() - ref).norm(dim=-1) / ref.norm(dim=-1)
     assert float(rel.max()) < 3e-2, rel.tolist()
     assert manager.stats.hits == len(items)
+
+
+@pytest.mark.parametrize("family", ["clip", "siglip", "dinov2"])
+def test_fixed_res_batches_are_page_locked_uint8_normalised_on_the_device_bitwise(cache_dir: str, family: str) -> None:
+    gpu = load_adapter(_fixed_job(cache_dir, family), torch.device("cuda"))
+    static = gpu.static_inputs(8 * gpu.tokens_per_image, max_items=8, max_frames=8)
+    buffer = static.tensors["pixel_values"]
+    assert buffer.dtype == torch.uint8 and buffer.device.type == "cuda"
+    assert all(t.device.type == "cuda" for t in gpu.pixel_scale)
+    views = gpu.batch_values([gpu.preprocessor()(m) for m in FIXED_MEDIA], static)["pixel_values"]
+    assert views.dtype == torch.uint8 and views.is_pinned()
+    assert torch.equal(gpu.processing.normalize(views.cuda(), gpu.pixel_scale).cpu(), gpu.processing.normalize(views))
 
 
 @pytest.mark.parametrize(("job_file", "extra"), [("demo-clip.yaml", ["preprocess.tiling=anyres"]), ("demo-siglip-video.yaml", [])])

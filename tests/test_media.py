@@ -351,8 +351,8 @@ def pool_task(task: tuple[str, object]) -> object:
 
 
 def sample_item(rows: int) -> EncoderInput:
-    """A deterministic item with the dtypes adapters produce, an empty tensor and a
-    non-contiguous one."""
+    """A deterministic item with the dtypes adapters produce, an empty tensor, a
+    non-contiguous one and a layout grid."""
     gen = torch.Generator().manual_seed(rows)
     tensors = {
         "pixels": torch.randn(rows, 8, generator=gen),
@@ -362,12 +362,12 @@ def sample_item(rows: int) -> EncoderInput:
         "strided": torch.arange(4 * rows, dtype=torch.int64).reshape(rows, 4)[:, ::2],
         "none": torch.empty(0, 4, dtype=torch.bfloat16),
     }
-    return EncoderInput(tensors, tokens=rows, frames=0, size=8 * rows, modality="image")
+    return EncoderInput(tensors, tokens=rows, frames=0, size=8 * rows, modality="image", grid=(1, rows, 2))
 
 
 def assert_same_item(got: object, want: EncoderInput) -> None:
     assert isinstance(got, EncoderInput)
-    assert (got.tokens, got.frames, got.size, got.modality) == (want.tokens, want.frames, want.size, want.modality)
+    assert (got.tokens, got.frames, got.size, got.modality, got.grid) == (want.tokens, want.frames, want.size, want.modality, want.grid)
     assert list(got.tensors) == list(want.tensors)
     for key, tensor in want.tensors.items():
         assert got.tensors[key].dtype == tensor.dtype and got.tensors[key].shape == tensor.shape, key

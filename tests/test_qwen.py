@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
 from embedjob.encoders import load_adapter
@@ -95,6 +96,94 @@ def _relative_errors(adapter, media) -> list[float]:
 
 
 MIXED_MEDIA = [random_image(224, 224, 1), random_image(300, 500, 2), random_video(4, 112, 168, 3), random_image(640, 480, 4)]
+
+
+def test_split_cuts_each_items_row_count_in_batch_order_and_drops_pad_rows(qwen_adapter) -> None:
+    items = [qwen_adapter.preprocessor()(m) for m in MIXED_MEDIA]
+    counts = qwen_adapter.row_counts(items)
+    assert counts == [i.tokens for i in items]  # one row per output token
+    output = torch.arange(sum(counts) + 7).unsqueeze(1)  # 7 pad rows, as a budget's output has
+    views = qwen_adapter.split(output, items)
+    assert [v.shape[0] for v in views] == counts
+    assert torch.equal(torch.cat(views), output[: sum(counts)])
+
+
+def _batch_reference(adapter, items) -> dict[str, torch.Tensor]:
+    """transformers' own precomputes for the whole batch's grids, and every item's full
+    uint8 patch rows (an image's one stored copy repeated over the temporal slots)."""
+    from transformers import vision_utils as vu
+
+    p = adapter.processing
+    grids = torch.stack([i.tensors["grid_thw"] for i in items])
+    pixels = [i.tensors["pixel_values"] for i in items]
+    ref = {
+        "pixel_values": torch.cat([x.expand(-1, -1, p.temporal_patch_size, -1).reshape(x.shape[0], -1) for x in pixels]),
+        "position_ids": vu.get_vision_position_ids(grids, p.merge_size),
+        "cu_seqlens": vu.get_vision_cu_seqlens(grids),
+    }
+    if p.window_size is not None:
+        ref["window_index"], ref["cu_window_seqlens"] = vu.get_vision_window_index(
+            grids, spatial_merge_size=p.merge_size, window_size=p.window_size, patch_size=p.patch_size
+        )
+    if p.pos_grid_side is not None:
+        ref["interp_indices"], ref["interp_weights"] = vu.get_vision_interpolation_indices_and_weights(
+            grids, p.pos_grid_side, mode="bilinear", align_corners=True, spatial_merge_size=p.merge_size
+        )
+    return ref
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_batch_assembly_equals_transformers_precomputes_for_the_whole_batch(cache_dir: str, family: str) -> None:
+    adapter = load_adapter(make_job(cache_dir, model={"family": family, "path": f"builtin:tiny-{family}"}), torch.device("cpu"))
+    items = [adapter.preprocessor()(m) for m in MIXED_MEDIA]
+    assert [i.tensors["pixel_values"].shape[2] for i in items] == [1, 1, 2, 1]  # an image ships one temporal copy
+    assert all(i.grid == tuple(i.tensors["grid_thw"].tolist()) for i in items)
+    ref = _batch_reference(adapter, items)
+    eager = adapter.eager_inputs(items).tensors
+    assert eager.keys() == ref.keys()
+    for key, value in eager.items():
+        assert value.dtype == ref[key].dtype and torch.equal(value, ref[key]), key
+    budget = 1024
+    static = adapter.static_inputs(budget, max_items=8, max_frames=8)
+    padded = adapter.batch_values(items, static)
+    for key, value in padded.items():
+        real = ref[key].shape[0]
+        assert value.dtype == static.tensors[key].dtype and torch.equal(value[:real], ref[key]), key
+        if key in ("cu_seqlens", "cu_window_seqlens"):  # filled to the buffer, ending at the budget's patches
+            assert value.shape == static.tensors[key].shape and int(value[-1]) == 4 * budget
+    if "window_index" in padded:  # pad merge units map to themselves
+        real = ref["window_index"].shape[0]
+        assert torch.equal(padded["window_index"][real:], torch.arange(real, budget))
+
+
+class TorchCalls(TorchFunctionMode):
+    """Counts torch function calls (attribute reads such as `.shape` excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += getattr(func, "__name__", "") != "__get__"
+        return func(*args, **(kwargs or {}))
+
+
+def assembly_calls(adapter, items, static) -> tuple[int, int]:
+    """Torch calls that `batch_values` and `eager_inputs` make for one batch."""
+    counts = []
+    for assemble in (lambda: adapter.batch_values(items, static), lambda: adapter.eager_inputs(items)):
+        with TorchCalls() as counter:
+            assemble()
+        counts.append(counter.calls)
+    return counts[0], counts[1]
+
+
+def test_batch_assembly_makes_as_many_torch_calls_for_twelve_items_as_for_two(qwen_adapter) -> None:
+    """Each torch call on the main thread costs microseconds and gives up the GIL: a
+    batch is assembled with a fixed number of them, not a few per item."""
+    items = [qwen_adapter.preprocessor()(m) for m in MIXED_MEDIA * 3]
+    static = qwen_adapter.static_inputs(2048, max_items=16, max_frames=16)
+    assert assembly_calls(qwen_adapter, items[:2], static) == assembly_calls(qwen_adapter, items, static)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -8,9 +8,14 @@ the methods declared here.
 
 Invariants every adapter keeps:
 - `EncoderInput.tokens` is what the item costs in a token budget (the encoder tokens it
-  occupies), and `split` returns the item's output rows in batch order: one per output
-  token for native-resolution towers (Qwen-VL), one per view (image or video frame) for
-  fixed-resolution ones (CLIP, SigLIP, DINOv2).
+  occupies), and `row_counts` gives each item's number of output rows, which `split`
+  cuts in batch order: one per output token for native-resolution towers (Qwen-VL), one
+  per view (image or video frame) for fixed-resolution ones (CLIP, SigLIP, DINOv2).
+- Batch assembly (`batch_values`, `eager_inputs`) runs on the pipeline's main thread:
+  it makes a constant number of torch calls per batch, not per item (each call costs
+  microseconds and releases and re-takes the GIL, which the process's other threads
+  compete for), and assembles in page-locked memory when the device is CUDA, so the
+  copies to the device are asynchronous.
 - `forward(static_inputs(budget))` writes real rows first and never lets pad rows
   influence real rows, so a batch's graph output equals its eager output on the same
   padded buffers.
@@ -42,7 +47,11 @@ class EncoderInput:
 
     `tensors` are CPU tensors whose layout only the adapter understands; `tokens` is what
     the item costs in a token budget, `frames` the number of video frames (0 for an
-    image) and `size` the input cost used for load balancing (e.g. patches).
+    image) and `size` the input cost used for load balancing (e.g. patches). `grid`
+    holds the few integers batch assembly needs about the item's layout (Qwen-VL: the
+    patch grid (t, h, w)) as plain Python ints, so a batch of items is assembled with
+    a constant number of torch calls instead of one `.tolist()` per item; empty where
+    an adapter needs none.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -50,6 +59,7 @@ class EncoderInput:
     frames: int
     size: int
     modality: str = "image"
+    grid: tuple[int, ...] = ()
 
     def __reduce_ex__(self, protocol: int) -> tuple[Any, tuple[Any, ...]]:
         """Pickle each tensor as its raw bytes: a `pickle.PickleBuffer` over the tensor's
@@ -63,7 +73,7 @@ class EncoderInput:
         which measured 3x slower than bytes for our item sizes.
         """
         packed = {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape), _raw(v, protocol)) for k, v in self.tensors.items()}
-        return (_rebuild_input, (packed, self.tokens, self.frames, self.size, self.modality))
+        return (_rebuild_input, (packed, self.tokens, self.frames, self.size, self.modality, self.grid))
 
 
 def _raw(tensor: torch.Tensor, protocol: int) -> bytes | pickle.PickleBuffer:
@@ -93,9 +103,11 @@ def _from_raw(dtype: str, shape: tuple[int, ...], raw: Any) -> torch.Tensor:
     return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
-def _rebuild_input(packed: dict[str, Any], tokens: int, frames: int, size: int, modality: str) -> EncoderInput:
+def _rebuild_input(
+    packed: dict[str, Any], tokens: int, frames: int, size: int, modality: str, grid: tuple[int, ...]
+) -> EncoderInput:
     tensors = {k: _from_raw(*v) for k, v in packed.items()}
-    return EncoderInput(tensors, tokens, frames, size, modality)
+    return EncoderInput(tensors, tokens, frames, size, modality, grid)
 
 
 class Preprocessor(Protocol):
@@ -143,6 +155,9 @@ class EncoderAdapter(abc.ABC):
         self.device = device
         self.dtype = dtype
         self.source = source
+        # Batches bound for a GPU are assembled in page-locked memory, so their copies
+        # to the device are asynchronous.
+        self.pin_memory = device.type == "cuda"
 
     @abc.abstractmethod
     def preprocessor(self) -> Preprocessor:
@@ -189,17 +204,19 @@ class EncoderAdapter(abc.ABC):
             module.compile(dynamic=dynamic)
 
     def row_counts(self, items: list[EncoderInput]) -> list[int]:
-        """How many rows each item has in `forward`'s output, in batch order: one per
-        output token by default."""
+        """How many rows each item has in `forward`'s output, in batch order (real rows
+        come first, so item k's rows follow items 0..k-1's). Default: one row per
+        output token (native-resolution towers)."""
         return [item.tokens for item in items]
 
     def split(self, output: torch.Tensor, items: list[EncoderInput]) -> list[torch.Tensor]:
-        """Views of each item's rows in `output`, in batch order."""
-        views, offset = [], 0
-        for count in self.row_counts(items):
-            views.append(output[offset : offset + count])
-            offset += count
-        return views
+        """Views of each item's rows in `output`, in batch order.
+
+        One `split` call cuts every item's view; the last section takes a padded
+        output's pad rows and is dropped.
+        """
+        counts = self.row_counts(items)
+        return list(output.split([*counts, output.shape[0] - sum(counts)])[: len(counts)])
 
     def describe(self) -> dict[str, Any]:
         """What identifies this encoder's outputs (for manifests and resume checks)."""

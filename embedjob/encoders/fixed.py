@@ -30,7 +30,6 @@ tiled and untiled items stay comparable by cosine similarity.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -103,13 +102,19 @@ FAMILIES = {
 
 @dataclass(frozen=True)
 class FixedPreprocessor:
-    """Decoded media -> normalised views (and tiles) of the model's input size; runs in decode workers.
+    """Decoded media -> uint8 views (and tiles) of the model's input size; runs in decode workers.
 
     Matches the transformers image processor of the checkpoint (torchvision backend):
     antialiased resize of uint8 pixels (shortest edge to `shortest_edge`, or straight to
     `resize_to`), center crop to `crop` (padding with black when the crop is larger, as
     transformers does), then the fused rescale + normalise in float32. A video is the
     same per frame. `max_tiles` > 0 adds the anyres tiles of an image.
+
+    The workers stop before the normalisation: items carry the resized, cropped uint8
+    views, half the bytes of bfloat16 (a quarter of float32) through the pipes, the host
+    copies and PCIe. `normalize` runs on the device, in the adapter's forward (so inside
+    a captured graph), with the processor's float32 operations, so the model input is
+    bitwise what the processor gives (`normalize` on the CPU is the processor's output).
     """
 
     family: str
@@ -123,7 +128,6 @@ class FixedPreprocessor:
     input_size: tuple[int, int]
     tokens_per_image: int
     max_tiles: int = 0
-    pixel_dtype: str = "float32"
 
     @property
     def frame_multiple(self) -> int:
@@ -145,46 +149,62 @@ class FixedPreprocessor:
         else:
             stack = torch.from_numpy(frames).permute(0, 3, 1, 2)
             modality, num_frames = "video", int(frames.shape[0])
-        dtype = getattr(torch, self.pixel_dtype)
-        views = self.process(stack).to(dtype)
+        views = self.process(stack)
         tensors = {GLOBAL_KEY: views}
         count = views.shape[0]
         if self.max_tiles:
             tiles = self.tiles(stack[0]) if frames is None else self._no_tiles()
-            tensors[LOCAL_KEY] = tiles.to(dtype)
+            tensors[LOCAL_KEY] = tiles
             count += tiles.shape[0]
         tokens = count * self.tokens_per_image
         return EncoderInput(tensors, tokens=tokens, frames=num_frames, size=tokens, modality=modality)
 
     def process(self, images: torch.Tensor) -> torch.Tensor:
-        """(N, 3, H, W) uint8 -> (N, 3, h, w) float32 model input, h x w = `input_size`."""
+        """(N, 3, H, W) uint8 -> (N, 3, h, w) uint8 views, h x w = `input_size`.
+
+        Contiguous and of their own: a crop is a view of the larger resize, which the
+        item would otherwise keep alive and copy again when it is pickled.
+        """
         if self.shortest_edge is not None:
             images = self._resize(images, shortest_edge_size(*images.shape[-2:], self.shortest_edge))
         elif self.resize_to is not None:
             images = self._resize(images, self.resize_to)
         if self.crop is not None:
             images = center_crop(images, *self.crop)
-        return self.normalize(images)
+        return images.contiguous()
 
     def tiles(self, image: torch.Tensor) -> torch.Tensor:
-        """(3, H, W) uint8 -> (tiles, 3, h, w) normalised local tiles; none when the best grid is 1 x 1."""
+        """(3, H, W) uint8 -> (tiles, 3, h, w) uint8 local tiles; none when the best grid is 1 x 1."""
         grid = select_grid(image.shape[-2], image.shape[-1], *self.input_size, self.max_tiles)
         if grid == (1, 1):
             return self._no_tiles()
-        return self.normalize(cut_tiles(image, grid, self.input_size, self.interpolation))
+        return cut_tiles(image, grid, self.input_size, self.interpolation)
 
     def _no_tiles(self) -> torch.Tensor:
         """Video frames and images no larger than a tile get an empty tile tensor (0 local tokens)."""
-        return torch.empty((0, 3, *self.input_size), dtype=torch.float32)
+        return torch.empty((0, 3, *self.input_size), dtype=torch.uint8)
 
-    def normalize(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 -> float32: rescale and normalise fused into one subtract and divide, with
-        the mean and std scaled by 1/rescale in float32 as transformers does (bitwise equal)."""
+    def pixel_scale(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Mean and std scaled by 1/rescale, computed in float32 on the CPU as transformers
+        does, shaped (3, 1, 1) and moved to `device`; None without normalisation. The
+        adapter makes them once: a captured graph cannot copy constants from host memory."""
+        if self.mean is None or self.std is None:
+            return None
+        factor = 1.0 / self.rescale if self.rescale is not None else 1.0
+        mean = torch.tensor(self.mean) * factor
+        std = torch.tensor(self.std) * factor
+        return mean.view(3, 1, 1).to(device), std.view(3, 1, 1).to(device)
+
+    def normalize(self, images: torch.Tensor, scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """(N, 3, h, w) uint8 -> float32: rescale and normalise fused into one subtract and
+        one divide, the processor's operations in its order (torchvision's `normalize`
+        minus its host-side checks, which a captured graph cannot run), so CPU and GPU
+        give its bits. `scale` is `pixel_scale(images.device)`, made once by the caller."""
         pixels = images.to(torch.float32)
         if self.mean is None or self.std is None:
             return pixels * self.rescale if self.rescale is not None else pixels
-        factor = 1.0 / self.rescale if self.rescale is not None else 1.0
-        return tvF.normalize(pixels, torch.tensor(self.mean) * factor, torch.tensor(self.std) * factor)
+        mean, std = scale if scale is not None else self.pixel_scale(images.device)
+        return (pixels - mean) / std
 
     def _resize(self, images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         return tvF.resize(images, list(size), interpolation=self.interpolation, antialias=True)
@@ -243,10 +263,10 @@ class FixedResAdapter(EncoderAdapter):
         self.min_budget = self.tokens_per_image
         self.max_budget = self.tokens_per_image * MAX_IMAGES_PER_BATCH
         self.max_frames_per_video = 0
+        self.pixel_scale = processing.pixel_scale(device)
 
     def preprocessor(self) -> FixedPreprocessor:
-        """The processing, emitting pixels in the model's dtype (rounded once, in the worker)."""
-        return dataclasses.replace(self.processing, pixel_dtype=str(self.dtype).removeprefix("torch."))
+        return self.processing
 
     def compile_units(self) -> list[torch.nn.Module]:
         return list(functools.reduce(getattr, self.spec.layers.split("."), self.tower))
@@ -276,9 +296,10 @@ class FixedResAdapter(EncoderAdapter):
         return count
 
     def static_inputs(self, budget: int, max_items: int, max_frames: int) -> StaticInputs:
-        """budget // tokens_per_image zero images (a valid dummy batch: every image is finite)."""
+        """budget // tokens_per_image black uint8 images (a valid dummy batch: every
+        normalised pixel is finite)."""
         height, width = self.processing.input_size
-        pixels = torch.zeros(self.images_for(budget), 3, height, width, dtype=self.dtype, device=self.device)
+        pixels = torch.zeros(self.images_for(budget), 3, height, width, dtype=torch.uint8, device=self.device)
         return StaticInputs({GLOBAL_KEY: pixels}, constants={"budget": budget})
 
     def batch_values(self, items: list[EncoderInput], static: StaticInputs) -> dict[str, torch.Tensor]:
@@ -288,8 +309,10 @@ class FixedResAdapter(EncoderAdapter):
         return StaticInputs({GLOBAL_KEY: self._joined(items).to(self.device, non_blocking=True)})
 
     def forward(self, inputs: StaticInputs) -> torch.Tensor:
-        """(N, 3, h, w) -> (N, feature_dim): one embedding per image, in input order."""
-        output = self.tower(pixel_values=inputs.tensors[GLOBAL_KEY])
+        """(N, 3, h, w) uint8 -> (N, feature_dim): one embedding per image, in input order.
+        Normalising here puts it on the device, inside a captured graph."""
+        pixels = self.processing.normalize(inputs.tensors[GLOBAL_KEY], self.pixel_scale).to(self.dtype)
+        output = self.tower(pixel_values=pixels)
         if self.pool == "patch_mean":
             pooled = output.last_hidden_state[:, int(self.spec.cls_token) :].mean(dim=1)
         else:
@@ -297,7 +320,8 @@ class FixedResAdapter(EncoderAdapter):
         return pooled if self.projection is None else self.projection(pooled)
 
     def row_counts(self, items: list[EncoderInput]) -> list[int]:
-        """One row per view of each item (1 for an image, one per frame for a video)."""
+        """One row per global view of each item: 1 for an image, one per frame for a
+        video (and, for a local path's input, one per tile: `path_input` puts them there)."""
         return [item.tensors[GLOBAL_KEY].shape[0] for item in items]
 
     def path_input(self, item: EncoderInput, key: str) -> EncoderInput | None:
@@ -321,16 +345,12 @@ class FixedResAdapter(EncoderAdapter):
         return (global_rows + local) / 2
 
     def _joined(self, items: list[EncoderInput]) -> torch.Tensor:
-        """All items' views in one new tensor, page-locked when it feeds a GPU so the copy
-        to the device is asynchronous."""
+        """All items' views in one new uint8 tensor, joined by one `cat`, page-locked
+        when it feeds a GPU so the copy to the device is asynchronous."""
         parts = [item.tensors[GLOBAL_KEY] for item in items]
-        rows = sum(p.shape[0] for p in parts)
-        out = torch.empty((rows, *parts[0].shape[1:]), dtype=self.dtype, pin_memory=self.device.type == "cuda")
-        offset = 0
-        for part in parts:
-            out[offset : offset + part.shape[0]].copy_(part)
-            offset += part.shape[0]
-        return out
+        rows = sum(self.row_counts(items))
+        out = torch.empty((rows, 3, *self.processing.input_size), dtype=torch.uint8, pin_memory=self.pin_memory)
+        return torch.cat(parts, out=out)
 
 
 BUILTIN_VERSION = 1

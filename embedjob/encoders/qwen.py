@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torchvision.transforms.v2.functional as tvF
 
@@ -115,6 +116,12 @@ class QwenPreprocessor:
     pipes, the host copies and PCIe; `normalize` runs on the device (the adapter's
     forward), with the same float32 operations, so the values are bitwise those of
     transformers' processor.
+
+    An item's `pixel_values` are (patches, 3, copies, values) uint8: `copies` is 1 for
+    an image (its one frame; the model repeats it `temporal_patch_size` times) and
+    `temporal_patch_size` for a video, so one broadcasting copy per batch writes both
+    kinds into the model's (patches, 3 * temporal_patch_size * values) rows. `grid` is
+    the item's (t, h, w) patch grid, as Python ints, for batch assembly.
     """
 
     family: str
@@ -145,13 +152,11 @@ class QwenPreprocessor:
             bounds = (self.video_min_pixels, self.video_max_pixels)
             modality, num_frames = "video", int(frames.shape[0])
         pixels, grid = self.patchify(self.resize(video, *bounds), image=frames is None)
-        if frames is None:
-            pixels = compact_image_pixels(pixels, self.temporal_patch_size)
         tensors = {"pixel_values": pixels, "grid_thw": torch.tensor(grid, dtype=torch.int64)}
         tensors.update(self.item_metadata(grid))
         t, h, w = grid
         tokens = t * h * w // (self.merge_size**2)
-        return EncoderInput(tensors, tokens=tokens, frames=num_frames, size=t * h * w, modality=modality)
+        return EncoderInput(tensors, tokens=tokens, frames=num_frames, size=t * h * w, modality=modality, grid=grid)
 
     def resize(self, frames: torch.Tensor, min_pixels: int, max_pixels: int) -> torch.Tensor:
         """(T, 3, H, W) uint8 -> (T, 3, H', W') uint8 at the `smart_resize` size."""
@@ -183,25 +188,27 @@ class QwenPreprocessor:
 
     def model_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """An item's stored pixels as the tower's float32 `hidden_states` (full rows, normalised)."""
-        dim = 3 * self.temporal_patch_size * self.patch_size**2
-        return self.normalize(expand_pixels(pixels, dim, self.temporal_patch_size))
+        rows, channels, _, values = pixels.shape
+        full = pixels.expand(rows, channels, self.temporal_patch_size, values)
+        return self.normalize(full.reshape(rows, channels * self.temporal_patch_size * values))
 
     def patchify(self, frames: torch.Tensor, image: bool) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """(T, C, H, W) -> (t*h*w, C*tp*p*p) in the model's patch order, and the grid (t, h, w).
+        """(T, C, H, W) -> (t*h*w, C, copies, p*p) in the model's patch order, and the grid (t, h, w).
 
-        An image is one frame repeated `temporal_patch_size` times; a video's frame count
-        is padded to a multiple of it with its last frame, as transformers does.
+        An image is one frame that the model sees `temporal_patch_size` times: it keeps
+        one copy (halving what crosses processes; batch assembly repeats it). A video's
+        frame count is padded to a multiple of `temporal_patch_size` with its last
+        frame, as transformers does, and each temporal group keeps all its frames.
         """
         tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
-        if image:
-            frames = frames.expand(tp, -1, -1, -1)
-        elif pad := -frames.shape[0] % tp:
+        copies = 1 if image else tp
+        if pad := -frames.shape[0] % copies:
             frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
         num, channels, height, width = frames.shape
-        t, h, w = num // tp, height // p, width // p
-        patches = frames.reshape(t, tp, channels, h // m, m, p, w // m, m, p)
+        t, h, w = num // copies, height // p, width // p
+        patches = frames.reshape(t, copies, channels, h // m, m, p, w // m, m, p)
         patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return patches.reshape(t * h * w, channels * tp * p * p).contiguous(), (t, h, w)
+        return patches.reshape(t * h * w, channels, copies, p * p).contiguous(), (t, h, w)
 
     def item_metadata(self, grid: tuple[int, int, int]) -> dict[str, torch.Tensor]:
         """Per-item precomputes, offsets starting at 0; batch assembly shifts them."""
@@ -226,27 +233,6 @@ class QwenPreprocessor:
             out["interp_indices"] = indices
             out["interp_weights"] = weights
         return out
-
-
-def compact_image_pixels(pixels: torch.Tensor, temporal: int) -> torch.Tensor:
-    """An image's patch rows hold each channel `temporal` times (one frame repeated);
-    keep one copy. Halves what crosses processes; `expand_pixels` restores the layout."""
-    rows, dim = pixels.shape
-    return pixels.view(rows, 3, temporal, dim // (3 * temporal))[:, :, 0].reshape(rows, -1)
-
-
-def expand_pixels(pixels: torch.Tensor, dim: int, temporal: int) -> torch.Tensor:
-    """The model's patch layout (rows, dim) from compact image rows or full video rows."""
-    return patch_view(pixels, dim, temporal).reshape(pixels.shape[0], dim)
-
-
-def patch_view(pixels: torch.Tensor, dim: int, temporal: int) -> torch.Tensor:
-    """Compact image rows or full video rows as one (rows, channel, time, values) view;
-    an image's one temporal copy is repeated by stride 0, so copying the view expands it
-    in one pass, and images and videos share the shape, so a batch joins them as is."""
-    rows, width = pixels.shape
-    values = dim // (3 * temporal)
-    return pixels.view(rows, 3, width // (3 * values), values).expand(rows, 3, temporal, values)
 
 
 class QwenAdapter(EncoderAdapter):
@@ -309,14 +295,14 @@ class QwenAdapter(EncoderAdapter):
         tensors = {
             "pixel_values": torch.zeros(patches, self.patch_dim, dtype=torch.uint8),
             "position_ids": torch.zeros(patches, 2, dtype=torch.int64),
-            "cu_seqlens": _pad_offsets(_START, patches, full_slots, FULL_PAD_SEGMENT),
+            "cu_seqlens": torch.from_numpy(_pad_offsets(_START, patches, full_slots, FULL_PAD_SEGMENT)),
         }
         pad = {"cu_seqlens": PAD_REPEAT_LAST}
         constants = {"max_seqlen": min(patches, self.max_frame_patches), "budget": budget}
         if self.spec.windowed:
             window_slots = budget // 8 + math.ceil(patches / PAD_SEGMENT) + 1
             tensors["window_index"] = torch.arange(budget, dtype=torch.int64)
-            tensors["cu_window_seqlens"] = _pad_offsets(_START, patches, window_slots, PAD_SEGMENT)
+            tensors["cu_window_seqlens"] = torch.from_numpy(_pad_offsets(_START, patches, window_slots, PAD_SEGMENT))
             pad["cu_window_seqlens"] = PAD_REPEAT_LAST
             constants["max_window_seqlen"] = min(patches, self.window_patches)
         if self.spec.interpolated_positions:
@@ -328,7 +314,7 @@ class QwenAdapter(EncoderAdapter):
     def fits(self, items: list[EncoderInput], static: StaticInputs) -> bool:
         patches = static.tensors["pixel_values"].shape[0]
         real = sum(i.size for i in items)
-        full = sum(int(i.tensors["grid_thw"][0]) for i in items)
+        full = sum(i.grid[0] for i in items)
         if full + math.ceil((patches - real) / FULL_PAD_SEGMENT) + 1 > static.tensors["cu_seqlens"].shape[0]:
             return False
         if not self.spec.windowed:
@@ -337,25 +323,31 @@ class QwenAdapter(EncoderAdapter):
         return windows + math.ceil((patches - real) / PAD_SEGMENT) + 1 <= static.tensors["cu_window_seqlens"].shape[0]
 
     def batch_values(self, items: list[EncoderInput], static: StaticInputs) -> dict[str, torch.Tensor]:
+        """The batch with its offsets padded to the budget's buffers; per-patch rows stay
+        at their real length (the manager zeroes the tail)."""
         patches = static.tensors["pixel_values"].shape[0]
-        values = self._concat(items)
-        length = static.tensors["cu_seqlens"].shape[0]
-        values["cu_seqlens"] = _pad_offsets(values["cu_seqlens"], patches, length, FULL_PAD_SEGMENT)
+        grids = _grids(items)
+        values = self._patch_rows(items, grids)
+        offsets = _pad_offsets(_segment_offsets(grids), patches, static.tensors["cu_seqlens"].shape[0], FULL_PAD_SEGMENT)
+        values["cu_seqlens"] = self._host(offsets)
         if self.spec.windowed:
-            units = patches // self.merge_unit
-            real = values["window_index"].shape[0]
-            values["window_index"] = torch.cat([values["window_index"], torch.arange(real, units)])
+            values["window_index"] = self._window_index(items, patches // self.merge_unit)
             length = static.tensors["cu_window_seqlens"].shape[0]
-            values["cu_window_seqlens"] = _pad_offsets(values["cu_window_seqlens"], patches, length, PAD_SEGMENT)
+            values["cu_window_seqlens"] = self._host(_pad_offsets(_window_offsets(items, grids), patches, length, PAD_SEGMENT))
         return values
 
     def eager_inputs(self, items: list[EncoderInput]) -> StaticInputs:
-        values = self._concat(items)
-        constants = {"max_seqlen": _max_gap(values["cu_seqlens"])}
+        grids = _grids(items)
+        values = self._patch_rows(items, grids)
+        offsets = _segment_offsets(grids)
+        values["cu_seqlens"] = self._host(offsets)
+        constants = {"max_seqlen": _max_gap(offsets)}
         if self.spec.windowed:
-            constants["max_window_seqlen"] = _max_gap(values["cu_window_seqlens"])
-        pin = self.device.type == "cuda"
-        tensors = {k: (v.pin_memory() if pin and not v.is_pinned() else v).to(self.device, non_blocking=True) for k, v in values.items()}
+            values["window_index"] = self._window_index(items, sum(i.tokens for i in items))
+            windows = _window_offsets(items, grids)
+            values["cu_window_seqlens"] = self._host(windows)
+            constants["max_window_seqlen"] = _max_gap(windows)
+        tensors = {k: v.to(self.device, non_blocking=True) for k, v in values.items()}
         return StaticInputs(tensors, {}, constants)
 
     def forward(self, inputs: StaticInputs) -> torch.Tensor:
@@ -373,65 +365,87 @@ class QwenAdapter(EncoderAdapter):
             cached = self._grid = torch.ones(1, 3, dtype=torch.int64, device=self.device)
         return cached
 
-    def _concat(self, items: list[EncoderInput]) -> dict[str, torch.Tensor]:
-        """Join per-item tensors into one packed batch, shifting per-item offsets."""
-        seg_lengths, windows, window_index = [], [torch.zeros(1, dtype=torch.int32)], []
-        unit_offset = patch_offset = 0
-        for item in items:
-            t, h, w = item.tensors["grid_thw"].tolist()
-            seg_lengths.extend([h * w] * t)
-            if self.spec.windowed:
-                window_index.append(item.tensors["window_index"] + unit_offset)
-                windows.append(item.tensors["cu_window_seqlens"][1:].to(torch.int32) + patch_offset)
-            unit_offset += item.tokens
-            patch_offset += t * h * w
-        pin = self.device.type == "cuda"
-        values = {
-            "pixel_values": _joined(
-                [patch_view(i.tensors["pixel_values"], self.patch_dim, self.processing.temporal_patch_size) for i in items],
-                torch.uint8,
-                pin,
-            ).view(-1, self.patch_dim),
-            "position_ids": _joined([i.tensors["position_ids"] for i in items], torch.int64, pin),
-            "cu_seqlens": torch.tensor([0, *_cumsum(seg_lengths)], dtype=torch.int32),
-        }
-        if self.spec.windowed:
-            values["window_index"] = _joined(window_index, torch.int64, pin)
-            values["cu_window_seqlens"] = torch.cat(windows)
-        if self.spec.interpolated_positions:
-            values["interp_indices"] = _joined([i.tensors["interp_indices"] for i in items], torch.int64, pin)
-            values["interp_weights"] = _joined([i.tensors["interp_weights"] for i in items], torch.float32, pin)
+    def _patch_rows(self, items: list[EncoderInput], grids: np.ndarray) -> dict[str, torch.Tensor]:
+        """The values with one row per patch, every item's rows in batch order in one new
+        host tensor per key. Per-item offsets do not occur in these, so they join as is."""
+        rows = grids.prod(axis=1).tolist()
+        values = {"pixel_values": self._pixel_rows(items, rows)}
+        keys = ["position_ids"] + (["interp_indices", "interp_weights"] if self.spec.interpolated_positions else [])
+        for key in keys:
+            values[key] = _joined([i.tensors[key] for i in items], sum(rows), self.pin_memory)
         return values
 
+    def _pixel_rows(self, items: list[EncoderInput], rows: list[int]) -> torch.Tensor:
+        """(patches, patch_dim) uint8 in the model's layout. One broadcasting copy per
+        item, all in one call (`_foreach_copy_`, the list form of `copy_` that torch's
+        optimizers use; on the CPU it loops in C++): an image's one temporal copy fills
+        every temporal slot of its rows, a video's rows copy as they are, and each byte
+        is written once."""
+        tp = self.processing.temporal_patch_size
+        out = torch.empty((sum(rows), 3, tp, self.patch_dim // (3 * tp)), dtype=torch.uint8, pin_memory=self.pin_memory)
+        torch._foreach_copy_(out.split(rows), [i.tensors["pixel_values"] for i in items])
+        return out.view(-1, self.patch_dim)
 
-def _joined(parts: list[torch.Tensor], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    def _window_index(self, items: list[EncoderInput], length: int) -> torch.Tensor:
+        """The batch's merge-unit permutation: each item's, shifted by the units before
+        it, then `length - real` pad units that map to themselves."""
+        units = np.array([i.tokens for i in items], dtype=np.int64)
+        real = int(units.sum())
+        out = torch.empty(length, dtype=torch.int64, pin_memory=self.pin_memory)
+        joined = torch.cat([i.tensors["window_index"] for i in items], out=out[:real])
+        joined.add_(torch.from_numpy(np.repeat(_starts(units), units)))
+        if length > real:
+            torch.arange(real, length, out=out[real:])
+        return out
+
+    def _host(self, offsets: np.ndarray) -> torch.Tensor:
+        """A host tensor over `offsets`, page-locked when it feeds a GPU."""
+        tensor = torch.from_numpy(offsets)
+        return tensor.pin_memory() if self.pin_memory else tensor
+
+
+def _grids(items: list[EncoderInput]) -> np.ndarray:
+    """The items' (t, h, w) patch grids as an (items, 3) array, read without a torch call."""
+    return np.array([item.grid for item in items], dtype=np.int64).reshape(-1, 3)
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    """Where each of consecutive runs of `counts` elements starts."""
+    return np.cumsum(counts) - counts
+
+
+def _segment_offsets(grids: np.ndarray) -> np.ndarray:
+    """Cumulative patch offsets of the full-attention segments: one per temporal group
+    (h * w patches) of every item, in batch order, starting at 0."""
+    lengths = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _window_offsets(items: list[EncoderInput], grids: np.ndarray) -> np.ndarray:
+    """Cumulative patch offsets of the attention windows: every item's own offsets
+    (each starting at 0) shifted by the patches before the item, the leading 0 kept
+    once."""
+    parts = [i.tensors["cu_window_seqlens"] for i in items]
+    lengths = np.array([part.shape[0] for part in parts], dtype=np.int64)
+    shifted = torch.cat(parts).numpy() + np.repeat(_starts(grids.prod(axis=1)), lengths)
+    return np.delete(shifted, _starts(lengths)[1:]).astype(np.int32)
+
+
+def _joined(parts: list[torch.Tensor], rows: int, pin: bool) -> torch.Tensor:
     """Concatenate along rows into one new tensor, page-locked when it feeds a GPU so the
     host-to-device copy is asynchronous (torch keeps the block alive until it is done)."""
-    rows = sum(p.shape[0] for p in parts)
-    out = torch.empty((rows, *parts[0].shape[1:]), dtype=dtype, pin_memory=pin)
-    offset = 0
-    for part in parts:
-        out[offset : offset + part.shape[0]].copy_(part)
-        offset += part.shape[0]
-    return out
+    out = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=pin)
+    return torch.cat(parts, out=out)
 
 
-def _cumsum(values: list[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out
+def _max_gap(offsets: np.ndarray) -> int:
+    return int(np.diff(offsets).max()) if offsets.shape[0] > 1 else 0
 
 
-def _max_gap(offsets: torch.Tensor) -> int:
-    return int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+_START = np.zeros(1, dtype=np.int32)
 
 
-_START = torch.zeros(1, dtype=torch.int32)
-
-
-def _pad_offsets(offsets: torch.Tensor, total: int, length: int, segment: int) -> torch.Tensor:
+def _pad_offsets(offsets: np.ndarray, total: int, length: int, segment: int) -> np.ndarray:
     """Extend cumulative offsets to `total` with segments of <= `segment`, then repeat the last.
 
     Pad rows get segments of their own so they never attend to real rows and cost no
@@ -445,7 +459,7 @@ def _pad_offsets(offsets: torch.Tensor, total: int, length: int, segment: int) -
     if needed > length:
         raise ValueError(f"batch needs {needed} segment offsets but the budget's buffer holds {length}")
     tail = [total] * (length - needed)
-    return torch.cat([offsets.to(torch.int32), torch.tensor(extra + tail, dtype=torch.int32)])
+    return np.concatenate([offsets.astype(np.int32), np.array(extra + tail, dtype=np.int32)])
 
 
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {

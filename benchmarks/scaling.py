@@ -98,12 +98,13 @@ ENCODER_PASSES = 3
 
 @dataclass
 class Comparison:
-    """A run's rows against the reference run's."""
+    """A run's rows against the reference run's (`against`: its GPU count)."""
 
     same_rows: bool
     bitwise: int
     rows: int
     worst: float
+    against: int = 1
 
 
 @dataclass
@@ -118,6 +119,8 @@ class Run:
 
 @dataclass
 class MixResult:
+    """Everything measured on one mix; `skipped`: GPU counts this machine does not have."""
+
     mix: Mix
     dataset: Dataset
     job: Path
@@ -212,7 +215,7 @@ def bench_mix(mix: Mix, dataset: Dataset, workdir: Path, visible: int, workers: 
     except Exception as exc:
         traceback.print_exc()
         result.encoder_error = f"{type(exc).__name__}: {exc}"
-    reference: pa.Table | None = None
+    reference: tuple[int, pa.Table] | None = None
     for gpus in runnable:
         run = Run(gpus)
         output = mixdir / f"out-{gpus}"
@@ -225,10 +228,10 @@ def bench_mix(mix: Mix, dataset: Dataset, workdir: Path, visible: int, workers: 
                 run.stats.append(stats)
             unit = "CPU rank(s)" if args.smoke else "GPU(s)"
             log(f"[{mix.name}] {gpus} {unit}, repeat {repeat + 1}/{args.repeats}: " + _seconds_line(stats, logfile))
-        if run.stats:
+        if stats is not None:  # the output on disk is the last repeat's, complete
             table = read_output(output)
-            reference = table if reference is None else reference
-            run.comparison = compare(reference, table)
+            reference = reference or (gpus, table)
+            run.comparison = compare(reference[1], table, reference[0])
         result.runs.append(run)
     return result
 
@@ -281,22 +284,24 @@ def read_output(directory: Path) -> pa.Table:
     return pa.concat_tables([pq.read_table(p) for p in sorted(directory.glob("part-*.parquet"))])
 
 
-def compare(reference: pa.Table, table: pa.Table) -> Comparison:
+def compare(reference: pa.Table, table: pa.Table, against: int) -> Comparison:
     """Ids, order, tokens and errors identical; rows with bitwise-equal embeddings; the
     largest relative difference of an embedding."""
     others = [c for c in reference.column_names if c != "embedding"]
     if table.num_rows != reference.num_rows or table.column_names != reference.column_names:
-        return Comparison(False, 0, table.num_rows, float("nan"))
+        return Comparison(False, 0, table.num_rows, float("nan"), against)
     same = table.select(others).equals(reference.select(others))
     a, b = _embeddings(reference.column("embedding")), _embeddings(table.column("embedding"))
     if a is None or b is None:
-        return _compare_rows(same, reference.column("embedding").to_pylist(), table.column("embedding").to_pylist())
+        rows = _compare_rows(same, reference.column("embedding").to_pylist(), table.column("embedding").to_pylist())
+        rows.against = against
+        return rows
     bits = np.uint16 if a.dtype.itemsize == 2 else np.uint32
     bitwise = int(np.all(a.view(bits) == b.view(bits), axis=1).sum())
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     finite = np.isfinite(a64).all(axis=1) & np.isfinite(b64).all(axis=1)
     diff = np.linalg.norm(a64 - b64, axis=1) / np.maximum(np.linalg.norm(a64, axis=1), 1e-12)
-    return Comparison(same, bitwise, table.num_rows, float(diff[finite].max()) if finite.any() else 0.0)
+    return Comparison(same, bitwise, table.num_rows, float(diff[finite].max()) if finite.any() else 0.0, against)
 
 
 def _embeddings(column: pa.ChunkedArray) -> np.ndarray | None:
@@ -424,7 +429,7 @@ def _mix_rows(result: MixResult, peak: float | None, smoke: bool) -> list[list[s
             fmt(median_of(run.stats, lambda s: s["busy_ratio"]), ".3f"),
             fmt(median_of(run.stats, lambda s: s["hit_rate"]), ".0%"),
             fmt(median_of(run.stats, lambda s: s["padding_waste"] / s["real_tokens"]), ".1%"),
-            "-" if c is None else ("yes" if c.same_rows else "NO"),
+            "-" if c is None else ("yes" if c.same_rows else "NO") + ("" if c.against == 1 else f" (vs {c.against})"),
             "-" if c is None else f"{c.bitwise}/{c.rows}",
             "-" if c is None else fmt(c.worst, ".2e"),
         ])
@@ -461,7 +466,7 @@ def _details(result: MixResult, smoke: bool) -> list[str]:
         passes = ", ".join(f"{p:.3f}" for p in e.passes) or "-"
         lines.append(
             f"- encoder only: {e.items} items ({e.failed} did not decode), {e.batches} batches, passes {passes} s, "
-            f"{e.flops / max(e.items, 1) / 1e9:.3g} GFLOP per item, budgets {e.budgets}, load+compile+capture "
+            f"{e.flops / max(e.items, 1) / 1e9:.4g} GFLOP per item, budgets {e.budgets}, load+compile+capture "
             f"{e.setup_seconds:.1f} s, CPU preprocessing {e.preprocess_seconds:.1f} s {e.note}".rstrip()
         )
     elif result.encoder_error:
@@ -474,14 +479,14 @@ def _details(result: MixResult, smoke: bool) -> list[str]:
 
 
 def _run_details(run: Run, smoke: bool) -> list[str]:
-    unit = "rank" if smoke else "GPU"
+    unit = ("rank" if smoke else "GPU") + ("s" if run.gpus > 1 else "")
     failed = f"; failed repeats, logs: {', '.join(str(p) for p in run.failed)}" if run.failed else ""
     if not run.stats:
-        return [f"- {run.gpus} {unit}(s): no run finished{failed}"]
+        return [f"- {run.gpus} {unit}: no run finished{failed}"]
     seconds = ", ".join(fmt(s.get("pipeline_seconds"), ".2f") for s in run.stats)
     last = run.stats[-1]
     stages = ", ".join(f"{k} {v:.2f}" for k, v in (last.get("stage_seconds") or {}).items()) or "-"
-    lines = [f"- {run.gpus} {unit}(s): pipeline s per repeat {seconds}; rank 0 stages (last repeat) {stages}{failed}"]
+    lines = [f"- {run.gpus} {unit}: pipeline s per repeat {seconds}; rank 0 stages (last repeat) {stages}{failed}"]
     if not last.get("ranks"):
         lines.append("  - ranks: - (not in this run's statistics)")
     for rank in last.get("ranks") or []:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import multiprocessing
 import statistics
 import time
@@ -71,7 +72,9 @@ def measure(job: Job, device: torch.device, workers: int, repeats: int) -> Encod
             return _timed(job, adapter, items, failed, device, repeats, (loaded - start, preprocessed - loaded))
     finally:
         del adapter, items
-        if device.type == "cuda":
+        if device.type == "cuda":  # give the GPU back to the runs that follow
+            torch._dynamo.reset()
+            gc.collect()
             torch.cuda.empty_cache()
 
 

@@ -14,6 +14,17 @@ override for every run and for the encoder-only measurement, e.g. `runtime.worke
 tiny towers of the same architectures and 24 images per mix (`--gpus N` is then N CPU
 ranks), so the whole script can be checked on a machine without a GPU.
 
+Each mix's result is saved in `<workdir>/<mix>/result.json`, and `--report` prints the
+table of the saved results of `--mixes` without running anything. All four mixes take
+longer than one 10-minute command, so they can be run one call each and reported in a
+last one (a work directory outside the repository copy survives between calls):
+
+    PYTHONPATH=. python3 benchmarks/scaling.py --photos bench-data --workdir /tmp/sw --mixes qwen-mixed
+    ... the same with --mixes qwen-224, then siglip, then clip ...
+    PYTHONPATH=. python3 benchmarks/scaling.py --workdir /tmp/sw --report
+
+Towers and JPEGs are built once per work directory and reused by later calls.
+
 The mixes (`benchmarks/mixes.py`):
 
 | mix | tower | rows (default) | JPEGs |
@@ -41,7 +52,7 @@ Table columns (one row per mix and GPU count, plus the mix's encoder-only row):
 - scaling eff.: images/s at N / (N x images/s at 1 GPU).
 - MFU: encoder FLOPs of the mix's items (real tokens only; `embedjob.bench.encoder_flops`
   for Qwen, `mixes.fixed_flops` for CLIP and SigLIP) / seconds / (N x the bf16 matmul
-  FLOP/s measured in this process with `embedjob.bench.matmul_peak`).
+  FLOP/s measured with `embedjob.bench.matmul_peak` in the process that ran the mix).
 - per GPU / enc.-only: images/s per GPU over the encoder-only images/s (at 1 GPU, how
   close the whole pipeline comes to the encoder alone).
 - setup s: the run's `setup_seconds` (median); encoder-only row: load, compile and capture.
@@ -65,6 +76,7 @@ decode, host and setup seconds and waits. The same text is written to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -128,6 +140,31 @@ class MixResult:
     skipped: list[int]
     encoder: EncoderOnly | None = None
     encoder_error: str = ""
+    peak: float | None = None
+    smoke: bool = False
+    command: str = ""
+    overrides: list[str] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        """The result as JSON, so `--report` can print it from a later call."""
+        data = dataclasses.asdict(self)
+        data["mix"] = self.mix.name
+        path.write_text(json.dumps(data, indent=1, default=str))
+
+    @classmethod
+    def load(cls, path: Path) -> MixResult:
+        data = json.loads(path.read_text())
+        runs = [Run(r["gpus"], r["stats"], [Path(f) for f in r["failed"]], _comparison(r["comparison"])) for r in data["runs"]]
+        encoder = None if data["encoder"] is None else EncoderOnly(**data["encoder"])
+        dataset = Dataset(Path(data["dataset"]["path"]), data["dataset"]["info"])
+        return cls(
+            MIXES[data["mix"]], dataset, Path(data["job"]), runs, data["skipped"], encoder, data["encoder_error"],
+            data["peak"], data["smoke"], data.get("command", ""), data.get("overrides", []),
+        )
+
+
+def _comparison(data: dict[str, Any] | None) -> Comparison | None:
+    return None if data is None else Comparison(**data)
 
 
 def main() -> int:
@@ -135,10 +172,19 @@ def main() -> int:
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)
     started = time.perf_counter()
+    workdir = Path(args.workdir).resolve()
+    results = load_results(workdir, args) if args.report else run_mixes(workdir, args)
+    text = render(results, args, time.perf_counter() - started)
+    (workdir / "scaling.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def run_mixes(workdir: Path, args: argparse.Namespace) -> list[MixResult]:
+    """Every mix of `args.mixes`, each result also saved as `<workdir>/<mix>/result.json`."""
     visible = torch.cuda.device_count()
     if not args.smoke and visible == 0:
         raise SystemExit("no CUDA GPU is visible; run with --smoke to exercise the script on the CPU")
-    workdir = Path(args.workdir).resolve()
     workers = len(os.sched_getaffinity(0))
     counts = image_counts(args)
     photos = collect_photos([*builtin_sources(), *args.photos])
@@ -147,24 +193,45 @@ def main() -> int:
         log(f"[{name}] {counts[name]} JPEGs")
         datasets[name] = jpeg_dataset(MIXES[name], counts[name], args.seed, photos, workdir / "data", workers)
     peak = None if args.smoke else matmul_peak()
-    results = [bench_mix(MIXES[name], datasets[name], workdir, visible, workers, args) for name in args.mixes]
-    text = render(results, args, peak, time.perf_counter() - started)
-    (workdir / "scaling.md").write_text(text + "\n")
-    print(text)
-    return 0
+    results = []
+    for name in args.mixes:
+        result = bench_mix(MIXES[name], datasets[name], workdir, visible, workers, args)
+        result.peak, result.smoke, result.command, result.overrides = peak, args.smoke, _command(), args.set
+        result.save(workdir / name / "result.json")
+        results.append(result)
+    return results
+
+
+def load_results(workdir: Path, args: argparse.Namespace) -> list[MixResult]:
+    """The saved results of `args.mixes` (`--report`)."""
+    results = []
+    for name in args.mixes:
+        path = workdir / name / "result.json"
+        if not path.exists():
+            raise SystemExit(f"--report: {path} does not exist; run the mix first (--mixes {name})")
+        result = MixResult.load(path)
+        if result.smoke != args.smoke:
+            raise SystemExit(f"--report: {path} was measured {'with' if result.smoke else 'without'} --smoke; pass the same")
+        results.append(result)
+    return results
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
-    parser.add_argument("--images", nargs="+", default=[], metavar="NAME=COUNT", help="rows per mix; a bare COUNT sets every mix")
+    parser.add_argument(
+        "--images", nargs="+", action="extend", default=[], metavar="NAME=COUNT", help="rows per mix; a bare COUNT sets every mix"
+    )
     parser.add_argument("--gpus", nargs="+", type=int, default=[1, 2], help="GPU counts (CPU ranks with --smoke)")
     parser.add_argument("--repeats", type=int, default=2, help="CLI runs per GPU count; the median is reported")
     parser.add_argument("--workdir", default="scaling-work")
-    parser.add_argument("--photos", nargs="+", type=Path, default=[], help="directories or files of photos or Parquet files")
+    parser.add_argument(
+        "--photos", nargs="+", action="extend", type=Path, default=[], help="directories or files of photos or Parquet files"
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a job override for every run")
     parser.add_argument("--seed", type=int, default=0, help="seed of the JPEG crops, sizes and qualities")
     parser.add_argument("--smoke", action="store_true", help="CPU only: tiny towers, 24 images per mix, no compile")
+    parser.add_argument("--report", action="store_true", help="print the table of the mixes' saved results; run nothing")
     args = parser.parse_args()
     if any(n < 1 for n in args.gpus) or args.repeats < 1:
         parser.error("--gpus and --repeats take positive numbers")
@@ -367,35 +434,46 @@ COLUMNS = [
 ]
 
 
-def render(results: list[MixResult], args: argparse.Namespace, peak: float | None, wall: float) -> str:
-    lines = _header(args, peak, wall)
+def render(results: list[MixResult], args: argparse.Namespace, wall: float) -> str:
+    lines = _header(results, args, wall)
     lines += ["", "| " + " | ".join(c for c, _ in COLUMNS) + " |", "| " + " | ".join(a for _, a in COLUMNS) + " |"]
     for result in results:
-        lines += [_table_row(cells) for cells in _mix_rows(result, peak, args.smoke)]
+        lines += [_table_row(cells) for cells in _mix_rows(result, result.peak, args.smoke)]
     for result in results:
         lines += ["", *_details(result, args.smoke)]
     return "\n".join(lines)
 
 
-def _header(args: argparse.Namespace, peak: float | None, wall: float) -> list[str]:
+def _header(results: list[MixResult], args: argparse.Namespace, wall: float) -> list[str]:
     if args.smoke:
         device = f"CPU only (--smoke: tiny towers, `--gpus N` = N CPU ranks), {os.cpu_count()} CPUs"
     else:
         device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs"
-    peak_text = "not measured (--smoke)" if peak is None else f"{peak / 1e12:.0f} TFLOP/s (8192^3, median of 10, this process)"
-    return [
+    peaks = [(r.mix.name, r.peak / 1e12) for r in results if r.peak]
+    listed = f"{peaks[0][1]:.0f}" if len({p for _, p in peaks}) == 1 else ", ".join(f"{m} {p:.0f}" for m, p in peaks)
+    peak_text = f"{listed} TFLOP/s (8192^3, median of 10, in the process that ran the mix)" if peaks else "not measured"
+    commands = sorted({r.command for r in results if r.command and r.command != _command()})
+    overrides = sorted({", ".join(r.overrides) or "none" for r in results})
+    repeats = sorted({len(run.stats) + len(run.failed) for r in results for run in r.runs})
+    lines = [
         f"# embedjob per-GPU pipeline benchmark — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
-        f"- command: `{' '.join(['benchmarks/scaling.py', *sys.argv[1:]])}` ({wall / 60:.1f} min)",
+        f"- command: `{_command()}` ({wall / 60:.1f} min)",
+        *[f"- measured by: `{command}`" for command in commands],
         (f"- machine: {device}; python {platform.python_version()}, torch {torch.__version__}, "
-        f"transformers {_version('transformers')}, pyarrow {pa.__version__}"),
+         f"transformers {_version('transformers')}, pyarrow {pa.__version__}"),
         f"- bf16 matmul: {peak_text}",
         (f"- each run: `python -m embedjob.cli run JOB --gpus N --overwrite` (bf16, "
-        f"{'uncompiled' if args.smoke else 'compiled blocks'}, graphs, decode included); extra --set: "
-        f"{', '.join(args.set) or 'none'}; seconds = pipeline_seconds, median of {args.repeats}; "
-        f"encoder only: median of {ENCODER_PASSES} passes after a warm-up, same job and checkpoint, 1 "
-        f"{'CPU process' if args.smoke else 'GPU'}"),
+         f"{'uncompiled' if args.smoke else 'compiled blocks'}, graphs, decode included); extra --set: "
+         f"{'; '.join(overrides)}; seconds = pipeline_seconds, median of {'/'.join(map(str, repeats)) or '-'} repeats; "
+         f"encoder only: median of {ENCODER_PASSES} passes after a warm-up, same job and checkpoint, 1 "
+         f"{'CPU process' if args.smoke else 'GPU'}"),
     ]
+    return lines
+
+
+def _command() -> str:
+    return " ".join(["benchmarks/scaling.py", *sys.argv[1:]])
 
 
 def _mix_rows(result: MixResult, peak: float | None, smoke: bool) -> list[list[str]]:

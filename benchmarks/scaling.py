@@ -1,43 +1,96 @@
-"""Data-parallel scaling of `embedjob run --gpus N` on one node; prints one table.
+"""The per-GPU pipeline benchmark: `embedjob run --gpus N` on four mixes, against the encoder alone.
 
-Usage (from the repository root, on a machine with several CUDA GPUs):
+On the GPU machine, from the repository root (`bench-data`: directories of photos and/or
+Parquet files of photos, e.g. a cat dataset; optional, the repository's own few photos
+are always used):
 
-    python benchmarks/scaling.py [--runs 1 2 2:runtime.workers=24] [--images 1536] [--repeats 2]
+    PYTHONPATH=. python3 benchmarks/scaling.py --photos bench-data
 
-Each run is a GPU count, optionally followed by `:` and comma-separated settings: a
-job override (`runtime.workers=24`, passed as `--set`) or an environment variable
-(`OMP_NUM_THREADS=4`, upper case), so one call can compare ways of running.
+Options: `--mixes` (default: all four), `--images NAME=COUNT ...` (rows per mix; a bare
+COUNT sets every mix), `--gpus 1 2` (GPU counts; counts above the visible GPUs are
+skipped and said so), `--repeats 2` (CLI runs per GPU count), `--set KEY=VALUE` (a job
+override for every run and for the encoder-only measurement, e.g. `runtime.workers=8`),
+`--seed`, `--workdir scaling-work`. `--smoke` runs everything on the CPU instead, with
+tiny towers of the same architectures and 24 images per mix (`--gpus N` is then N CPU
+ranks), so the whole script can be checked on a machine without a GPU.
 
-Saves the Qwen2.5-VL-7B-size vision tower of `embedjob bench` (random bf16 weights) as a
-user's checkpoint, writes a Parquet file of real JPEGs re-encoded at 224-1344 px (the
-mixed-size mix), and runs the same job through the CLI, as a user would, once per GPU
-count and setting (compiled blocks, CUDA graphs). Throughput is rows over the run's
-`pipeline_seconds` (decode, encode and write; model load, compile and capture are
-excluded since they do not grow with the dataset, and so is the wait of rank 0 for the
-other ranks' setup), median over the repeats. Scaling
-efficiency is throughput(N) / (N * throughput(1)), against the first run, which must be
-one GPU without settings. The balance ratio is the
-data-parallel ledger's max/mean rank load summed over windows; the busy ratio the same
-for the ranks' measured encode seconds. Below the table, each run's stage seconds and
-every rank's exchange seconds say where a run that does not scale waits. The last
-columns compare each run's rows with the first run's: ids, order and errors must be
-identical; embeddings are compared bitwise and by the largest relative difference,
-since a different share of a window packs items into different batches, which can move
-bf16 results by rounding.
+Each mix's result is saved in `<workdir>/<mix>/result.json`, and `--report` prints the
+table of the saved results of `--mixes` without running anything. All four mixes take
+longer than one 10-minute command, so they can be run one call each and reported in a
+last one (a work directory outside the repository copy survives between calls):
+
+    PYTHONPATH=. python3 benchmarks/scaling.py --photos bench-data --workdir /tmp/sw --mixes qwen-mixed
+    ... the same with --mixes qwen-224, then siglip, then clip ...
+    PYTHONPATH=. python3 benchmarks/scaling.py --workdir /tmp/sw --report
+
+Towers and JPEGs are built once per work directory and reused by later calls.
+
+The mixes (`benchmarks/mixes.py`):
+
+| mix | tower | rows (default) | JPEGs |
+| --- | --- | ---: | --- |
+| qwen-mixed | Qwen2.5-VL-7B-size vision tower (`embedjob bench`'s) | 1536 | 224-1344 px, height and width drawn independently |
+| qwen-224 | the same tower | 6144 | 224 x 224 |
+| siglip | SigLIP-so400m/14-384-size, attention-pooling head | 8192 | 256-1024 px |
+| clip | CLIP-ViT-L/14-336-size with projection | 8192 | 256-1024 px |
+
+Towers have random weights (fixed seed) and are saved with `save_pretrained`, their image
+processor configs beside them, and loaded through `model.path`. Every row is a distinct
+JPEG cut from a real photo (random crop, size and quality; cached in the work directory).
+Each run is the command a user types, in a subprocess:
+`python -m embedjob.cli run JOB.yaml --gpus N --overwrite --set ...` with bf16,
+`batching.compile: true` and CUDA graphs, decoding included. Every process this script
+starts gets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
+NVSHMEM_DISABLE_NVLS=1 unless the environment sets them already.
+
+Table columns (one row per mix and GPU count, plus the mix's encoder-only row):
+
+- rows: rows of the input (every run embeds all of them).
+- seconds: the run's `pipeline_seconds` (decode, encode and write; model load, compile
+  and capture are setup), median over the repeats. Encoder-only row: the median pass.
+- images/s: rows / seconds; per GPU: divided by N.
+- scaling eff.: images/s at N / (N x images/s at 1 GPU).
+- MFU: encoder FLOPs of the mix's items (real tokens only; `embedjob.bench.encoder_flops`
+  for Qwen, `mixes.fixed_flops` for CLIP and SigLIP) / seconds / (N x the bf16 matmul
+  FLOP/s measured with `embedjob.bench.matmul_peak` in the process that ran the mix).
+- per GPU / enc.-only: images/s per GPU over the encoder-only images/s (at 1 GPU, how
+  close the whole pipeline comes to the encoder alone).
+- setup s: the run's `setup_seconds` (median); encoder-only row: load, compile and capture.
+- main ms/item: rank 0's main-thread seconds per row, `ranks[0].host_seconds / ranks[0].rows`.
+- balance, busy: the run's `balance_ratio` (slowest rank's input over the mean, summed
+  over windows) and `busy_ratio` (the same for the ranks' measured device seconds).
+- hit rate: items that replayed a graph; padding: padded tokens / real tokens.
+- rows identical: ids, order, tokens and errors equal to the 1-GPU run's (the first GPU
+  count's); bitwise: rows whose embeddings are bitwise equal to it; max rel. diff: the
+  largest ||a - b|| / ||a|| over rows (a different share of a window packs items into
+  other batches, which can move bf16 results by rounding).
+
+`-` marks a value the run's statistics do not have (older statistics lack per-rank
+`rows`, `host_seconds`, `decode_seconds` and `waits`, and a 1-GPU run may lack `ranks`).
+Under the table, per mix: the data, the encoder-only measurement, and for each GPU count
+the pipeline seconds of every repeat, rank 0's stage seconds and every rank's rows, busy,
+decode, host and setup seconds and waits. The same text is written to
+`<workdir>/scaling.md`; each run's log is under `<workdir>/<mix>/logs/`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -47,153 +100,489 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from embedjob.bench import build_tower, make_jpeg_parquet, save_checkpoint  # noqa: E402
+from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
+from benchmarks.mixes import MIXES, SMOKE_IMAGES, Dataset, Mix, builtin_sources, collect_photos, jpeg_dataset, save_tower  # noqa: E402
+from embedjob.job import load_job  # noqa: E402
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+ENCODER_PASSES = 3
 
 
-def prepare(workdir: Path, images: int, distinct: int) -> tuple[Path, Path]:
-    """The tower checkpoint and the JPEG Parquet file; the GPU is freed afterwards.
+@dataclass
+class Comparison:
+    """A run's rows against the reference run's (`against`: its GPU count)."""
 
-    `distinct` JPEGs are made (re-encoding is slow and single-threaded) and repeated to
-    `images` rows; every row is still read, decoded and encoded on its own."""
-    adapter = build_tower(torch.device("cuda", 0))
-    checkpoint = save_checkpoint(adapter, workdir)
-    del adapter
-    torch.cuda.empty_cache()
-    parquet = workdir / "jpegs.parquet"
-    make_jpeg_parquet(parquet, min(distinct, images))
-    table = pq.read_table(parquet)
-    rows = pa.concat_tables([table] * -(-images // table.num_rows)).slice(0, images)
-    pq.write_table(rows, parquet, row_group_size=128)
-    return checkpoint, parquet
+    same_rows: bool
+    bitwise: int
+    rows: int
+    worst: float
+    against: int = 1
 
 
-def write_job(workdir: Path, checkpoint: Path, parquet: Path) -> Path:
-    job = {
-        "input": {"path": str(parquet), "media_column": "image"},
-        "model": {"path": str(checkpoint), "dtype": "bfloat16"},
-        "output": {"path": str(workdir / "out"), "rows_per_part": 100_000},
-        "batching": {"compile": True},
-        "runtime": {"device": "cuda", "progress": False, "cache_dir": str(workdir / "cache")},
-    }
-    path = workdir / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+@dataclass
+class Run:
+    """The repeats of one GPU count of one mix."""
+
+    gpus: int
+    stats: list[dict[str, Any]] = field(default_factory=list)
+    failed: list[Path] = field(default_factory=list)
+    comparison: Comparison | None = None
 
 
-def parse_run(text: str) -> tuple[int, list[str], dict[str, str]]:
-    """`GPUS[:SETTING,...]` -> (GPUs, job overrides, environment variables)."""
-    gpus, _, rest = text.partition(":")
-    settings = [item for item in rest.split(",") if item]
-    if not gpus.isdigit() or any("=" not in item for item in settings):
-        raise SystemExit(f"--runs: expected GPUS[:KEY=VALUE,...], got {text!r}")
-    env = dict(item.split("=", 1) for item in settings if item.split("=", 1)[0].isupper())
-    return int(gpus), [item for item in settings if not item.split("=", 1)[0].isupper()], env
+@dataclass
+class MixResult:
+    """Everything measured on one mix; `skipped`: GPU counts this machine does not have."""
+
+    mix: Mix
+    dataset: Dataset
+    job: Path
+    runs: list[Run]
+    skipped: list[int]
+    encoder: EncoderOnly | None = None
+    encoder_error: str = ""
+    peak: float | None = None
+    smoke: bool = False
+    command: str = ""
+    overrides: list[str] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        """The result as JSON, so `--report` can print it from a later call."""
+        data = dataclasses.asdict(self)
+        data["mix"] = self.mix.name
+        path.write_text(json.dumps(data, indent=1, default=str))
+
+    @classmethod
+    def load(cls, path: Path) -> MixResult:
+        data = json.loads(path.read_text())
+        runs = [Run(r["gpus"], r["stats"], [Path(f) for f in r["failed"]], _comparison(r["comparison"])) for r in data["runs"]]
+        encoder = None if data["encoder"] is None else EncoderOnly(**data["encoder"])
+        dataset = Dataset(Path(data["dataset"]["path"]), data["dataset"]["info"])
+        return cls(
+            MIXES[data["mix"]], dataset, Path(data["job"]), runs, data["skipped"], encoder, data["encoder_error"],
+            data["peak"], data["smoke"], data.get("command", ""), data.get("overrides", []),
+        )
 
 
-def run_once(job: Path, output: Path, run: str) -> dict[str, Any]:
-    """One `embedjob run` through the CLI; its statistics."""
-    gpus, overrides, extra_env = parse_run(run)
-    command = [sys.executable, "-m", "embedjob.cli", "run", str(job), "--gpus", str(gpus), "--overwrite"]
-    for override in [f"output.path={output}", *overrides]:
-        command += ["--set", override]
-    env = {**os.environ, **extra_env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    start = time.perf_counter()
-    subprocess.run(command, check=True, env=env, cwd=REPO)
-    stats = json.loads(next(output.glob("stats-*.json")).read_text())
-    stats["wall_seconds"] = time.perf_counter() - start
-    return stats
-
-
-def read_rows(output: Path) -> list[dict[str, Any]]:
-    return pq.read_table(sorted(output.glob("part-*.parquet"))).to_pylist()
-
-
-def compare(reference: list[dict[str, Any]], rows: list[dict[str, Any]]) -> tuple[bool, int, float]:
-    """(ids, order and errors identical; rows with bitwise-equal embeddings; largest relative difference)."""
-    same_rows = len(reference) == len(rows)
-    bitwise, worst = 0, 0.0
-    for a, b in zip(reference, rows):
-        same_rows &= {k: v for k, v in a.items() if k != "embedding"} == {k: v for k, v in b.items() if k != "embedding"}
-        if a["embedding"] is None or b["embedding"] is None:
-            bitwise += a["embedding"] == b["embedding"]
-            continue
-        ea, eb = torch.tensor(a["embedding"]), torch.tensor(b["embedding"])
-        bitwise += bool(torch.equal(ea, eb))
-        worst = max(worst, float((ea - eb).norm() / ea.norm().clamp_min(1e-12)))
-    return same_rows, bitwise, worst
+def _comparison(data: dict[str, Any] | None) -> Comparison | None:
+    return None if data is None else Comparison(**data)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", nargs="+", default=["1", "2"], help="GPUS[:KEY=VALUE,...] per run; the first is the baseline")
-    parser.add_argument("--images", type=int, default=1536)
-    parser.add_argument("--distinct", type=int, default=512, help="distinct JPEGs, repeated to --images rows")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--workdir", default="scaling-work")
-    args = parser.parse_args()
-    available = torch.cuda.device_count()
-    counts = [parse_run(run)[0] for run in args.runs]
-    if max(counts) > available:
-        raise SystemExit(f"asked for {max(counts)} GPUs but this machine has {available}")
-    if args.runs[0] != "1":
-        raise SystemExit("the first of --runs is the baseline of the scaling efficiency and must be 1")
+    args = parse_args()
+    for key, value in NO_MULTICAST.items():
+        os.environ.setdefault(key, value)
+    started = time.perf_counter()
     workdir = Path(args.workdir).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
-    checkpoint, parquet = prepare(workdir, args.images, args.distinct)
-    job = write_job(workdir, checkpoint, parquet)
-    results = []
-    reference: list[dict[str, Any]] | None = None
-    for number, run in enumerate(args.runs):
-        output = workdir / f"out-{number}"
-        runs = [run_once(job, output, run) for _ in range(args.repeats)]
-        rows = read_rows(output)
-        reference = rows if reference is None else reference
-        results.append((run, runs, compare(reference, rows)))
-    print(render(args, results))
+    results = load_results(workdir, args) if args.report else run_mixes(workdir, args)
+    text = render(results, args, time.perf_counter() - started)
+    (workdir / "scaling.md").write_text(text + "\n")
+    print(text)
     return 0
 
 
-def _joining(stats: dict[str, Any]) -> float:
-    """Seconds rank 0's pipeline waited for the other ranks to finish their setup (load,
-    compile, capture) before its first exchange: start-up, not throughput."""
-    ranks = stats.get("ranks") or [{}]
-    return ranks[0].get("exchange_seconds", {}).get("joining the group", 0.0)
+def run_mixes(workdir: Path, args: argparse.Namespace) -> list[MixResult]:
+    """Every mix of `args.mixes`, each result also saved as `<workdir>/<mix>/result.json`."""
+    visible = torch.cuda.device_count()
+    if not args.smoke and visible == 0:
+        raise SystemExit("no CUDA GPU is visible; run with --smoke to exercise the script on the CPU")
+    workers = len(os.sched_getaffinity(0))
+    counts = image_counts(args)
+    photos = collect_photos([*builtin_sources(), *args.photos])
+    datasets = {}
+    for name in args.mixes:  # CPU work first, before this process touches a GPU
+        log(f"[{name}] {counts[name]} JPEGs")
+        datasets[name] = jpeg_dataset(MIXES[name], counts[name], args.seed, photos, workdir / "data", workers)
+    peak = None if args.smoke else matmul_peak()
+    results = []
+    for name in args.mixes:
+        result = bench_mix(MIXES[name], datasets[name], workdir, visible, workers, args)
+        result.peak, result.smoke, result.command, result.overrides = peak, args.smoke, _command(), args.set
+        result.save(workdir / name / "result.json")
+        results.append(result)
+    return results
 
 
-def render(args: argparse.Namespace, results: list[tuple[str, list[dict[str, Any]], tuple[bool, int, float]]]) -> str:
-    base = None
-    lines = [
-        f"# embedjob data-parallel scaling — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- device: {torch.cuda.device_count()} x {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs; "
-        f"torch {torch.__version__}; {args.images} rows ({args.distinct} distinct JPEGs, 224-1344 px); Qwen2.5-VL-7B-size tower, bf16, compiled, CUDA graphs",
-        f"- seconds: pipeline (decode + encode + write), median of {args.repeats}; setup excluded, and so is the "
-        "time rank 0 waited for the other ranks' setup at its first exchange (shown below as 'joining the group')",
-        "",
-        "| run | seconds | images/s | images/s per GPU | scaling efficiency | balance ratio | busy ratio | hit rate "
-        "| setup s | rows identical | bitwise-equal embeddings | max rel. diff |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
-    ]
-    for run, runs, (same, bitwise, worst) in results:
-        gpus = parse_run(run)[0]
-        seconds = statistics.median(r["pipeline_seconds"] - _joining(r) for r in runs)
-        rate = runs[0]["rows"] / seconds
-        base = rate if base is None else base
-        efficiency = rate / (gpus * base)
-        last = runs[-1]
-        balance = last.get("balance_ratio", 1.0)
-        busy = last.get("busy_ratio", 1.0)
-        setup = statistics.median(r["setup_seconds"] for r in runs)
-        lines.append(
-            f"| {run} | {seconds:.2f} | {rate:.1f} | {rate / gpus:.1f} | {efficiency:.2f} | {balance} | {busy} "
-            f"| {last['hit_rate']:.0%} | {setup:.1f} | {'yes' if same else 'NO'} | {bitwise}/{last['rows']} | {worst:.2e} |"
-        )
-    lines += ["", "Where the time went (last run of each): rank 0's pipeline stages, and each rank's exchange wall seconds"]
-    for run, runs, _ in results:
-        last = runs[-1]
-        lines.append(f"- {run}: stages {last.get('stage_seconds')}")
-        for rank in last.get("ranks", []):
-            lines.append(f"  - rank {rank['rank']}: busy {rank['busy_seconds']} s, exchanges {rank.get('exchange_seconds')}")
+def load_results(workdir: Path, args: argparse.Namespace) -> list[MixResult]:
+    """The saved results of `args.mixes` (`--report`)."""
+    results = []
+    for name in args.mixes:
+        path = workdir / name / "result.json"
+        if not path.exists():
+            raise SystemExit(f"--report: {path} does not exist; run the mix first (--mixes {name})")
+        result = MixResult.load(path)
+        if result.smoke != args.smoke:
+            raise SystemExit(f"--report: {path} was measured {'with' if result.smoke else 'without'} --smoke; pass the same")
+        results.append(result)
+    return results
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
+    parser.add_argument(
+        "--images", nargs="+", action="extend", default=[], metavar="NAME=COUNT", help="rows per mix; a bare COUNT sets every mix"
+    )
+    parser.add_argument("--gpus", nargs="+", type=int, default=[1, 2], help="GPU counts (CPU ranks with --smoke)")
+    parser.add_argument("--repeats", type=int, default=2, help="CLI runs per GPU count; the median is reported")
+    parser.add_argument("--workdir", default="scaling-work")
+    parser.add_argument(
+        "--photos", nargs="+", action="extend", type=Path, default=[], help="directories or files of photos or Parquet files"
+    )
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a job override for every run")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the JPEG crops, sizes and qualities")
+    parser.add_argument("--smoke", action="store_true", help="CPU only: tiny towers, 24 images per mix, no compile")
+    parser.add_argument("--report", action="store_true", help="print the table of the mixes' saved results; run nothing")
+    args = parser.parse_args()
+    if any(n < 1 for n in args.gpus) or args.repeats < 1:
+        parser.error("--gpus and --repeats take positive numbers")
+    args.gpus = sorted(set(args.gpus))
+    return args
+
+
+def image_counts(args: argparse.Namespace) -> dict[str, int]:
+    """Rows per mix: the defaults (SMOKE_IMAGES each with --smoke), then `--images`."""
+    counts = {name: SMOKE_IMAGES if args.smoke else mix.images for name, mix in MIXES.items()}
+    for item in args.images:
+        name, _, value = item.rpartition("=")
+        if not value.isdigit() or int(value) < 1 or (name and name not in MIXES):
+            raise SystemExit(f"--images: expected NAME=COUNT (NAME one of {', '.join(MIXES)}) or COUNT, got {item!r}")
+        for key in [name] if name else list(counts):
+            counts[key] = int(value)
+    return counts
+
+
+def matmul_peak() -> float:
+    from embedjob.bench import matmul_peak as measure_peak
+
+    peak = measure_peak()
+    torch.cuda.empty_cache()
+    log(f"bf16 matmul: {peak / 1e12:.0f} TFLOP/s")
+    return peak
+
+
+def log(message: str) -> None:
+    print(f"scaling: {message}", file=sys.stderr, flush=True)
+
+
+# --- one mix ---------------------------------------------------------------------------
+
+
+def bench_mix(mix: Mix, dataset: Dataset, workdir: Path, visible: int, workers: int, args: argparse.Namespace) -> MixResult:
+    """The encoder-only measurement (which also warms the compile cache every run then
+    shares), then the CLI runs of every GPU count."""
+    tower = save_tower(mix.tower, workdir / "towers", args.smoke)
+    mixdir = workdir / mix.name
+    job = write_job(mixdir, mix, tower, dataset.path, workdir / "cache", args.smoke)
+    runnable = [n for n in args.gpus if args.smoke or n <= visible]
+    result = MixResult(mix, dataset, job, [], [n for n in args.gpus if n not in runnable])
+    device = torch.device("cpu" if args.smoke else "cuda")
+    log(f"[{mix.name}] encoder only")
+    try:
+        result.encoder = measure(load_job(job, args.set), device, workers, ENCODER_PASSES)
+    except Exception as exc:
+        traceback.print_exc()
+        result.encoder_error = f"{type(exc).__name__}: {exc}"
+    reference: tuple[int, pa.Table] | None = None
+    for gpus in runnable:
+        run = Run(gpus)
+        output = mixdir / f"out-{gpus}"
+        for repeat in range(args.repeats):
+            logfile = mixdir / "logs" / f"gpus{gpus}-repeat{repeat}.log"
+            stats = run_cli(job, output, gpus, args.set, logfile)
+            if stats is None:
+                run.failed.append(logfile)
+            else:
+                run.stats.append(stats)
+            unit = "CPU rank(s)" if args.smoke else "GPU(s)"
+            log(f"[{mix.name}] {gpus} {unit}, repeat {repeat + 1}/{args.repeats}: " + _seconds_line(stats, logfile))
+        if stats is not None:  # the output on disk is the last repeat's, complete
+            table = read_output(output)
+            reference = reference or (gpus, table)
+            run.comparison = compare(reference[1], table, reference[0])
+        result.runs.append(run)
+    return result
+
+
+def write_job(mixdir: Path, mix: Mix, tower: Path, parquet: Path, cache: Path, smoke: bool) -> Path:
+    """The mix's job file: what a user would write for this checkpoint and dataset."""
+    job = {
+        "input": {"path": str(parquet), "media_column": "image"},
+        "model": {"family": mix.tower.family, "path": str(tower), "dtype": "bfloat16"},
+        "output": {"path": str(mixdir / "out"), "rows_per_part": 100_000},
+        "batching": {"compile": not smoke},
+        "runtime": {"device": "cpu" if smoke else "cuda", "progress": False, "cache_dir": str(cache)},
+    }
+    mixdir.mkdir(parents=True, exist_ok=True)
+    path = mixdir / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def run_cli(job: Path, output: Path, gpus: int, overrides: list[str], logfile: Path) -> dict[str, Any] | None:
+    """One `embedjob run` through the CLI, its output in `logfile`; its statistics, or None if it failed."""
+    command = [sys.executable, "-m", "embedjob.cli", "run", str(job), "--gpus", str(gpus), "--overwrite"]
+    for override in [*overrides, f"output.path={output}"]:
+        command += ["--set", override]
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**NO_MULTICAST, **os.environ, "PYTHONPATH": path}
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    with logfile.open("w") as out:
+        out.write(" ".join(command) + "\n")
+        out.flush()
+        code = subprocess.run(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    stats = sorted(output.glob("stats-*.json"))
+    if code != 0 or not stats:
+        tail = logfile.read_text().splitlines()[-15:]
+        log(f"run failed (exit code {code}); last lines of {logfile}:\n" + "\n".join(tail))
+        return None
+    return json.loads(stats[0].read_text())
+
+
+def _seconds_line(stats: dict[str, Any] | None, logfile: Path) -> str:
+    if stats is None:
+        return f"FAILED (log: {logfile})"
+    return f"pipeline {fmt(stats.get('pipeline_seconds'), '.2f')} s, setup {fmt(stats.get('setup_seconds'), '.1f')} s"
+
+
+# --- outputs compared --------------------------------------------------------------------
+
+
+def read_output(directory: Path) -> pa.Table:
+    return pa.concat_tables([pq.read_table(p) for p in sorted(directory.glob("part-*.parquet"))])
+
+
+def compare(reference: pa.Table, table: pa.Table, against: int) -> Comparison:
+    """Ids, order, tokens and errors identical; rows with bitwise-equal embeddings; the
+    largest relative difference of an embedding."""
+    others = [c for c in reference.column_names if c != "embedding"]
+    if table.num_rows != reference.num_rows or table.column_names != reference.column_names:
+        return Comparison(False, 0, table.num_rows, float("nan"), against)
+    same = table.select(others).equals(reference.select(others))
+    a, b = _embeddings(reference.column("embedding")), _embeddings(table.column("embedding"))
+    if a is None or b is None:
+        rows = _compare_rows(same, reference.column("embedding").to_pylist(), table.column("embedding").to_pylist())
+        rows.against = against
+        return rows
+    bits = np.uint16 if a.dtype.itemsize == 2 else np.uint32
+    bitwise = int(np.all(a.view(bits) == b.view(bits), axis=1).sum())
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    finite = np.isfinite(a64).all(axis=1) & np.isfinite(b64).all(axis=1)
+    diff = np.linalg.norm(a64 - b64, axis=1) / np.maximum(np.linalg.norm(a64, axis=1), 1e-12)
+    return Comparison(same, bitwise, table.num_rows, float(diff[finite].max()) if finite.any() else 0.0, against)
+
+
+def _embeddings(column: pa.ChunkedArray) -> np.ndarray | None:
+    """A pooled embedding column as one (rows, width) array; None for per-token lists."""
+    if not pa.types.is_fixed_size_list(column.type):
+        return None
+    flat = column.combine_chunks()
+    return flat.flatten().to_numpy(zero_copy_only=False).reshape(len(flat), column.type.list_size)
+
+
+def _compare_rows(same: bool, a_rows: list[Any], b_rows: list[Any]) -> Comparison:
+    """`compare` for embeddings that are lists of per-token vectors (`output.pooling: none`)."""
+    bitwise, worst = 0, 0.0
+    for a, b in zip(a_rows, b_rows):
+        if a is None or b is None:
+            bitwise += a is None and b is None
+            continue
+        ea, eb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        bitwise += ea.shape == eb.shape and bool(np.array_equal(ea, eb))
+        if ea.shape == eb.shape:
+            worst = max(worst, float(np.linalg.norm(ea - eb) / max(np.linalg.norm(ea), 1e-12)))
+    return Comparison(same, bitwise, len(a_rows), worst)
+
+
+# --- the report --------------------------------------------------------------------------
+
+
+def fmt(value: Any, spec: str = "") -> str:
+    """A value for the table, or `-` where the statistics do not have it."""
+    if value is None or (isinstance(value, float) and not np.isfinite(value)):
+        return "-"
+    return format(value, spec)
+
+
+def median_of(runs: list[dict[str, Any]], pick: Callable[[dict[str, Any]], Any]) -> float | None:
+    """The median over the repeats of what `pick` finds; None when no repeat has it."""
+    values = [v for v in (_safely(pick, s) for s in runs) if isinstance(v, (int, float))]
+    return statistics.median(values) if values else None
+
+
+def _safely(pick: Callable[[dict[str, Any]], Any], stats: dict[str, Any]) -> Any:
+    try:
+        return pick(stats)
+    except (KeyError, IndexError, TypeError, ZeroDivisionError):
+        return None
+
+
+def rank0(stats: dict[str, Any]) -> dict[str, Any]:
+    return (stats.get("ranks") or [{}])[0]
+
+
+def run_rate(run: Run) -> float | None:
+    seconds = median_of(run.stats, lambda s: s["pipeline_seconds"])
+    rows = median_of(run.stats, lambda s: s["rows"])
+    return rows / seconds if seconds and rows else None
+
+
+COLUMNS = [
+    ("mix", "---"), ("run", "---"), ("rows", "---:"), ("seconds", "---:"), ("images/s", "---:"), ("per GPU", "---:"),
+    ("scaling eff.", "---:"), ("MFU", "---:"), ("per GPU / enc.-only", "---:"), ("setup s", "---:"),
+    ("main ms/item", "---:"), ("balance", "---:"), ("busy", "---:"), ("hit rate", "---:"), ("padding", "---:"),
+    ("rows identical", "---"), ("bitwise", "---:"), ("max rel. diff", "---:"),
+]
+
+
+def render(results: list[MixResult], args: argparse.Namespace, wall: float) -> str:
+    lines = _header(results, args, wall)
+    lines += ["", "| " + " | ".join(c for c, _ in COLUMNS) + " |", "| " + " | ".join(a for _, a in COLUMNS) + " |"]
+    for result in results:
+        lines += [_table_row(cells) for cells in _mix_rows(result, result.peak, args.smoke)]
+    for result in results:
+        lines += ["", *_details(result, args.smoke)]
     return "\n".join(lines)
+
+
+def _header(results: list[MixResult], args: argparse.Namespace, wall: float) -> list[str]:
+    if args.smoke:
+        device = f"CPU only (--smoke: tiny towers, `--gpus N` = N CPU ranks), {os.cpu_count()} CPUs"
+    else:
+        device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs"
+    peaks = [(r.mix.name, r.peak / 1e12) for r in results if r.peak]
+    listed = f"{peaks[0][1]:.0f}" if len({p for _, p in peaks}) == 1 else ", ".join(f"{m} {p:.0f}" for m, p in peaks)
+    peak_text = f"{listed} TFLOP/s (8192^3, median of 10, in the process that ran the mix)" if peaks else "not measured"
+    commands = sorted({r.command for r in results if r.command and r.command != _command()})
+    overrides = sorted({", ".join(r.overrides) or "none" for r in results})
+    repeats = sorted({len(run.stats) + len(run.failed) for r in results for run in r.runs})
+    lines = [
+        f"# embedjob per-GPU pipeline benchmark — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        f"- command: `{_command()}` ({wall / 60:.1f} min)",
+        *[f"- measured by: `{command}`" for command in commands],
+        (f"- machine: {device}; python {platform.python_version()}, torch {torch.__version__}, "
+         f"transformers {_version('transformers')}, pyarrow {pa.__version__}"),
+        f"- bf16 matmul: {peak_text}",
+        (f"- each run: `python -m embedjob.cli run JOB --gpus N --overwrite` (bf16, "
+         f"{'uncompiled' if args.smoke else 'compiled blocks'}, graphs, decode included); extra --set: "
+         f"{'; '.join(overrides)}; seconds = pipeline_seconds, median of {'/'.join(map(str, repeats)) or '-'} repeats; "
+         f"encoder only: median of {ENCODER_PASSES} passes after a warm-up, same job and checkpoint, 1 "
+         f"{'CPU process' if args.smoke else 'GPU'}"),
+    ]
+    return lines
+
+
+def _command() -> str:
+    return " ".join(["benchmarks/scaling.py", *sys.argv[1:]])
+
+
+def _mix_rows(result: MixResult, peak: float | None, smoke: bool) -> list[list[str]]:
+    unit = "rank" if smoke else "GPU"
+    encoder = result.encoder
+    enc_rate = encoder.rate if encoder is not None and encoder.passes else None
+    flops = encoder.flops if encoder is not None else None
+    base = next((run_rate(r) for r in result.runs if r.gpus == 1), None)
+    rows = []
+    for run in result.runs:
+        label = f"{run.gpus} {unit}{'s' if run.gpus > 1 else ''}" + (f", {len(run.failed)} failed" if run.failed else "")
+        if not run.stats:
+            rows.append([result.mix.name, label] + ["-"] * (len(COLUMNS) - 2))
+            continue
+        rate = run_rate(run)
+        seconds = median_of(run.stats, lambda s: s["pipeline_seconds"])
+        c = run.comparison
+        rows.append([
+            result.mix.name,
+            label,
+            fmt(median_of(run.stats, lambda s: s["rows"]), ".0f"),
+            fmt(seconds, ".2f"),
+            fmt(rate, ".1f"),
+            fmt(rate / run.gpus if rate else None, ".1f"),
+            fmt(rate / (run.gpus * base) if rate and base else None, ".2f"),
+            fmt(flops / seconds / (run.gpus * peak) if flops and seconds and peak else None, ".1%"),
+            fmt(rate / run.gpus / enc_rate if rate and enc_rate else None, ".0%"),
+            fmt(median_of(run.stats, lambda s: s["setup_seconds"]), ".1f"),
+            fmt(median_of(run.stats, lambda s: rank0(s)["host_seconds"] / rank0(s)["rows"] * 1000), ".2f"),
+            fmt(median_of(run.stats, lambda s: s["balance_ratio"]), ".3f"),
+            fmt(median_of(run.stats, lambda s: s["busy_ratio"]), ".3f"),
+            fmt(median_of(run.stats, lambda s: s["hit_rate"]), ".0%"),
+            fmt(median_of(run.stats, lambda s: s["padding_waste"] / s["real_tokens"]), ".1%"),
+            "-" if c is None else ("yes" if c.same_rows else "NO") + ("" if c.against == 1 else f" (vs {c.against})"),
+            "-" if c is None else f"{c.bitwise}/{c.rows}",
+            "-" if c is None else fmt(c.worst, ".2e"),
+        ])
+    rows.append(_encoder_row(result, peak, smoke))
+    return rows
+
+
+def _encoder_row(result: MixResult, peak: float | None, smoke: bool) -> list[str]:
+    label = f"encoder only, 1 {'CPU process' if smoke else 'GPU'}"
+    e = result.encoder
+    if e is None or not e.passes:
+        return [result.mix.name, label + " (not measured)"] + ["-"] * (len(COLUMNS) - 2)
+    cells = [
+        result.mix.name, label, str(e.items), f"{e.seconds:.2f}", f"{e.rate:.1f}", f"{e.rate:.1f}", "-",
+        fmt(e.flops / e.seconds / peak if peak else None, ".1%"), "-", f"{e.setup_seconds:.1f}", "-", "-", "-",
+        fmt(e.hit_rate, ".0%"), fmt(e.padding, ".1%"), "-", "-", "-",
+    ]
+    return cells
+
+
+def _table_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _details(result: MixResult, smoke: bool) -> list[str]:
+    mix, info = result.mix, result.dataset.info
+    lines = [
+        (f"**{mix.name}**: {mix.describe(smoke)}; {info['rows']} rows, {info['distinct_jpegs']} distinct JPEGs "
+        f"({info['megabytes']} MB) cut from {info['photos']} photos ({info['unreadable_photos']} unreadable skipped); "
+        f"`{result.dataset.path.name}`, job `{result.job}`"),
+    ]
+    e = result.encoder
+    if e is not None:
+        passes = ", ".join(f"{p:.3f}" for p in e.passes) or "-"
+        lines.append(
+            f"- encoder only: {e.items} items ({e.failed} did not decode), {e.batches} batches, passes {passes} s, "
+            f"{e.flops / max(e.items, 1) / 1e9:.4g} GFLOP per item, budgets {e.budgets}, load+compile+capture "
+            f"{e.setup_seconds:.1f} s, CPU preprocessing {e.preprocess_seconds:.1f} s {e.note}".rstrip()
+        )
+    elif result.encoder_error:
+        lines.append(f"- encoder only: failed: {result.encoder_error}")
+    for run in result.runs:
+        lines += _run_details(run, smoke)
+    if result.skipped:
+        lines.append(f"- skipped: {', '.join(map(str, result.skipped))} GPUs ({torch.cuda.device_count()} visible); not run, not estimated")
+    return lines
+
+
+def _run_details(run: Run, smoke: bool) -> list[str]:
+    unit = ("rank" if smoke else "GPU") + ("s" if run.gpus > 1 else "")
+    failed = f"; failed repeats, logs: {', '.join(str(p) for p in run.failed)}" if run.failed else ""
+    if not run.stats:
+        return [f"- {run.gpus} {unit}: no run finished{failed}"]
+    seconds = ", ".join(fmt(s.get("pipeline_seconds"), ".2f") for s in run.stats)
+    last = run.stats[-1]
+    stages = ", ".join(f"{k} {v:.2f}" for k, v in (last.get("stage_seconds") or {}).items()) or "-"
+    lines = [f"- {run.gpus} {unit}: pipeline s per repeat {seconds}; rank 0 stages (last repeat) {stages}{failed}"]
+    if not last.get("ranks"):
+        lines.append("  - ranks: - (not in this run's statistics)")
+    for rank in last.get("ranks") or []:
+        waits = rank.get("waits", rank.get("exchange_seconds"))
+        wait_text = "-" if waits is None else ", ".join(f"{k} {v:.2f}" for k, v in waits.items()) or "none"
+        lines.append(
+            f"  - rank {fmt(rank.get('rank'))} ({fmt(rank.get('device'))}): rows {fmt(rank.get('rows'))}, "
+            f"items {fmt(rank.get('items'))}, busy {fmt(rank.get('busy_seconds'), '.2f')} s, "
+            f"decode {fmt(rank.get('decode_seconds'), '.2f')} s, host {fmt(rank.get('host_seconds'), '.2f')} s, "
+            f"setup {fmt(rank.get('setup_seconds'), '.1f')} s, waits s: {wait_text}"
+        )
+    return lines
+
+
+def _version(name: str) -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version(name)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,208 @@
+"""The encoder-only rate of a job's rows on one device: the bound `embedjob run` is measured against.
+
+Every row is decoded and preprocessed on the CPU first (`embedjob.media.decode` and the
+adapter's own preprocessor, in a process pool), so the timed part is the encoder alone:
+the job's checkpoint loaded through `load_adapter` with the job itself (same dtype,
+preprocessing and budgets), compiled as the runner compiles it, the job's budget plan
+(rounded to whole images for a fixed-resolution tower, as `graphs.build_encoder` does),
+one graph per budget, and every packed batch run through `GraphManager.run` with the
+job's pooling as the read-out. The time is the median of `repeats` passes over all
+batches after one warm-up pass: CUDA events on a GPU, wall time on a CPU.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import gc
+import multiprocessing
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from benchmarks.mixes import items_flops
+from embedjob import media, packer
+from embedjob.encoders import EncoderInput, load_adapter
+from embedjob.encoders.fixed import FixedResAdapter
+from embedjob.graphs import GraphManager, budget_plan, whole_image_plan
+from embedjob.job import Job
+
+
+@dataclass
+class EncoderOnly:
+    """What one encoder-only measurement found."""
+
+    items: int
+    failed: int
+    seconds: float
+    passes: list[float]
+    flops: float
+    batches: int
+    hit_rate: float | None
+    padding: float | None
+    budgets: list[int]
+    setup_seconds: float
+    preprocess_seconds: float
+    note: str = ""
+
+    @property
+    def rate(self) -> float:
+        return self.items / self.seconds
+
+
+def measure(job: Job, device: torch.device, workers: int, repeats: int) -> EncoderOnly:
+    """Load, preprocess, capture, then time every batch of the job's input (see the module docstring)."""
+    start = time.perf_counter()
+    adapter = load_adapter(job, device)
+    if job.batching.compile and device.type == "cuda":
+        torch._dynamo.reset()
+        adapter.compile(dynamic=True)
+    loaded = time.perf_counter()
+    items, failed = preprocess_rows(job, adapter, workers)
+    preprocessed = time.perf_counter()
+    try:
+        with _host_threads(device):
+            return _timed(job, adapter, items, failed, device, repeats, (loaded - start, preprocessed - loaded))
+    finally:
+        del adapter, items
+        if device.type == "cuda":  # give the GPU back to the runs that follow
+            torch._dynamo.reset()
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def _host_threads(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """The runner's limit on torch CPU threads in a process that feeds a GPU, so batches
+    are assembled on the host as in a run; torch's default where the runner has none."""
+    try:
+        from embedjob.runner import host_threads
+    except ImportError:
+        return contextlib.nullcontext()
+    return host_threads(device)
+
+
+def _timed(
+    job: Job,
+    adapter: Any,
+    items: list[EncoderInput],
+    failed: int,
+    device: torch.device,
+    repeats: int,
+    seconds: tuple[float, float],
+) -> EncoderOnly:
+    flops = items_flops(adapter, items)
+    plan = budget_plan(job, adapter)
+    if isinstance(adapter, FixedResAdapter):
+        if len(adapter.views) > 1:
+            return _not_measured(items, failed, flops, seconds, "the dual-path (tiled) encoder is not measured here")
+        plan = whole_image_plan(plan, adapter.tokens_per_image)
+    backend = None if not job.batching.cuda_graphs else ("cuda" if device.type == "cuda" else "replay")
+    capture_start = time.perf_counter()
+    manager = GraphManager(adapter, plan, backend)
+    manager.capture()
+    capture = time.perf_counter() - capture_start
+    batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, job.batching.policy)
+    reduce = _mean_rows if job.output.pooling == "mean" else _clone_rows
+
+    def one_pass() -> None:
+        for batch in batches:
+            manager.run([items[i] for i in batch.indices], batch.budget, reduce=reduce)
+
+    passes = _cuda_passes(one_pass, repeats) if device.type == "cuda" else _wall_passes(one_pass, repeats)
+    real = sum(i.tokens for i in items)
+    manager.clear()
+    return EncoderOnly(
+        items=len(items),
+        failed=failed,
+        seconds=statistics.median(passes),
+        passes=passes,
+        flops=flops,
+        batches=len(batches),
+        hit_rate=manager.stats.hit_rate if backend else None,
+        padding=packer.padding_waste(batches) / real if backend and real else None,
+        budgets=list(plan.token_budgets),
+        setup_seconds=seconds[0] + capture,
+        preprocess_seconds=seconds[1],
+    )
+
+
+def _not_measured(items: list[EncoderInput], failed: int, flops: float, seconds: tuple[float, float], note: str) -> EncoderOnly:
+    return EncoderOnly(len(items), failed, float("nan"), [], flops, 0, None, None, [], seconds[0], seconds[1], note)
+
+
+def _mean_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The runner's `output.pooling: mean` read-out."""
+    return rows.float().mean(dim=0)
+
+
+def _clone_rows(rows: torch.Tensor) -> torch.Tensor:
+    return rows.clone()
+
+
+def _cuda_passes(fn: Callable[[], None], repeats: int) -> list[float]:
+    """Seconds of each of `repeats` passes, timed with CUDA events after one warm-up pass."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1000)
+    return out
+
+
+def _wall_passes(fn: Callable[[], None], repeats: int) -> list[float]:
+    fn()
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+# --- preprocessing on the CPU ---------------------------------------------------------
+
+
+def preprocess_rows(job: Job, adapter: Any, workers: int) -> tuple[list[EncoderInput], int]:
+    """Every row of the job's input (one Parquet file, binary media column) decoded and
+    preprocessed by `workers` processes; the items of the rows that decoded, and how many did not."""
+    preprocessor = adapter.preprocessor()
+    options = media.DecodeOptions(
+        modality=job.input.modality,
+        max_image_pixels=job.preprocess.max_image_pixels,
+        fps=job.video.fps,
+        max_frames=job.video.max_frames,
+        frame_multiple=preprocessor.frame_multiple,
+    )
+    column = job.input.media_column
+    blobs = pq.read_table(Path(job.input.path), columns=[column]).column(column).to_pylist()
+    work = functools.partial(_decode_one, options=options, preprocess=preprocessor)
+    context = multiprocessing.get_context("forkserver")
+    with concurrent.futures.ProcessPoolExecutor(max(1, workers), mp_context=context, initializer=_one_thread) as pool:
+        results = list(pool.map(work, blobs, chunksize=8))
+    items = [r for r in results if r is not None]
+    return items, len(results) - len(items)
+
+
+def _one_thread() -> None:
+    """One torch thread per worker: the workers already run one per core."""
+    torch.set_num_threads(1)
+
+
+def _decode_one(data: bytes, options: media.DecodeOptions, preprocess: Any) -> EncoderInput | None:
+    """Worker: bytes -> EncoderInput, or None for a row that does not decode (an error row in a run)."""
+    try:
+        return preprocess(media.decode(data, options))
+    except media.MediaError:
+        return None

@@ -23,6 +23,7 @@ per-item work (decode, resize, patching, metadata) is done by the decode workers
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -166,11 +167,12 @@ def window_sizes(window: int) -> Iterator[int]:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The job's device, with its index on CUDA (statistics name the GPU each rank used)."""
     if name == "cuda" and not torch.cuda.is_available():
         raise JobError("runtime.device is 'cuda' but no CUDA device is visible; use runtime.device=cpu or auto")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
 def resolve_workers(value: str | int, world_size: int = 1) -> int:
@@ -180,21 +182,26 @@ def resolve_workers(value: str | int, world_size: int = 1) -> int:
 
 
 def load_encoder_adapter(job: Job, device: torch.device) -> EncoderAdapter:
-    """The job's adapter on `device`, compiled when the job asks for it (CUDA only).
+    """The job's adapter on `device`.
 
     A checkpoint that cannot serve the job (not a checkpoint, another family) is a job
     error: the user must change model.path or model.family.
     """
     try:
-        adapter = load_adapter(job, device)
+        return load_adapter(job, device)
     except (ValueError, OSError) as exc:
         raise JobError(f"model.path {job.model.path!r} (model.family {job.model.family!r}): {exc}") from None
-    if job.batching.compile:
-        if device.type == "cuda":
-            adapter.compile(dynamic=True)
-        else:
-            logger.info("batching.compile applies to CUDA only; running uncompiled on %s", device)
-    return adapter
+
+
+def compile_if_asked(job: Job, adapter: EncoderAdapter) -> None:
+    """Compile the adapter's blocks when the job asks for it (CUDA only); the work
+    happens at the first forward, i.e. when the graphs are captured."""
+    if not job.batching.compile:
+        return
+    if adapter.device.type == "cuda":
+        adapter.compile(dynamic=True)
+    else:
+        logger.info("batching.compile applies to CUDA only; running uncompiled on %s", adapter.device)
 
 
 def output_dtype(job: Job) -> torch.dtype:
@@ -431,6 +438,7 @@ class RankStats:
     setup: dict[str, float] = field(default_factory=dict)
     stages: dict[str, float] = field(default_factory=dict)
     waits: dict[str, float] = field(default_factory=dict)
+    started_at: float | None = None
     ready_at: float | None = None
     graphs: GraphStats | None = None
     plan: dict[str, Any] = field(default_factory=dict)
@@ -447,7 +455,7 @@ class RankStats:
             "busy_seconds": round(self.busy_seconds, 3),
             "decode_seconds": round(self.decode_seconds, 3),
             "host_seconds": round(self.stages.get("host", 0.0), 3),
-            "setup_seconds": round(sum(self.setup.values()), 3),
+            "setup_seconds": round(self.ready_at - self.started_at, 3) if self.ready_at and self.started_at else 0.0,
             "setup": {k: round(v, 3) for k, v in self.setup.items()},
             "waits": {k: round(v, 3) for k, v in self.waits.items()},
             "graph_hits": graphs.hits,
@@ -492,12 +500,15 @@ class RankPipeline:
         """Load the model and build the encoder; a job the model cannot serve (a bad
         checkpoint, budgets the model cannot take) stops here, before any row is read."""
         since = time.perf_counter()
+        self.stats.started_at = time.time()
         media.start_worker_server(WORKER_MODULES)
         adapter = load_encoder_adapter(self.job, self.device)
+        since = self._setup("load", since)
+        compile_if_asked(self.job, adapter)
         self.options = decode_options(self.job, adapter)
         self.preprocess = adapter.preprocessor()
         self.encoder = build_encoder(self.job, adapter, self.device)
-        self._setup("load", since)
+        self._setup("plan", since)
 
     def run(self) -> RankStats:
         """Take chunks until there are none; `prepare`s first if the caller did not."""
@@ -506,23 +517,45 @@ class RankPipeline:
             return self.stats
         if self.encoder is None:
             self.prepare()
-        since = time.perf_counter()
-        fn = functools.partial(decode_row, options=self.options, preprocess=self.preprocess)
         taken: collections.deque[reader.Chunk] = collections.deque()
         submitted: collections.deque[reader.InputRow] = collections.deque()
-        rows = self._rows(first, taken, submitted)
-        in_flight = 2 * self.job.batching.window
-        with media.DecodePool(fn, self.workers, self.job.runtime.decode_timeout, in_flight, WORKER_MODULES) as pool:
-            stream = pool.imap(rows, idle=LINGER)
-            since = self._setup("workers", since)
-            self.encoder.capture()
-            self._setup("capture", since)
+        pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
+        with pool:
             self.stats.ready_at = time.time()
             windows = WindowEncoder(self.encoder, self.job, self.device)
             self._pipeline(self._windows(stream, submitted), windows, ChunkAssembler(taken, self.deliver))
         self._finish()
         self.encoder.clear()
         return self.stats
+
+    def _start_decoding_while_capturing(self, rows: Iterator[reader.InputRow]) -> tuple[media.DecodePool, Iterator[Any]]:
+        """Start the decode workers (and their first rows) on a thread while this one
+        compiles and captures the graphs: the two take seconds each and need nothing of
+        each other (the workers' thread makes no CUDA call, which capture forbids)."""
+        fn = functools.partial(decode_row, options=self.options, preprocess=self.preprocess)
+        in_flight = 2 * self.job.batching.window
+
+        def start() -> tuple[media.DecodePool, Iterator[Any]]:
+            since = time.perf_counter()
+            pool = media.DecodePool(fn, self.workers, self.job.runtime.decode_timeout, in_flight, WORKER_MODULES)
+            try:
+                stream = pool.imap(rows, idle=LINGER)
+            except BaseException:
+                pool.close()
+                raise
+            self._setup("workers", since)
+            return pool, stream
+
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-start") as starter:
+            starting = starter.submit(start)
+            since = time.perf_counter()
+            try:
+                self.encoder.capture()
+            except BaseException:
+                starting.result()[0].close()
+                raise
+            self._setup("capture", since)
+            return starting.result()
 
     def _setup(self, stage: str, since: float) -> float:
         now = time.perf_counter()

@@ -1,0 +1,108 @@
+"""Where one `embedjob run` spends its time: a sampling profile of the main thread (the
+one that feeds the GPU) and a cProfile of the whole process, then the run's stages.
+
+Usage (from the repository root; one process, one GPU):
+
+    PYTHONPATH=. python3 benchmarks/profile_run.py JOB.yaml [--set KEY=VALUE ...] [--top 30]
+
+The sampler reads the main thread's stack every `--interval` seconds while the job runs
+and counts, per function, the samples in which it is on the stack (inclusive) and the
+ones in which it is the innermost frame (exclusive): wall time, waits included, with
+little overhead since nothing traces the main thread's calls. cProfile (every thread
+from Python 3.12) follows with its own-time table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import json
+import pstats
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from embedjob.job import load_job  # noqa: E402
+from embedjob.runner import Runner  # noqa: E402
+
+
+class MainThreadSampler:
+    """Counts the functions on the main thread's stack at a fixed interval."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.inclusive: collections.Counter[str] = collections.Counter()
+        self.exclusive: collections.Counter[str] = collections.Counter()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._main = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "MainThreadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self._main)
+            if frame is None:
+                continue
+            self.samples += 1
+            names = []
+            while frame is not None:
+                code = frame.f_code
+                names.append(f"{Path(code.co_filename).name}:{code.co_name}")
+                frame = frame.f_back
+            self.exclusive[names[0]] += 1
+            for name in set(names):
+                self.inclusive[name] += 1
+
+    def table(self, top: int) -> str:
+        lines = [f"main thread: {self.samples} samples every {self.interval * 1000:.1f} ms", "", "inclusive (on the stack):"]
+        lines += [f"  {100 * n / self.samples:5.1f} %  {name}" for name, n in self.inclusive.most_common(top)]
+        lines += ["", "exclusive (innermost frame):"]
+        lines += [f"  {100 * n / self.samples:5.1f} %  {name}" for name, n in self.exclusive.most_common(top)]
+        return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("job")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--interval", type=float, default=0.002)
+    parser.add_argument("--out", help="also write the report to this file")
+    args = parser.parse_args()
+    job = load_job(args.job, [*args.set, "runtime.gpus=1", "runtime.progress=false"])
+    profile = cProfile.Profile()
+    with MainThreadSampler(args.interval) as sampler:
+        stats = profile.runcall(Runner(job, overwrite=True).run)
+    own = io.StringIO()
+    pstats.Stats(profile, stream=own).sort_stats("tottime").print_stats(args.top)
+    rank = (stats.get("ranks") or [{}])[0]
+    summary = {k: stats.get(k) for k in ("rows", "setup_seconds", "pipeline_seconds", "items_per_second", "stage_seconds")}
+    report = "\n\n".join([
+        f"# profile of {args.job} {' '.join(args.set)} — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        json.dumps(summary),
+        json.dumps({k: rank.get(k) for k in ("setup", "waits", "host_seconds", "busy_seconds", "decode_seconds")}),
+        sampler.table(args.top),
+        "cProfile, own time (every thread):\n" + own.getvalue(),
+    ])
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1016,7 +1016,8 @@ def _check_frame_pixels(width: int, height: int, options: DecodeOptions, how: st
 
 
 def _check_video_pixels(frames: int, width: int, height: int, options: DecodeOptions) -> None:
-    """The sampled frames together, at the size they are decoded to, before any is."""
+    """The sampled frames together, at the size they are decoded to, before the rest of
+    them are decoded (only the first one is, to learn its size)."""
     limit = options.video_pixel_limit
     total = frames * width * height
     if limit is not None and total > limit:

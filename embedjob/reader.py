@@ -54,14 +54,13 @@ changes it; the job fingerprint carries these, so a resume over changed input is
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import fsspec
 import pyarrow as pa
@@ -327,7 +326,7 @@ def _open(location: str) -> pq.ParquetFile:
 def _describe(location: str, cfg: InputConfig) -> _FileInfo:
     with _open(location) as pf:
         info = _file_info(location, pf, cfg)
-    return dataclasses.replace(info, identity=_identity(location, info.metadata))
+    return replace(info, identity=_identity(location, info.metadata))
 
 
 def _identity(location: str, metadata: pq.FileMetaData) -> InputFile:

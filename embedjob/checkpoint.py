@@ -1,59 +1,104 @@
-"""The manifest of committed parts of one shard, and what a restart may skip.
+"""The manifest of committed parts of one shard, what a restart may skip, and the job
+an output belongs to.
 
 A shard's rows are cut into parts of `rows_per_part` rows aligned to the shard's first
 row, so part k always covers the same rows and a restart knows, from the manifest
 alone, where to resume. A part is committed when its file has been renamed into place
-AND the manifest lists it (the manifest is replaced atomically after the rename); a
-part file the manifest does not list, and every temporary file, is debris of a killed
-run and is removed on open. `_SUCCESS-SSSSS` is written last, so it exists only when
-every part of the shard is committed; a marker without a manifest that backs it is
-removed with the rest of the shard's files.
+AND the manifest lists it (the manifest is replaced atomically after the rename), with
+the file's size, row count and sha256 as committed. A part file the manifest does not
+list, and every temporary file, is debris of a killed run and is removed on open.
+`_SUCCESS-SSSSS` is written last, so it exists only when every part of the shard is
+committed; a marker without a manifest that backs it is removed with the rest of the
+shard's files.
 
-The manifest also holds the job's fingerprint (model, preprocessing, pooling, dtype,
-input) and the shard layout (number of shards, row range, part size): resuming into
-output made by a different job would mix embeddings from two models or cut parts at
-other rows, so it is refused, naming what changed, unless the user asks to overwrite.
+A restart keeps a committed part only while it is intact: same size, same checksum.
+The first part that is not (truncated, bit-flipped, replaced, gone) is recomputed, with
+a warning naming it, and so is every part after it (parts are contiguous).
+
+One output, one job: the first run (or submission) that writes into an output records
+the job's fingerprint (model, preprocessing, pooling, dtype, input and each input
+file's identity) and layout (shard count, part size) at its top level, in
+`_embedjob.json`; every later run checks it before writing, and each shard's manifest
+repeats the fingerprint (its input files as a digest). Output made by a different job
+would mix embeddings from two models or two inputs, or rows of two shard layouts, so
+it is refused, naming what changed, unless the user asks to overwrite: then every
+shard's files of the old job are removed first, all or nothing (`_replace`).
 
 One process writes a shard at a time: `open_checkpoint` takes an exclusive lock on the
 shard's `.lock-SSSSS` file and holds it until `finish` (the kernel drops it when the
 process dies, SIGKILL included). Removing temporary files on open relies on this; a
 second run of the same shard (a duplicate submission, a requeue racing its old task)
-stops with a clear error instead of deleting the first run's files under it.
+stops with a clear error instead of deleting the first run's files under it. The
+output's record is read and written under `.lock-job`, held for moments. Lock files are
+opened without following a symlink and must be plain files: a link planted in a shared
+output directory cannot make a run truncate the file it points to.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import re
 import socket
+import stat
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from embedjob import reader
+from embedjob.files import file_digest, write_json
 from embedjob.job import Job, JobError
-from embedjob.writer import TMP_MARK, stats_name, write_json
+from embedjob.writer import TMP_MARK, stats_name
 
 logger = logging.getLogger(__name__)
 
+JOB_RECORD = "_embedjob.json"
+OUTPUT_LOCK = ".lock-job"
+READY, REPLACING = "ready", "replacing"
+
 _MANIFEST = re.compile(r"^manifest-(\d{5})\.json$")
 _SUCCESS = re.compile(r"^_SUCCESS-(\d{5})$")
+# Every file of a shard, temporary ones and its lock file included.
+_SHARD_FILE = re.compile(r"^\.?(?:part|manifest|stats|_SUCCESS|lock)-(\d{5})(?:[-.]|$)")
 _LAYOUT = ("num_shards", "first_row", "end_row", "rows_per_part")
 _PART_KEYS = {"part", "name", "first_row", "end_row", "errors"}
+_SEAL_KEYS = {"rows", "size", "sha256"}
+_NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP)
+_LISTED_FILE_CHANGES = 3
 
 
-def job_fingerprint(job: Job) -> dict[str, Any]:
-    """What determines the embeddings; a resume into output with another fingerprint is refused."""
+class OutputError(RuntimeError):
+    """The output directory cannot be written (a full disk, permissions, a read-only
+    mount): not something the job spec can fix, so exit code 1, at start as mid-run."""
+
+
+def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dict[str, Any]:
+    """What determines the embeddings; output made with another fingerprint is refused.
+
+    The input part names each input file with its size and content identity
+    (`reader.InputFile`), so an input rewritten in place is a different input.
+    `listing` is `reader.scan_input(job.input)`; without it the input is scanned here.
+    """
+    listing = listing if listing is not None else reader.scan_input(job.input)
+    keys = ("path", "media_column", "id_column", "modality", "media_root", "max_item_bytes")
     return {
         "model": vars(job.model),
         "preprocessing": {"preprocess": vars(job.preprocess), "video": vars(job.video)},
         "pooling": job.output.pooling,
         "output_dtype": job.output.dtype,
-        "input": {k: getattr(job.input, k) for k in ("path", "media_column", "id_column", "modality", "media_root")},
+        "input": {
+            **{k: getattr(job.input, k) for k in keys},
+            "rows": sum(f.num_rows for f in listing.fragments),
+            "files": [dataclasses.asdict(f) for f in listing.files],
+        },
     }
 
 
@@ -71,20 +116,47 @@ def lock_name(shard: int) -> str:
 
 @dataclass
 class PartRecord:
-    """A committed part: its file and the global row range [first_row, end_row) it holds."""
+    """A committed part: its file, the global row range [first_row, end_row) it holds,
+    and, sealed at commit, its row count, size in bytes and sha256."""
 
     part: int
     name: str
     first_row: int
     end_row: int
     errors: int
+    rows: int | None = None
+    size: int | None = None
+    sha256: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(part=self.part, name=self.name, first_row=self.first_row, end_row=self.end_row, errors=self.errors)
+        return dataclasses.asdict(self)
 
 
-class ShardLock:
-    """An exclusive `flock` on a shard's lock file, held by the process writing the shard.
+def part_problem(directory: Path, record: PartRecord) -> str | None:
+    """Why the committed part `record` cannot be trusted, or None when its file is the
+    one committed: present, a plain file, of the recorded size and checksum."""
+    path = directory / record.name
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "is missing"
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a plain file"
+    if record.sha256 is None:
+        return "has no recorded checksum (written by an older embedjob)"
+    if info.st_size != record.size:
+        return f"has {info.st_size} bytes where {record.size} were committed"
+    if file_digest(path)[1] != record.sha256:
+        return "does not match its recorded sha256 (its content changed)"
+    return None
+
+
+# ---------------------------------------------------------------- locks
+
+
+class FileLock:
+    """An exclusive `flock` on a lock file: a shard's, held by the process writing the
+    shard, or the output's, held while its record is checked.
 
     The file is removed on release, so a finished output holds no lock files. Because
     of that, `acquire` checks after locking that the path still names the locked file
@@ -98,29 +170,29 @@ class ShardLock:
         self._finalizer = weakref.finalize(self, _unlock, path, fd) if fd is not None else None
 
     @classmethod
-    def acquire(cls, directory: Path, shard: int) -> "ShardLock":
-        """Lock shard `shard` of `directory`; JobError if another process holds it.
+    def acquire(cls, path: Path, what: str, blocking: bool = False) -> "FileLock":
+        """Lock `path` for `what`: wait for it when `blocking`, else JobError naming the
+        holder if another process has it. JobError as well if `path` is a symlink or
+        not a plain file.
 
         On a filesystem without working `flock` (e.g. Lustre mounted without `flock`)
         the run goes ahead unlocked, with a warning.
         """
-        path = directory / lock_name(shard)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock_file(path)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
             except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
                 raise JobError(
-                    f"shard {shard} of {directory} is being written by another process ({holder}); "
-                    "wait for it to finish or stop it, then run again"
+                    f"{what} is being written by another process ({holder}); wait for it to finish or stop it, then run again"
                 ) from None
             except OSError as exc:
                 os.close(fd)
-                if exc.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP):
+                if exc.errno not in _NO_FLOCK:
                     raise
-                logger.warning("cannot lock %s (%s); make sure no other process runs shard %d", path, exc, shard)
+                logger.warning("cannot lock %s (%s); make sure no other process writes %s", path, exc, what)
                 return cls(path, None)
             if _same_file(fd, path):
                 os.ftruncate(fd, 0)
@@ -134,6 +206,27 @@ class ShardLock:
             self._finalizer()
 
 
+def shard_lock(directory: Path, shard: int) -> FileLock:
+    return FileLock.acquire(directory / lock_name(shard), f"shard {shard} of {directory}")
+
+
+def _open_lock_file(path: Path) -> int:
+    """The lock file, opened read-write without following a symlink, checked to be a
+    plain file with one name: we write our holder line into it, which through a planted
+    symlink or hard link would overwrite someone else's file."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise JobError(f"{path} is a symbolic link, not a lock file; remove it (nobody should have put it there), then run again") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        raise JobError(f"{path} is not a plain lock file (another kind of file, or a hard link); remove it, then run again")
+    return fd
+
+
 def _unlock(path: Path, fd: int) -> None:
     path.unlink(missing_ok=True)
     os.close(fd)
@@ -141,9 +234,10 @@ def _unlock(path: Path, fd: int) -> None:
 
 def _same_file(fd: int, path: Path) -> bool:
     try:
-        return os.stat(path).st_ino == os.fstat(fd).st_ino
+        named, held = os.lstat(path), os.fstat(fd)
     except FileNotFoundError:
         return False
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _holder_text() -> str:
@@ -156,12 +250,245 @@ def _read_holder(fd: int) -> str:
     return text or "holder unknown"
 
 
+# ---------------------------------------------------------------- the output's job
+
+
+@dataclass
+class OutputRecord:
+    """The job an output belongs to (`_embedjob.json` at its top level).
+
+    `state` is REPLACING from the moment an overwrite starts removing the old job's
+    files until all are gone: a run of the new job that finds it so finishes the
+    removal before writing anything.
+    """
+
+    fingerprint: dict[str, Any]
+    num_shards: int
+    rows_per_part: int
+    state: str = READY
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def read_output_record(directory: Path) -> OutputRecord | None:
+    """The output's record, None if it has none; JobError if it cannot be read."""
+    path = directory / JOB_RECORD
+    try:
+        data = json.loads(path.read_text())
+        return OutputRecord(**data)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as exc:
+        raise JobError(f"cannot read {path} ({exc}); use a new output.path, or pass --overwrite to replace the output") from None
+
+
+def output_changes(directory: Path, record: OutputRecord) -> list[str]:
+    """What differs between the job that owns `directory` and `record` (read only).
+
+    Without a record (an output of an embedjob from before records, or a fresh one),
+    the shards' manifests speak for the job that made them.
+    """
+    existing = read_output_record(directory)
+    if existing is not None:
+        return record_changes(existing, record)
+    changes: list[str] = []
+    for shard in sorted(shards_in(directory)):
+        try:
+            manifest = load_manifest(directory, shard)
+        except JobError:
+            changes.append(f"{manifest_name(shard)} cannot be read")
+            continue
+        if manifest is not None:
+            old = OutputRecord(manifest.get("fingerprint") or {}, manifest.get("num_shards"), manifest.get("rows_per_part"))
+            changes += [c for c in record_changes(old, record) if c not in changes]
+    return changes
+
+
+def record_changes(old: OutputRecord, new: OutputRecord) -> list[str]:
+    """`key: old -> new` for each setting that differs, input files named one by one."""
+    before, after = _plain(old.fingerprint), _plain(new.fingerprint)
+    old_files, new_files = _input_files(before), _input_files(after)
+    if isinstance(old_files, list) and isinstance(new_files, list):
+        changes = _leaf_changes(_without_files(before), _without_files(after)) + _file_changes(old_files, new_files)
+    else:
+        changes = _leaf_changes(_compact(before), _compact(after))
+    for key in ("num_shards", "rows_per_part"):
+        if getattr(old, key) != getattr(new, key):
+            changes.append(f"{key}: {getattr(old, key)!r} -> {getattr(new, key)!r}")
+    return changes
+
+
+def refuse_other_job(directory: Path, record: OutputRecord, overwrite: bool) -> list[str]:
+    """The changes between the output's job and `record`, or JobError when they may not
+    be overwritten: a different job, output it committed, and no `overwrite`. An
+    output whose old job committed nothing has nothing to protect."""
+    changes = output_changes(directory, record)
+    if changes and not overwrite and _holds_committed(directory):
+        raise JobError(
+            f"output {directory} holds output of a different job ({'; '.join(changes)}); "
+            "use a new output.path, or pass --overwrite to replace it"
+        )
+    return changes
+
+
+def claim_output(directory: Path, record: OutputRecord, overwrite: bool, shard: int | None = None) -> FileLock | None:
+    """Make `directory` the output of the job `record` describes, or refuse (JobError);
+    with `shard`, also take that shard's lock and return it.
+
+    The first run or submission writes the record; the same job finds it unchanged; a
+    different job is refused naming each change, unless `overwrite` or the old job
+    committed nothing: then every shard's files of the old job are removed first. All
+    of this happens under the output's lock, so concurrent starts of one job's shards
+    agree on one record, and a shard is never removed under its running writer.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    with _output_lock(directory):
+        changes = refuse_other_job(directory, record, overwrite)
+        existing = read_output_record(directory)
+        own = shard_lock(directory, shard) if shard is not None else None
+        try:
+            if changes or (existing is not None and existing.state == REPLACING):
+                _replace(directory, record, shard)
+            elif existing is None:
+                write_json(directory / JOB_RECORD, record.to_dict())
+        except BaseException:
+            if own is not None:
+                own.release()
+            raise
+        return own
+
+
+@contextlib.contextmanager
+def _output_lock(directory: Path) -> Iterator[None]:
+    lock = FileLock.acquire(directory / OUTPUT_LOCK, f"output {directory}", blocking=True)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _replace(directory: Path, record: OutputRecord, own_shard: int | None) -> None:
+    """Remove every shard's files of the old job, then record the new one.
+
+    Kill-safe, all or nothing: the record says REPLACING before the first file goes, so
+    a run killed part-way leaves an output no job resumes as the old one, and the next
+    run of the new job finishes the removal first. Every other shard's lock is taken
+    first: one still held means a writer still runs (JobError naming it).
+    """
+    locks = [shard_lock(directory, s) for s in sorted(_shard_indices(directory) - {own_shard})]
+    try:
+        logger.warning("output %s: removing every shard's files of the job it held before", directory)
+        write_json(directory / JOB_RECORD, dataclasses.replace(record, state=REPLACING).to_dict())
+        for path in directory.iterdir():
+            if shard_file_index(path.name) is not None and not path.name.startswith(".lock-") and not path.is_dir():
+                path.unlink()
+        write_json(directory / JOB_RECORD, dataclasses.replace(record, state=READY).to_dict())
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _shard_indices(directory: Path) -> set[int]:
+    return {index for path in directory.iterdir() if (index := shard_file_index(path.name)) is not None}
+
+
+def shard_file_index(name: str) -> int | None:
+    """The shard a file of an output belongs to (parts, manifests, statistics, markers,
+    lock and temporary files), None for any other file."""
+    match = _SHARD_FILE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def _holds_committed(directory: Path) -> bool:
+    """Whether any shard committed output (a manifest listing parts, or a success
+    marker); a manifest that cannot be read is taken to."""
+    for shard in shards_in(directory):
+        if (directory / success_name(shard)).exists():
+            return True
+        try:
+            manifest = load_manifest(directory, shard)
+        except JobError:
+            return True
+        if manifest is not None and manifest["parts"]:
+            return True
+    return False
+
+
+def _input_files(fingerprint: dict[str, Any]) -> Any:
+    return (fingerprint.get("input") or {}).get("files")
+
+
+def _without_files(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    if "input" not in fingerprint:
+        return fingerprint
+    return {**fingerprint, "input": {k: v for k, v in fingerprint["input"].items() if k != "files"}}
+
+
+def _compact(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint as a shard manifest holds it: the input file list (long for a
+    large dataset, and rewritten with every commit) as its count and digest."""
+    files = _input_files(fingerprint)
+    if not isinstance(files, list):
+        return fingerprint
+    text = json.dumps(files, sort_keys=True).encode()
+    digest = {"count": len(files), "sha256": hashlib.sha256(text).hexdigest()}
+    return {**fingerprint, "input": {**fingerprint["input"], "files": digest}}
+
+
+def _file_changes(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[str]:
+    """One line per input file added, gone or changed (the first few, then a count)."""
+    before, after = {f["path"]: f for f in old}, {f["path"]: f for f in new}
+    lines = []
+    for path in sorted(before.keys() | after.keys()):
+        a, b = before.get(path), after.get(path)
+        if a == b:
+            continue
+        if a is None:
+            lines.append(f"input file {path} was added")
+        elif b is None:
+            lines.append(f"input file {path} is gone")
+        else:
+            what = f"size {a['size']} -> {b['size']}" if a["size"] != b["size"] else "same size, other content"
+            lines.append(f"input file {path} changed ({what})")
+    if len(lines) > _LISTED_FILE_CHANGES:
+        lines[_LISTED_FILE_CHANGES:] = [f"and {len(lines) - _LISTED_FILE_CHANGES} more input files"]
+    return lines
+
+
+def _leaf_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Fingerprint keys named down to the leaf (`model.path`, `pooling`), so the user
+    sees which setting changed rather than a whole section."""
+    a, b = _flatten(_plain(old)), _flatten(_plain(new))
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _plain(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint as it reads back from JSON (tuples become lists), so that an
+    unchanged job compares equal to its stored manifest."""
+    return json.loads(json.dumps(fingerprint, sort_keys=True))
+
+
+# ---------------------------------------------------------------- one shard
+
+
 @dataclass
 class Checkpoint:
     """Committed state of one shard in `directory`.
 
     Invariant: `parts` are contiguous from the shard's first row, in part order, each
-    covers `part_bounds(part)`, and every listed file exists.
+    covers `part_bounds(part)`, and every listed file is the one committed (size and
+    checksum checked on open). `fingerprint` is in its manifest form (`_compact`).
     """
 
     directory: Path
@@ -172,7 +499,7 @@ class Checkpoint:
     rows_per_part: int
     fingerprint: dict[str, Any]
     parts: list[PartRecord] = field(default_factory=list)
-    lock: ShardLock | None = field(default=None, repr=False, compare=False)
+    lock: FileLock | None = field(default=None, repr=False, compare=False)
 
     @property
     def resume_row(self) -> int:
@@ -199,11 +526,13 @@ class Checkpoint:
         return stats
 
     def commit(self, record: PartRecord) -> None:
-        """Record a part whose file is already renamed into place."""
+        """Record a part whose file is already renamed into place, sealing it with the
+        file's row count, size and checksum as it is now."""
         expected = self.part_bounds(self.next_part)
         if (record.part, record.first_row, record.end_row) != (self.next_part, *expected):
             raise ValueError(f"part {record.part} rows [{record.first_row}, {record.end_row}) out of order; expected {expected}")
-        self.parts.append(record)
+        size, sha256 = file_digest(self.directory / record.name)
+        self.parts.append(dataclasses.replace(record, rows=record.end_row - record.first_row, size=size, sha256=sha256))
         self._save()
 
     def finish(self, stats: dict[str, Any]) -> None:
@@ -244,21 +573,28 @@ def open_checkpoint(
     fingerprint: dict[str, Any],
     overwrite: bool,
 ) -> Checkpoint:
-    """Lock the shard, refuse a changed job (touching nothing), clean the debris of
-    killed runs, and load (or start) the shard's checkpoint.
+    """Check the output's job (`claim_output`) and lock the shard, refuse a changed job
+    (touching nothing), clean the debris of killed runs, and load (or start) the
+    shard's checkpoint, keeping only the committed parts that are intact.
 
-    With `overwrite`, everything this shard wrote before is removed first. The
-    returned checkpoint holds the shard's lock until `finish` (or until it is
-    dropped), except for a finished shard, which this run only reads.
+    With `overwrite`, everything this shard wrote before is removed first (and every
+    shard's files, when the output held another job). The returned checkpoint holds
+    the shard's lock until `finish` (or until it is dropped), except for a finished
+    shard, which this run only reads. Raises OutputError when the directory cannot be
+    written (exit code 1, as for a disk that fills up mid-run).
     """
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = ShardLock.acquire(directory, shard)
-    fresh = Checkpoint(directory, shard, num_shards, first_row, end_row, rows_per_part, _plain(fingerprint), lock=lock)
+    plain = _plain(fingerprint)
     try:
-        return _load(fresh, overwrite)
-    except BaseException:
-        lock.release()
-        raise
+        lock = claim_output(directory, OutputRecord(plain, num_shards, rows_per_part), overwrite, shard)
+        fresh = Checkpoint(directory, shard, num_shards, first_row, end_row, rows_per_part, _compact(plain), lock=lock)
+        try:
+            return _load(fresh, overwrite)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+    except OSError as exc:
+        raise OutputError(f"cannot write to output.path {directory}: {exc.strerror or exc}") from None
 
 
 def _load(fresh: Checkpoint, overwrite: bool) -> Checkpoint:
@@ -284,10 +620,6 @@ def _load(fresh: Checkpoint, overwrite: bool) -> Checkpoint:
     listed = [PartRecord(**p) for p in manifest["parts"]]
     fresh.parts = _valid_prefix(fresh, listed)
     if len(fresh.parts) != len(listed):
-        logger.warning(
-            "shard %d: %d of %d committed parts are missing; rows from %d are recomputed",
-            shard, len(listed) - len(fresh.parts), len(listed), fresh.resume_row,
-        )
         fresh._save()
     if fresh.resume_row != end_row:
         (directory / success_name(shard)).unlink(missing_ok=True)
@@ -310,46 +642,31 @@ def load_manifest(directory: Path, shard: int) -> dict[str, Any] | None:
     except (OSError, ValueError) as exc:
         raise JobError(f"cannot read {path} ({exc}); pass --overwrite to recompute shard {shard}") from None
     parts = manifest.get("parts") if isinstance(manifest, dict) else None
-    if not isinstance(parts, list) or not all(isinstance(p, dict) and set(p) == _PART_KEYS for p in parts):
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and _PART_KEYS <= set(p) <= _PART_KEYS | _SEAL_KEYS for p in parts):
         raise JobError(f"{path} is not an embedjob manifest; pass --overwrite to recompute shard {shard}")
     return manifest
 
 
 def manifest_changes(manifest: dict[str, Any], current: Checkpoint) -> list[str]:
-    """What differs between a stored manifest and the current job, as `key: old -> new`.
-
-    Fingerprint keys are named down to the leaf (`model.path`, `pooling`), so the user
-    sees which setting changed rather than a whole section.
-    """
-    old = _flatten(manifest.get("fingerprint") or {})
-    new = _flatten(_plain(current.fingerprint))
-    changes = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    """What differs between a stored manifest and the current job, as `key: old -> new`."""
+    changes = _leaf_changes(_compact(manifest.get("fingerprint") or {}), current.fingerprint)
     changes += [f"{k}: {manifest.get(k)!r} -> {getattr(current, k)!r}" for k in _LAYOUT if manifest.get(k) != getattr(current, k)]
     return changes
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def _plain(fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """The fingerprint as it reads back from JSON (tuples become lists), so that an
-    unchanged job compares equal to its stored manifest."""
-    return json.loads(json.dumps(fingerprint, sort_keys=True))
-
-
 def _valid_prefix(cp: Checkpoint, listed: list[PartRecord]) -> list[PartRecord]:
-    """The listed parts up to the first one that is out of place or whose file is gone."""
+    """The listed parts up to the first one that is out of place or not intact, which
+    is named in a warning: it and every part after it are recomputed."""
     kept: list[PartRecord] = []
     for record in listed:
         in_place = record.part == len(kept) and (record.first_row, record.end_row) == cp.part_bounds(record.part)
-        if not in_place or not (cp.directory / record.name).exists():
+        problem = part_problem(cp.directory, record) if in_place else "is out of place"
+        if problem is not None:
+            after = len(listed) - len(kept) - 1
+            logger.warning(
+                "shard %d: committed part %s %s; recomputing rows from %d%s",
+                cp.shard, record.name, problem, record.first_row, f" ({after} later parts with it)" if after else "",
+            )
             break
         kept.append(record)
     return kept
@@ -380,6 +697,9 @@ def _remove_shard_files(directory: Path, shard: int) -> None:
     _remove_unlisted_parts(directory, shard, set())
     for name in (manifest_name(shard), stats_name(shard), success_name(shard)):
         (directory / name).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- reading an output
 
 
 @dataclass

@@ -1,8 +1,12 @@
-"""`embedjob run / submit / status / bench / inspect`.
+"""`embedjob run / submit / status / verify / bench / inspect`.
 
-Exit codes: 0 when the shard finished (error rows included); 2 when the job spec or
-the command line is wrong; 1 when the job could not run for another reason (unreadable
-input, unwritable output). Either failure prints one line that says what to change.
+Exit codes: 0 when the shard finished (error rows included), or the output verified
+intact; 2 when something the user names must change: the job spec or the command
+line, an input.path or model.path that cannot be used (a checkpoint torch refuses to
+unpickle included), an output.path that holds another job's output or a shard another
+process writes; 1 when the job could not run for another reason (a full disk or an
+unwritable output, at start as mid-run; a failed rank; sbatch failing), or `verify`
+(`status --verify`) found a damaged output. Every failure prints one line.
 """
 
 from __future__ import annotations
@@ -10,11 +14,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pickle
 import sys
 from typing import Any
 
 import yaml
 
+from embedjob.checkpoint import OutputError
 from embedjob.job import Job, JobError, describe, load_job
 
 logger = logging.getLogger("embedjob")
@@ -33,13 +39,36 @@ def main(argv: list[str] | None = None) -> int:
     except JobError as exc:
         print(f"embedjob: error: {exc}", file=sys.stderr)
         return 2
+    except pickle.UnpicklingError as exc:
+        # torch (weights_only) refusing a pickled checkpoint: the model.path must change.
+        print(f"embedjob: error: {_unsafe_checkpoint(exc)}", file=sys.stderr)
+        logger.debug("traceback", exc_info=True)
+        return 2
     except (OSError, RuntimeError) as exc:
-        print(f"embedjob: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"embedjob: failed: {_failure(exc)}", file=sys.stderr)
         logger.debug("traceback", exc_info=True)
         return 1
     except KeyboardInterrupt:
         print("embedjob: interrupted; committed parts are kept and a rerun resumes", file=sys.stderr)
         return 130
+
+
+def _unsafe_checkpoint(exc: pickle.UnpicklingError) -> str:
+    """One line for torch's weights-only refusal, which spans paragraphs and suggests
+    the unsafe way round: what it refused, and what to use instead."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    refused = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
+    return (
+        f"the model checkpoint holds pickled objects that torch refuses to load ({refused}); "
+        "set model.path to a checkpoint in safetensors format"
+    )
+
+
+def _failure(exc: BaseException) -> str:
+    """The first line of an unexpected failure (-v logs the traceback); our own
+    OutputError already says what it is."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return first if isinstance(exc, OutputError) else f"{type(exc).__name__}: {first}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -171,12 +200,21 @@ def _slurm_commands(sub: Any) -> None:
         help="one more sbatch option, e.g. --sbatch-option=--account=proj (repeatable)",
     )
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
+    submit.add_argument(
+        "--overwrite", action="store_true", help="replace an output of another job (all its shards) before submitting"
+    )
     submit.set_defaults(func=_cmd_submit)
 
     status = sub.add_parser("status", help="shards done / running / pending / failed of an output, rows committed")
     status.add_argument("output", help="the job's output.path")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--verify", action="store_true", help="also check every part (exit 1 if any is damaged)")
     status.set_defaults(func=_cmd_status)
+
+    verify = sub.add_parser("verify", help="check a whole output: every shard, manifest, part checksum and marker")
+    verify.add_argument("output", help="the job's output.path")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.set_defaults(func=_cmd_verify)
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
@@ -190,7 +228,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         cpus_per_task=args.cpus_per_task,
         sbatch_options=tuple(args.sbatch_option),
     )
-    result = submit(args.job, args.set, options, dry_run=args.dry_run)
+    result = submit(args.job, args.set, options, dry_run=args.dry_run, overwrite=args.overwrite)
     if result.done:
         print(f"embedjob: {len(result.done)} of {args.shards} shards are done", file=sys.stderr)
     if result.active:
@@ -216,10 +254,32 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from embedjob.slurm import format_status, output_status
+    from embedjob.verify import verify_output
 
     status = output_status(Path(args.output))
-    print(json.dumps(status.to_dict(), indent=2) if args.json else format_status(status))
-    return 0
+    checked = verify_output(Path(args.output)) if args.verify else None
+    if args.json:
+        data = status.to_dict()
+        if checked is not None:
+            data["problems"] = checked.problems
+        print(json.dumps(data, indent=2))
+    else:
+        print(format_status(status))
+        for problem in checked.problems if checked is not None else []:
+            print(f"damaged: {problem}")
+    # Unfinished shards are what status reports; only damage fails it.
+    return 1 if checked is not None and checked.problems else 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from embedjob.verify import format_verification, verify_output
+
+    result = verify_output(Path(args.output))
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_verification(result))
+    return 0 if result.ok else 1
 
 
 if __name__ == "__main__":

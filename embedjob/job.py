@@ -29,6 +29,13 @@ class JobError(ValueError):
 
 Auto = Literal["auto"]
 
+DEFAULT_MAX_ITEM_BYTES = 512 * 2**20
+"""input.max_item_bytes: the largest media item read into a decode worker (512 MiB)."""
+DEFAULT_MAX_FRAME_PIXELS = 50_000_000
+"""video.max_pixels_per_frame: above 8K (7680x4320 = 33.2 M), far below what exhausts a worker."""
+DEFAULT_MAX_VIDEO_PIXELS = 500_000_000
+"""video.max_total_pixels: every sampled frame of one video together (1.5 GB as RGB)."""
+
 
 @dataclass
 class InputConfig:
@@ -39,6 +46,10 @@ class InputConfig:
     id_column: str | None = None
     modality: Literal["image", "video", "auto"] = "image"
     media_root: str | None = None
+    # A path column reads any file this process can read unless media_root confines it;
+    # that must be asked for explicitly.
+    allow_any_path: bool = False
+    max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES
     batch_rows: int = 256
 
 
@@ -74,6 +85,10 @@ class VideoConfig:
     max_frames: int = 32
     min_pixels: int | None = None
     max_pixels: int | None = None
+    # Checked from the stream header (and the first decoded frame) before the sampled
+    # frames are decoded: a larger video is one `too_large` error row.
+    max_pixels_per_frame: int = DEFAULT_MAX_FRAME_PIXELS
+    max_total_pixels: int = DEFAULT_MAX_VIDEO_PIXELS
 
 
 @dataclass
@@ -283,6 +298,9 @@ def _check(job: Job) -> None:
     """Cross-field and range checks that type hints cannot express."""
     positive = {
         "input.batch_rows": job.input.batch_rows,
+        "input.max_item_bytes": job.input.max_item_bytes,
+        "video.max_pixels_per_frame": job.video.max_pixels_per_frame,
+        "video.max_total_pixels": job.video.max_total_pixels,
         "video.max_frames": job.video.max_frames,
         "batching.window": job.batching.window,
         "output.rows_per_part": job.output.rows_per_part,

@@ -19,7 +19,12 @@ Contract (binding for the runner):
   The pixel count is checked from the header before any pixel is decoded
   (`too_large`).
 - Videos: decord 0.6.0 (FFmpeg 4.1 inside) on the bytes; only the sampled frames are
-  decoded, at most 8 at a time. The frame count follows the Qwen2-VL rule (see
+  decoded, at most 8 at a time. Decoded pixels are bounded before the sampled frames
+  are decoded (`too_large`): the frame size declared by the container (MP4/MOV `stsd`,
+  Matroska `PixelWidth`/`PixelHeight`) is checked before decord opens the stream, and
+  the size of the first sampled frame, decoded alone, before the others (which covers
+  the formats we do not parse and a header that lies); the frames of the whole sample
+  have a total cap too. The frame count follows the Qwen2-VL rule (see
   `sample_frame_indices`); a variable-frame-rate clip is sampled evenly in time.
   MP4/MOV display matrices (rotation, mirroring) are applied here, from our own parse
   of the `mvhd`/`tkhd` boxes: decord's CPU reader turns multiples of 90 degrees itself
@@ -33,6 +38,11 @@ Contract (binding for the runner):
   `truncated`. A frame that cannot be decoded is an error (`corrupt`), never a
   substituted frame. FFmpeg's own diagnostics are captured from stderr into the
   error message.
+- Returned arrays are writable (torch warns on every `from_numpy` of a read-only one).
+- `read_source` reads a path or URI for a row without media bytes: its size is
+  checked before it is read (`too_large`), and with a media root the file actually
+  opened must lie under it (`path_escape`), checked on the open descriptor.
+- Error messages never quote the item's bytes (a path row may name any file).
 - decord is imported only when a video is decoded (see `_decord`).
 - `DecodePool` runs a picklable function over tasks in worker processes (forkserver,
   or spawn where there is none; never fork, since the parent may hold CUDA state),
@@ -40,7 +50,8 @@ Contract (binding for the runner):
 
 Error codes: empty, unknown_format, unsupported_format, not_an_image, not_a_video,
 truncated, corrupt, too_large, not_found, unreadable, no_video_stream,
-unsupported_codec, no_frames, decode_timeout, decoder_crashed, internal_error.
+unsupported_codec, no_frames, decode_timeout, decoder_crashed, internal_error,
+path_escape.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ import queue
 import re
 import signal
 import socket
+import stat
 import struct
 import sys
 import tempfile
@@ -72,6 +84,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from embedjob import wire
+from embedjob.job import DEFAULT_MAX_FRAME_PIXELS, DEFAULT_MAX_ITEM_BYTES, DEFAULT_MAX_VIDEO_PIXELS
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +115,12 @@ class DecodeOptions:
 
     `decoder_threads` is FFmpeg's thread count per video: 1 suits a pool with one
     worker per core; 0 lets FFmpeg pick (best when decoding inline).
+
+    `max_frame_pixels` scales frames down at decode time; `frame_pixel_limit` refuses a
+    video whose frames are larger (`video.max_pixels_per_frame`), and
+    `video_pixel_limit` one whose sampled frames hold more pixels together
+    (`video.max_total_pixels`): None means no limit. `media_root` (a real path) and
+    `max_item_bytes` are what the worker hands to `read_source`.
     """
 
     modality: str
@@ -111,6 +130,10 @@ class DecodeOptions:
     frame_multiple: int
     max_frame_pixels: int | None = None
     decoder_threads: int = 1
+    frame_pixel_limit: int | None = DEFAULT_MAX_FRAME_PIXELS
+    video_pixel_limit: int | None = DEFAULT_MAX_VIDEO_PIXELS
+    media_root: str | None = None
+    max_item_bytes: int | None = DEFAULT_MAX_ITEM_BYTES
 
     def __post_init__(self) -> None:
         if self.modality not in ("image", "video", "auto"):
@@ -126,8 +149,10 @@ class DecodeOptions:
                 f"max_frames ({self.max_frames}) must be >= frame_multiple ({self.frame_multiple}): "
                 "every video yields at least frame_multiple frames"
             )
-        if self.max_frame_pixels is not None and self.max_frame_pixels < 1:
-            raise ValueError(f"max_frame_pixels must be >= 1 or None, got {self.max_frame_pixels}")
+        for name in ("max_frame_pixels", "frame_pixel_limit", "video_pixel_limit", "max_item_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
         if self.decoder_threads < 0:
             raise ValueError(f"decoder_threads must be >= 0, got {self.decoder_threads}")
 
@@ -216,20 +241,33 @@ def sniff(data: bytes) -> str | None:
 
 # ---------------------------------------------------------------- reading
 
-def read_source(uri: str) -> bytes:
-    """All bytes of a local path or an fsspec URI (s3://, gs://, file://, ...).
+def read_source(uri: str, root: str | None = None, max_bytes: int | None = DEFAULT_MAX_ITEM_BYTES) -> bytes:
+    """All bytes of a local path or an fsspec URI (s3://, gs://, file://, ...), checked
+    before they are read.
+
+    - An item of more than `max_bytes` bytes is "too_large", known from its size before
+      any byte is read (the file's fstat, the store's size), and the read stops one byte
+      past the limit in case the file grows meanwhile: a worker never holds more.
+    - With `root` (the real path of the media root, `reader.local_media_root`), the file
+      actually opened must lie under it ("path_escape"). The check is made on the open
+      descriptor, so a path swapped for a symlink after the reader checked it cannot
+      lead out, and a swap after the check changes nothing we read.
 
     Raises MediaError "not_found" for a missing file and "unreadable" for everything
     else that stops the read (directory, permissions, no fsspec backend installed).
     """
     try:
-        if "://" in uri:
-            import fsspec  # only URIs need it; plain paths skip the import
+        if "://" not in uri:
+            return _read_local(uri, root, max_bytes)
+        import fsspec  # only URIs need it; plain paths skip the import
+        from fsspec.implementations.local import LocalFileSystem
 
-            with fsspec.open(uri, "rb") as handle:
-                return handle.read()
-        with open(uri, "rb") as handle:
-            return handle.read()
+        fs, path = fsspec.core.url_to_fs(uri)
+        if isinstance(fs, LocalFileSystem):
+            return _read_local(path, root, max_bytes)
+        with fs.open(path, "rb") as handle:
+            _check_size(uri, getattr(handle, "size", None), max_bytes)
+            return _bounded_read(uri, handle, max_bytes)
     except FileNotFoundError:
         raise MediaError("not_found", f"{uri}: no such file") from None
     except IsADirectoryError:
@@ -240,6 +278,49 @@ def read_source(uri: str) -> bytes:
         raise MediaError("unreadable", f"{uri}: no fsspec backend for this protocol ({exc})") from None
     except (OSError, ValueError) as exc:
         raise MediaError("unreadable", f"{uri}: {exc}") from None
+
+
+def _read_local(path: str, root: str | None, max_bytes: int | None) -> bytes:
+    # O_NONBLOCK: a FIFO planted under a media name must not hang the worker in open().
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if root is not None:
+            _check_opened_within(fd, path, root)
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise MediaError("unreadable", f"{path}: is a directory")
+        if not stat.S_ISREG(info.st_mode):
+            raise MediaError("unreadable", f"{path}: not a regular file")
+        _check_size(path, info.st_size, max_bytes)
+        with open(fd, "rb", closefd=False) as handle:
+            return _bounded_read(path, handle, max_bytes)
+    finally:
+        os.close(fd)
+
+
+def _check_opened_within(fd: int, path: str, root: str) -> None:
+    """The file open on `fd` lies under `root`, whatever symlinks led to it (the kernel
+    names the opened file in /proc/self/fd; a later swap of `path` cannot change it)."""
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        raise MediaError("unreadable", f"{path}: cannot check that it lies under media_root (/proc is not mounted)") from None
+    if os.path.commonpath([real, root]) != root:
+        raise MediaError("path_escape", f"{path} leads to {real}, outside media_root {root}")
+
+
+def _check_size(what: str, size: int | None, max_bytes: int | None) -> None:
+    if size is not None and max_bytes is not None and size > max_bytes:
+        raise MediaError("too_large", f"{what}: {size} bytes, more than input.max_item_bytes = {max_bytes}")
+
+
+def _bounded_read(what: str, handle: Any, max_bytes: int | None) -> bytes:
+    """At most `max_bytes` bytes; a source that turns out longer than its size said is
+    "too_large" (read one byte past the limit to know, never more)."""
+    data = handle.read(-1 if max_bytes is None else max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise MediaError("too_large", f"{what}: more than input.max_item_bytes = {max_bytes} bytes")
+    return data
 
 
 # ---------------------------------------------------------------- decode entry
@@ -273,7 +354,7 @@ def _decode(data: bytes, options: DecodeOptions) -> DecodedImage | DecodedVideo:
             raise MediaError("not_a_video", f"the bytes are a {fmt} image but the modality is video")
         return _decode_video(data, options, fmt)
     if kind is None:
-        raise MediaError("unknown_format", f"neither a known image nor video format (first bytes {data[:8].hex()})")
+        raise MediaError("unknown_format", f"neither a known image nor video format ({len(data)} bytes)")
     if kind == "image":
         return _decode_image(data, options, fmt)
     return _decode_video(data, options, fmt)
@@ -321,7 +402,7 @@ def _open_image(data: bytes, fmt: str | None) -> Image.Image:
         raise MediaError("too_large", str(exc)) from None
     except UnidentifiedImageError:
         if fmt is None:
-            raise MediaError("unknown_format", f"not a recognised image format (first bytes {data[:8].hex()})") from None
+            raise MediaError("unknown_format", f"not a recognised image format ({len(data)} bytes)") from None
         Image.init()
         if fmt not in Image.OPEN:
             raise MediaError("unsupported_format", f"{fmt} images cannot be decoded (no Pillow plugin installed)") from None
@@ -391,7 +472,9 @@ def _pillow_to_rgb(img: Image.Image) -> np.ndarray:
         return np.repeat(gray[:, :, None], 3, axis=2)
     if _has_alpha(img):
         return _composite_on_white(np.asarray(img.convert("RGBA")))
-    return np.asarray(img.convert("RGB"))
+    # np.array, not asarray: Pillow hands numpy read-only memory, and the encoder's
+    # torch.from_numpy would warn about it for every image.
+    return np.array(img.convert("RGB"))
 
 
 def _scale_16bit(values: np.ndarray) -> np.ndarray:
@@ -432,12 +515,14 @@ class _Mp4Facts:
     entries in {-1, 0, 1}; identity when absent or not a multiple of 90 degrees.
     `patches`: (offset, bytes) writes that leave decord only the first video track,
     with an identity display matrix. `truncated`: a top-level box runs past the end.
+    `frame_size`: (width, height) of the first video track's sample entry, None if absent.
     """
 
     video_codecs: list[str] = field(default_factory=list)
     matrix: Matrix = _IDENTITY
     patches: list[tuple[int, bytes]] = field(default_factory=list)
     truncated: bool = False
+    frame_size: tuple[int, int] | None = None
 
 
 def _boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
@@ -501,11 +586,23 @@ def _read_trak(data: bytes, start: int, end: int, box_offset: int, facts: _Mp4Fa
         # Hide later video tracks from FFmpeg: same size, unknown to the demuxer, skipped.
         facts.patches.append((box_offset + 4, b"free"))
         return
+    if stsd:
+        facts.frame_size = _sample_entry_size(data, stsd[0])
     if tkhd and tkhd[0] < len(data):
         offset = tkhd[0] + (52 if data[tkhd[0]] == 1 else 40)
         facts.matrix = _read_matrix(data, offset)
         if facts.matrix != _IDENTITY:
             facts.patches.append((offset, _IDENTITY_MATRIX_BYTES))
+
+
+def _sample_entry_size(data: bytes, stsd: int) -> tuple[int, int] | None:
+    """(width, height) of the first VisualSampleEntry of an `stsd` payload (ISO 14496-12:
+    version/flags, entry count, then the entry's 8-byte header and 24 bytes before them)."""
+    offset = stsd + 8 + 32
+    if offset + 4 > len(data):
+        return None
+    width, height = struct.unpack_from(">HH", data, offset)
+    return (width, height) if width and height else None
 
 
 def _child(data: bytes, start: int, end: int, kind: bytes) -> tuple[int, int] | None:
@@ -667,6 +764,10 @@ def _decode_video(data: bytes, options: DecodeOptions, fmt: str | None) -> Decod
     facts = _mp4_facts(data) if fmt in ("MP4", "MOV") else _Mp4Facts()
     if facts.truncated:
         raise MediaError("truncated", f"{fmt}: a box runs past the end of the file ({len(data)} bytes)")
+    declared = facts.frame_size if fmt != "MATROSKA" else _matroska_frame_size(data[:_EBML_HEAD])
+    if declared is not None:
+        # Before decord opens the stream: opening alone may decode a frame at full size.
+        _check_frame_pixels(*declared, options, "declared by the container")
     with _StderrCapture() as log:
         job = _VideoJob(_patched(data, facts.patches), fmt, facts, options, log)
         video = _decode_video_job(job)
@@ -687,8 +788,11 @@ def _decode_video_job(job: _VideoJob) -> DecodedVideo:
         _check_matroska_complete(bytes(job.source[:_EBML_HEAD]), times, num_frames, source_fps)
     if times is not None:
         indices = _time_uniform(indices, times)
-    if options.max_frame_pixels is not None:
-        reader = _bounded_reader(job, reader, indices[0])
+    # One frame, decoded alone, tells the real size (decord exposes none before decoding).
+    height, width = _to_numpy(_get_batch(job, reader, [indices[0]])).shape[1:3]
+    _check_frame_pixels(width, height, options, "decoded")
+    reader, (out_width, out_height) = _bounded_reader(job, reader, width, height)
+    _check_video_pixels(len(indices), out_width, out_height, options)
     frames = _apply_matrix(_read_frames(job, reader, indices), job.facts.matrix)
     if times is not None:
         timestamps = [float(times[i, 0] - times[0, 0]) for i in indices]
@@ -717,6 +821,31 @@ def _check_matroska_complete(head: bytes, times: np.ndarray | None, num_frames: 
         raise MediaError("truncated", f"Matroska declares {declared:.2f}s but only {present:.2f}s of frames are present")
 
 
+_EBML_TRACKS, _EBML_TRACK_ENTRY, _EBML_TRACK_TYPE, _EBML_VIDEO = 0x1654AE6B, 0xAE, 0x83, 0xE0
+_EBML_PIXEL_WIDTH, _EBML_PIXEL_HEIGHT = 0xB0, 0xBA
+_MATROSKA_VIDEO_TRACK = 1
+
+
+def _matroska_frame_size(head: bytes) -> tuple[int, int] | None:
+    """(PixelWidth, PixelHeight) of the first video track in Segment > Tracks, None when
+    the file's start does not hold it."""
+    segment = _ebml_child(head, 0, len(head), _EBML_SEGMENT)
+    tracks = segment and _ebml_child(head, *segment, _EBML_TRACKS)
+    if not tracks:
+        return None
+    for ident, start, stop in _ebml_elements(head, *tracks):
+        kind = _ebml_child(head, start, stop, _EBML_TRACK_TYPE) if ident == _EBML_TRACK_ENTRY else None
+        if kind and int.from_bytes(head[kind[0] : kind[1]], "big") == _MATROSKA_VIDEO_TRACK:
+            video = _ebml_child(head, start, stop, _EBML_VIDEO)
+            width = video and _ebml_child(head, *video, _EBML_PIXEL_WIDTH)
+            height = video and _ebml_child(head, *video, _EBML_PIXEL_HEIGHT)
+            if not (width and height):
+                return None
+            size = (int.from_bytes(head[width[0] : width[1]], "big"), int.from_bytes(head[height[0] : height[1]], "big"))
+            return size if all(size) else None
+    return None
+
+
 def _matroska_duration(head: bytes) -> float | None:
     """Segment > Info > Duration (seconds, scaled by TimecodeScale) from the file's start."""
     segment = _ebml_child(head, 0, len(head), _EBML_SEGMENT)
@@ -734,19 +863,25 @@ def _matroska_duration(head: bytes) -> float | None:
 
 
 def _ebml_child(data: bytes, start: int, end: int, wanted: int) -> tuple[int, int] | None:
-    """(payload start, payload end) of the first element `wanted` in data[start:end]; an
-    unknown or overlong size runs to `end`."""
+    """(payload start, payload end) of the first element `wanted` in data[start:end]."""
+    for ident, payload, stop in _ebml_elements(data, start, end):
+        if ident == wanted:
+            return payload, stop
+    return None
+
+
+def _ebml_elements(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """(id, payload start, payload end) of each element in data[start:end]; an unknown
+    or overlong size runs to `end`; walking stops at a header that cannot be read."""
     pos = start
     while pos < end:
         ident, pos = _ebml_vint(data, pos, keep_marker=True)
         size, pos = _ebml_vint(data, pos, keep_marker=False)
         if ident is None or size is None:
-            return None
+            return
         stop = min(end, pos + size) if size >= 0 else end
-        if ident == wanted:
-            return pos, stop
+        yield ident, pos, stop
         pos = stop
-    return None
 
 
 def _ebml_vint(data: bytes, pos: int, keep_marker: bool) -> tuple[int | None, int]:
@@ -860,18 +995,37 @@ def _time_uniform(indices: list[int], times: np.ndarray) -> list[int]:
     return [int(i) for i in np.searchsorted(starts, targets, side="right") - 1]
 
 
-def _bounded_reader(job: _VideoJob, reader: Any, first: int) -> Any:
-    """The same reader, or one that scales at decode time when frames exceed
-    max_frame_pixels (aspect kept). The frame size is learnt from one decoded frame:
-    decord exposes no size before decoding."""
-    height, width = _to_numpy(_get_batch(job, reader, [first])).shape[1:3]
+def _bounded_reader(job: _VideoJob, reader: Any, width: int, height: int) -> tuple[Any, tuple[int, int]]:
+    """The same reader, or one that scales at decode time when frames of `width` x
+    `height` exceed max_frame_pixels (aspect kept); with the (width, height) it yields."""
     limit = job.options.max_frame_pixels
     if limit is None or width * height <= limit:
-        return reader
+        return reader, (width, height)
     scale = math.sqrt(limit / (width * height))
     size = (max(1, math.floor(width * scale)), max(1, math.floor(height * scale)))
     logger.debug("decoding %dx%d frames at %dx%d (max_frame_pixels=%d)", width, height, size[0], size[1], limit)
-    return _open_reader(job, size)
+    return _open_reader(job, size), size
+
+
+def _check_frame_pixels(width: int, height: int, options: DecodeOptions, how: str) -> None:
+    limit = options.frame_pixel_limit
+    if limit is not None and width * height > limit:
+        raise MediaError(
+            "too_large",
+            f"video frames of {width}x{height} = {width * height} pixels ({how}) exceed video.max_pixels_per_frame = {limit}",
+        )
+
+
+def _check_video_pixels(frames: int, width: int, height: int, options: DecodeOptions) -> None:
+    """The sampled frames together, at the size they are decoded to, before the rest of
+    them are decoded (only the first one is, to learn its size)."""
+    limit = options.video_pixel_limit
+    total = frames * width * height
+    if limit is not None and total > limit:
+        raise MediaError(
+            "too_large",
+            f"{frames} sampled frames of {width}x{height} = {total} pixels exceed video.max_total_pixels = {limit}",
+        )
 
 
 def _read_frames(job: _VideoJob, reader: Any, indices: list[int]) -> np.ndarray:

@@ -27,6 +27,10 @@ Memory: per open file, the footer, plus one row group's media and id column chun
 
 Paths in string media cells (and in the `path` field of Hugging Face image structs):
 
+- A path reads whatever file it names, so a string media column needs
+  `input.media_root` (the directory every path must stay in) unless the job sets
+  `input.allow_any_path: true`; without either it is a JobError, and a struct row that
+  falls back to its path is an error row `no_media_root: ...`.
 - `scheme://...` URIs are kept as they are; with `input.media_root` set they must lie
   under it (after removing `.`/`..` segments, and the normalised URI is what is returned,
   so the location checked is the location read).
@@ -36,17 +40,27 @@ Paths in string media cells (and in the `path` field of Hugging Face image struc
   Parquet index next to their media). Without a media_root there is no root to escape.
 - With a media_root, a path that leaves it after normalisation (`..`, an absolute path
   elsewhere, a symlink pointing out, a URI under another prefix) becomes an error row
-  `path_escape: ...`.
+  `path_escape: ...`. A symlink swapped in after this check is caught where the file is
+  opened (`media.read_source` checks the opened file against `local_media_root`).
+
+A media cell of more than `input.max_item_bytes` bytes becomes an error row
+`too_large: ...` here, so it never reaches a decode worker.
+
+Input identity: `scan_input` also records each file's size and a hash of its Parquet
+footer (and the store's ETag where fsspec reports one). The footer holds every row
+group's byte ranges and sizes, so a file rewritten with other content almost always
+changes it; the job fingerprint carries these, so a resume over changed input is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import fsspec
 import pyarrow as pa
@@ -99,6 +113,17 @@ class InputRow:
 
 
 @dataclass(frozen=True)
+class InputFile:
+    """What identifies one input file's content, cheaply: its size, a hash of its Parquet
+    footer and, where the store reports one, its ETag."""
+
+    path: str
+    size: int
+    footer_sha256: str
+    etag: str | None = None
+
+
+@dataclass(frozen=True)
 class _FileInfo:
     """What a file's footer says about the configured columns."""
 
@@ -107,6 +132,7 @@ class _FileInfo:
     media_type: pa.DataType
     media_kind: str
     id_type: pa.DataType
+    identity: InputFile | None = None
 
 
 @dataclass(frozen=True)
@@ -122,10 +148,12 @@ class _Root:
 
 @dataclass(frozen=True)
 class InputListing:
-    """What the file listing and footers say: the fragments and the output id type."""
+    """What the file listing and footers say: the fragments, the output id type and
+    each file's identity (in path order)."""
 
     fragments: list[Fragment]
     id_type: pa.DataType
+    files: list[InputFile] = field(default_factory=list)
 
 
 def scan_input(cfg: InputConfig) -> InputListing:
@@ -136,6 +164,7 @@ def scan_input(cfg: InputConfig) -> InputListing:
     """
     _media_root(cfg.media_root)  # a missing media_root is a job error, found before any row is read
     infos = _scan(cfg)
+    _check_paths_allowed(infos[0], cfg)
     fragments = []
     first_row = 0
     for info in infos:
@@ -148,7 +177,8 @@ def scan_input(cfg: InputConfig) -> InputListing:
             first_row += group.num_rows
     logger.info("input %s: %d files, %d row groups, %d rows", cfg.path, len(infos), len(fragments), first_row)
     typed = [info.id_type for info in infos if not pa.types.is_null(info.id_type)]
-    return InputListing(fragments, typed[0] if typed else infos[0].id_type)
+    files = [info.identity for info in infos if info.identity is not None]
+    return InputListing(fragments, typed[0] if typed else infos[0].id_type, files)
 
 
 def list_fragments(cfg: InputConfig) -> list[Fragment]:
@@ -351,7 +381,22 @@ def _open(location: str) -> pq.ParquetFile:
 
 def _describe(location: str, cfg: InputConfig) -> _FileInfo:
     with _open(location) as pf:
-        return _file_info(location, pf, cfg)
+        info = _file_info(location, pf, cfg)
+    return replace(info, identity=_identity(location, info.metadata))
+
+
+def _identity(location: str, metadata: pq.FileMetaData) -> InputFile:
+    """Size, footer hash and ETag of one input file: one metadata call and one read of
+    the footer (its length is known from the footer pyarrow already parsed)."""
+    try:
+        fs, path = fsspec.core.url_to_fs(location)
+        info = fs.info(path)
+        size = int(info["size"])
+        footer = fs.cat_file(path, start=max(0, size - metadata.serialized_size - 8), end=size)
+    except OSError as exc:
+        raise JobError(f"cannot read input file {location}: {exc}") from None
+    etag = info.get("ETag") or info.get("etag")
+    return InputFile(location, size, hashlib.sha256(footer).hexdigest(), str(etag) if etag else None)
 
 
 def _file_info(location: str, pf: pq.ParquetFile, cfg: InputConfig) -> _FileInfo:
@@ -370,6 +415,17 @@ def _file_info(location: str, pf: pq.ParquetFile, cfg: InputConfig) -> _FileInfo
         )
     ids = schema.field(cfg.id_column).type if cfg.id_column is not None else pa.int64()
     return _FileInfo(location, pf.metadata, media_type, kind, ids)
+
+
+def _check_paths_allowed(info: _FileInfo, cfg: InputConfig) -> None:
+    """A path column reads whatever file each cell names (/etc/passwd, another user's
+    data): it needs a root to stay in, or the user's explicit consent to read anything.
+    (All files agree on the kind: `_check_agreement`.)"""
+    if info.media_kind == "path" and cfg.media_root is None and not cfg.allow_any_path:
+        raise JobError(
+            f"input.media_column '{cfg.media_column}' of {info.path} holds file paths, which may name any file: "
+            "set input.media_root to the directory they must stay in, or input.allow_any_path: true"
+        )
 
 
 def _media_kind(t: pa.DataType) -> str | None:
@@ -555,28 +611,47 @@ def _batch_rows(
     cells = batch.column(cfg.media_column).to_pylist()
     ids = batch.column(cfg.id_column).to_pylist() if cfg.id_column is not None else range(first, first + len(cells))
     for offset, (cell, row_id) in enumerate(zip(cells, ids)):
-        yield _make_row(first + offset, row_id, cell, source, cfg.media_column, root)
+        yield _make_row(first + offset, row_id, cell, source, cfg, root)
 
 
-def _make_row(row: int, row_id: object, cell: object, source: _Source, column: str, root: _Root | None) -> InputRow:
+def _make_row(row: int, row_id: object, cell: object, source: _Source, cfg: InputConfig, root: _Root | None) -> InputRow:
+    column = cfg.media_column
     if source.kind == "struct":
         if cell is None:
             return InputRow(row, row_id, None, None, f"empty: column '{column}' is null")
         if cell.get("bytes"):
-            return InputRow(row, row_id, cell["bytes"], None, None)
+            return _bytes_row(row, row_id, cell["bytes"], cfg)
         if not cell.get("path"):
             return InputRow(row, row_id, None, None, f"empty: column '{column}' has neither bytes nor a path")
+        if root is None and not cfg.allow_any_path:
+            # The struct's kind is not refused as a whole (most rows carry bytes).
+            return InputRow(row, row_id, None, None, _NO_ROOT)
         cell = cell["path"]
     elif source.kind == "bytes":
         if cell is None:
             return InputRow(row, row_id, None, None, f"empty: column '{column}' is null")
         if not cell:
             return InputRow(row, row_id, None, None, f"empty: column '{column}' holds 0 bytes")
-        return InputRow(row, row_id, cell, None, None)
+        return _bytes_row(row, row_id, cell, cfg)
     if cell is None or not cell.strip():
         return InputRow(row, row_id, None, None, f"empty: column '{column}' holds no path")
     uri, error = _resolve(cell, source.base, root)
     return InputRow(row, row_id, None, uri, error)
+
+
+_NO_ROOT = (
+    "no_media_root: the row has a path but no bytes, and paths are read only under input.media_root "
+    "(or with input.allow_any_path: true)"
+)
+
+
+def _bytes_row(row: int, row_id: object, data: bytes, cfg: InputConfig) -> InputRow:
+    """A row of media bytes, or `too_large` (the bytes are dropped here, so an oversized
+    cell never travels to a decode worker)."""
+    if len(data) > cfg.max_item_bytes:
+        message = f"too_large: the media cell holds {len(data)} bytes, more than input.max_item_bytes = {cfg.max_item_bytes}"
+        return InputRow(row, row_id, None, None, message)
+    return InputRow(row, row_id, data, None, None)
 
 
 # ---------------------------------------------------------------- path resolution
@@ -592,6 +667,14 @@ def _media_root(media_root: str | None) -> _Root | None:
     if not os.path.isdir(absolute):
         raise JobError(f"input.media_root {media_root!r} is not a directory")
     return _Root(absolute, os.path.realpath(absolute))
+
+
+def local_media_root(cfg: InputConfig) -> str | None:
+    """The real path of a local `input.media_root` (None without one, or for a URI root):
+    what a decode worker checks each opened file against, so a path swapped for a
+    symlink after `read_rows` checked it still cannot lead out."""
+    root = _media_root(cfg.media_root)
+    return root.real if root is not None else None
 
 
 def _resolve(value: str, base: str, root: _Root | None) -> tuple[str | None, str | None]:

@@ -12,6 +12,11 @@ Resubmission submits only shards without `_SUCCESS` that no earlier submission o
 output still has queued or running; with `--requeue`, SLURM itself restarts a task
 after a node failure or pre-emption, and the task resumes from its manifest.
 
+Submission checks the output's job (`checkpoint.claim_output`) before it queues
+anything, and records the job there if it is the first, so tasks that start hours later
+find the output theirs; `--overwrite` replaces an output of another job at submission
+(the tasks themselves never overwrite: a requeued task must resume, not start over).
+
 Every submission is recorded in `<output>/slurm-job.json`, so `embedjob status` can ask
 SLURM (`scontrol show job`) about the tasks; without SLURM it reports from the files.
 Status states: done (`_SUCCESS`), running, pending (queued or requeued), failed (SLURM
@@ -37,17 +42,18 @@ from typing import Any
 import embedjob
 from embedjob import reader
 from embedjob.checkpoint import (
-    Checkpoint,
+    OutputRecord,
     ShardProgress,
+    claim_output,
     job_fingerprint,
-    load_manifest,
-    manifest_changes,
+    read_output_record,
+    refuse_other_job,
     shard_progress,
     shards_in,
     success_name,
 )
 from embedjob.job import Job, JobError, load_job
-from embedjob.writer import write_json
+from embedjob.files import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +206,7 @@ def render_script(task: TaskCommand, shards: list[int], options: SubmitOptions) 
     overrides = "".join(f" --set {shlex.quote(o)}" for o in task.overrides)
     lines = [
         "#!/bin/bash",
-        f"# embedjob: {options.num_shards} shards of {task.job_file}; written by `embedjob submit`.",
+        f"# embedjob: {options.num_shards} shards of {_comment_text(str(task.job_file))}; written by `embedjob submit`.",
         "# Array index = shard index. Resubmit with `embedjob submit` to run what is unfinished.",
         *(f"#SBATCH {d}" for d in directives),
         "set -euo pipefail",
@@ -211,6 +217,12 @@ def render_script(task: TaskCommand, shards: list[int], options: SubmitOptions) 
     lines.append('echo "embedjob: shard ${SLURM_ARRAY_TASK_ID} on $(hostname), attempt $((${SLURM_RESTART_COUNT:-0} + 1))" >&2')
     lines.append(f"exec {run} {shard}{overrides}")
     return "\n".join(lines) + "\n"
+
+
+def _comment_text(text: str) -> str:
+    """`text` for a comment line: a newline in it would end the comment and make the
+    rest a command, so control characters (and backslashes, non-ASCII) are escaped."""
+    return text.encode("unicode_escape").decode("ascii")
 
 
 def _sbatch_value(value: str, what: str) -> str:
@@ -250,14 +262,16 @@ def output_dir(job: Job) -> Path:
 
 
 def submit(
-    job_file: str | Path, overrides: list[str], options: SubmitOptions, dry_run: bool = False
+    job_file: str | Path, overrides: list[str], options: SubmitOptions, dry_run: bool = False, overwrite: bool = False
 ) -> Submission:
     """Submit the shards of a job that are neither done nor still queued or running.
 
     The job and its input are checked first (bad spec, unreadable input, output of a
-    different job: JobError), so a mistake costs no queue time. The tasks run a copy
-    of the job file kept under `<output>/logs/`. With `dry_run` the script is rendered
-    (naming the job file itself) and nothing is written or submitted.
+    different job: JobError), so a mistake costs no queue time. The output's record
+    names this job from then on; with `overwrite`, an output of another job is
+    replaced (every shard's files removed) before anything is queued. The tasks run a
+    copy of the job file kept under `<output>/logs/`. With `dry_run` the script is
+    rendered (naming the job file itself) and nothing is written or submitted.
     """
     if options.num_shards < 1:
         raise JobError(f"--shards must be >= 1, got {options.num_shards}")
@@ -267,10 +281,18 @@ def submit(
         raise JobError(f"--cpus-per-task must be >= 1, got {options.cpus_per_task}")
     job = load_job(job_file, overrides)
     task = task_command(job_file, overrides, job)
-    ranges = shard_ranges(job, options.num_shards)
-    _refuse_other_job(job, task.output, ranges)
-    done = [s for s in range(options.num_shards) if (task.output / success_name(s)).exists()]
+    listing = reader.scan_input(job.input)
+    ranges = shard_ranges(listing.fragments, options.num_shards)
+    record = OutputRecord(job_fingerprint(job, listing), options.num_shards, job.output.rows_per_part)
+    replacing = refuse_other_job(task.output, record, overwrite)
     active = _active_shards(task.output, options.num_shards)
+    if replacing and active:
+        tasks = ", ".join(active[s] for s in sorted(active))
+        raise JobError(
+            f"output {task.output} belongs to another job whose tasks are still queued or running ({tasks}); "
+            "cancel them (scancel) before replacing it"
+        )
+    done = [] if replacing else [s for s in range(options.num_shards) if (task.output / success_name(s)).exists()]
     todo = [s for s in range(options.num_shards) if s not in done and s not in active]
     result = Submission(todo, done, active)
     if not todo:
@@ -281,6 +303,7 @@ def submit(
     if shutil.which("sbatch") is None:
         raise RuntimeError("sbatch is not on PATH: run `embedjob submit` where SLURM is installed, or use --dry-run")
     _check_array_size(todo[-1])
+    claim_output(task.output, record, overwrite)
     logs = task.output / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
@@ -297,9 +320,8 @@ def submit(
     return result
 
 
-def shard_ranges(job: Job, num_shards: int) -> list[tuple[int, int]]:
+def shard_ranges(fragments: list[reader.Fragment], num_shards: int) -> list[tuple[int, int]]:
     """Global row range [first, end) of each shard, as `embedjob run --shard` computes it."""
-    fragments = reader.list_fragments(job.input)
     shards = reader.assign_shards(fragments, num_shards)
     if num_shards > len(fragments):
         logger.warning(
@@ -307,23 +329,6 @@ def shard_ranges(job: Job, num_shards: int) -> list[tuple[int, int]]:
             num_shards, len(fragments), num_shards - len(fragments),
         )
     return [(s[0].first_row, s[-1].first_row + s[-1].num_rows) if s else (0, 0) for s in shards]
-
-
-def _refuse_other_job(job: Job, output: Path, ranges: list[tuple[int, int]]) -> None:
-    """Every task would refuse to resume into output of another job: say so now, once."""
-    fingerprint = job_fingerprint(job)
-    for shard in sorted(shards_in(output)):
-        manifest = load_manifest(output, shard)
-        if manifest is None:
-            continue
-        first, end = ranges[shard] if shard < len(ranges) else (None, None)
-        expected = Checkpoint(output, shard, len(ranges), first, end, job.output.rows_per_part, fingerprint)
-        changes = manifest_changes(manifest, expected)
-        if changes:
-            raise JobError(
-                f"output {output} holds shard {shard} of a different job ({'; '.join(changes)}); "
-                "use a new output.path, or remove the old output first"
-            )
 
 
 def _active_shards(output: Path, num_shards: int) -> dict[int, str]:
@@ -418,7 +423,7 @@ def output_status(output: Path) -> OutputStatus:
     record = read_record(output)
     progress = {s: shard_progress(output, s) for s in shards_in(output)}
     num_shards = _num_shards(output, record, progress)
-    owner = _latest_task(record)
+    owner = _latest_task(record, num_shards)
     slurm = _ask_slurm(sorted(set(owner.values())))
     known_rows = record.get("shard_rows") if record.get("num_shards") == num_shards else None
     shards = []
@@ -434,6 +439,11 @@ def output_status(output: Path) -> OutputStatus:
 
 
 def _num_shards(output: Path, record: dict[str, Any], progress: dict[int, Any]) -> int:
+    """The output's job says; an output from before job records: the submission
+    record, else the manifests."""
+    job = read_output_record(output)
+    if job is not None:
+        return job.num_shards
     if record.get("num_shards"):
         return int(record["num_shards"])
     counts = {p.num_shards for p in progress.values() if p.num_shards is not None}
@@ -444,11 +454,11 @@ def _num_shards(output: Path, record: dict[str, Any], progress: dict[int, Any]) 
     return counts.pop()
 
 
-def _latest_task(record: dict[str, Any]) -> dict[int, str]:
-    """For each shard, the job id of the latest submission that ran it."""
+def _latest_task(record: dict[str, Any], num_shards: int) -> dict[int, str]:
+    """For each shard, the job id of the latest submission of this shard count that ran it."""
     owner: dict[int, str] = {}
     for submission in record.get("submissions", []):
-        if submission.get("num_shards") == record.get("num_shards"):
+        if submission.get("num_shards") == num_shards:
             for shard in submission.get("shards", []):
                 owner[shard] = str(submission["job_id"])
     return owner

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from embedjob.checkpoint import (
+    JOB_RECORD,
     Checkpoint,
     PartRecord,
     lock_name,
@@ -88,7 +89,7 @@ def test_restart_removes_temporaries_and_unlisted_parts_of_its_shard_only(tmp_pa
         (tmp_path / name).write_bytes(b"x")
     again = start(tmp_path)
     assert again.resume_row == 104
-    assert names(tmp_path) == {manifest_name(0), part_name(0, 0), lock_name(0)} | others
+    assert names(tmp_path) == {JOB_RECORD, manifest_name(0), part_name(0, 0), lock_name(0)} | others
 
 
 def test_a_lost_part_is_recomputed_from_there_and_the_success_marker_withdrawn(tmp_path: Path) -> None:
@@ -106,7 +107,7 @@ def test_files_without_a_manifest_are_not_trusted(tmp_path: Path) -> None:
     again = start(tmp_path)
     assert not again.is_done(), "a success marker the manifest no longer backs would skip the whole shard"
     assert again.resume_row == 100
-    assert names(tmp_path) == {manifest_name(0), lock_name(0)}
+    assert names(tmp_path) == {JOB_RECORD, manifest_name(0), lock_name(0)}
 
 
 @pytest.mark.parametrize("text", ['{"parts": [', '{"parts": [{"part": 0}]}', "[]"])
@@ -151,7 +152,9 @@ def test_finish_writes_stats_then_success_and_leaves_no_lock(tmp_path: Path) -> 
     with pytest.raises(RuntimeError, match=r"\[100, 110\) are not committed"):
         cp.finish({})
     complete(cp)
-    assert names(tmp_path) == {manifest_name(0), stats_name(0), success_name(0), *(part_name(0, k) for k in range(3))}
+    assert names(tmp_path) == {
+        JOB_RECORD, manifest_name(0), stats_name(0), success_name(0), *(part_name(0, k) for k in range(3))
+    }
     again = start(tmp_path)
     assert again.is_done() and again.finished_stats() == {"rows": 10, "skipped": True}
     assert not (tmp_path / lock_name(0)).exists(), "reading a finished shard must not hold its lock"
@@ -212,4 +215,4 @@ def test_the_lock_of_a_killed_process_is_free_and_its_debris_is_removed(tmp_path
             assert time.monotonic() < deadline, "the kernel did not drop the lock of a killed process"
             time.sleep(0.05)
     assert cp.resume_row == 100
-    assert names(tmp_path) == {manifest_name(0), lock_name(0)}
+    assert names(tmp_path) == {JOB_RECORD, manifest_name(0), lock_name(0)}

@@ -108,7 +108,7 @@ def test_img2dataset_output_failed_download_is_an_empty_error_row(real):
 
 
 def test_img2dataset_url_list_yields_uri_rows(real):
-    rows = read_all(cfg(real / I2D_INPUT, media="URL", ident="__index_level_0__"))
+    rows = read_all(cfg(real / I2D_INPUT, media="URL", ident="__index_level_0__", allow_any_path=True))
     urls = pq.read_table(real / I2D_INPUT, columns=["URL"]).column("URL").to_pylist()
     assert [r.uri for r in rows] == urls
     assert all(r.error is None and r.data is None for r in rows)
@@ -192,7 +192,7 @@ def memory_dataset():
 
 
 def test_memory_uri_lists_uris_and_resolves_relative_paths_next_to_the_file(memory_dataset):
-    config = cfg(memory_dataset)
+    config = cfg(memory_dataset, allow_any_path=True)
     fragments = list_fragments(config)
     assert all(f.path.startswith("memory://") for f in fragments)
     rows = list(read_rows(config, fragments))
@@ -202,7 +202,7 @@ def test_memory_uri_lists_uris_and_resolves_relative_paths_next_to_the_file(memo
 
 
 def test_memory_glob(memory_dataset):
-    assert [r.id for r in read_all(cfg(memory_dataset + "/b*.parquet"))] == ["b-0", "b-1", "b-2"]
+    assert [r.id for r in read_all(cfg(memory_dataset + "/b*.parquet", allow_any_path=True))] == ["b-0", "b-1", "b-2"]
 
 
 def test_empty_files_and_row_groups_take_no_row_index(tmp_path):
@@ -231,7 +231,7 @@ def test_large_binary_and_large_string_columns(tmp_path):
     schema = pa.schema([("id", pa.int32()), ("image", pa.large_binary()), ("path", pa.large_string())])
     write(tmp_path / "t.parquet", {"id": [7, 8], "image": [b"ab", b"cd"], "path": ["x.jpg", "y.jpg"]}, schema=schema)
     assert [r.data for r in read_all(cfg(tmp_path))] == [b"ab", b"cd"]
-    assert [r.uri for r in read_all(cfg(tmp_path, media="path"))] == [str(tmp_path / "x.jpg"), str(tmp_path / "y.jpg")]
+    assert [r.uri for r in read_all(cfg(tmp_path, media="path", allow_any_path=True))] == [str(tmp_path / "x.jpg"), str(tmp_path / "y.jpg")]
     assert id_type(cfg(tmp_path)) == pa.int32()
 
 
@@ -275,7 +275,7 @@ def media_tree(tmp_path: Path) -> Path:
 
 def path_rows(tmp_path: Path, cells: list, media_root: str | None) -> list[InputRow]:
     write(tmp_path / "list" / "paths.parquet", {"p": pa.array(cells, type=pa.string())})
-    return read_all(cfg(tmp_path / "list", media="p", ident=None, media_root=media_root))
+    return read_all(cfg(tmp_path / "list", media="p", ident=None, media_root=media_root, allow_any_path=media_root is None))
 
 
 def test_paths_resolve_under_media_root_and_escapes_are_error_rows(tmp_path, media_tree):

@@ -1,0 +1,218 @@
+"""`embedjob verify OUTPUT`: check a whole output against what its runs committed.
+
+Read only and without locks, so it may run beside writers; that is why the files of an
+unfinished shard beyond its manifest are not judged (a writer may be renaming a part
+into place). Each problem is one line that names the file:
+
+- the output's record (`_embedjob.json`) unreadable, or left `replacing` by an
+  interrupted --overwrite;
+- a shard's manifest unreadable, or of another job or shard layout than the record;
+- a committed part missing, not a plain file, of another size, with another sha256
+  than at commit (or written by an embedjob that recorded none), or holding another
+  number of rows;
+- a finished shard (`_SUCCESS`) whose parts do not cover its rows, whose marker
+  disagrees with its manifest, without statistics, or with part or temporary files its
+  manifest does not list (a reader globbing part files would read them too);
+- files of shards beyond the output's shard count;
+- shards whose rows do not follow each other from row 0 to the input's last row.
+
+Shards without `_SUCCESS` are reported as unfinished: no file is damaged, but the
+output is not whole either.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from embedjob.checkpoint import (
+    JOB_RECORD,
+    READY,
+    OutputRecord,
+    PartRecord,
+    load_manifest,
+    manifest_name,
+    part_problem,
+    read_output_record,
+    record_changes,
+    shard_file_index,
+    shards_in,
+    success_name,
+)
+from embedjob.job import JobError
+from embedjob.writer import stats_name
+
+
+@dataclass
+class Verification:
+    """What `verify_output` found: `problems` (one line each), the unfinished shards,
+    and how many parts and rows it checked."""
+
+    output: Path
+    num_shards: int
+    problems: list[str] = field(default_factory=list)
+    unfinished: list[int] = field(default_factory=list)
+    parts: int = 0
+    rows: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.unfinished
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["output"] = str(self.output)
+        data["ok"] = self.ok
+        return data
+
+
+def verify_output(output: Path) -> Verification:
+    """Check every shard, manifest, part and marker of `output` (reads every part whole).
+
+    Raises JobError only when `output` is not an embedjob output at all.
+    """
+    output = Path(output)
+    if not output.is_dir():
+        raise JobError(f"output {output} does not exist")
+    problems: list[str] = []
+    job = _job_record(output, problems)
+    num_shards = job.num_shards if job is not None else _shard_count(output, problems)
+    result = Verification(output, num_shards, problems)
+    ranges = [_verify_shard(output, shard, job, result) for shard in range(num_shards)]
+    _check_tiling(ranges, job, result)
+    for path in sorted(output.iterdir()):
+        index = shard_file_index(path.name)
+        if index is not None and index >= num_shards and not path.name.startswith(".lock-"):
+            problems.append(f"{path.name} belongs to shard {index}, but the output has {num_shards} shards")
+    return result
+
+
+def format_verification(result: Verification) -> str:
+    """Each problem on its own line, then one summary line."""
+    unfinished = f", {len(result.unfinished)} unfinished ({', '.join(map(str, result.unfinished))})" if result.unfinished else ""
+    verdict = "intact" if not result.problems else f"{len(result.problems)} problems"
+    summary = (
+        f"{result.output}: {result.num_shards} shards{unfinished}; {result.parts} parts, "
+        f"{result.rows} rows checked; {verdict}"
+    )
+    return "\n".join([*result.problems, summary])
+
+
+def _job_record(output: Path, problems: list[str]) -> OutputRecord | None:
+    try:
+        job = read_output_record(output)
+    except JobError as exc:
+        problems.append(str(exc))
+        return None
+    if job is not None and job.state != READY:
+        problems.append(f"{JOB_RECORD}: an --overwrite was interrupted while removing the old job's files; run the job again")
+    return job
+
+
+def _shard_count(output: Path, problems: list[str]) -> int:
+    """Without a record (an output from before records): what the manifests say."""
+    counts = set()
+    for shard in shards_in(output):
+        try:
+            manifest = load_manifest(output, shard)
+        except JobError:
+            continue
+        if manifest is not None:
+            counts.add(manifest.get("num_shards"))
+    if not counts:
+        raise JobError(f"{output} holds no embedjob shards (no {JOB_RECORD} and no manifest-*.json)")
+    if len(counts) > 1:
+        problems.append(f"the manifests in {output} disagree on the number of shards ({sorted(counts, key=str)})")
+    problems.append(f"{JOB_RECORD} is missing (an output of an older embedjob): the manifests were checked on their own")
+    return max(c for c in counts if isinstance(c, int))
+
+
+def _verify_shard(output: Path, shard: int, job: OutputRecord | None, result: Verification) -> tuple[int, int] | None:
+    """Check one shard; its row range [first, end) when its manifest can be read."""
+    done = (output / success_name(shard)).exists()
+    try:
+        manifest = load_manifest(output, shard)
+    except JobError as exc:
+        result.problems.append(str(exc))
+        return None
+    if manifest is None:
+        if done:
+            result.problems.append(f"{success_name(shard)} marks shard {shard} done, but it has no {manifest_name(shard)}")
+        result.unfinished.append(shard)
+        return None
+    if job is not None:
+        stored = OutputRecord(manifest.get("fingerprint") or {}, manifest.get("num_shards"), manifest.get("rows_per_part"))
+        changes = record_changes(stored, job)
+        if changes:
+            result.problems.append(f"{manifest_name(shard)} belongs to a different job than {JOB_RECORD} ({'; '.join(changes)})")
+    parts = [PartRecord(**p) for p in manifest["parts"]]
+    first, end = manifest["first_row"], manifest["end_row"]
+    covered = _verify_parts(output, parts, first, manifest["rows_per_part"], result)
+    if done:
+        _verify_finished(output, shard, parts, first, end, covered, result)
+    else:
+        result.unfinished.append(shard)
+    return first, end
+
+
+def _verify_parts(output: Path, parts: list[PartRecord], first: int, per_part: int, result: Verification) -> int:
+    """Check each listed part; the row where the contiguous, in-place parts end."""
+    covered = first
+    for k, record in enumerate(parts):
+        if (record.part, record.first_row) != (k, first + k * per_part) or record.first_row != covered:
+            result.problems.append(f"{record.name} is listed out of place (part {record.part}, rows from {record.first_row})")
+        covered = record.end_row
+        problem = part_problem(output, record) or _rows_problem(output / record.name, record)
+        if problem is not None:
+            result.problems.append(f"{record.name} {problem}")
+            continue
+        result.parts += 1
+        result.rows += record.end_row - record.first_row
+    return covered
+
+
+def _rows_problem(path: Path, record: PartRecord) -> str | None:
+    try:
+        rows = pq.read_metadata(path).num_rows
+    except Exception as exc:  # pyarrow raises several types on a file it cannot parse
+        return f"cannot be read as Parquet ({type(exc).__name__})"
+    return None if rows == record.end_row - record.first_row == record.rows else f"holds {rows} rows, {record.rows} were committed"
+
+
+def _verify_finished(
+    output: Path, shard: int, parts: list[PartRecord], first: int, end: int, covered: int, result: Verification
+) -> None:
+    marker = success_name(shard)
+    if covered != end:
+        result.problems.append(f"{marker} marks shard {shard} done, but its parts cover rows [{first}, {covered}) of [{first}, {end})")
+    try:
+        written = json.loads((output / marker).read_text())
+    except (OSError, ValueError):
+        written = None
+    if written != {"parts": len(parts), "rows": end - first}:
+        result.problems.append(f"{marker} does not match {manifest_name(shard)} ({len(parts)} parts, {end - first} rows)")
+    if not (output / stats_name(shard)).exists():
+        result.problems.append(f"{stats_name(shard)} is missing for the finished shard {shard}")
+    listed = {p.name for p in parts} | {manifest_name(shard), marker, stats_name(shard)}
+    for path in sorted(output.iterdir()):
+        if shard_file_index(path.name) == shard and path.name not in listed and not path.name.startswith(".lock-"):
+            result.problems.append(f"{path.name} is not listed in {manifest_name(shard)} (left over; readers of part files would read it)")
+
+
+def _check_tiling(ranges: list[tuple[int, int] | None], job: OutputRecord | None, result: Verification) -> None:
+    """Shards in shard order must be the input's rows in order, each exactly once."""
+    expected = 0
+    for shard, bounds in enumerate(ranges):
+        if bounds is None:
+            return
+        first, end = bounds
+        if first != expected and end > first:
+            result.problems.append(f"{manifest_name(shard)} covers rows [{first}, {end}), but the shards before end at row {expected}")
+        expected = max(expected, end)
+    total = (job.fingerprint.get("input") or {}).get("rows") if job is not None else None
+    if total is not None and expected != total:
+        result.problems.append(f"the shards cover {expected} rows, but the input has {total}")

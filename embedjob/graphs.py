@@ -38,6 +38,13 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 POOLINGS = ("mean", "none")
 
 
+def _lap(seconds: Counter, stage: str, since: float) -> float:
+    """Add the wall seconds since `since` to `seconds[stage]`; the time now."""
+    now = time.perf_counter()
+    seconds[stage] += now - since
+    return now
+
+
 def clone_rows(rows: torch.Tensor) -> torch.Tensor:
     """The default per-item read-out of `GraphManager.run`: a copy that survives the next replay."""
     return rows.clone()
@@ -146,6 +153,7 @@ class GraphStats:
     capacity_fallbacks: int = 0
     capture_seconds: float = 0.0
     pool_bytes: int = 0
+    host_seconds: Counter = field(default_factory=Counter)
 
     @property
     def hit_rate(self) -> float:
@@ -158,6 +166,7 @@ class GraphStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.budget_batches.update(other.budget_batches)
         self.budget_items.update(other.budget_items)
+        self.host_seconds.update(other.host_seconds)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -173,6 +182,7 @@ class GraphStats:
             "capacity_fallbacks": self.capacity_fallbacks,
             "capture_seconds": round(self.capture_seconds, 3),
             "graph_pool_bytes": self.pool_bytes,
+            "encode_host_seconds": {k: round(v, 3) for k, v in sorted(self.host_seconds.items())},
         }
 
 
@@ -308,15 +318,21 @@ class GraphManager:
             self.stats.capacity_fallbacks += 1
             entry = None
         rows = sum(self.adapter.row_counts(items))
+        host = self.stats.host_seconds
+        since = time.perf_counter()
         with torch.inference_mode():
             if entry is None:
-                output = self.adapter.forward(self.adapter.eager_inputs(items))
+                inputs = self.adapter.eager_inputs(items)
+                since = _lap(host, "prepare", since)
+                output = self.adapter.forward(inputs)
                 self._count(items, None, tokens)
             else:
                 self._fill(entry.static, self.adapter.batch_values(items, entry.static))
+                since = _lap(host, "prepare", since)
                 entry.graph.replay()
                 output = entry.graph.output
                 self._count(items, budget, tokens)
+            _lap(host, "launch", since)
             return output[:rows]
 
     def run(self, items: list[EncoderInput], budget: int | None, reduce: Reduce = clone_rows) -> list[torch.Tensor]:
@@ -430,9 +446,15 @@ class BatchEncoder:
         out = _Collector(len(items), self.width, pooling, dtype, self.manager.adapter.device)
         tokens = [item.tokens for item in items]
         frames = [item.frames for item in items]
-        for batch in pack(tokens, frames, self.manager.plan, self.policy):
+        since = time.perf_counter()
+        batches = pack(tokens, frames, self.manager.plan, self.policy)
+        _lap(self.manager.stats.host_seconds, "pack", since)
+        for batch in batches:
             self._run(items, list(batch.indices), batch.budget, out)
-        return out.result()
+        since = time.perf_counter()
+        result = out.result()
+        _lap(self.manager.stats.host_seconds, "collect", since)
+        return result
 
     @property
     def width(self) -> int:
@@ -442,8 +464,10 @@ class BatchEncoder:
         chosen = [items[i] for i in indices]
         try:
             rows = self.manager.run_batch(chosen, budget)
+            since = time.perf_counter()
             with torch.inference_mode():
                 out.add(indices, rows, self.manager.adapter.row_counts(chosen))
+            _lap(self.manager.stats.host_seconds, "pool", since)
         except Exception as exc:
             if len(indices) == 1 and budget is None:
                 out.fail(indices[0], f"encode_failed: {type(exc).__name__}: {exc}")

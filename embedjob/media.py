@@ -1376,10 +1376,14 @@ class DecodePool(Generic[T, R]):
         self._timeout = timeout
         self._max_in_flight = max_in_flight or max(1, 2 * workers)
         self._ctx = _context(preload)
-        self._workers = [self._start_worker() for _ in range(workers)]
+        self._count = workers
+        self._workers: list[_Worker] = []
         self._failed_starts = 0
+        self._start_error: BaseException | None = None
         self._active: Callable[[], None] | None = None
         self._closed = False
+        self._starter = threading.Thread(target=self._start_workers, name="embedjob-decode-start", daemon=True)
+        self._starter.start()
 
     def __enter__(self) -> DecodePool[T, R]:
         return self
@@ -1394,13 +1398,13 @@ class DecodePool(Generic[T, R]):
             raise RuntimeError("DecodePool is closed")
         if self._active is not None:
             raise RuntimeError("DecodePool.imap is already running; consume or close it first")
-        if not self._workers:
+        if not self._count:
             source = _Tasks(tasks, 1, None)
             self._active = source.stop
             return self._inline(source, idle)
         wake_read, wake_write = socket.socketpair()
         wake_read.setblocking(False)
-        source = _Tasks(tasks, len(self._workers), wake_write)
+        source = _Tasks(tasks, self._count, wake_write)
         feed = _Feed(self._max_in_flight)
         service = threading.Thread(
             target=self._serve, args=(source, feed, wake_read), name="embedjob-decode-pool", daemon=True
@@ -1424,6 +1428,7 @@ class DecodePool(Generic[T, R]):
             return
         self._closed = True
         self._end_imap()
+        self._starter.join()
         for worker in self._workers:
             try:
                 worker.conn.send(None)
@@ -1441,6 +1446,19 @@ class DecodePool(Generic[T, R]):
         stop, self._active = self._active, None
         if stop is not None:
             stop()
+
+    def _start_workers(self) -> None:
+        """Start the workers one after another on this thread; each serves as soon as it
+        exists. A start forks the server that holds torch: tens of milliseconds each, more
+        on a sandboxed kernel, which would otherwise all come before the first decode."""
+        try:
+            for _ in range(self._count):
+                if self._closed:
+                    return
+                self._workers.append(self._start_worker())
+        except BaseException as exc:
+            logger.exception("a decode worker could not start")
+            self._start_error = exc
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
@@ -1499,6 +1517,8 @@ class DecodePool(Generic[T, R]):
                         raise task.error
                     waiting.append((taken, task))
                     taken += 1
+                if self._start_error is not None and not self._workers:
+                    raise RuntimeError(f"decode workers cannot start: {self._start_error}")
                 self._dispatch(waiting)
                 feed.publish(done)
                 if exhausted and feed.delivered(taken):

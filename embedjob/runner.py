@@ -130,7 +130,7 @@ def _decode_row(row: reader.InputRow, options: media.DecodeOptions, preprocess: 
     if row.error is not None:
         return Decoded(row.row, row.id, fixed, None, row.error)
     try:
-        data = row.data if row.data is not None else media.read_source(row.uri or "")
+        data = row.data if row.data is not None else media.read_source(row.uri or "", options.media_root, options.max_item_bytes)
         decoded = media.decode(data, options)
     except media.MediaError as err:
         return Decoded(row.row, row.id, fixed, None, str(err))
@@ -204,6 +204,13 @@ def compile_if_asked(job: Job, adapter: EncoderAdapter) -> None:
         logger.info("batching.compile applies to CUDA only; running uncompiled on %s", adapter.device)
 
 
+def _import_compiler() -> None:
+    """Import torch's compiler (seconds of Python) beside the model load, which mostly
+    waits on file reads and copies to the GPU, instead of after it."""
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.codecache  # noqa: F401
+
+
 def output_dtype(job: Job) -> torch.dtype:
     return torch.float16 if job.output.dtype == "float16" else torch.float32
 
@@ -224,6 +231,10 @@ def decode_options(job: Job, adapter: EncoderAdapter) -> media.DecodeOptions:
         max_frames=job.video.max_frames,
         frame_multiple=preprocess.frame_multiple,
         max_frame_pixels=4 * frame_pixels if frame_pixels else None,
+        frame_pixel_limit=job.video.max_pixels_per_frame,
+        video_pixel_limit=job.video.max_total_pixels,
+        media_root=reader.local_media_root(job.input),
+        max_item_bytes=job.input.max_item_bytes,
     )
 
 
@@ -455,6 +466,8 @@ class RankStats:
             "busy_seconds": round(self.busy_seconds, 3),
             "decode_seconds": round(self.decode_seconds, 3),
             "host_seconds": round(self.stages.get("host", 0.0), 3),
+            "host_cpu_seconds": round(self.stages.get("host cpu", 0.0), 3),
+            "encode_host_seconds": {k: round(v, 3) for k, v in sorted(graphs.host_seconds.items())},
             "setup_seconds": round(self.ready_at - self.started_at, 3) if self.ready_at and self.started_at else 0.0,
             "setup": {k: round(v, 3) for k, v in self.setup.items()},
             "waits": {k: round(v, 3) for k, v in self.waits.items()},
@@ -502,6 +515,8 @@ class RankPipeline:
         since = time.perf_counter()
         self.stats.started_at = time.time()
         media.start_worker_server(WORKER_MODULES)
+        if self.job.batching.compile and self.device.type == "cuda":
+            threading.Thread(target=_import_compiler, name="embedjob-import", daemon=True).start()
         adapter = load_encoder_adapter(self.job, self.device)
         since = self._setup("load", since)
         compile_if_asked(self.job, adapter)
@@ -621,9 +636,10 @@ class RankPipeline:
         for window in windows:
             current = None
             if window is not None:
-                since = time.perf_counter()
+                since, cpu = time.perf_counter(), time.thread_time()
                 current = encoder.enqueue(window)
                 self.clock.add("host", since)
+                self.clock.seconds["host cpu"] += time.thread_time() - cpu
             if pending is not None:
                 self._emit(pending, encoder, chunks)
             pending = current
@@ -633,11 +649,12 @@ class RankPipeline:
     def _emit(self, pending: PendingWindow, encoder: WindowEncoder, chunks: ChunkAssembler) -> None:
         since = time.perf_counter()
         pending.busy.seconds()
-        since = self.clock.add("waiting for the device", since)
+        since, cpu = self.clock.add("waiting for the device", since), time.thread_time()
         blocks, busy = encoder.finalize(pending)
         for block in blocks:
             chunks.add(block)
         self.clock.add("host", since)
+        self.clock.seconds["host cpu"] += time.thread_time() - cpu
         window = pending.window
         self.stats.busy_seconds += busy
         self.stats.rows += len(window)
@@ -647,7 +664,7 @@ class RankPipeline:
 
     def _finish(self) -> None:
         self.stats.stages = dict(self.clock.seconds)
-        self.stats.waits = {k: v for k, v in {**self.clock.seconds, **self.reading.seconds}.items() if k != "host"}
+        self.stats.waits = {k: v for k, v in {**self.clock.seconds, **self.reading.seconds}.items() if not k.startswith("host")}
         self.stats.graphs = self.encoder.graph_stats()
         self.stats.plan = self.encoder.plan_stats()
 
@@ -791,7 +808,7 @@ class Runner:
         listing = reader.scan_input(self.job.input)
         fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
         first_row, end_row = self._row_range(fragments)
-        checkpoint = self._open_checkpoint(first_row, end_row)
+        checkpoint = self._open_checkpoint(first_row, end_row, listing)
         if checkpoint.is_done():
             coordinator.open([])
             logger.info("shard %d/%d is already complete in %s", self.shard.index, self.shard.count, self.job.output.path)
@@ -870,23 +887,20 @@ class Runner:
             return fragments[0].first_row, fragments[-1].first_row + fragments[-1].num_rows
         return 0, 0
 
-    def _open_checkpoint(self, first_row: int, end_row: int) -> Checkpoint:
+    def _open_checkpoint(self, first_row: int, end_row: int, listing: reader.InputListing) -> Checkpoint:
         directory = Path(self.job.output.path)
         if "://" in self.job.output.path:
             raise JobError(f"output.path {self.job.output.path!r} must be a local or mounted directory")
-        try:
-            return open_checkpoint(
-                directory,
-                self.shard.index,
-                self.shard.count,
-                first_row,
-                end_row,
-                self.job.output.rows_per_part,
-                job_fingerprint(self.job),
-                self.overwrite,
-            )
-        except OSError as exc:
-            raise JobError(f"cannot write to output.path {directory}: {exc.strerror or exc}") from None
+        return open_checkpoint(
+            directory,
+            self.shard.index,
+            self.shard.count,
+            first_row,
+            end_row,
+            self.job.output.rows_per_part,
+            job_fingerprint(self.job, listing),
+            self.overwrite,
+        )
 
     def _progress(self, total: int) -> tqdm:
         return tqdm(

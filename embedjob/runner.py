@@ -504,8 +504,10 @@ class RankPipeline:
         workers: int,
         take: Callable[[], reader.Chunk | None],
         deliver: Callable[[int, RowBlock], None],
+        ready: Callable[[], None],
     ) -> None:
         self.job = job
+        self.ready = ready
         self.device = device
         self.workers = workers
         self.take = take
@@ -545,6 +547,7 @@ class RankPipeline:
         pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
         with pool:
             self.stats.ready_at = time.time()
+            self.ready()
             windows = WindowEncoder(self.encoder, self.job, self.device)
             self._pipeline(self._windows(stream, submitted), windows, ChunkAssembler(taken, self.deliver))
         self._finish()
@@ -849,7 +852,7 @@ class Runner:
         coordinator.open(chunks)
         pipeline = RankPipeline(
             self.job, device, 0, resolve_workers(self.job.runtime.workers, self.world_size),
-            functools.partial(coordinator.take, 0), coordinator.put,
+            functools.partial(coordinator.take, 0), coordinator.put, functools.partial(coordinator.ready, 0),
         )
         pipeline.prepare()
         resumed = checkpoint.resume_row
@@ -923,7 +926,7 @@ class Runner:
         self, checkpoint: Checkpoint, ranks: list[RankStats], writer: Writer, started: float, seconds: float, resumed: int
     ) -> dict[str, Any]:
         ready = [r.ready_at for r in ranks if r.ready_at is not None]
-        setup = min(ready) - started if ready else seconds
+        setup = max(ready) - started if ready else seconds
         pipeline = max(seconds - setup, 1e-9)
         stats: dict[str, Any] = {
             "shard": self.shard.index,
@@ -998,7 +1001,7 @@ def serve_rank(cluster: distributed.Cluster, job: Job) -> None:
     link = cluster.link
     with host_threads(cluster.device):
         workers = resolve_workers(job.runtime.workers, cluster.world_size)
-        pipeline = RankPipeline(job, cluster.device, cluster.rank, workers, link.take, link.put)
+        pipeline = RankPipeline(job, cluster.device, cluster.rank, workers, link.take, link.put, link.ready)
         try:
             stats = pipeline.run()
         except BaseException as exc:

@@ -156,7 +156,9 @@ def test_finish_writes_stats_then_success_and_leaves_no_lock(tmp_path: Path) -> 
         JOB_RECORD, manifest_name(0), stats_name(0), success_name(0), *(part_name(0, k) for k in range(3))
     }
     again = start(tmp_path)
-    assert again.is_done() and again.finished_stats() == {"rows": 10, "skipped": True}
+    finished = again.finished_stats()
+    assert again.is_done() and (finished["rows"], finished["skipped"]) == (10, True)
+    assert [(a["resumed_from_row"], a["rows"]) for a in finished["attempts"]] == [(100, 10)]
     assert not (tmp_path / lock_name(0)).exists(), "reading a finished shard must not hold its lock"
 
 

@@ -71,7 +71,10 @@ def test_ranks_taking_chunks_at_their_own_pace_get_each_once_and_the_writer_gets
     outstanding: list[int] = []
 
     def rank(r: int) -> None:
-        while (chunk := coordinator.take(r)) is not None:
+        first = coordinator.take(r)  # answered at once, before the rank is ready
+        time.sleep(0.01 * r)
+        coordinator.ready(r)
+        for chunk in itertools.chain([first], iter(lambda: coordinator.take(r), None)):
             taken.append((r, chunk.index))
             time.sleep(delays[r][chunk.index])
             coordinator.put(chunk.index, _block(chunk))
@@ -92,10 +95,28 @@ def test_ranks_taking_chunks_at_their_own_pace_get_each_once_and_the_writer_gets
     assert len({r for r, _ in taken}) == 3  # every rank took some
 
 
+def test_a_rank_setting_up_holds_back_only_its_first_chunk() -> None:
+    """Each rank gets one chunk at once; more only once every rank is ready, so a slow
+    starter never holds a chunk while the others run ahead and then wait for it."""
+    coordinator = Coordinator(2, lookahead=8)
+    coordinator.open([Chunk(i, i, i + 1, ()) for i in range(6)])
+    assert coordinator.take(0).index == 0 and coordinator.take(1).index == 1
+    coordinator.ready(0)
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(coordinator.take(0).index))
+    thread.start()
+    time.sleep(0.2)
+    assert later == []  # rank 1 is still capturing
+    coordinator.ready(1)
+    thread.join(timeout=5)
+    assert later == [2] and coordinator.started_at is not None
+
+
 def test_a_failure_wakes_every_waiting_rank_and_the_writer() -> None:
     coordinator = Coordinator(1, lookahead=1)
     coordinator.open([Chunk(i, i, i + 1, ()) for i in range(3)])
     assert coordinator.take(0).index == 0
+    coordinator.ready(0)
     errors: list[BaseException] = []
 
     def blocked() -> None:
@@ -117,8 +138,8 @@ def test_a_failure_wakes_every_waiting_rank_and_the_writer() -> None:
 def test_a_chunk_held_too_long_names_the_rank_that_holds_it() -> None:
     coordinator = Coordinator(4, lookahead=4)
     coordinator.open([Chunk(0, 10, 20, ())])
-    assert coordinator.take(3) is None and coordinator.take(0).index == 0
-    with pytest.raises(RankFailure, match=r"rank 0 has not returned rows 10-19"):
+    assert coordinator.take(3).index == 0 and coordinator.take(0) is None
+    with pytest.raises(RankFailure, match=r"rank 3 has not returned rows 10-19"):
         next(coordinator.results(timeout=0.2))
 
 
@@ -139,7 +160,7 @@ def test_the_rank_link_listens_on_loopback_only_and_drops_peers_without_the_toke
         coordinator.open([Chunk(0, 0, 4, ()), Chunk(1, 4, 8, ())])
         wire.send(member, 1, None)  # TAKE
         kind, chunk = wire.receive(member, timeout=10)
-        assert chunk == Chunk(1, 4, 8, ())  # rank 1's own first chunk
+        assert chunk == Chunk(0, 0, 4, ())  # a first take is answered before the rank is ready
     finally:
         hub.close()
 

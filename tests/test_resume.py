@@ -187,6 +187,10 @@ def test_resume_recomputes_only_the_uncommitted_rows(small: Path, tmp_path: Path
     assert main(["run", *job_args(small, out, cache_dir)]) == 0
     stats = json.loads((out / "stats-00000.json").read_text())
     assert (stats["resumed_from_row"], stats["rows_this_run"], stats["rows"]) == (4, 8, 12)
+    # The statistics cover the whole shard: the first run's committed rows and this run's.
+    attempts = stats["attempts"]
+    assert [a["resumed_from_row"] for a in attempts][-1] == 4 and attempts[-1]["rows"] == 8
+    assert sum(a["rows"] for a in attempts) >= 12 and stats["items_per_second"] > 0
     assert (out / "part-00000-00000.parquet").stat().st_mtime_ns == first_part, "a committed part was rewritten"
     assert_same_rows(read_output(out), want)
     assert debris(out) == []

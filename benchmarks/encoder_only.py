@@ -31,7 +31,8 @@ from benchmarks.mixes import items_flops
 from embedjob import media, packer
 from embedjob.encoders import EncoderInput, load_adapter
 from embedjob.encoders.fixed import FixedResAdapter
-from embedjob.graphs import GraphManager, budget_plan, whole_image_plan
+from embedjob.bench import cuda_passes
+from embedjob.graphs import GraphManager, budget_plan, pool_rows, whole_image_plan
 from embedjob.job import Job
 
 
@@ -109,13 +110,16 @@ def _timed(
     manager.capture()
     capture = time.perf_counter() - capture_start
     batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, job.batching.policy)
-    reduce = _mean_rows if job.output.pooling == "mean" else _clone_rows
+    chosen = [[items[i] for i in batch.indices] for batch in batches]
 
     def one_pass() -> None:
-        for batch in batches:
-            manager.run([items[i] for i in batch.indices], batch.budget, reduce=reduce)
+        """Every batch and its pooling, as the pipeline runs them (`pool_rows` per batch)."""
+        for batch, batch_items in zip(batches, chosen):
+            rows = manager.run_batch(batch_items, batch.budget)
+            with torch.inference_mode():
+                pool_rows(rows, adapter.row_counts(batch_items), job.output.pooling)
 
-    passes = _cuda_passes(one_pass, repeats) if device.type == "cuda" else _wall_passes(one_pass, repeats)
+    passes = cuda_passes(one_pass, repeats) if device.type == "cuda" else _wall_passes(one_pass, repeats)
     real = sum(i.tokens for i in items)
     manager.clear()
     return EncoderOnly(
@@ -135,30 +139,6 @@ def _timed(
 
 def _not_measured(items: list[EncoderInput], failed: int, flops: float, seconds: tuple[float, float], note: str) -> EncoderOnly:
     return EncoderOnly(len(items), failed, float("nan"), [], flops, 0, None, None, [], seconds[0], seconds[1], note)
-
-
-def _mean_rows(rows: torch.Tensor) -> torch.Tensor:
-    """The runner's `output.pooling: mean` read-out."""
-    return rows.float().mean(dim=0)
-
-
-def _clone_rows(rows: torch.Tensor) -> torch.Tensor:
-    return rows.clone()
-
-
-def _cuda_passes(fn: Callable[[], None], repeats: int) -> list[float]:
-    """Seconds of each of `repeats` passes, timed with CUDA events after one warm-up pass."""
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / 1000)
-    return out
 
 
 def _wall_passes(fn: Callable[[], None], repeats: int) -> list[float]:

@@ -74,8 +74,8 @@ class Row:
         return self.flops / self.seconds / self.peak
 
 
-def cuda_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
-    """Median seconds of `fn` over `repeats` runs, timed with CUDA events after warm-up."""
+def cuda_passes(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` runs of `fn`, timed with CUDA events after warm-up."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -87,7 +87,12 @@ def cuda_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
+    return times
+
+
+def cuda_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median seconds of `fn` over `repeats` runs (`cuda_passes`)."""
+    return statistics.median(cuda_passes(fn, repeats, warmup))
 
 
 def matmul_peak(size: int = 8192, repeats: int = 10) -> float:

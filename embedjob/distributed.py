@@ -180,7 +180,6 @@ class Coordinator:
         self._results: dict[int, RowBlock] = {}
         self._holders: dict[int, int] = {}
         self._error: BaseException | None = None
-        self.started_at: float | None = None
 
     def open(self, chunks: list[Chunk]) -> None:
         """The shard's chunks, in order; takes wait until this is called."""
@@ -197,8 +196,6 @@ class Coordinator:
         """`rank` has captured its graphs and takes chunks from now on."""
         with self._cond:
             self._ready.add(rank)
-            if len(self._ready) == self.world_size and self.started_at is None:
-                self.started_at = time.time()
             self._cond.notify_all()
 
     def take(self, rank: int) -> Chunk | None:

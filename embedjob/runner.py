@@ -265,7 +265,7 @@ def host_threads(device: torch.device) -> Iterator[None]:
 
 @dataclass
 class StageClock:
-    """Seconds per stage of one thread, so the statistics can name the bottleneck."""
+    """Seconds per stage of one thread, so the statistics say where its time went."""
 
     seconds: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
 
@@ -274,8 +274,6 @@ class StageClock:
         self.seconds[stage] += now - since
         return now
 
-    def bottleneck(self) -> str:
-        return max(self.seconds, key=self.seconds.__getitem__) if self.seconds else "-"
 
 
 class BusyClock:

@@ -109,6 +109,9 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
         "preprocessing": {"preprocess": vars(job.preprocess), "video": vars(job.video)},
         "pooling": job.output.pooling,
         "output_dtype": job.output.dtype,
+        # What a part holds besides the model's vectors: parts of one output must agree.
+        "normalize": job.output.normalize,
+        "columns": list(job.output.columns),
         "input": {
             **{k: getattr(job.input, k) for k in keys},
             "rows": sum(f.num_rows for f in listing.fragments),

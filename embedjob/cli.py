@@ -24,7 +24,7 @@ import yaml
 
 from embedjob.checkpoint import OutputError
 from embedjob.job import Job, JobError, describe, load_job
-from embedjob.report import codes_text, plural
+from embedjob.report import codes_text, plural, route_warnings
 from embedjob.writer import ErrorRateExceeded
 
 logger = logging.getLogger("embedjob")
@@ -130,13 +130,10 @@ def _job_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _setup_logging(verbose: int) -> None:
     """embedjob logs at INFO (what a batch log should show), -v adds DEBUG; other
-    libraries' log records only from WARNING. Python warnings (torch's UserWarnings and
-    the like) are about the libraries, not the job: they become log records that only
-    -v shows, instead of text on stderr between the job's lines."""
+    libraries' log records only from WARNING, and their Python warnings only with -v."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("embedjob").setLevel(logging.DEBUG if verbose else logging.INFO)
-    logging.captureWarnings(True)
-    logging.getLogger("py.warnings").setLevel(logging.WARNING if verbose else logging.CRITICAL)
+    route_warnings(bool(verbose))
 
 
 def _quiet_transformers() -> None:

@@ -1,4 +1,4 @@
-"""How counts reach the user: plurals, and error codes summed over rows.
+"""What reaches the user: plurals, error codes summed over rows, and which warnings.
 
 An error row's `error` is `"<code>: <message>"`; the code alone names what went wrong
 (`truncated`, `unknown_format`, `too_large`, ...), so statistics count codes and the
@@ -7,6 +7,7 @@ summary line and `embedjob status` name the most frequent ones.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable
 
@@ -27,6 +28,15 @@ def error_code(error: str) -> str:
 def count_errors(errors: Iterable[str | None]) -> dict[str, int]:
     """Error rows per code, most frequent first (rows without an error are skipped)."""
     return dict(Counter(error_code(e) for e in errors if e is not None).most_common())
+
+
+def route_warnings(verbose: bool) -> None:
+    """Python warnings (torch's UserWarnings and the like) are about the libraries, not
+    the job: they become log records that only a verbose log shows, instead of text on
+    stderr between the job's lines. For the processes embedjob starts and owns (the
+    command, its ranks); `embedjob.run` leaves its caller's warnings alone."""
+    logging.captureWarnings(True)
+    logging.getLogger("py.warnings").setLevel(logging.WARNING if verbose else logging.CRITICAL)
 
 
 def codes_text(codes: dict[str, int], shown: int = SHOWN_CODES) -> str:

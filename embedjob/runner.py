@@ -47,7 +47,7 @@ from embedjob.checkpoint import Checkpoint, PartRecord, count_codes, job_fingerp
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
 from embedjob.graphs import BatchEncoder, DualPathEncoder, Encoded, GraphStats, build_encoder
 from embedjob.job import Job, JobError
-from embedjob.report import codes_text, count_errors, plural
+from embedjob.report import codes_text, count_errors, plural, route_warnings
 from embedjob.writer import ErrorRateExceeded, RowBlock, output_schema, part_name, write_part
 
 logger = logging.getLogger(__name__)
@@ -836,13 +836,15 @@ class Progress:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self.bar.set_postfix(errors=self.errors, refresh=False)
         self.bar.update(max(0, rows - self.bar.n))
+        self.bar.refresh()
 
     def _follow(self) -> None:
         while not self._stop.wait(PROGRESS_INTERVAL):
             done = min(self.own() + self.others, self.bar.total)
-            self.bar.set_postfix(errors=self.errors, refresh=False)
-            if done > self.bar.n:
+            if done > self.bar.n:  # drawn only when it moved: a batch log gets no idle lines
+                self.bar.set_postfix(errors=self.errors, refresh=False)
                 self.bar.update(done - self.bar.n)
 
 
@@ -1170,6 +1172,9 @@ def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[s
 
 def serve_rank(cluster: distributed.Cluster, job: Job) -> None:
     """A rank other than 0: its own pipeline over the chunks it takes from rank 0."""
+    # A rank's stderr is the job's too (a rank started by the command has not been
+    # through its logging setup; one under torchrun has, and this changes nothing).
+    route_warnings(logger.isEnabledFor(logging.DEBUG))
     link = cluster.link
     with host_threads(cluster.device):
         workers = resolve_workers(job.runtime.workers, cluster.world_size)

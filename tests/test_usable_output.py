@@ -335,7 +335,8 @@ def test_the_bar_advances_per_batch_and_its_rate_is_the_summarys(
     counts = {int(n) for n in re.findall(r"\b(\d+)/12 \[", err)}
     assert len(counts - {0, 12}) >= 4, f"the bar moved only at {sorted(counts)}"
     assert not re.search(r"\b(?:[1-9]|1[01])/12 \[[^\]]*\?row/s", err), "a rate must show from the first batch on"
-    bar_rate = float(re.findall(r"12/12 \[[^\]]*?([\d.]+)row/s\]", err)[-1])
+    bar_rate = float(re.findall(r"12/12 \[[^\]]*?([\d.]+)row/s[,\]]", err)[-1])
+    assert "errors=2]" in err
     summary = err.strip().splitlines()[-1]
     summary_rate = float(re.search(r"([\d.]+) rows/s", summary).group(1))
     assert "s of setup" in summary and abs(bar_rate - summary_rate) <= 0.2 * summary_rate, (bar_rate, summary)

@@ -297,7 +297,7 @@ def submit(
         raise JobError(f"--cpus-per-task must be >= 1, got {options.cpus_per_task}")
     job = load_job(job_file, overrides)
     task = task_command(job_file, overrides, job)
-    listing = reader.scan_input(job.input)
+    listing = reader.scan_input(job.input, job.output.columns)
     ranges = shard_ranges(listing.fragments, options.num_shards)
     record = OutputRecord(job_fingerprint(job, listing), options.num_shards, job.output.rows_per_part)
     replacing = refuse_other_job(task.output, record, overwrite)

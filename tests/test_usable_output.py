@@ -345,7 +345,7 @@ def test_the_bar_advances_per_batch_and_its_rate_is_the_summarys(
 # ---------------------------------------------------------------- 9. the smaller findings
 
 
-def test_status_reports_a_shard_whose_lock_is_held_as_running(demo: Path, tmp_path: Path) -> None:
+def test_status_reports_a_shard_whose_lock_is_held_as_running(tmp_path: Path) -> None:
     out = tmp_path / "out"
     holder = open_checkpoint(out, 0, 2, 0, 6, 5, {"model": {"path": "m"}}, False)
     status = output_status(out)

@@ -1,3 +1,45 @@
-"""embedjob: images and videos in Parquet datasets to vision-encoder embeddings."""
+"""embedjob: images and videos in Parquet datasets to vision-encoder embeddings.
+
+`embedjob.run` is the Python entry point (the `embedjob run` command without the
+process around it). Importing the package imports nothing else: torch and the models
+load when a job runs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from embedjob.job import Job
 
 __version__ = "0.1.0"
+
+
+def run(
+    job_or_path: "Job | dict[str, Any] | str | os.PathLike[str]",
+    overrides: list[str] | tuple[str, ...] = (),
+    shard: str | tuple[int, int] | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Run (or resume) one shard of a job and return its statistics (what
+    `_embedjob/stats-SSSSS.json` holds).
+
+    `job_or_path` is a job YAML file, a job as nested dicts (the YAML's structure) or a
+    `Job`; `overrides` are `section.key=value` strings as `--set` takes them; `shard` is
+    `"I/N"` or `(I, N)` (default: SLURM's array task, else the whole input). Raises
+    `embedjob.job.JobError` for a job that cannot run as written (a bad spec, input or
+    model: the command's exit 2) and RuntimeError when a run fails (a full disk, a dead
+    rank, more error rows than runtime.max_error_rate allows: exit 1).
+    """
+    from embedjob.job import Job, job_from_dict, load_job
+    from embedjob.runner import Shard, run_job
+
+    if isinstance(job_or_path, Job):
+        job = job_from_dict(job_or_path.to_dict(), overrides)
+    elif isinstance(job_or_path, dict):
+        job = job_from_dict(job_or_path, overrides)
+    else:
+        job = load_job(job_or_path, overrides)
+    text = f"{shard[0]}/{shard[1]}" if isinstance(shard, tuple) else shard
+    return run_job(job, Shard.parse(text), overwrite=overwrite)

@@ -1,6 +1,13 @@
 """The manifest of committed parts of one shard, what a restart may skip, and the job
 an output belongs to.
 
+Layout of an output: the Parquet parts `part-SSSSS-NNNNN.parquet` at its top level, and
+everything else (the job record, each shard's manifest, statistics, success marker and
+lock, SLURM's record and logs) under `_embedjob/`. Arrow, pandas and Spark skip names
+that start with `_` or `.`, so the output directory reads as one Parquet dataset, and
+a glob `**/*.parquet` (polars, DuckDB) finds only parts. Outputs of an embedjob that
+kept its bookkeeping beside the parts are refused (`refuse_old_layout`).
+
 A shard's rows are cut into parts of `rows_per_part` rows aligned to the shard's first
 row, so part k always covers the same rows and a restart knows, from the manifest
 alone, where to resume. A part is committed when its file has been renamed into place
@@ -17,25 +24,27 @@ a warning naming it, and so is every part after it (parts are contiguous).
 
 One output, one job: the first run (or submission) that writes into an output records
 the job's fingerprint (model, preprocessing, pooling, dtype, input and each input
-file's identity) and layout (shard count, part size) at its top level, in
-`_embedjob.json`; every later run checks it before writing, and each shard's manifest
-repeats the fingerprint (its input files as a digest). Output made by a different job
+file's identity) and layout (shard count, part size) in `_embedjob/job.json`; every
+later run checks it before writing, and each shard's manifest repeats the fingerprint
+(its input files as a digest). Output made by a different job
 would mix embeddings from two models or two inputs, or rows of two shard layouts, so
 it is refused, naming what changed, unless the user asks to overwrite: then every
 shard's files of the old job are removed first, all or nothing (`_replace`).
 
 One process writes a shard at a time: `open_checkpoint` takes an exclusive lock on the
-shard's `.lock-SSSSS` file and holds it until `finish` (the kernel drops it when the
-process dies, SIGKILL included). Removing temporary files on open relies on this; a
-second run of the same shard (a duplicate submission, a requeue racing its old task)
-stops with a clear error instead of deleting the first run's files under it. The
-output's record is read and written under `.lock-job`, held for moments. Lock files are
-opened without following a symlink and must be plain files: a link planted in a shared
-output directory cannot make a run truncate the file it points to.
+shard's `_embedjob/.lock-SSSSS` file and holds it until `finish` (the kernel drops it
+when the process dies, SIGKILL included). Removing temporary files on open relies on
+this; a second run of the same shard (a duplicate submission, a requeue racing its old
+task) stops with a clear error instead of deleting the first run's files under it. The
+output's record is read and written under `_embedjob/.lock-job`, held for moments.
+`lock_holder` tells, read only, whether a shard's lock is held (`embedjob status`).
+Lock files are opened without following a symlink and must be plain files: a link
+planted in a shared output directory cannot make a run truncate the file it points to.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -49,7 +58,7 @@ import time
 import socket
 import stat
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,21 +66,26 @@ from typing import Any
 from embedjob import reader
 from embedjob.files import file_digest, write_json
 from embedjob.job import Job, JobError
-from embedjob.writer import TMP_MARK, stats_name
+from embedjob.writer import TMP_MARK
 
 logger = logging.getLogger(__name__)
 
-JOB_RECORD = "_embedjob.json"
-OUTPUT_LOCK = ".lock-job"
+META = "_embedjob"
+"""The bookkeeping folder of an output; dataset readers skip names starting with `_`."""
+JOB_RECORD = f"{META}/job.json"
+OUTPUT_LOCK = f"{META}/.lock-job"
 READY, REPLACING = "ready", "replacing"
 
 _MANIFEST = re.compile(r"^manifest-(\d{5})\.json$")
 _SUCCESS = re.compile(r"^_SUCCESS-(\d{5})$")
-# Every file of a shard, temporary ones and its lock file included.
+# Every file of a shard, temporary ones and its lock file included (names, in the top
+# level for parts and in META for the rest).
 _SHARD_FILE = re.compile(r"^\.?(?:part|manifest|stats|_SUCCESS|lock)-(\d{5})(?:[-.]|$)")
+# The bookkeeping an earlier embedjob kept at an output's top level.
+_OLD_BOOKKEEPING = re.compile(r"^(?:_embedjob\.json|slurm-job\.json|manifest-\d{5}\.json|stats-\d{5}\.json|_SUCCESS-\d{5})$")
 _LAYOUT = ("num_shards", "first_row", "end_row", "rows_per_part")
 _PART_KEYS = {"part", "name", "first_row", "end_row", "errors"}
-_SEAL_KEYS = {"rows", "size", "sha256"}
+_SEAL_KEYS = {"rows", "size", "sha256", "error_codes"}
 _NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP)
 _LISTED_FILE_CHANGES = 3
 
@@ -95,6 +109,9 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
         "preprocessing": {"preprocess": vars(job.preprocess), "video": vars(job.video)},
         "pooling": job.output.pooling,
         "output_dtype": job.output.dtype,
+        # What a part holds besides the model's vectors: parts of one output must agree.
+        "normalize": job.output.normalize,
+        "columns": list(job.output.columns),
         "input": {
             **{k: getattr(job.input, k) for k in keys},
             "rows": sum(f.num_rows for f in listing.fragments),
@@ -104,15 +121,48 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
 
 
 def manifest_name(shard: int) -> str:
-    return f"manifest-{shard:05d}.json"
+    return f"{META}/manifest-{shard:05d}.json"
 
 
 def success_name(shard: int) -> str:
-    return f"_SUCCESS-{shard:05d}"
+    return f"{META}/_SUCCESS-{shard:05d}"
 
 
 def lock_name(shard: int) -> str:
-    return f".lock-{shard:05d}"
+    return f"{META}/.lock-{shard:05d}"
+
+
+def stats_name(shard: int) -> str:
+    return f"{META}/stats-{shard:05d}.json"
+
+
+def output_files(directory: Path) -> Iterator[Path]:
+    """The files of an output: its top level (parts) and its bookkeeping folder."""
+    for folder in (directory, directory / META):
+        if folder.is_dir():
+            yield from (path for path in folder.iterdir() if not path.is_dir())
+
+
+def old_layout(directory: Path) -> list[str]:
+    """The bookkeeping files an earlier embedjob left at the top level of `directory`."""
+    if not directory.is_dir():
+        return []
+    return sorted(path.name for path in directory.iterdir() if _OLD_BOOKKEEPING.match(path.name))
+
+
+def old_layout_message(directory: Path, names: list[str], remedy: str) -> str:
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (
+        f"output {directory} was written by an earlier embedjob, which kept its bookkeeping ({shown}) beside "
+        f"the parts; this embedjob keeps it under {META}/ and cannot resume that output: {remedy}"
+    )
+
+
+def refuse_old_layout(directory: Path, overwrite: bool) -> None:
+    """JobError for an output in the earlier layout, unless `overwrite` replaces it."""
+    names = old_layout(directory)
+    if names and not overwrite:
+        raise JobError(old_layout_message(directory, names, "use a new output.path, or pass --overwrite to replace it"))
 
 
 @dataclass
@@ -128,6 +178,7 @@ class PartRecord:
     rows: int | None = None
     size: int | None = None
     sha256: str | None = None
+    error_codes: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -179,6 +230,7 @@ class FileLock:
         On a filesystem without working `flock` (e.g. Lustre mounted without `flock`)
         the run goes ahead unlocked, with a warning.
         """
+        deadline = time.monotonic() + LOCK_PROBE_GRACE
         while True:
             fd = _open_lock_file(path)
             try:
@@ -186,6 +238,10 @@ class FileLock:
             except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
+                if time.monotonic() < deadline:
+                    # Perhaps only `lock_holder` looking, for an instant.
+                    time.sleep(LOCK_PROBE_GRACE / 10)
+                    continue
                 raise JobError(
                     f"{what} is being written by another process ({holder}); wait for it to finish or stop it, then run again"
                 ) from None
@@ -207,8 +263,32 @@ class FileLock:
             self._finalizer()
 
 
+LOCK_PROBE_GRACE = 0.2
+"""Seconds a non-blocking `FileLock.acquire` retries before naming the holder:
+`lock_holder` (`embedjob status`) holds a shared lock for an instant."""
+
+
 def shard_lock(directory: Path, shard: int) -> FileLock:
     return FileLock.acquire(directory / lock_name(shard), f"shard {shard} of {directory}")
+
+
+def lock_holder(path: Path) -> str | None:
+    """The holder line of the process that holds the lock at `path` now, None when
+    none does. Read only: the file is never created, and the shared lock that tests
+    whether it is held lasts an instant (`FileLock.acquire` retries past it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_holder(fd)
+    except OSError:
+        return None  # a filesystem without flock: nobody could have locked it either
+    finally:
+        os.close(fd)
+    return None
 
 
 def _open_lock_file(path: Path) -> int:
@@ -256,7 +336,7 @@ def _read_holder(fd: int) -> str:
 
 @dataclass
 class OutputRecord:
-    """The job an output belongs to (`_embedjob.json` at its top level).
+    """The job an output belongs to (`_embedjob/job.json`).
 
     `state` is REPLACING from the moment an overwrite starts removing the old job's
     files until all are gone: a run of the new job that finds it so finishes the
@@ -324,6 +404,7 @@ def refuse_other_job(directory: Path, record: OutputRecord, overwrite: bool) -> 
     """The changes between the output's job and `record`, or JobError when they may not
     be overwritten: a different job, output it committed, and no `overwrite`. An
     output whose old job committed nothing has nothing to protect."""
+    refuse_old_layout(directory, overwrite)
     changes = output_changes(directory, record)
     if changes and not overwrite and _holds_committed(directory):
         raise JobError(
@@ -344,7 +425,11 @@ def claim_output(directory: Path, record: OutputRecord, overwrite: bool, shard: 
     agree on one record, and a shard is never removed under its running writer.
     """
     directory.mkdir(parents=True, exist_ok=True)
+    refuse_old_layout(directory, overwrite)
+    (directory / META).mkdir(exist_ok=True)
     with _output_lock(directory):
+        if old_layout(directory):
+            _retire_old_layout(directory)
         changes = refuse_other_job(directory, record, overwrite)
         existing = read_output_record(directory)
         own = shard_lock(directory, shard) if shard is not None else None
@@ -381,8 +466,8 @@ def _replace(directory: Path, record: OutputRecord, own_shard: int | None) -> No
     try:
         logger.warning("output %s: removing every shard's files of the job it held before", directory)
         write_json(directory / JOB_RECORD, dataclasses.replace(record, state=REPLACING).to_dict())
-        for path in directory.iterdir():
-            if shard_file_index(path.name) is not None and not path.name.startswith(".lock-") and not path.is_dir():
+        for path in output_files(directory):
+            if shard_file_index(path.name) is not None and not path.name.startswith(".lock-"):
                 path.unlink()
         write_json(directory / JOB_RECORD, dataclasses.replace(record, state=READY).to_dict())
     finally:
@@ -391,7 +476,29 @@ def _replace(directory: Path, record: OutputRecord, own_shard: int | None) -> No
 
 
 def _shard_indices(directory: Path) -> set[int]:
-    return {index for path in directory.iterdir() if (index := shard_file_index(path.name)) is not None}
+    return {index for path in output_files(directory) if (index := shard_file_index(path.name)) is not None}
+
+
+def _retire_old_layout(directory: Path) -> None:
+    """Remove an earlier embedjob's output (asked for with --overwrite): its parts and
+    top-level bookkeeping go, its logs move under META. Its shards' locks are taken
+    first, so an earlier embedjob still writing one stops this (JobError naming it)."""
+    old = [path for path in directory.iterdir() if not path.is_dir()]
+    locks = [FileLock.acquire(path, f"shard {index} of {directory}") for path in old
+             if path.name.startswith(".lock-") and (index := shard_file_index(path.name)) is not None]
+    try:
+        logger.warning("output %s: removing the output an earlier embedjob wrote there", directory)
+        for path in old:
+            shard_file = shard_file_index(path.name) is not None and not path.name.startswith(".lock-")
+            if shard_file or _OLD_BOOKKEEPING.match(path.name):
+                path.unlink()
+        (directory / ".lock-job").unlink(missing_ok=True)
+        logs = directory / "logs"
+        if logs.is_dir() and not (directory / META / "logs").exists():
+            logs.rename(directory / META / "logs")
+    finally:
+        for lock in locks:
+            lock.release()
 
 
 def shard_file_index(name: str) -> int | None:
@@ -706,9 +813,8 @@ def _shard_pattern(shard: int) -> re.Pattern[str]:
 
 def _remove_temporaries(directory: Path, shard: int) -> None:
     """Temporary files of killed writers of this shard (none is in use: we hold its lock)."""
-    names = {f"part-{shard:05d}-", manifest_name(shard), stats_name(shard), success_name(shard)}
-    for path in directory.iterdir():
-        if TMP_MARK in path.name and any(path.name.startswith("." + n) for n in names):
+    for path in output_files(directory):
+        if TMP_MARK in path.name and path.name.startswith(".") and shard_file_index(path.name) == shard:
             logger.info("removing temporary file %s of a stopped run", path.name)
             path.unlink(missing_ok=True)
 
@@ -745,6 +851,7 @@ class ShardProgress:
     parts: int
     errors: int
     done: bool
+    error_codes: dict[str, int] = field(default_factory=dict)
 
 
 def shard_progress(directory: Path, shard: int) -> ShardProgress:
@@ -761,13 +868,23 @@ def shard_progress(directory: Path, shard: int) -> ShardProgress:
         parts=len(parts),
         errors=sum(p["errors"] for p in parts),
         done=done,
+        error_codes=count_codes(p.get("error_codes") or {} for p in parts),
     )
+
+
+def count_codes(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Error codes summed over parts (or shards), most frequent first."""
+    total: collections.Counter[str] = collections.Counter()
+    for part in counts:
+        total.update(part)
+    return dict(total.most_common())
 
 
 def shards_in(directory: Path) -> set[int]:
     """Shard indices that have a manifest or a success marker in `directory`."""
     found = set()
-    for path in directory.iterdir() if directory.is_dir() else ():
+    meta = directory / META
+    for path in meta.iterdir() if meta.is_dir() else ():
         match = _MANIFEST.match(path.name) or _SUCCESS.match(path.name)
         if match:
             found.add(int(match.group(1)))

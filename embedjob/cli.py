@@ -5,8 +5,10 @@ intact; 2 when something the user names must change: the job spec or the command
 line, an input.path or model.path that cannot be used (a checkpoint torch refuses to
 unpickle included), an output.path that holds another job's output or a shard another
 process writes; 1 when the job could not run for another reason (a full disk or an
-unwritable output, at start as mid-run; a failed rank; sbatch failing), or `verify`
-(`status --verify`) found a damaged output. Every failure prints one line.
+unwritable output, at start as mid-run; a failed rank; sbatch failing; more error rows
+than `runtime.max_error_rate` allows), or `verify` (`status --verify`) found a damaged
+output. Every failure prints one line; the libraries' warnings go to the log only with
+-v.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import yaml
 
 from embedjob.checkpoint import OutputError
 from embedjob.job import Job, JobError, describe, load_job
+from embedjob.report import codes_text, plural, route_warnings
+from embedjob.writer import ErrorRateExceeded
 
 logger = logging.getLogger("embedjob")
 
@@ -68,7 +72,7 @@ def _failure(exc: BaseException) -> str:
     """The first line of an unexpected failure (-v logs the traceback); our own
     OutputError already says what it is."""
     first = (str(exc).strip().splitlines() or [""])[0]
-    return first if isinstance(exc, OutputError) else f"{type(exc).__name__}: {first}"
+    return first if isinstance(exc, (OutputError, ErrorRateExceeded)) else f"{type(exc).__name__}: {first}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,9 +130,10 @@ def _job_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _setup_logging(verbose: int) -> None:
     """embedjob logs at INFO (what a batch log should show), -v adds DEBUG; other
-    libraries only warn."""
+    libraries' log records only from WARNING, and their Python warnings only with -v."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("embedjob").setLevel(logging.DEBUG if verbose else logging.INFO)
+    route_warnings(bool(verbose))
 
 
 def _quiet_transformers() -> None:
@@ -154,13 +159,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _summary(job: Job, stats: dict[str, Any]) -> str:
+    """One line: the shard's rows and errors (by code), then this run's rows over this
+    run's pipeline seconds, setup apart (a resumed run counts only what it did)."""
     where = f"shard {stats.get('shard', 0)}/{stats.get('num_shards', 1)}"
     if stats.get("skipped"):
-        return f"{where}: already complete in {job.output.path} ({stats.get('rows', 0)} rows); nothing to do"
+        return f"{where}: already complete in {job.output.path} ({plural(stats.get('rows', 0), 'row')}); nothing to do"
+    codes = stats.get("error_codes") or {}
+    errors = plural(stats["errors"], "error") + (f" ({codes_text(codes)})" if codes else "")
+    resumed = stats.get("resumed_from_row")
+    since = f", resumed at row {resumed}" if stats["rows_this_run"] < stats["rows"] and resumed is not None else ""
     return (
-        f"{where}: {stats['rows']} rows ({stats['errors']} errors) in {stats['seconds']:.1f} s, "
-        f"{stats['items_per_second']:.1f} rows/s; {stats['num_graphs']} graphs, hit rate {stats['hit_rate']:.0%}, "
-        f"padding {stats['padding_waste']} tokens;{_ranks(stats)} output in {job.output.path}"
+        f"{where}: {plural(stats['rows'], 'row')}, {errors}; this run: {plural(stats['rows_this_run'], 'row')}{since} "
+        f"in {stats['pipeline_seconds']:.1f} s after {stats['setup_seconds']:.1f} s of setup, "
+        f"{stats['items_per_second']:.1f} rows/s; {plural(stats['num_graphs'], 'graph')}, hit rate {stats['hit_rate']:.0%}, "
+        f"padding {plural(stats['padding_waste'], 'token')};{_ranks(stats)} output in {job.output.path}"
     )
 
 
@@ -168,7 +180,7 @@ def _ranks(stats: dict[str, Any]) -> str:
     if stats.get("world_size", 1) == 1:
         return ""
     ratio = stats["balance_ratio"]
-    return f" {stats['world_size']} ranks, balance ratio {'n/a' if ratio is None else f'{ratio:.3f}'};"
+    return f" {plural(stats['world_size'], 'rank')}, balance ratio {'n/a' if ratio is None else f'{ratio:.3f}'};"
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -230,18 +242,21 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     )
     result = submit(args.job, args.set, options, dry_run=args.dry_run, overwrite=args.overwrite)
     if result.done:
-        print(f"embedjob: {len(result.done)} of {args.shards} shards are done", file=sys.stderr)
+        verb = "is" if len(result.done) == 1 else "are"
+        print(f"embedjob: {len(result.done)} of {plural(args.shards, 'shard')} {verb} done", file=sys.stderr)
     if result.active:
         tasks = ", ".join(result.active[s] for s in sorted(result.active))
         print(f"embedjob: still queued or running, not submitted again: {tasks}", file=sys.stderr)
     if not result.shards:
-        why = f"all {args.shards} shards are done" if len(result.done) == args.shards else "the rest is queued or running"
+        done = "the shard is done" if args.shards == 1 else f"all {args.shards} shards are done"
+        why = done if len(result.done) == args.shards else "the rest is queued or running"
         print(f"embedjob: nothing to submit: {why}", file=sys.stderr)
     elif args.dry_run:
         print(result.script, end="")
     else:
         print(
-            f"embedjob: submitted shards {array_spec(result.shards)} of {args.shards} as job {result.job_id}; "
+            f"embedjob: submitted {'shard' if len(result.shards) == 1 else 'shards'} {array_spec(result.shards)} "
+            f"of {args.shards} as job {result.job_id}; "
             f"logs in {result.script_path.parent}",
             file=sys.stderr,
         )

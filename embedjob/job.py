@@ -1,19 +1,21 @@
 """The job spec: a YAML file of sections, validated before any data is read.
 
-Every key a user may write is a field of one of the dataclasses below; the field's
-type hint is the allowed type and its default is the default. Validation is driven by
-those hints so that a key added here is validated, documented by `describe()` and
-overridable with `--set` without further code.
+Every key a user may write is a field of one of the dataclasses below, declared with
+`key(default, description)`; the field's type hint is the allowed type. Validation is
+driven by those hints so that a key added here is validated, documented by `describe()`
+(and so by `embedjob inspect`) and overridable with `--set` without further code.
 
 Invariants: a `Job` returned by `load_job` has only known keys, values of the declared
 types (after the few lossless coercions below) and passes the cross-field checks in
-`_check`; anything else raises `JobError` whose message names the key and what is
-allowed.
+`_check`; anything else raises one `JobError` that lists every problem, each naming
+the key and what is allowed. Relative paths in a job (input.path, input.media_root,
+model.path, output.path, runtime.cache_dir) resolve against the working directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -37,95 +39,112 @@ DEFAULT_MAX_VIDEO_PIXELS = 500_000_000
 """video.max_total_pixels: every sampled frame of one video together (1.5 GB as RGB)."""
 
 
+def key(default: Any, doc: str) -> Any:
+    """A job key: its default and its one-line description (`embedjob inspect`, README).
+
+    A list default is copied for each job, so no two jobs share one list.
+    """
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
 @dataclass
 class InputConfig:
     """Where the rows come from and which columns hold the media and the id."""
 
-    path: str = ""
-    media_column: str = ""
-    id_column: str | None = None
-    modality: Literal["image", "video", "auto"] = "image"
-    media_root: str | None = None
+    path: str = key("", "the Parquet input: a file, a directory, a glob or an fsspec URI (s3://, gs://, ...)")
+    media_column: str = key("", "the column of media: bytes, a Hugging Face image struct, or a path/URI string")
+    id_column: str | None = key(None, "the column copied into the output's `id`; null: the row index")
+    modality: Literal["image", "video", "auto"] = key("image", "what the media are; auto decides per row from the bytes")
+    media_root: str | None = key(None, "the directory (or URI prefix) every media path must stay in")
     # A path column reads any file this process can read unless media_root confines it;
     # that must be asked for explicitly.
-    allow_any_path: bool = False
-    max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES
-    batch_rows: int = 256
+    allow_any_path: bool = key(False, "read media paths without a media_root (they may name any readable file)")
+    max_item_bytes: int = key(DEFAULT_MAX_ITEM_BYTES, "the largest media item read, in bytes; larger ones are too_large rows")
+    batch_rows: int = key(256, "rows decoded from Parquet at a time")
 
 
 @dataclass
 class ModelConfig:
     """Which encoder, from where, in which precision."""
 
-    family: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "clip", "siglip", "dinov2"] = "qwen2_5_vl"
-    path: str = "builtin:tiny-qwen2_5_vl"
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    family: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "clip", "siglip", "dinov2"] = key(
+        "qwen2_5_vl", "the encoder family of model.path"
+    )
+    # Required: a job without a model must not embed with random weights.
+    path: str = key("", "the checkpoint: a local directory or a hub id; builtin:tiny-<family> is a random-weight demo model")
+    dtype: Literal["bfloat16", "float16", "float32"] = key("bfloat16", "the compute precision on a GPU (a CPU computes in float32)")
     # DINOv2's image embedding: its CLS token (the model's pooled output) or the mean of
     # its patch tokens; CLIP and SigLIP have one fixed pooled output.
-    dinov2_pool: Literal["cls", "patch_mean"] = "cls"
+    dinov2_pool: Literal["cls", "patch_mean"] = key("cls", "DINOv2's image vector: its CLS token or the mean of its patch tokens")
 
 
 @dataclass
 class PreprocessConfig:
     """Image preprocessing knobs; `None` means the model's own processor default."""
 
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    max_image_pixels: int = 178_956_970
-    tiling: Literal["none", "anyres"] = "none"
-    max_tiles: int = 6
-    tile_combine: Literal["concat", "mean"] = "concat"
+    min_pixels: int | None = key(None, "Qwen-VL: the fewest pixels an image is resized to; null: the model's default")
+    max_pixels: int | None = key(None, "Qwen-VL: the most pixels an image is resized to; null: the model's default")
+    max_image_pixels: int = key(178_956_970, "images larger than this (from their header) are too_large rows")
+    tiling: Literal["none", "anyres"] = key("none", "CLIP/SigLIP/DINOv2: anyres adds local tiles to the global view")
+    max_tiles: int = key(6, "the most local tiles per image with tiling: anyres")
+    tile_combine: Literal["concat", "mean"] = key("concat", "how the global and tile vectors merge: [global ; tiles] or their mean")
 
 
 @dataclass
 class VideoConfig:
     """How frames are sampled from a video."""
 
-    fps: float = 2.0
-    max_frames: int = 32
-    min_pixels: int | None = None
-    max_pixels: int | None = None
+    fps: float = key(2.0, "frames sampled per second of video")
+    max_frames: int = key(32, "the most frames sampled from one video")
+    min_pixels: int | None = key(None, "Qwen-VL: the fewest pixels a frame is resized to; null: the model's default")
+    max_pixels: int | None = key(None, "Qwen-VL: the most pixels a frame is resized to; null: the model's default")
     # Checked from the stream header (and the first decoded frame) before the sampled
     # frames are decoded: a larger video is one `too_large` error row.
-    max_pixels_per_frame: int = DEFAULT_MAX_FRAME_PIXELS
-    max_total_pixels: int = DEFAULT_MAX_VIDEO_PIXELS
+    max_pixels_per_frame: int = key(DEFAULT_MAX_FRAME_PIXELS, "videos with larger frames are too_large rows")
+    max_total_pixels: int = key(DEFAULT_MAX_VIDEO_PIXELS, "videos whose sampled frames hold more pixels together are too_large rows")
 
 
 @dataclass
 class BatchingConfig:
     """Budgets and policy of the packer and graph manager."""
 
-    token_budgets: Auto | list[int] = "auto"
-    max_items_per_batch: Auto | int = "auto"
-    max_frames_per_batch: Auto | int = "auto"
-    cuda_graphs: bool = True
-    policy: Literal["greedy", "min_padding"] = "min_padding"
-    window: int = 256
-    compile: bool = False
-    min_budget: int | None = None
-    max_budget: int | None = None
+    token_budgets: Auto | list[int] = key("auto", "encoder tokens per batch, one graph each; auto: powers of two")
+    max_items_per_batch: Auto | int = key("auto", "the most items in one batch")
+    max_frames_per_batch: Auto | int = key("auto", "the most video frames in one batch")
+    cuda_graphs: bool = key(True, "replay captured graphs (false: every batch runs eagerly at its exact size)")
+    policy: Literal["greedy", "min_padding"] = key("min_padding", "how items are packed into batches")
+    window: int = key(256, "decoded items packed together (the first windows are smaller)")
+    compile: bool = key(False, "compile the encoder's blocks with torch.compile (CUDA only)")
+    min_budget: int | None = key(None, "the smallest automatic budget; null: the model's")
+    max_budget: int | None = key(None, "the largest automatic budget; null: the model's")
 
 
 @dataclass
 class OutputConfig:
     """Where and how embeddings are written."""
 
-    path: str = ""
-    pooling: Literal["mean", "none"] = "mean"
-    dtype: Literal["float16", "float32"] = "float16"
-    rows_per_part: int = 10_000
+    path: str = key("", "the output directory: parts, and bookkeeping under _embedjob/")
+    pooling: Literal["mean", "none"] = key("mean", "mean: one vector per row; none: one vector per output token, with its grid")
+    dtype: Literal["float16", "float32"] = key("float16", "the precision of the written vectors")
+    rows_per_part: int = key(10_000, "rows per Parquet part (the unit of commit and resume)")
+    normalize: bool = key(False, "write L2-normalised vectors (each token's with pooling: none)")
+    columns: list[str] = key([], "input columns copied into the output, e.g. [url, caption]")
 
 
 @dataclass
 class RuntimeConfig:
     """Process-level settings."""
 
-    device: Literal["auto", "cuda", "cpu"] = "auto"
-    workers: Auto | int = "auto"
-    decode_timeout: float = 60.0
-    gpus: Auto | int = "auto"
-    cache_dir: str | None = None
-    progress: bool = True
+    device: Literal["auto", "cuda", "cpu"] = key("auto", "where the encoder runs; auto: cuda when visible")
+    workers: Auto | int = key("auto", "decode processes per GPU; auto: the cores shared among the GPUs; 0: inline")
+    decode_timeout: float = key(60.0, "seconds one item may take to decode before it is a timeout row")
+    gpus: Auto | int = key("auto", "GPUs (one process each) for a shard; auto: every visible GPU")
+    cache_dir: str | None = key(None, "where builtin models and compiled kernels are kept; null: $EMBEDJOB_CACHE or ~/.cache/embedjob")
+    progress: bool = key(True, "show a progress bar")
+    max_error_rate: float | None = key(None, "stop the shard (exit 1) once more than this fraction of its rows are errors")
+    error_rate_min_rows: int = key(100, "rows a shard writes before max_error_rate applies")
 
 
 @dataclass
@@ -145,8 +164,16 @@ class Job:
         return dataclasses.asdict(self)
 
 
-REQUIRED = ("input.path", "input.media_column", "output.path")
+REQUIRED = ("input.path", "input.media_column", "model.path", "output.path")
+REQUIRED_HINTS = {
+    "model.path": (
+        "name the checkpoint, a local directory or a hub id (e.g. openai/clip-vit-base-patch16) with its model.family; "
+        "builtin:tiny-<family> is a tiny random-weight model for demos and tests"
+    ),
+}
 FIXED_RESOLUTION = ("clip", "siglip", "dinov2")
+OUTPUT_COLUMNS = ("id", "row", "modality", "tokens", "frames", "grid", "embedding", "error")
+"""The columns embedjob writes itself; `output.columns` may not reuse their names."""
 
 
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Job:
@@ -155,7 +182,7 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> J
     try:
         text = path.read_text()
     except OSError as exc:
-        raise JobError(f"cannot read job file {path}: {exc.strerror or exc}") from None
+        raise JobError(f"cannot read job file {path}: {exc.strerror or exc}{relative_note(str(path))}") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -168,81 +195,107 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> J
 
 
 def job_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Job:
-    """Validate a spec given as nested dicts (as parsed from YAML) plus overrides."""
+    """Validate a spec given as nested dicts (as parsed from YAML) plus overrides.
+
+    Every problem is collected before anything is raised, so a user fixes a spec in one
+    round: a key with a bad value is reported and then taken at its default, which keeps
+    the cross-field checks from reporting it twice. One JobError lists them all.
+    """
+    errors: list[str] = []
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     for item in overrides:
-        _apply_override(raw, item)
-    job = _build(Job, raw, "")
-    for key in REQUIRED:
-        section, name = key.split(".")
-        if not getattr(getattr(job, section), name):
-            raise JobError(f"missing required key '{key}': set it in the job file or with --set {key}=...")
-    _check(job)
+        _apply_override(raw, item, errors)
+    job = _build(Job, raw, "", errors)
+    for name in REQUIRED:
+        section, field_name = name.split(".")
+        if not getattr(getattr(job, section), field_name):
+            hint = REQUIRED_HINTS.get(name, f"set it in the job file or with --set {name}=...")
+            errors.append(f"{name} is required: {hint}")
+    _check(job, errors)
+    if errors:
+        raise JobError(errors[0] if len(errors) == 1 else f"{len(errors)} problems in the job spec: " + "; ".join(
+            f"({n}) {e}" for n, e in enumerate(errors, 1)
+        ))
     return job
 
 
+def relative_note(path: str) -> str:
+    """For a message about a path that was not found: where a relative one was looked
+    for (job paths resolve against the working directory, not the job file's)."""
+    if os.path.isabs(os.path.expanduser(path)) or "://" in path:
+        return ""
+    return f" (relative paths resolve against the working directory, {os.getcwd()})"
+
+
 def describe() -> str:
-    """Every key with its allowed values and default, one per line (for `embedjob inspect`)."""
-    lines = []
+    """Every key with its allowed values, default and description, one per line (for
+    `embedjob inspect`)."""
+    return "\n".join(f"{name}: {allowed} (default: {default!r}) - {doc}" for name, allowed, default, doc in keys())
+
+
+def keys() -> list[tuple[str, str, Any, str]]:
+    """(section.key, allowed values, default, description) of every key, in spec order."""
+    rows = []
     for section in dataclasses.fields(Job):
         cls = section.default_factory  # type: ignore[misc]
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            hint = typing.get_type_hints(cls)[f.name]
-            lines.append(f"{section.name}.{f.name}: {_allowed(hint)} (default: {f.default!r})")
-    return "\n".join(lines)
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            rows.append((f"{section.name}.{f.name}", _allowed(hints[f.name]), default, f.metadata["doc"]))
+    return rows
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
+def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
     if "=" not in item:
-        raise JobError(f"--set expects key.sub=value, got {item!r}")
-    key, _, text = item.partition("=")
-    parts = key.strip().split(".")
+        errors.append(f"--set expects key.sub=value, got {item!r}")
+        return
+    name, _, text = item.partition("=")
+    parts = name.strip().split(".")
     if len(parts) != 2 or not all(parts):
-        raise JobError(f"--set key must be section.key (e.g. output.path), got {key!r}")
+        errors.append(f"--set key must be section.key (e.g. output.path), got {name!r}")
+        return
     try:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         value = text
     section = raw.setdefault(parts[0], {})
     if not isinstance(section, dict):
-        raise JobError(f"section '{parts[0]}' must be a mapping of keys")
+        errors.append(f"section '{parts[0]}' must be a mapping of keys")
+        return
     section[parts[1]] = value
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
+def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
+    """`cls` from `raw`, each bad key reported to `errors` and left at its default."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise JobError(f"'{prefix}' must be a mapping, got {type(raw).__name__}")
+        errors.append(f"'{prefix}' must be a mapping, got {type(raw).__name__}")
+        raw = {}
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in raw if k not in names]
-    if unknown:
-        where = f"in section '{prefix}'" if prefix else "at the top level"
-        raise JobError(f"unknown key '{_join(prefix, unknown[0])}' {where}; allowed: {', '.join(names)}")
+    where = f"in section '{prefix}'" if prefix else "at the top level"
+    for unknown in (k for k in raw if k not in names):
+        errors.append(f"unknown key '{_join(prefix, unknown)}' {where}; allowed: {', '.join(names)}")
     values = {}
     for name in names:
         if name not in raw:
             continue
         hint = hints[name]
-        key = _join(prefix, name)
+        full = _join(prefix, name)
         if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, raw[name], key)
+            values[name] = _build(hint, raw[name], full, errors)
+            continue
+        ok, value = _fits(raw[name], hint)
+        if ok:
+            values[name] = value
         else:
-            values[name] = _coerce(raw[name], hint, key)
+            errors.append(f"key '{full}' = {raw[name]!r} is not allowed; expected {_allowed(hint)}")
     return cls(**values)
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Return `value` if it fits `hint` (ints accepted for floats); else raise JobError."""
-    ok, result = _fits(value, hint)
-    if ok:
-        return result
-    raise JobError(f"key '{key}' = {value!r} is not allowed; expected {_allowed(hint)}")
 
 
 def _fits(value: Any, hint: Any) -> tuple[bool, Any]:
@@ -294,8 +347,9 @@ def _allowed(hint: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
 
 
-def _check(job: Job) -> None:
-    """Cross-field and range checks that type hints cannot express."""
+def _check(job: Job, errors: list[str]) -> None:
+    """Cross-field and range checks that type hints cannot express, each failure added
+    to `errors`."""
     positive = {
         "input.batch_rows": job.input.batch_rows,
         "input.max_item_bytes": job.input.max_item_bytes,
@@ -306,40 +360,69 @@ def _check(job: Job) -> None:
         "output.rows_per_part": job.output.rows_per_part,
         "preprocess.max_image_pixels": job.preprocess.max_image_pixels,
         "preprocess.max_tiles": job.preprocess.max_tiles,
+        "runtime.error_rate_min_rows": job.runtime.error_rate_min_rows,
     }
-    for key, value in positive.items():
-        if value <= 0:
-            raise JobError(f"key '{key}' = {value} must be > 0")
+    errors += [f"key '{name}' = {value} must be > 0" for name, value in positive.items() if value <= 0]
     if job.video.fps <= 0:
-        raise JobError(f"key 'video.fps' = {job.video.fps} must be > 0")
+        errors.append(f"key 'video.fps' = {job.video.fps} must be > 0")
     if job.runtime.decode_timeout <= 0:
-        raise JobError(f"key 'runtime.decode_timeout' = {job.runtime.decode_timeout} must be > 0 seconds")
-    for key in ("max_items_per_batch", "max_frames_per_batch"):
-        value = getattr(job.batching, key)
-        if value != "auto" and value < (0 if key == "max_frames_per_batch" else 1):
-            raise JobError(f"key 'batching.{key}' = {value} must be 'auto' or a positive integer")
-    budgets = job.batching.token_budgets
-    if budgets != "auto":
-        if not budgets or any(b <= 0 for b in budgets):
-            raise JobError(f"key 'batching.token_budgets' = {budgets} must be 'auto' or a non-empty list of positive integers")
-    for key in ("min_budget", "max_budget"):
-        value = getattr(job.batching, key)
-        if value is not None and value <= 0:
-            raise JobError(f"key 'batching.{key}' = {value} must be a positive integer or null")
+        errors.append(f"key 'runtime.decode_timeout' = {job.runtime.decode_timeout} must be > 0 seconds")
+    _check_batching(job, errors)
     if job.runtime.workers != "auto" and job.runtime.workers < 0:
-        raise JobError(f"key 'runtime.workers' = {job.runtime.workers} must be 'auto' or >= 0 (0 decodes in the main process)")
+        errors.append(f"key 'runtime.workers' = {job.runtime.workers} must be 'auto' or >= 0 (0 decodes in the main process)")
     if job.runtime.gpus != "auto" and job.runtime.gpus < 1:
-        raise JobError(f"key 'runtime.gpus' = {job.runtime.gpus} must be 'auto' or >= 1")
+        errors.append(f"key 'runtime.gpus' = {job.runtime.gpus} must be 'auto' or >= 1")
+    rate = job.runtime.max_error_rate
+    if rate is not None and not 0 <= rate < 1:
+        errors.append(f"key 'runtime.max_error_rate' = {rate} must be a fraction in [0, 1) or null (no limit)")
+    _check_model(job, errors)
+    _check_columns(job, errors)
+
+
+def _check_batching(job: Job, errors: list[str]) -> None:
+    for name in ("max_items_per_batch", "max_frames_per_batch"):
+        value = getattr(job.batching, name)
+        if value != "auto" and value < (0 if name == "max_frames_per_batch" else 1):
+            errors.append(f"key 'batching.{name}' = {value} must be 'auto' or a positive integer")
+    budgets = job.batching.token_budgets
+    if budgets != "auto" and (not budgets or any(b <= 0 for b in budgets)):
+        errors.append(f"key 'batching.token_budgets' = {budgets} must be 'auto' or a non-empty list of positive integers")
+    for name in ("min_budget", "max_budget"):
+        value = getattr(job.batching, name)
+        if value is not None and value <= 0:
+            errors.append(f"key 'batching.{name}' = {value} must be a positive integer or null")
+
+
+def _check_model(job: Job, errors: list[str]) -> None:
     pp = job.preprocess
     if pp.tiling == "anyres" and job.model.family not in FIXED_RESOLUTION:
-        raise JobError(
+        errors.append(
             f"preprocess.tiling = 'anyres' needs a fixed-resolution encoder ({', '.join(FIXED_RESOLUTION)}); "
             f"model.family {job.model.family!r} already sees images at their native resolution: use tiling: none"
         )
+    if pp.tiling == "anyres" and job.output.pooling == "none":
+        errors.append(
+            "output.pooling = 'none' gives one vector per patch token of one view, which tiles have no place in; "
+            "use preprocess.tiling: none for per-token output, or output.pooling: mean for tiles"
+        )
     if job.model.dinov2_pool != "cls" and job.model.family != "dinov2":
-        raise JobError(f"model.dinov2_pool applies to model.family 'dinov2' only, not {job.model.family!r}; remove it")
+        errors.append(f"model.dinov2_pool applies to model.family 'dinov2' only, not {job.model.family!r}; remove it")
     if pp.min_pixels is not None and pp.max_pixels is not None and pp.min_pixels > pp.max_pixels:
-        raise JobError(
+        errors.append(
             f"preprocess.min_pixels = {pp.min_pixels} is larger than preprocess.max_pixels = {pp.max_pixels}; "
             "lower min_pixels or raise max_pixels"
         )
+
+
+def _check_columns(job: Job, errors: list[str]) -> None:
+    """Copied input columns must name distinct output columns of their own."""
+    columns = job.output.columns
+    taken = [c for c in columns if c in OUTPUT_COLUMNS]
+    if taken:
+        errors.append(
+            f"output.columns {taken} would replace embedjob's own output columns ({', '.join(OUTPUT_COLUMNS)}); "
+            "rename those input columns or leave them out"
+        )
+    repeated = sorted({c for c in columns if columns.count(c) > 1})
+    if repeated:
+        errors.append(f"output.columns names {repeated} more than once")

@@ -13,14 +13,16 @@ Invariants the rest of the job relies on:
   column of an unsupported type, files that disagree) raise `JobError` before any row
   is yielded.
 - Nothing reads a whole file: rows are streamed per row group in batches of
-  `input.batch_rows`, and only the media and id columns are read.
+  `input.batch_rows`, and only the media and id columns are read, plus the columns the
+  job copies into its output (`output.columns`, each row's values in `InputRow.extra`).
 
 Input forms (`input.path`): a file; a directory (every *.parquet file below it,
 skipping names that start with '.' or '_', as pyarrow.dataset and Spark do for temp and
 metadata files); a glob (`*`, `?`, `[...]`, `**` for any depth, taken as written, so
 matched files are read whatever their name); or any of these as an fsspec URI
 (`file://`, `s3://`, `gs://`, `memory://`; the protocol's package must be installed).
-Local paths are relative to the working directory.
+Local paths are relative to the working directory; a message about a relative path
+that does not exist names that directory.
 
 Memory: per open file, the footer, plus one row group's media and id column chunks
 (pyarrow pre-buffers them) and one decoded batch of `input.batch_rows` rows.
@@ -59,8 +61,9 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import fsspec
 import pyarrow as pa
@@ -68,7 +71,8 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-from embedjob.job import InputConfig, JobError
+from embedjob.job import InputConfig, JobError, relative_note
+from embedjob.report import plural
 
 logger = logging.getLogger(__name__)
 
@@ -103,13 +107,16 @@ class Fragment:
 
 @dataclass
 class InputRow:
-    """One input row: either media (`data` or `uri`) or an `error`, never neither."""
+    """One input row: either media (`data` or `uri`) or an `error`, never neither, and
+    the values of the columns copied into the output (`extra`, in `output.columns`
+    order; None where the row could not be read)."""
 
     row: int
     id: object
     data: bytes | None
     uri: str | None
     error: str | None
+    extra: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,7 @@ class _FileInfo:
     media_kind: str
     id_type: pa.DataType
     identity: InputFile | None = None
+    column_types: dict[str, pa.DataType] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -148,22 +156,25 @@ class _Root:
 
 @dataclass(frozen=True)
 class InputListing:
-    """What the file listing and footers say: the fragments, the output id type and
-    each file's identity (in path order)."""
+    """What the file listing and footers say: the fragments, the output id type, each
+    file's identity (in path order) and the types of the columns copied to the output."""
 
     fragments: list[Fragment]
     id_type: pa.DataType
     files: list[InputFile] = field(default_factory=list)
+    column_types: dict[str, pa.DataType] = field(default_factory=dict)
 
 
-def scan_input(cfg: InputConfig) -> InputListing:
+def scan_input(cfg: InputConfig, columns: Sequence[str] = ()) -> InputListing:
     """Read every footer once and describe the input (see `list_fragments`, `id_type`).
 
     Footers of thousands of remote files are the expensive part of starting a shard,
-    so a runner asks for both answers from one scan.
+    so a runner asks for both answers from one scan. `columns` are the input columns
+    the job copies into its output: each must exist in every file (JobError listing
+    the available ones) with one type across files.
     """
     _media_root(cfg.media_root)  # a missing media_root is a job error, found before any row is read
-    infos = _scan(cfg)
+    infos = _scan(cfg, columns)
     _check_paths_allowed(infos[0], cfg)
     fragments = []
     first_row = 0
@@ -175,10 +186,12 @@ def scan_input(cfg: InputConfig) -> InputListing:
             cost = _media_bytes(group, cfg.media_column) or group.total_byte_size
             fragments.append(Fragment(info.path, index, first_row, group.num_rows, cost))
             first_row += group.num_rows
-    logger.info("input %s: %d files, %d row groups, %d rows", cfg.path, len(infos), len(fragments), first_row)
+    logger.info(
+        "input %s: %s, %s, %s", cfg.path, plural(len(infos), "file"), plural(len(fragments), "row group"), plural(first_row, "row")
+    )
     typed = [info.id_type for info in infos if not pa.types.is_null(info.id_type)]
     files = [info.identity for info in infos if info.identity is not None]
-    return InputListing(fragments, typed[0] if typed else infos[0].id_type, files)
+    return InputListing(fragments, typed[0] if typed else infos[0].id_type, files, _column_types(infos, columns))
 
 
 def list_fragments(cfg: InputConfig) -> list[Fragment]:
@@ -288,9 +301,11 @@ def read_rows(
     fragments: Iterable[Fragment],
     start_row: int | None = None,
     stop_row: int | None = None,
+    columns: Sequence[str] = (),
 ) -> Iterator[InputRow]:
     """Stream the rows of `fragments` (as made by `list_fragments`) in the given order,
-    limited to the global row range [start_row, stop_row) (None: unbounded).
+    limited to the global row range [start_row, stop_row) (None: unbounded), with the
+    values of `columns` in each row's `extra`.
 
     Fragments entirely outside the range are not opened; fragments cut by it are
     sliced. Consecutive fragments of one file share one open handle. A row group that
@@ -303,17 +318,33 @@ def read_rows(
     for path, group in itertools.groupby(fragments, key=lambda f: f.path):
         wanted = [f for f in group if f.first_row + f.num_rows > lo and (hi is None or f.first_row < hi)]
         if wanted:
-            yield from _read_file(cfg, path, wanted, lo, hi, root)
+            yield from _read_file(cfg, path, wanted, lo, hi, root, tuple(columns))
 
 
 # ---------------------------------------------------------------- finding files
 
 
-def _scan(cfg: InputConfig) -> list[_FileInfo]:
+def _scan(cfg: InputConfig, columns: Sequence[str]) -> list[_FileInfo]:
     """Footers of all input files, checked for the configured columns and agreement."""
-    infos = [_describe(path, cfg) for path in _find_files(cfg.path)]
+    infos = [_describe(path, cfg, columns) for path in _find_files(cfg.path)]
     _check_agreement(infos, cfg)
     return infos
+
+
+def _column_types(infos: list[_FileInfo], columns: Sequence[str]) -> dict[str, pa.DataType]:
+    """Each copied column's type; a column that is null-typed in some files (all its
+    values null) takes the type the other files give it. Files must agree otherwise."""
+    types: dict[str, pa.DataType] = {}
+    for name in columns:
+        typed = [info for info in infos if not pa.types.is_null(info.column_types[name])]
+        for info in typed[1:]:
+            if info.column_types[name] != typed[0].column_types[name]:
+                raise JobError(
+                    f"input files disagree on output.columns '{name}': {typed[0].path} has "
+                    f"{typed[0].column_types[name]}, {info.path} has {info.column_types[name]}"
+                )
+        types[name] = (typed[0] if typed else infos[0]).column_types[name]
+    return types
 
 
 def _find_files(spec: str) -> list[str]:
@@ -340,12 +371,12 @@ def _list_files(fs: fsspec.AbstractFileSystem, target: str, spec: str) -> list[s
         except ValueError as exc:
             raise JobError(f"input.path {spec!r} is not a valid glob: {exc}") from None
         if not matches:
-            raise JobError(f"no file matches input.path {spec!r}")
+            raise JobError(f"no file matches input.path {spec!r}{relative_note(spec)}")
     else:
         try:
             matches = {target: fs.info(target)}
         except FileNotFoundError:
-            raise JobError(f"input.path {spec!r} does not exist") from None
+            raise JobError(f"input.path {spec!r} does not exist{relative_note(spec)}") from None
     files = []
     for name, info in matches.items():
         if info["type"] == "directory":
@@ -379,9 +410,9 @@ def _open(location: str) -> pq.ParquetFile:
         raise JobError(f"cannot open input file {location}: {exc}") from None
 
 
-def _describe(location: str, cfg: InputConfig) -> _FileInfo:
+def _describe(location: str, cfg: InputConfig, columns: Sequence[str]) -> _FileInfo:
     with _open(location) as pf:
-        info = _file_info(location, pf, cfg)
+        info = _file_info(location, pf, cfg, columns)
     return replace(info, identity=_identity(location, info.metadata))
 
 
@@ -399,9 +430,10 @@ def _identity(location: str, metadata: pq.FileMetaData) -> InputFile:
     return InputFile(location, size, hashlib.sha256(footer).hexdigest(), str(etag) if etag else None)
 
 
-def _file_info(location: str, pf: pq.ParquetFile, cfg: InputConfig) -> _FileInfo:
+def _file_info(location: str, pf: pq.ParquetFile, cfg: InputConfig, columns: Sequence[str] = ()) -> _FileInfo:
     schema = pf.schema_arrow
-    for key, column in (("input.media_column", cfg.media_column), ("input.id_column", cfg.id_column)):
+    named = [("input.media_column", cfg.media_column), ("input.id_column", cfg.id_column)]
+    for key, column in [*named, *(("output.columns", c) for c in columns)]:
         if column is not None and column not in schema.names:
             raise JobError(
                 f"{key} '{column}' is not a column of {location}; available columns: {', '.join(schema.names)}"
@@ -414,7 +446,8 @@ def _file_info(location: str, pf: pq.ParquetFile, cfg: InputConfig) -> _FileInfo
             f"supported: {SUPPORTED_MEDIA_TYPES}"
         )
     ids = schema.field(cfg.id_column).type if cfg.id_column is not None else pa.int64()
-    return _FileInfo(location, pf.metadata, media_type, kind, ids)
+    types = {c: schema.field(c).type for c in columns}
+    return _FileInfo(location, pf.metadata, media_type, kind, ids, column_types=types)
 
 
 def _check_paths_allowed(info: _FileInfo, cfg: InputConfig) -> None:
@@ -516,11 +549,12 @@ def _parts_needed(costs: list[int], cap: int) -> int:
 
 
 class _Source:
-    """An open input file plus how to turn its cells into rows; reopenable after a
-    failed read."""
+    """An open input file plus how to turn its cells into rows (and which columns to
+    copy); reopenable after a failed read."""
 
-    def __init__(self, location: str, cfg: InputConfig):
+    def __init__(self, location: str, cfg: InputConfig, columns: tuple[str, ...] = ()):
         self.location = location
+        self.columns = columns
         self.base = os.path.dirname(location) if not _SCHEME.match(location) else location.rsplit("/", 1)[0]
         self.pf = _open(location)
         try:
@@ -538,9 +572,15 @@ class _Source:
 
 
 def _read_file(
-    cfg: InputConfig, location: str, fragments: list[Fragment], lo: int, hi: int | None, root: _Root | None
+    cfg: InputConfig,
+    location: str,
+    fragments: list[Fragment],
+    lo: int,
+    hi: int | None,
+    root: _Root | None,
+    columns: tuple[str, ...],
 ) -> Iterator[InputRow]:
-    source = _Source(location, cfg)
+    source = _Source(location, cfg, columns)
     try:
         for fragment in fragments:
             _check_unchanged(source, fragment)
@@ -584,14 +624,15 @@ def _read_fragment(
                 fragment.row_group, source.location, done, attempt, exc,
             )
     message = f"read_error: row group {fragment.row_group} of {source.location} cannot be decoded: {failure}"
+    unread = (None,) * len(source.columns)
     for row in range(done, stop):
-        yield InputRow(row, None if cfg.id_column is not None else row, None, None, message)
+        yield InputRow(row, None if cfg.id_column is not None else row, None, None, message, unread)
 
 
 def _decode(
     cfg: InputConfig, source: _Source, fragment: Fragment, start: int, stop: int, root: _Root | None
 ) -> Iterator[InputRow]:
-    columns = list(dict.fromkeys(c for c in (cfg.media_column, cfg.id_column) if c is not None))
+    columns = list(dict.fromkeys(c for c in (cfg.media_column, cfg.id_column, *source.columns) if c is not None))
     batches = source.pf.iter_batches(batch_size=cfg.batch_rows, row_groups=[fragment.row_group], columns=columns)
     first = fragment.first_row
     for batch in batches:
@@ -610,8 +651,11 @@ def _batch_rows(
 ) -> Iterator[InputRow]:
     cells = batch.column(cfg.media_column).to_pylist()
     ids = batch.column(cfg.id_column).to_pylist() if cfg.id_column is not None else range(first, first + len(cells))
-    for offset, (cell, row_id) in enumerate(zip(cells, ids)):
-        yield _make_row(first + offset, row_id, cell, source, cfg, root)
+    copied = list(zip(*(batch.column(c).to_pylist() for c in source.columns))) or itertools.repeat(())
+    for offset, (cell, row_id, extra) in enumerate(zip(cells, ids, copied)):
+        row = _make_row(first + offset, row_id, cell, source, cfg, root)
+        row.extra = extra
+        yield row
 
 
 def _make_row(row: int, row_id: object, cell: object, source: _Source, cfg: InputConfig, root: _Root | None) -> InputRow:
@@ -665,7 +709,7 @@ def _media_root(media_root: str | None) -> _Root | None:
         return _Root(_normalise_uri(location).rstrip("/"), None)
     absolute = os.path.abspath(location)
     if not os.path.isdir(absolute):
-        raise JobError(f"input.media_root {media_root!r} is not a directory")
+        raise JobError(f"input.media_root {media_root!r} is not a directory{relative_note(location)}")
     return _Root(absolute, os.path.realpath(absolute))
 
 

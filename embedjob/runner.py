@@ -32,6 +32,7 @@ import multiprocessing
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,11 +43,12 @@ import torch
 from tqdm import tqdm
 
 from embedjob import distributed, media, reader
-from embedjob.checkpoint import Checkpoint, PartRecord, job_fingerprint, open_checkpoint
+from embedjob.checkpoint import Checkpoint, PartRecord, count_codes, job_fingerprint, open_checkpoint
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
-from embedjob.graphs import Encoded, GraphStats, build_encoder
+from embedjob.graphs import BatchEncoder, DualPathEncoder, Encoded, GraphStats, build_encoder
 from embedjob.job import Job, JobError
-from embedjob.writer import RowBlock, output_schema, part_name, write_part
+from embedjob.report import codes_text, count_errors, plural, route_warnings
+from embedjob.writer import ErrorRateExceeded, RowBlock, output_schema, part_name, write_part
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +99,8 @@ class Shard:
 
 @dataclass
 class Decoded:
-    """A row after the decode stage: a preprocessed item or an error, never both, and
-    the seconds the worker spent on it."""
+    """A row after the decode stage: a preprocessed item or an error, never both, the
+    seconds the worker spent on it, and the row's copied input columns (`extra`)."""
 
     row: int
     id: Any
@@ -106,22 +108,27 @@ class Decoded:
     item: EncoderInput | None
     error: str | None
     seconds: float = 0.0
+    extra: tuple[Any, ...] = ()
 
 
 @functools.cache
-def _one_thread_per_worker() -> None:
+def _set_up_worker() -> None:
     """Decode workers run one per core; torch's default of one thread per core inside each
-    of them would oversubscribe the machine many times over."""
+    of them would oversubscribe the machine many times over. A worker's stderr is the
+    job's: the libraries' warnings (torch, Pillow, decord) are not for the user there,
+    and embedjob itself reports through logging and error rows, never warnings."""
     if multiprocessing.parent_process() is not None:
         torch.set_num_threads(1)
+        warnings.simplefilter("ignore")
 
 
 def decode_row(row: reader.InputRow, options: media.DecodeOptions, preprocess: Any) -> Decoded:
     """Worker function: bytes (or a path) -> decoded media -> EncoderInput, or an error row."""
-    _one_thread_per_worker()
+    _set_up_worker()
     start = time.perf_counter()
     decoded = _decode_row(row, options, preprocess)
     decoded.seconds = time.perf_counter() - start
+    decoded.extra = row.extra
     return decoded
 
 
@@ -332,6 +339,8 @@ class WindowEncoder:
     def __init__(self, encoder: Any, job: Job, device: torch.device) -> None:
         self.encoder = encoder
         self.pooling = job.output.pooling
+        self.normalize = job.output.normalize
+        self.columns = job.output.columns
         self.dtype = output_dtype(job)
         self.device = device
 
@@ -339,6 +348,8 @@ class WindowEncoder:
         busy = BusyClock(self.device)
         items = [d.item for d in window if d.item is not None]
         encoded = self.encoder.encode(items, self.pooling, self.dtype)
+        if self.normalize:
+            encoded.rows = l2_normalize(encoded.rows)
         host = _to_host(encoded.rows)
         busy.stop()
         return PendingWindow(window, encoded, host, busy)
@@ -346,7 +357,14 @@ class WindowEncoder:
     def finalize(self, pending: PendingWindow) -> tuple[list[RowBlock], float]:
         """The window's rows as blocks of consecutive rows, and its device seconds."""
         seconds = pending.busy.seconds()
-        return _row_blocks(pending.window, pending.encoded, pending.host.numpy()), seconds
+        return _row_blocks(pending.window, pending.encoded, pending.host.numpy(), self.columns), seconds
+
+
+def l2_normalize(rows: torch.Tensor) -> torch.Tensor:
+    """Each row divided by its L2 norm (a zero row stays zero), on the rows' device, in
+    one call per window: computed in float32, whatever the output dtype, so float16
+    rows do not lose the precision their norm needs."""
+    return torch.nn.functional.normalize(rows.float(), dim=-1).to(rows.dtype)
 
 
 def _to_host(rows: torch.Tensor) -> torch.Tensor:
@@ -359,9 +377,9 @@ def _to_host(rows: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _row_blocks(window: list[Decoded], encoded: Encoded, rows: np.ndarray) -> list[RowBlock]:
-    """The window's output rows, cut where its row numbers jump (a rank's window may
-    span chunks that other ranks' chunks separate)."""
+def _row_blocks(window: list[Decoded], encoded: Encoded, rows: np.ndarray, columns: list[str]) -> list[RowBlock]:
+    """The window's output rows, with the copied input `columns`, cut where its row
+    numbers jump (a rank's window may span chunks that other ranks' chunks separate)."""
     errors = [d.error for d in window]
     counts = np.zeros(len(window), dtype=np.int64)
     starts: list[int] = []
@@ -389,6 +407,8 @@ def _row_blocks(window: list[Decoded], encoded: Encoded, rows: np.ndarray) -> li
         errors,
         counts,
         vectors,
+        [d.item.token_grid if d.item is not None else None for d in window],
+        {name: [d.extra[k] for d in window] for k, name in enumerate(columns)},
     )
     numbers = np.fromiter((d.row for d in window), dtype=np.int64, count=len(window))
     cuts = [0, *(np.flatnonzero(np.diff(numbers) != 1) + 1).tolist(), len(window)]
@@ -516,6 +536,7 @@ class RankPipeline:
         self.encoder: Any = None
         self.options: media.DecodeOptions | None = None
         self.preprocess: Any = None
+        self._unencoded = 0
 
     def prepare(self) -> None:
         """Load the model and build the encoder; a job the model cannot serve (a bad
@@ -581,6 +602,14 @@ class RankPipeline:
             self._setup("capture", since)
             return starting.result()
 
+    def rows_done(self) -> int:
+        """Rows whose outcome is known: those without an item (decode errors) in the
+        windows sent to the device, and every item encoded so far (a batch's items once
+        it has run on a CPU, once it is launched on a GPU, whose queue holds a few
+        batches). Read from the progress thread: plain integers, no lock needed."""
+        encoder = self.encoder
+        return self._unencoded + (_items_encoded(encoder) if encoder is not None else 0)
+
     def _setup(self, stage: str, since: float) -> float:
         now = time.perf_counter()
         self.stats.setup[stage] = now - since
@@ -596,7 +625,8 @@ class RankPipeline:
             taken.append(chunk)
             self.stats.chunks += 1
             since = time.perf_counter()
-            for row in reader.read_rows(self.job.input, chunk.fragments, chunk.first_row, chunk.end_row):
+            rows = reader.read_rows(self.job.input, chunk.fragments, chunk.first_row, chunk.end_row, self.job.output.columns)
+            for row in rows:
                 since = self.reading.add("reading rows", since)
                 submitted.append(row)
                 yield row
@@ -628,7 +658,7 @@ class RankPipeline:
                 continue
             row = submitted.popleft()
             if isinstance(result, media.MediaError):
-                result = Decoded(row.row, row.id, None, None, str(result))
+                result = Decoded(row.row, row.id, None, None, str(result), extra=row.extra)
             window.append(result)
             if len(window) >= size:
                 self.clock.add("waiting for decode", since)
@@ -646,6 +676,7 @@ class RankPipeline:
             current = None
             if window is not None:
                 since, cpu = time.perf_counter(), time.thread_time()
+                self._unencoded += sum(d.item is None for d in window)
                 current = encoder.enqueue(window)
                 self.clock.add("host", since)
                 self.clock.seconds["host cpu"] += time.thread_time() - cpu
@@ -676,6 +707,12 @@ class RankPipeline:
         self.stats.waits = {k: v for k, v in {**self.clock.seconds, **self.reading.seconds}.items() if not k.startswith("host")}
         self.stats.graphs = self.encoder.graph_stats()
         self.stats.plan = self.encoder.plan_stats()
+
+
+def _items_encoded(encoder: BatchEncoder | DualPathEncoder) -> int:
+    """Items an encoder has run so far (hits and misses are counted per batch run)."""
+    counts = encoder.counts if isinstance(encoder, DualPathEncoder) else encoder.graph_stats()
+    return counts.hits + counts.misses
 
 
 # --- the writer (rank 0) ------------------------------------------------------------
@@ -719,35 +756,131 @@ class PartSink:
         part = self.checkpoint.next_part
         name = part_name(self.checkpoint.shard, part)
         write_part(self.checkpoint.directory, name, block, self.schema)
-        errors = sum(e is not None for e in block.errors)
-        self.checkpoint.commit(PartRecord(part, name, first, end, errors))
+        codes = count_errors(block.errors)
+        self.checkpoint.commit(PartRecord(part, name, first, end, sum(codes.values()), error_codes=codes))
+
+
+class ErrorRate:
+    """The shard's error rate as rows are written, against `runtime.max_error_rate`.
+
+    It counts the rows committed by earlier runs too (a rerun after a stop stops again
+    unless the job changed), and applies once `runtime.error_rate_min_rows` rows are in:
+    a few broken rows at the start say nothing about the input.
+    """
+
+    def __init__(self, job: Job, shard: Shard, checkpoint: Checkpoint) -> None:
+        self.limit = job.runtime.max_error_rate
+        self.min_rows = job.runtime.error_rate_min_rows
+        self.shard = shard
+        self.rows = checkpoint.resume_row - checkpoint.first_row
+        self.codes: collections.Counter[str] = collections.Counter(count_codes(p.error_codes for p in checkpoint.parts))
+
+    @property
+    def errors(self) -> int:
+        return sum(self.codes.values())
+
+    def add(self, block: RowBlock) -> None:
+        """Count a written block; ErrorRateExceeded once the rate is above the limit."""
+        self.rows += len(block)
+        self.codes.update(count_errors(block.errors))
+        if self.limit is None or self.rows < self.min_rows or self.errors <= self.limit * self.rows:
+            return
+        raise ErrorRateExceeded(
+            f"shard {self.shard.index}/{self.shard.count} stopped: {self.errors} of {self.rows} rows are errors "
+            f"({self.errors / self.rows:.1%}), above runtime.max_error_rate = {self.limit:g} "
+            f"(most frequent: {codes_text(dict(self.codes))}); committed parts are kept: fix the input or the job "
+            "and run again (it resumes), or raise runtime.max_error_rate"
+        )
+
+
+PROGRESS_INTERVAL = 0.5
+"""Seconds between updates of the progress bar: often enough to follow the batches,
+rarely enough to cost nothing."""
+
+
+class Progress:
+    """The progress bar of a shard: rows done, their rate and the time left.
+
+    Rank 0's own rows count as its batches run (`own`, read every PROGRESS_INTERVAL
+    seconds by a thread of the bar's own, so neither the encoding thread nor the writer
+    waits for the terminal); other ranks are other processes, whose rows reach this one
+    only as written chunks, so they count then (`others_written`). The rate and the ETA
+    run from `start`, the moment rank 0 is ready to encode: the statistics' pipeline
+    seconds start there too, so the bar's rate is the summary's, setup left out. The
+    writer keeps `errors` (the shard's error rows written so far) for the bar to show.
+    """
+
+    def __init__(self, bar: tqdm, own: Callable[[], int]) -> None:
+        self.bar = bar
+        self.own = own
+        self.others = 0
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start counting (and timing) from now."""
+        if self.bar.disable or self._thread is not None:
+            return
+        self.bar.reset(total=self.bar.total)
+        self._thread = threading.Thread(target=self._follow, name="embedjob-progress", daemon=True)
+        self._thread.start()
+
+    def others_written(self, rows: int) -> None:
+        self.others += rows
+
+    def close(self, rows: int) -> None:
+        """Stop following, showing `rows` done (every row this run wrote)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.bar.set_postfix(errors=self.errors, refresh=False)
+        self.bar.update(max(0, rows - self.bar.n))
+        self.bar.refresh()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(PROGRESS_INTERVAL):
+            done = min(self.own() + self.others, self.bar.total)
+            if done > self.bar.n:  # drawn only when it moved: a batch log gets no idle lines
+                self.bar.set_postfix(errors=self.errors, refresh=False)
+                self.bar.update(done - self.bar.n)
 
 
 class Writer:
     """Rank 0's writer thread: the coordinator's results, in order, into the parts.
 
-    The schema's vector width comes from the first block (every rank's blocks carry
-    their width), so the writer needs no model. A failure stops the coordinator, so no
-    rank waits for rows that will never be written, and is re-raised by `join`.
+    The schema comes from the job and the input listing, so the writer needs no model.
+    `own` holds the first rows of the chunks rank 0 encoded (their rows are already on
+    the progress bar). A failure (a full disk, the error rate above its limit) stops the
+    coordinator, so no rank waits for rows that will never be written, and is re-raised
+    by `join`.
     """
 
-    def __init__(self, coordinator: distributed.Coordinator, checkpoint: Checkpoint, id_type: Any, job: Job, bar: tqdm) -> None:
+    def __init__(
+        self,
+        coordinator: distributed.Coordinator,
+        checkpoint: Checkpoint,
+        schema: Any,
+        rate: ErrorRate,
+        progress: Progress,
+        own: set[int],
+    ) -> None:
         self.coordinator = coordinator
         self.checkpoint = checkpoint
-        self.id_type = id_type
-        self.job = job
-        self.bar = bar
+        self.schema = schema
+        self.rate = rate
+        self.progress = progress
+        self.own = own
         self.rows = 0
-        self.errors = 0
         self.finished_at: float | None = None
-        self._error: BaseException | None = None
+        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="embedjob-writer", daemon=True)
         self._thread.start()
 
     def join(self) -> None:
         self._thread.join()
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
 
     def stop(self, error: BaseException) -> None:
         """Stop writing because the job failed; a part being written is finished first."""
@@ -756,21 +889,20 @@ class Writer:
 
     def _run(self) -> None:
         try:
-            sink: PartSink | None = None
+            sink = PartSink(self.checkpoint, self.schema)
             for block in self.coordinator.results():
-                if sink is None:
-                    schema = output_schema(self.id_type, block.vectors.shape[1], self.job.output.pooling, self.job.output.dtype)
-                    sink = PartSink(self.checkpoint, schema)
+                # Before the block is written: a shard whose rows fail too often stops
+                # without committing more of them.
+                self.rate.add(block)
                 sink.add(block)
                 self.rows += len(block)
-                self.errors += sum(e is not None for e in block.errors)
-                self.bar.update(len(block))
-                self.bar.set_postfix(errors=self.errors, refresh=False)
-            if sink is not None:
-                sink.close()
+                self.progress.errors = self.rate.errors
+                if block.first_row not in self.own:
+                    self.progress.others_written(len(block))
+            sink.close()
             self.finished_at = time.time()
         except BaseException as exc:
-            self._error = exc
+            self.error = exc
             self.coordinator.fail(exc)
 
 
@@ -814,8 +946,10 @@ class Runner:
 
     def _run(self, device: torch.device, coordinator: distributed.Coordinator) -> dict[str, Any]:
         start, started = time.perf_counter(), time.time()
-        listing = reader.scan_input(self.job.input)
+        listing = reader.scan_input(self.job.input, self.job.output.columns)
         fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
+        if not fragments:
+            self._warn_empty(len(listing.fragments))
         first_row, end_row = self._row_range(fragments)
         checkpoint = self._open_checkpoint(first_row, end_row, listing)
         if checkpoint.is_done():
@@ -828,7 +962,8 @@ class Runner:
             coordinator.open([])
             return self._finish_without_model(checkpoint, time.perf_counter() - start)
         try:
-            return self._encode(device, coordinator, checkpoint, chunks, listing.id_type, started, start)
+            schema = output_schema(listing.id_type, self.job.output.pooling, self.job.output.dtype, listing.column_types)
+            return self._encode(device, coordinator, checkpoint, chunks, schema, started, start)
         except BaseException:
             # Now, not when the checkpoint is collected: a caller that runs the shard
             # again in this process (a test, a notebook) must find it unlocked.
@@ -836,36 +971,65 @@ class Runner:
                 checkpoint.lock.release()
             raise
 
+    def _warn_empty(self, row_groups: int) -> None:
+        """A shard gets whole row groups, so with more shards than row groups the last
+        shards are empty: say so, and how to spread the input over every shard."""
+        most = max(row_groups, 1)
+        logger.warning(
+            "shard %d/%d has no rows: the input has %s for %s, and a shard is made of whole row groups; "
+            "run at most %s (--shard I/N with N <= %d), or write the input with smaller row groups "
+            "(e.g. pyarrow.parquet.write_table(..., row_group_size=1000))",
+            self.shard.index, self.shard.count, plural(row_groups, "row group"), plural(self.shard.count, "shard"),
+            plural(most, "shard"), most,
+        )
+
     def _encode(
         self,
         device: torch.device,
         coordinator: distributed.Coordinator,
         checkpoint: Checkpoint,
         chunks: list[reader.Chunk],
-        id_type: Any,
+        schema: Any,
         started: float,
         start: float,
     ) -> dict[str, Any]:
         """Hand out `chunks` to every rank, encode rank 0's, write them all in order."""
         coordinator.open(chunks)
+        own: set[int] = set()
+
+        def deliver(index: int, block: RowBlock) -> None:
+            own.add(block.first_row)
+            coordinator.put(index, block)
+
+        def ready() -> None:
+            coordinator.ready(0)
+            progress.start()  # defined by then: the pipeline calls `ready` from `run`, inside the bar's block
+
         pipeline = RankPipeline(
             self.job, device, 0, resolve_workers(self.job.runtime.workers, self.world_size),
-            functools.partial(coordinator.take, 0), coordinator.put, functools.partial(coordinator.ready, 0),
+            functools.partial(coordinator.take, 0), deliver, ready,
         )
         pipeline.prepare()
         resumed = checkpoint.resume_row
         if resumed > checkpoint.first_row:
             logger.info("resuming shard %d at row %d (%d rows committed)", self.shard.index, resumed, resumed - checkpoint.first_row)
         with self._progress(checkpoint.end_row - resumed) as bar:
-            writer = Writer(coordinator, checkpoint, id_type, self.job, bar)
+            progress = Progress(bar, pipeline.rows_done)
+            writer = Writer(coordinator, checkpoint, schema, ErrorRate(self.job, self.shard, checkpoint), progress, own)
             try:
-                own = pipeline.run()
+                own_stats = pipeline.run()
             except BaseException as exc:
                 writer.stop(exc)
-                raise
-            writer.join()
+                progress.close(writer.rows)
+                # The writer's failure (e.g. the error rate) is the cause; the pipeline's
+                # is its echo through the coordinator.
+                raise writer.error or exc from None
+            try:
+                writer.join()
+            finally:
+                progress.close(writer.rows)
             others = self.cluster.hub.wait_done() if self.cluster is not None else []
-        stats = self._stats(checkpoint, [own, *others], writer, started, time.perf_counter() - start, resumed)
+        stats = self._stats(checkpoint, [own_stats, *others], writer, started, time.perf_counter() - start, resumed)
         checkpoint.finish(stats)
         return stats
 
@@ -873,13 +1037,17 @@ class Runner:
         """An empty shard, or one whose rows are all committed but whose success marker
         was not written: there is nothing to encode, so no model is loaded (under SLURM
         an empty array task would otherwise hold a GPU to load one)."""
+        codes = count_codes(p.error_codes for p in checkpoint.parts)
         stats = {
             "shard": self.shard.index,
             "num_shards": self.shard.count,
             "rows": checkpoint.end_row - checkpoint.first_row,
             "rows_this_run": 0,
             "errors": sum(p.errors for p in checkpoint.parts),
+            "error_codes": codes,
             "seconds": round(seconds, 3),
+            "setup_seconds": round(seconds, 3),
+            "pipeline_seconds": 0.0,
             "items_per_second": 0.0,
             "graph_hits": 0,
             "graph_misses": 0,
@@ -912,12 +1080,17 @@ class Runner:
         )
 
     def _progress(self, total: int) -> tqdm:
+        """The bar: an average rate (smoothing 0), so what it shows at the end is this
+        run's rows over its pipeline seconds, as the summary says; every update shown
+        (miniters 1: `Progress` already updates it only every PROGRESS_INTERVAL)."""
         return tqdm(
             total=total,
             unit="row",
             desc=f"shard {self.shard.index}/{self.shard.count}",
             disable=not self.job.runtime.progress,
             dynamic_ncols=True,
+            smoothing=0,
+            miniters=1,
         )
 
     def _stats(
@@ -933,6 +1106,7 @@ class Runner:
             "rows_this_run": writer.rows,
             "resumed_from_row": resumed,
             "errors": sum(p.errors for p in checkpoint.parts),
+            "error_codes": count_codes(p.error_codes for p in checkpoint.parts),
             "device": ranks[0].device,
             "model": self.job.model.path,
             "seconds": round(seconds, 3),
@@ -996,6 +1170,9 @@ def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[s
 
 def serve_rank(cluster: distributed.Cluster, job: Job) -> None:
     """A rank other than 0: its own pipeline over the chunks it takes from rank 0."""
+    # A rank's stderr is the job's too (a rank started by the command has not been
+    # through its logging setup; one under torchrun has, and this changes nothing).
+    route_warnings(logger.isEnabledFor(logging.DEBUG))
     link = cluster.link
     with host_threads(cluster.device):
         workers = resolve_workers(job.runtime.workers, cluster.world_size)

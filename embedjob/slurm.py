@@ -1,7 +1,7 @@
 """SLURM: an sbatch array script per job, its submission, and the status of an output.
 
 One array task per shard, and the array index IS the shard index, so `squeue`, the
-log names (`<output>/logs/shard-SSSSS-job-J.log`) and the output files
+log names (`<output>/_embedjob/logs/shard-SSSSS-job-J.log`) and the output files
 (`part-SSSSS-*`) all use the same number. Each task runs `embedjob run JOB --shard
 I/N` with the submitter's Python and the job's `--set` overrides, from the directory
 `embedjob submit` ran in, so relative paths mean what they meant there. The task
@@ -17,11 +17,12 @@ anything, and records the job there if it is the first, so tasks that start hour
 find the output theirs; `--overwrite` replaces an output of another job at submission
 (the tasks themselves never overwrite: a requeued task must resume, not start over).
 
-Every submission is recorded in `<output>/slurm-job.json`, so `embedjob status` can ask
-SLURM (`scontrol show job`) about the tasks; without SLURM it reports from the files.
-Status states: done (`_SUCCESS`), running, pending (queued or requeued), failed (SLURM
+Every submission is recorded in `<output>/_embedjob/slurm-job.json`, so `embedjob status`
+can ask SLURM (`scontrol show job`) about the tasks; without SLURM it reports from the
+files. Status states: done (`_SUCCESS`), running (SLURM says so, or a process holds the
+shard's lock: a run by hand counts too), pending (queued or requeued), failed (SLURM
 says the task ended, or no longer knows the job, and there is no `_SUCCESS`), and
-unfinished (not done, and no scheduler says more: run by hand, or SLURM not reachable).
+unfinished (not done, and nothing says more: not started, or stopped).
 """
 
 from __future__ import annotations
@@ -42,10 +43,16 @@ from typing import Any
 import embedjob
 from embedjob import reader
 from embedjob.checkpoint import (
+    META,
     OutputRecord,
     ShardProgress,
     claim_output,
+    count_codes,
     job_fingerprint,
+    lock_holder,
+    lock_name,
+    old_layout,
+    old_layout_message,
     read_output_record,
     refuse_other_job,
     shard_progress,
@@ -54,10 +61,12 @@ from embedjob.checkpoint import (
 )
 from embedjob.job import Job, JobError, load_job
 from embedjob.files import write_json
+from embedjob.report import codes_text, plural
 
 logger = logging.getLogger(__name__)
 
-RECORD_NAME = "slurm-job.json"
+RECORD_NAME = f"{META}/slurm-job.json"
+LOGS = f"{META}/logs"
 LOG_PATTERN = "shard-%5a-job-%A.log"
 SLURM_TIMEOUT_S = 30
 
@@ -121,6 +130,8 @@ class ShardStatus:
     errors: int
     slurm_task: str | None = None
     slurm_state: str | None = None
+    holder: str | None = None
+    error_codes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -142,7 +153,12 @@ class OutputStatus:
         data["counts"] = self.counts()
         data["rows"] = sum(s.rows or 0 for s in self.shards)
         data["committed"] = sum(s.committed for s in self.shards)
+        data["error_codes"] = self.error_codes()
         return data
+
+    def error_codes(self) -> dict[str, int]:
+        """Error rows per code over every shard's committed parts, most frequent first."""
+        return count_codes(s.error_codes for s in self.shards)
 
 
 # ---------------------------------------------------------------- the script
@@ -185,7 +201,7 @@ def render_script(task: TaskCommand, shards: list[int], options: SubmitOptions) 
         "--requeue",
         # A requeued task appends to its log instead of wiping the first attempt's.
         "--open-mode=append",
-        f"--output={_sbatch_value(str(task.output / 'logs' / LOG_PATTERN), 'output.path')}",
+        f"--output={_sbatch_value(str(task.output / LOGS / LOG_PATTERN), 'output.path')}",
         f"--chdir={_sbatch_value(str(task.workdir), 'the working directory')}",
     ]
     if options.partition:
@@ -206,7 +222,7 @@ def render_script(task: TaskCommand, shards: list[int], options: SubmitOptions) 
     overrides = "".join(f" --set {shlex.quote(o)}" for o in task.overrides)
     lines = [
         "#!/bin/bash",
-        f"# embedjob: {options.num_shards} shards of {_comment_text(str(task.job_file))}; written by `embedjob submit`.",
+        f"# embedjob: {plural(options.num_shards, 'shard')} of {_comment_text(str(task.job_file))}; written by `embedjob submit`.",
         "# Array index = shard index. Resubmit with `embedjob submit` to run what is unfinished.",
         *(f"#SBATCH {d}" for d in directives),
         "set -euo pipefail",
@@ -270,7 +286,7 @@ def submit(
     different job: JobError), so a mistake costs no queue time. The output's record
     names this job from then on; with `overwrite`, an output of another job is
     replaced (every shard's files removed) before anything is queued. The tasks run a
-    copy of the job file kept under `<output>/logs/`. With `dry_run` the script is
+    copy of the job file kept under `<output>/_embedjob/logs/`. With `dry_run` the script is
     rendered (naming the job file itself) and nothing is written or submitted.
     """
     if options.num_shards < 1:
@@ -281,7 +297,7 @@ def submit(
         raise JobError(f"--cpus-per-task must be >= 1, got {options.cpus_per_task}")
     job = load_job(job_file, overrides)
     task = task_command(job_file, overrides, job)
-    listing = reader.scan_input(job.input)
+    listing = reader.scan_input(job.input, job.output.columns)
     ranges = shard_ranges(listing.fragments, options.num_shards)
     record = OutputRecord(job_fingerprint(job, listing), options.num_shards, job.output.rows_per_part)
     replacing = refuse_other_job(task.output, record, overwrite)
@@ -304,7 +320,7 @@ def submit(
         raise RuntimeError("sbatch is not on PATH: run `embedjob submit` where SLURM is installed, or use --dry-run")
     _check_array_size(todo[-1])
     claim_output(task.output, record, overwrite)
-    logs = task.output / "logs"
+    logs = task.output / LOGS
     logs.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
     # Tasks may start hours later: they read a copy of the job file as it is now, so an
@@ -325,8 +341,8 @@ def shard_ranges(fragments: list[reader.Fragment], num_shards: int) -> list[tupl
     shards = reader.assign_shards(fragments, num_shards)
     if num_shards > len(fragments):
         logger.warning(
-            "%d shards but the input has %d row groups: %d shards will have no rows",
-            num_shards, len(fragments), num_shards - len(fragments),
+            "%s but the input has %s: %s will have no rows (a shard is made of whole row groups)",
+            plural(num_shards, "shard"), plural(len(fragments), "row group"), plural(num_shards - len(fragments), "shard"),
         )
     return [(s[0].first_row, s[-1].first_row + s[-1].num_rows) if s else (0, 0) for s in shards]
 
@@ -339,8 +355,8 @@ def _active_shards(output: Path, num_shards: int) -> dict[int, str]:
     active = {s.shard: s.slurm_task or "" for s in status.shards if s.state in ("running", "pending")}
     if active and status.num_shards != num_shards:
         raise JobError(
-            f"job {', '.join(status.job_ids)} still runs {status.num_shards} shards on {output}; "
-            f"cancel it (scancel) before submitting {num_shards} shards"
+            f"job {', '.join(status.job_ids)} still runs {plural(status.num_shards, 'shard')} on {output}; "
+            f"cancel it (scancel) before submitting {plural(num_shards, 'shard')}"
         )
     return active
 
@@ -420,6 +436,9 @@ def output_status(output: Path) -> OutputStatus:
     output = Path(output)
     if not output.is_dir():
         raise JobError(f"output {output} does not exist")
+    names = old_layout(output)
+    if names:
+        raise JobError(old_layout_message(output, names, "read its status with that embedjob, or rerun the job into a new output.path"))
     record = read_record(output)
     progress = {s: shard_progress(output, s) for s in shards_in(output)}
     num_shards = _num_shards(output, record, progress)
@@ -433,7 +452,9 @@ def output_status(output: Path) -> OutputStatus:
         job_id = owner.get(shard)
         slurm_state = slurm.state(job_id, shard) if job_id else None
         task = f"{job_id}_{shard}" if job_id else None
-        shards.append(ShardStatus(shard, _classify(p.done, slurm_state), rows, p.committed, p.errors, task, slurm_state))
+        holder = None if p.done else lock_holder(output / lock_name(shard))
+        state = _classify(p.done, slurm_state, holder is not None)
+        shards.append(ShardStatus(shard, state, rows, p.committed, p.errors, task, slurm_state, holder, p.error_codes))
     job_ids = [str(s["job_id"]) for s in record.get("submissions", [])]
     return OutputStatus(output, num_shards, shards, slurm.source, job_ids)
 
@@ -464,10 +485,12 @@ def _latest_task(record: dict[str, Any], num_shards: int) -> dict[int, str]:
     return owner
 
 
-def _classify(done: bool, slurm_state: str | None) -> str:
+def _classify(done: bool, slurm_state: str | None, locked: bool) -> str:
+    """A shard's state; a held lock means a process writes it now, whatever SLURM says
+    about an earlier task (the shard may be run by hand)."""
     if done:
         return "done"
-    if slurm_state in RUNNING_STATES:
+    if locked or slurm_state in RUNNING_STATES:
         return "running"
     if slurm_state in PENDING_STATES:
         return "pending"
@@ -526,21 +549,26 @@ def _task_states(line: str) -> dict[tuple[str, int], str]:
 
 
 def format_status(status: OutputStatus) -> str:
-    """A summary line, then one line per shard (shard, state, rows committed/total, SLURM task)."""
+    """A summary line, then one line per shard (shard, state, rows committed/total,
+    errors, SLURM task or lock holder), then the most frequent error codes."""
     counts = status.counts()
     total = sum(s.rows or 0 for s in status.shards)
     committed = sum(s.committed for s in status.shards)
     unknown = any(s.rows is None for s in status.shards)
     lines = [
-        f"{status.output}: {status.num_shards} shards: "
+        f"{status.output}: {plural(status.num_shards, 'shard')}: "
         + ", ".join(f"{counts[state]} {state}" for state in STATES)
-        + f"; {committed} of {total}{'+' if unknown else ''} rows committed (from {status.scheduler})",
+        + f"; {committed} of {plural(total, 'row')}{'+' if unknown else ''} committed (from {status.scheduler})",
         f"{'shard':>5}  {'state':<10} {'rows':>17}  {'errors':>6}  slurm",
     ]
     for s in status.shards:
         rows = f"{s.committed}/{'?' if s.rows is None else s.rows}"
         slurm = f"{s.slurm_task} {s.slurm_state}" if s.slurm_task else "-"
-        lines.append(f"{s.shard:>5}  {s.state:<10} {rows:>17}  {s.errors:>6}  {slurm}")
+        held = f" (lock held by {s.holder})" if s.holder else ""
+        lines.append(f"{s.shard:>5}  {s.state:<10} {rows:>17}  {s.errors:>6}  {slurm}{held}")
+    codes = status.error_codes()
+    if codes:
+        lines.append(f"errors by code: {codes_text(codes)}")
     for s in status.shards:
         if s.state == "failed" and s.slurm_task:
             lines.append(f"shard {s.shard} failed; its log: {log_path(status.output, s.slurm_task)}")
@@ -550,4 +578,4 @@ def format_status(status: OutputStatus) -> str:
 def log_path(output: Path, slurm_task: str) -> Path:
     """The log file of array task `JOB_INDEX`, as the script's --output names it."""
     job_id, _, index = slurm_task.partition("_")
-    return output / "logs" / LOG_PATTERN.replace("%5a", f"{int(index):05d}").replace("%A", job_id)
+    return output / LOGS / LOG_PATTERN.replace("%5a", f"{int(index):05d}").replace("%A", job_id)

@@ -4,7 +4,7 @@ Read only and without locks, so it may run beside writers; that is why the files
 unfinished shard beyond its manifest are not judged (a writer may be renaming a part
 into place). Each problem is one line that names the file:
 
-- the output's record (`_embedjob.json`) unreadable, or left `replacing` by an
+- the output's record (`_embedjob/job.json`) unreadable, or left `replacing` by an
   interrupted --overwrite;
 - a shard's manifest unreadable, or of another job or shard layout than the record;
 - a committed part missing, not a plain file, of another size, with another sha256
@@ -31,20 +31,25 @@ import pyarrow.parquet as pq
 
 from embedjob.checkpoint import (
     JOB_RECORD,
+    META,
     READY,
     OutputRecord,
     PartRecord,
     load_manifest,
     manifest_name,
+    old_layout,
+    old_layout_message,
+    output_files,
     part_problem,
     read_output_record,
     record_changes,
     shard_file_index,
     shards_in,
+    stats_name,
     success_name,
 )
 from embedjob.job import JobError
-from embedjob.writer import stats_name
+from embedjob.report import plural
 
 
 @dataclass
@@ -78,26 +83,29 @@ def verify_output(output: Path) -> Verification:
     output = Path(output)
     if not output.is_dir():
         raise JobError(f"output {output} does not exist")
+    names = old_layout(output)
+    if names:
+        raise JobError(old_layout_message(output, names, "verify it with that embedjob, or rerun the job into a new output.path"))
     problems: list[str] = []
     job = _job_record(output, problems)
     num_shards = job.num_shards if job is not None else _shard_count(output, problems)
     result = Verification(output, num_shards, problems)
     ranges = [_verify_shard(output, shard, job, result) for shard in range(num_shards)]
     _check_tiling(ranges, job, result)
-    for path in sorted(output.iterdir()):
+    for path in sorted(output_files(output)):
         index = shard_file_index(path.name)
         if index is not None and index >= num_shards and not path.name.startswith(".lock-"):
-            problems.append(f"{path.name} belongs to shard {index}, but the output has {num_shards} shards")
+            problems.append(f"{_name(output, path)} belongs to shard {index}, but the output has {plural(num_shards, 'shard')}")
     return result
 
 
 def format_verification(result: Verification) -> str:
     """Each problem on its own line, then one summary line."""
     unfinished = f", {len(result.unfinished)} unfinished ({', '.join(map(str, result.unfinished))})" if result.unfinished else ""
-    verdict = "intact" if not result.problems else f"{len(result.problems)} problems"
+    verdict = "intact" if not result.problems else plural(len(result.problems), "problem")
     summary = (
-        f"{result.output}: {result.num_shards} shards{unfinished}; {result.parts} parts, "
-        f"{result.rows} rows checked; {verdict}"
+        f"{result.output}: {plural(result.num_shards, 'shard')}{unfinished}; {plural(result.parts, 'part')}, "
+        f"{plural(result.rows, 'row')} checked; {verdict}"
     )
     return "\n".join([*result.problems, summary])
 
@@ -124,7 +132,7 @@ def _shard_count(output: Path, problems: list[str]) -> int:
         if manifest is not None:
             counts.add(manifest.get("num_shards"))
     if not counts:
-        raise JobError(f"{output} holds no embedjob shards (no {JOB_RECORD} and no manifest-*.json)")
+        raise JobError(f"{output} holds no embedjob shards (no {JOB_RECORD} and no {META}/manifest-*.json)")
     if len(counts) > 1:
         problems.append(f"the manifests in {output} disagree on the number of shards ({sorted(counts, key=str)})")
     problems.append(f"{JOB_RECORD} is missing (an output of an older embedjob): the manifests were checked on their own")
@@ -180,7 +188,9 @@ def _rows_problem(path: Path, record: PartRecord) -> str | None:
         rows = pq.read_metadata(path).num_rows
     except Exception as exc:  # pyarrow raises several types on a file it cannot parse
         return f"cannot be read as Parquet ({type(exc).__name__})"
-    return None if rows == record.end_row - record.first_row == record.rows else f"holds {rows} rows, {record.rows} were committed"
+    if rows == record.end_row - record.first_row == record.rows:
+        return None
+    return f"holds {plural(rows, 'row')}, {record.rows} {'was' if record.rows == 1 else 'were'} committed"
 
 
 def _verify_finished(
@@ -194,13 +204,20 @@ def _verify_finished(
     except (OSError, ValueError):
         written = None
     if written != {"parts": len(parts), "rows": end - first}:
-        result.problems.append(f"{marker} does not match {manifest_name(shard)} ({len(parts)} parts, {end - first} rows)")
+        counts = f"{plural(len(parts), 'part')}, {plural(end - first, 'row')}"
+        result.problems.append(f"{marker} does not match {manifest_name(shard)} ({counts})")
     if not (output / stats_name(shard)).exists():
         result.problems.append(f"{stats_name(shard)} is missing for the finished shard {shard}")
     listed = {p.name for p in parts} | {manifest_name(shard), marker, stats_name(shard)}
-    for path in sorted(output.iterdir()):
-        if shard_file_index(path.name) == shard and path.name not in listed and not path.name.startswith(".lock-"):
-            result.problems.append(f"{path.name} is not listed in {manifest_name(shard)} (left over; readers of part files would read it)")
+    for path in sorted(output_files(output)):
+        name = _name(output, path)
+        if shard_file_index(path.name) == shard and name not in listed and not path.name.startswith(".lock-"):
+            result.problems.append(f"{name} is not listed in {manifest_name(shard)} (left over; readers of part files would read it)")
+
+
+def _name(output: Path, path: Path) -> str:
+    """A file's name as the output's records name it (relative to the output)."""
+    return path.relative_to(output).as_posix()
 
 
 def _check_tiling(ranges: list[tuple[int, int] | None], job: OutputRecord | None, result: Verification) -> None:
@@ -215,4 +232,4 @@ def _check_tiling(ranges: list[tuple[int, int] | None], job: OutputRecord | None
         expected = max(expected, end)
     total = (job.fingerprint.get("input") or {}).get("rows") if job is not None else None
     if total is not None and expected != total:
-        result.problems.append(f"the shards cover {expected} rows, but the input has {total}")
+        result.problems.append(f"the shards cover {plural(expected, 'row')}, but the input has {total}")

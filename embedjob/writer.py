@@ -2,16 +2,25 @@
 
 Output contract (ARCHITECTURE.md): every input row of a shard appears exactly once, in input
 order, with an embedding or a non-null `error`. Columns: `id`, `row`, `modality`,
-`tokens`, `frames`, `embedding`, `error`. A part file either exists complete (renamed
-after fsync) or not at all, so a reader never sees half a part.
+`tokens`, `frames`, `grid` (per-token output only), `embedding`, `error`, then the
+input columns the job copies (`output.columns`). A part file either exists complete
+(renamed after fsync) or not at all, so a reader never sees half a part.
+
+An error row's `embedding` (and `grid`) is null in every pooling mode, so no tool can
+take it for a vector: a null sorts last in a similarity search and is skipped by
+aggregates, where an all-NaN vector won them. Vectors are variable-size lists
+(`large_list<float16|float32>`, each non-null one of the model's width), not fixed-size
+ones: pyarrow before 26 cannot read a fixed-size list column with nulls from Parquet,
+and the people reading an output use whatever pyarrow their tools bring. The lists are
+"large" (64-bit offsets) so a part of many rows of many tokens cannot overflow them; in
+the Parquet file they are plain lists, whatever reads them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +32,15 @@ logger = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"
 
+
+class ErrorRateExceeded(RuntimeError):
+    """A shard stopped because more of its rows failed than `runtime.max_error_rate`
+    allows: the input or the settings are wrong. Its committed parts are kept."""
+
 PARQUET_OPTIONS: dict[str, Any] = {
     "use_dictionary": ["id", "modality", "error"],
     "compression": {"id": "snappy", "row": "snappy", "modality": "snappy", "tokens": "snappy", "frames": "snappy",
-                    "embedding": "none", "error": "snappy"},
+                    "grid": "snappy", "embedding": "none", "error": "snappy"},
 }
 """Embeddings neither repeat nor compress (a dictionary or snappy pass over float16
 vectors only costs time: writing a 6,144 x 3,584 float16 part took 1.04 s with
@@ -41,8 +55,10 @@ class RowBlock:
     Rows are consecutive input rows in order. Row i has `counts[i]` vectors in
     `vectors` (1 for a pooled embedding, one per token with `pooling: none`, 0 for an
     error row, whose `errors[i]` is set); the vectors of the rows follow each other in
-    row order. Columns rather than one object per row: a block is built, sent between
-    processes and written with a few array operations whatever its length.
+    row order. `grids[i]` is row i's (t, h, w) token grid (None for an error row, and
+    `grids` None where nobody set them), `extra` the copied input columns by name.
+    Columns rather than one object per row: a block is built, sent between processes
+    and written with a few array operations whatever its length.
     """
 
     first_row: int
@@ -53,6 +69,8 @@ class RowBlock:
     errors: list[str | None]
     counts: np.ndarray
     vectors: np.ndarray
+    grids: list[tuple[int, ...] | None] | None = None
+    extra: dict[str, list[Any]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -73,6 +91,8 @@ class RowBlock:
             self.errors[start:stop],
             self.counts[start:stop],
             self.vectors[offsets[start] : offsets[stop]],
+            None if self.grids is None else self.grids[start:stop],
+            {name: values[start:stop] for name, values in self.extra.items()},
         )
 
     @classmethod
@@ -92,69 +112,69 @@ class RowBlock:
             [v for b in blocks for v in b.errors],
             np.concatenate([b.counts for b in blocks]),
             np.concatenate([b.vectors for b in blocks]),
+            None if any(b.grids is None for b in blocks) else [g for b in blocks for g in b.grids],
+            {name: [v for b in blocks for v in b.extra[name]] for name in blocks[0].extra},
         )
 
 
-def output_schema(id_type: pa.DataType, embed_dim: int, pooling: str, dtype: str) -> pa.Schema:
-    """The part schema: pooled rows hold one vector, `none` a list of per-token vectors."""
-    value = pa.float16() if dtype == "float16" else pa.float32()
-    vector = pa.list_(value, embed_dim)
-    embedding = vector if pooling == "mean" else pa.list_(vector)
-    return pa.schema(
-        [
-            ("id", id_type),
-            ("row", pa.int64()),
-            ("modality", pa.string()),
-            ("tokens", pa.int32()),
-            ("frames", pa.int32()),
-            ("embedding", embedding),
-            ("error", pa.string()),
-        ]
-    )
+def output_schema(
+    id_type: pa.DataType, pooling: str, dtype: str, columns: dict[str, pa.DataType] | None = None
+) -> pa.Schema:
+    """The part schema: pooled rows hold one vector, `none` a list of per-token vectors
+    and the tokens' grid; the copied input columns (`columns`, by name) come last, in
+    their input types."""
+    vector = pa.large_list(pa.float16() if dtype == "float16" else pa.float32())
+    fields = [("id", id_type), ("row", pa.int64()), ("modality", pa.string()), ("tokens", pa.int32()), ("frames", pa.int32())]
+    if pooling == "none":
+        fields.append(("grid", pa.list_(pa.int32())))
+    fields += [("embedding", vector if pooling == "mean" else pa.large_list(vector)), ("error", pa.string())]
+    return pa.schema(fields + list((columns or {}).items()))
 
 
 def part_name(shard: int, part: int) -> str:
     return f"part-{shard:05d}-{part:05d}.parquet"
 
 
-def stats_name(shard: int) -> str:
-    return f"stats-{shard:05d}.json"
-
-
 def block_to_table(block: RowBlock, schema: pa.Schema) -> pa.Table:
     """The block as a table of the part schema, rows in order."""
-    columns = [
-        pa.array(block.ids, type=schema.field("id").type),
-        pa.array(np.arange(block.first_row, block.end_row, dtype=np.int64)),
-        pa.array(block.modality, type=pa.string()),
-        pa.array(block.tokens, type=pa.int32()),
-        pa.array(block.frames, type=pa.int32()),
-        _embedding_array(block, schema.field("embedding").type),
-        pa.array(block.errors, type=pa.string()),
-    ]
-    return pa.Table.from_arrays(columns, schema=schema)
+    columns = {
+        "id": pa.array(block.ids, type=schema.field("id").type),
+        "row": pa.array(np.arange(block.first_row, block.end_row, dtype=np.int64)),
+        "modality": pa.array(block.modality, type=pa.string()),
+        "tokens": pa.array(block.tokens, type=pa.int32()),
+        "frames": pa.array(block.frames, type=pa.int32()),
+        "embedding": _embedding_array(block, schema.field("embedding").type),
+        "error": pa.array(block.errors, type=pa.string()),
+    }
+    if "grid" in schema.names:
+        columns["grid"] = _grid_array(block)
+    for name in schema.names:
+        if name not in columns:
+            columns[name] = pa.array(block.extra[name], type=schema.field(name).type)
+    return pa.Table.from_arrays([columns[name] for name in schema.names], schema=schema)
 
 
 def _embedding_array(block: RowBlock, kind: pa.DataType) -> pa.Array:
-    """Pooled: one vector per row, all-NaN on an error row (pyarrow before 25 cannot
-    read a Parquet column of fixed-size lists that contains nulls, and NaN cannot pass
-    for a real embedding in any similarity computation). Per token: a list of vectors
-    per row, null on an error row."""
-    per_token = pa.types.is_list(kind) and not pa.types.is_fixed_size_list(kind)
-    vector = kind.value_type if per_token else kind
-    dim = vector.list_size
-    np_dtype = np.float16 if vector.value_type == pa.float16() else np.float32
-    vectors = np.asarray(block.vectors, dtype=np_dtype).reshape(-1, dim)
-    missing = block.counts == 0
-    if not per_token:
-        if missing.any():
-            filled = np.full((len(block), dim), np.nan, dtype=np_dtype)
-            filled[~missing] = vectors
-            vectors = filled
-        return pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), type=vector.value_type), dim)
-    values = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), type=vector.value_type), dim)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(block.counts)]).astype(np.int32))
-    return pa.ListArray.from_arrays(offsets, values, mask=pa.array(missing))
+    """Pooled: a vector per row; per token: a list of vectors per row; null on an error
+    row either way (`counts` 0)."""
+    per_token = pa.types.is_large_list(kind.value_type)
+    value_type = kind.value_type.value_type if per_token else kind.value_type
+    np_dtype = np.float16 if value_type == pa.float16() else np.float32
+    vectors = np.asarray(block.vectors, dtype=np_dtype)
+    dim = vectors.shape[1] if vectors.ndim == 2 else 0
+    values = pa.array(vectors.reshape(-1), type=value_type)
+    missing = pa.array(block.counts == 0)
+    if per_token:
+        values = pa.LargeListArray.from_arrays(pa.array(np.arange(len(vectors) + 1, dtype=np.int64) * dim), values)
+        dim = 1
+    offsets = np.concatenate([[0], np.cumsum(block.counts, dtype=np.int64) * dim])
+    return pa.LargeListArray.from_arrays(pa.array(offsets), values, mask=missing)
+
+
+def _grid_array(block: RowBlock) -> pa.Array:
+    """Each row's (t, h, w) token grid, null on error rows (and where none was set)."""
+    grids = block.grids if block.grids is not None else [None] * len(block)
+    return pa.array([g if c else None for g, c in zip(grids, block.counts)], type=pa.list_(pa.int32()))
 
 
 def write_part(directory: Path, name: str, block: RowBlock, schema: pa.Schema) -> Path:
@@ -165,14 +185,6 @@ def write_part(directory: Path, name: str, block: RowBlock, schema: pa.Schema) -
     _fsync(tmp)
     os.replace(tmp, target)
     return target
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Atomically replace a small JSON file (stats, manifests, markers)."""
-    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    _fsync(tmp)
-    os.replace(tmp, path)
 
 
 def _fsync(path: Path) -> None:

@@ -23,7 +23,11 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def make_job(cache_dir: str, **sections: dict) -> Job:
-    raw: dict = {"input": {"path": "unused.parquet", "media_column": "image"}, "output": {"path": "unused"}}
+    raw: dict = {
+        "input": {"path": "unused.parquet", "media_column": "image"},
+        "model": {"path": "builtin:tiny-qwen2_5_vl"},
+        "output": {"path": "unused"},
+    }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
     raw.setdefault("runtime", {})["cache_dir"] = cache_dir

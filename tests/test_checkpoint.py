@@ -22,10 +22,11 @@ from embedjob.checkpoint import (
     open_checkpoint,
     shard_progress,
     shards_in,
+    stats_name,
     success_name,
 )
 from embedjob.job import JobError
-from embedjob.writer import TMP_MARK, part_name, stats_name
+from embedjob.writer import TMP_MARK, part_name
 
 from conftest import REPO
 
@@ -54,7 +55,14 @@ def complete(cp: Checkpoint) -> None:
 
 
 def names(directory: Path) -> set[str]:
-    return {p.name for p in directory.iterdir()}
+    """Every file of an output, by its path inside it (`_embedjob/manifest-00000.json`)."""
+    return {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+
+
+def temporary(name: str, pid: int) -> str:
+    """The temporary name a writer gives `name` (beside it, hidden) while it writes it."""
+    folder, _, base = name.rpartition("/")
+    return f"{folder}/" * bool(folder) + f".{base}{TMP_MARK}{pid}"
 
 
 def test_parts_are_aligned_to_the_shard_and_a_restart_resumes_after_the_last_committed(tmp_path: Path) -> None:
@@ -79,12 +87,12 @@ def test_restart_removes_temporaries_and_unlisted_parts_of_its_shard_only(tmp_pa
     commit(cp, 1)
     cp.lock.release()
     debris = {
-        f".{part_name(0, 1)}{TMP_MARK}123",  # killed while writing part 1
+        temporary(part_name(0, 1), 123),  # killed while writing part 1
         part_name(0, 1),  # killed between the rename and the manifest update
-        f".{manifest_name(0)}{TMP_MARK}123",
-        f".{stats_name(0)}{TMP_MARK}77",
+        temporary(manifest_name(0), 123),
+        temporary(stats_name(0), 77),
     }
-    others = {f".{part_name(1, 0)}{TMP_MARK}9", part_name(1, 0), "notes.txt"}  # shard 1 is another process's
+    others = {temporary(part_name(1, 0), 9), part_name(1, 0), "notes.txt"}  # shard 1 is another process's
     for name in debris | others:
         (tmp_path / name).write_bytes(b"x")
     again = start(tmp_path)
@@ -132,11 +140,11 @@ def test_a_corrupt_manifest_is_a_job_error_that_offers_overwrite(tmp_path: Path,
 )
 def test_a_changed_job_is_refused_naming_the_change_and_nothing_is_touched(tmp_path: Path, change, named) -> None:
     commit(start(tmp_path), 2)
-    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.name != lock_name(0)}
+    before = {name: (tmp_path / name).stat().st_mtime_ns for name in names(tmp_path) if name != lock_name(0)}
     with pytest.raises(JobError) as err:
         start(tmp_path, **change)
     assert named in str(err.value) and "--overwrite" in str(err.value)
-    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.name != lock_name(0)} == before
+    assert {name: (tmp_path / name).stat().st_mtime_ns for name in names(tmp_path) if name != lock_name(0)} == before
     replaced = start(tmp_path, overwrite=True, **change)
     assert replaced.resume_row == replaced.first_row and not (tmp_path / part_name(0, 0)).exists()
 

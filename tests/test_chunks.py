@@ -82,14 +82,16 @@ def test_block_slices_and_concatenations_keep_each_rows_vectors() -> None:
         RowBlock.concat([pieces[0], pieces[2]])
 
 
-def test_error_rows_are_all_nan_when_pooled_and_null_per_token() -> None:
+def test_error_rows_have_a_null_embedding_pooled_and_per_token() -> None:
     pooled = _block(0, [1, 0, 1])
-    table = block_to_table(pooled, output_schema(pa.string(), 3, "mean", "float16"))
+    table = block_to_table(pooled, output_schema(pa.string(), "mean", "float16"))
     rows = table.to_pylist()
     assert [r["row"] for r in rows] == [0, 1, 2] and rows[1]["error"] == "corrupt: row 1"
-    assert rows[0]["embedding"] == [0.0, 1.0, 2.0] and all(np.isnan(v) for v in rows[1]["embedding"])
+    assert rows[0]["embedding"] == [0.0, 1.0, 2.0] and rows[1]["embedding"] is None
+    assert rows[2]["embedding"] == [3.0, 4.0, 5.0]
     per_token = _block(5, [2, 0, 1])
-    schema = output_schema(pa.string(), 3, "none", "float32")
+    schema = output_schema(pa.string(), "none", "float32")
     rows = block_to_table(per_token, schema).to_pylist()
     assert rows[0]["embedding"] == [[5.0, 6.0, 7.0], [8.0, 9.0, 10.0]] and rows[1]["embedding"] is None
     assert rows[2]["embedding"] == [[11.0, 12.0, 13.0]]
+    assert rows[1]["grid"] is None

@@ -222,7 +222,7 @@ def _read(out: Path) -> list[dict]:
 
 
 def _stats(out: Path) -> dict:
-    return json.loads((out / "stats-00000.json").read_text())
+    return json.loads((out / "_embedjob/stats-00000.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -239,8 +239,8 @@ def _assert_same_output(out: Path, reference: Path) -> None:
     """Same parts, rows, ids, errors; embeddings equal bit for bit (a CPU rank's item
     does not depend on what shares its batch)."""
     assert sorted(p.name for p in out.glob("part-*")) == sorted(p.name for p in reference.glob("part-*"))
-    manifest = json.loads((out / "manifest-00000.json").read_text())
-    expected = json.loads((reference / "manifest-00000.json").read_text())
+    manifest = json.loads((out / "_embedjob/manifest-00000.json").read_text())
+    expected = json.loads((reference / "_embedjob/manifest-00000.json").read_text())
     assert [(p["first_row"], p["end_row"]) for p in manifest["parts"]] == [
         (p["first_row"], p["end_row"]) for p in expected["parts"]
     ]
@@ -281,10 +281,10 @@ def test_a_dying_rank_stops_the_job_with_one_line_and_a_rerun_resumes(
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("embedjob: failed: RankFailure: rank 1 of 2 ")
     assert f"exited with code {FAULT_EXIT_CODE}" in err and "rerun" in err
-    manifest = json.loads((tmp_path / "manifest-00000.json").read_text())
+    manifest = json.loads((tmp_path / "_embedjob/manifest-00000.json").read_text())
     committed = [(p["first_row"], p["end_row"]) for p in manifest["parts"]]
     assert committed == [(0, 2)]  # rows after the lost chunk wait for it and are not written
-    assert not (tmp_path / "_SUCCESS-00000").exists()
+    assert not (tmp_path / "_embedjob/_SUCCESS-00000").exists()
 
     monkeypatch.delenv(FAULT_ENV)
     assert _run(None, tmp_path, cache_dir, "--gpus", "2", "--set", "output.rows_per_part=2") == 0

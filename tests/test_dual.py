@@ -262,6 +262,6 @@ def test_tiled_clip_demo_writes_double_width_vectors(tmp_path: Path, cache_dir: 
     assert all(r["tokens"] % 17 == 0 and r["tokens"] >= 17 for r in good)
     assert any(r["tokens"] > 17 for r in good)
     assert np.isfinite(np.array([r["embedding"] for r in good], dtype=np.float32)).all()
-    stats = json.loads((tmp_path / "stats-00000.json").read_text())
+    stats = json.loads((tmp_path / "_embedjob/stats-00000.json").read_text())
     assert stats["graph_hits"] + stats["graph_misses"] == 10 and set(stats["paths"]) == {"global", "local"}
     assert stats["num_graphs"] == len(stats["paths"]["global"]["token_budgets"]) * 2

@@ -131,9 +131,9 @@ def test_demo_job_on_cuda_matches_the_cpu_run(tmp_path: Path, cache_dir: str) ->
 FIXED_MEDIA = [random_image(300, 500, 11), random_image(40, 60, 12), random_image(640, 480, 13), random_video(3, 120, 200, 14)]
 
 
-def _fixed_job(cache_dir: str, family: str, **preprocess):
+def _fixed_job(cache_dir: str, family: str, pooling: str = "mean", **preprocess):
     model = {"family": family, "path": f"builtin:tiny-{family}", "dtype": "bfloat16"}
-    return make_job(cache_dir, model=model, preprocess=preprocess)
+    return make_job(cache_dir, model=model, preprocess=preprocess, output={"pooling": pooling})
 
 
 def test_dual_path_cuda_replay_equals_eager_on_the_same_padded_batch(cache_dir: str) -> None:
@@ -161,17 +161,21 @@ def test_dual_path_cuda_replay_equals_eager_on_the_same_padded_batch(cache_dir: 
     assert encoder.stats()["num_graphs"] == 0
 
 
+@pytest.mark.parametrize("pooling", ["mean", "none"])
 @pytest.mark.parametrize("family", ["clip", "siglip", "dinov2"])
-def test_fixed_res_cuda_graphs_equal_padded_eager_and_the_fp32_cpu_reference(cache_dir: str, family: str) -> None:
-    gpu = load_adapter(_fixed_job(cache_dir, family), torch.device("cuda"))
-    cpu = load_adapter(_fixed_job(cache_dir, family), torch.device("cpu"))
+def test_fixed_res_cuda_graphs_equal_padded_eager_and_the_fp32_cpu_reference(cache_dir: str, family: str, pooling: str) -> None:
+    """Pooled vectors, or (pooling: none) every view's patch tokens, which a graph
+    writes into a static output of budget images x patches rows."""
+    gpu = load_adapter(_fixed_job(cache_dir, family, pooling), torch.device("cuda"))
+    cpu = load_adapter(_fixed_job(cache_dir, family, pooling), torch.device("cpu"))
     t = gpu.tokens_per_image
     manager = GraphManager(gpu, BudgetPlan((t, 2 * t, 4 * t, 8 * t), max_items=8, max_frames=8), "cuda")
     manager.capture()
     items = [gpu.preprocessor()(m) for m in FIXED_MEDIA]  # 6 images: 3 photos and 3 frames
     replayed = torch.cat(manager.run(items, 8 * t))
     padded = manager.run_padded_eager(items, 8 * t)
-    assert replayed.shape == (6, gpu.embed_dim) and torch.equal(replayed, padded[:6])
+    rows = 6 * gpu.rows_per_view
+    assert replayed.shape == (rows, gpu.embed_dim) and torch.equal(replayed, padded[:rows])
     cpu_items = [cpu.preprocessor()(m) for m in FIXED_MEDIA]
     with torch.no_grad():
         ref = cpu.forward(cpu.eager_inputs(cpu_items))
@@ -222,7 +226,7 @@ def test_small_windows_and_chunks_give_the_plain_runs_rows(tmp_path: Path, cache
     def cli(name: str, *extra: str) -> tuple[list[dict], dict]:
         sets = [arg for key in (f"output.path={tmp_path / name}", *common, *extra) for arg in ("--set", key)]
         assert main(["run", str(demo), *sets]) == 0
-        stats = json.loads(next((tmp_path / name).glob("stats-*.json")).read_text())
+        stats = json.loads(next((tmp_path / name).glob("_embedjob/stats-*.json")).read_text())
         return pq.read_table(sorted((tmp_path / name).glob("part-*.parquet"))).to_pylist(), stats
 
     (plain, _), (small, stats) = cli("plain"), cli("small", "batching.window=4")
@@ -264,7 +268,7 @@ def test_gpus_2_equals_the_plain_run(tmp_path: Path, cache_dir: str) -> None:
     def cli(name: str, *extra: str) -> tuple[list[dict], dict]:
         sets = [arg for key in (f"output.path={tmp_path / name}", *common) for arg in ("--set", key)]
         assert main(["run", str(demo), *sets, *extra]) == 0
-        stats = json.loads(next((tmp_path / name).glob("stats-*.json")).read_text())
+        stats = json.loads(next((tmp_path / name).glob("_embedjob/stats-*.json")).read_text())
         return pq.read_table(sorted((tmp_path / name).glob("part-*.parquet"))).to_pylist(), stats
 
     (plain, _), (two, stats) = cli("plain", "--gpus", "1"), cli("two", "--gpus", "2")

@@ -69,8 +69,8 @@ def test_a_part_truncated_between_a_kill_and_the_rerun_is_recomputed_not_trusted
     assert run(small, out, cache_dir) == 0
     found = manifest(out)
     found["parts"] = found["parts"][:2]  # killed after committing parts 0 and 1
-    (out / "manifest-00000.json").write_text(json.dumps(found))
-    for name in ("_SUCCESS-00000", "stats-00000.json", "part-00000-00002.parquet"):
+    (out / "_embedjob/manifest-00000.json").write_text(json.dumps(found))
+    for name in ("_embedjob/_SUCCESS-00000", "_embedjob/stats-00000.json", "part-00000-00002.parquet"):
         (out / name).unlink()
     part = out / "part-00000-00001.parquet"
     os.truncate(part, part.stat().st_size // 2)
@@ -78,7 +78,7 @@ def test_a_part_truncated_between_a_kill_and_the_rerun_is_recomputed_not_trusted
     assert run(small, out, cache_dir) == 0
     assert "part-00000-00001.parquet" in caplog.text and "recomputing rows from 4" in caplog.text
     assert_same_rows(read_output(out), read_output(reference))  # pyarrow opens every part
-    stats = json.loads((out / "stats-00000.json").read_text())
+    stats = json.loads((out / "_embedjob/stats-00000.json").read_text())
     assert stats["resumed_from_row"] == 4
     assert main(["verify", str(out)]) == 0
 
@@ -90,7 +90,7 @@ def test_a_bit_flip_after_success_is_named_by_verify_and_recomputed_by_a_rerun(
     assert run(small, out, cache_dir) == 0
     capsys.readouterr()
     assert main(["verify", str(out)]) == 0
-    assert "1 shards; 3 parts, 12 rows checked; intact" in capsys.readouterr().out
+    assert "1 shard; 3 parts, 12 rows checked; intact" in capsys.readouterr().out
 
     part = out / "part-00000-00001.parquet"
     data = bytearray(part.read_bytes())
@@ -98,7 +98,7 @@ def test_a_bit_flip_after_success_is_named_by_verify_and_recomputed_by_a_rerun(
     part.write_bytes(bytes(data))
     assert main(["verify", str(out)]) == 1
     report = capsys.readouterr().out
-    assert "part-00000-00001.parquet does not match its recorded sha256" in report and "1 problems" in report
+    assert "part-00000-00001.parquet does not match its recorded sha256" in report and "1 problem" in report
     assert main(["status", str(out), "--verify"]) == 1
     assert "damaged: part-00000-00001.parquet" in capsys.readouterr().out
 
@@ -113,16 +113,16 @@ def test_verify_names_every_bad_file_of_every_shard(small: Path, tmp_path: Path,
         assert run(small, out, cache_dir, "--shard", f"{shard}/3") == 0
     first = sorted(out.glob("part-00000-*.parquet"))[0]
     first.write_bytes(first.read_bytes()[:-10])
-    (out / "stats-00001.json").unlink()
+    (out / "_embedjob/stats-00001.json").unlink()
     shutil.copy(sorted(out.glob("part-00002-*.parquet"))[0], out / "part-00002-00009.parquet")
-    (out / "_SUCCESS-00007").write_text("{}")
+    (out / "_embedjob/_SUCCESS-00007").write_text("{}")
     capsys.readouterr()
     assert main(["verify", str(out)]) == 1
     report = capsys.readouterr().out.splitlines()
     assert any(line.startswith(f"{first.name} has ") and "bytes where" in line for line in report)
-    assert "stats-00001.json is missing for the finished shard 1" in report
-    assert any(line.startswith("part-00002-00009.parquet is not listed in manifest-00002.json") for line in report)
-    assert "_SUCCESS-00007 belongs to shard 7, but the output has 3 shards" in report
+    assert "_embedjob/stats-00001.json is missing for the finished shard 1" in report
+    assert any(line.startswith("part-00002-00009.parquet is not listed in _embedjob/manifest-00002.json") for line in report)
+    assert "_embedjob/_SUCCESS-00007 belongs to shard 7, but the output has 3 shards" in report
     assert report[-1].endswith("4 problems")
 
 
@@ -132,12 +132,12 @@ def test_verify_names_every_bad_file_of_every_shard(small: Path, tmp_path: Path,
 def test_a_second_shard_layout_into_a_finished_output_is_refused(small: Path, tmp_path: Path, cache_dir: str, capsys) -> None:
     out = tmp_path / "out"
     assert run(small, out, cache_dir, "--shard", "0/1") == 0
-    before = sorted(p.name for p in out.iterdir())
+    before = sorted(p.name for p in checkpoint.output_files(out))
     capsys.readouterr()
     assert run(small, out, cache_dir, "--shard", "1/2") == 2
     line = one_line(capsys.readouterr().err)
     assert "different job" in line and "num_shards: 1 -> 2" in line and "--overwrite" in line
-    assert sorted(p.name for p in out.iterdir()) == before
+    assert sorted(p.name for p in checkpoint.output_files(out)) == before
     assert len(read_output(out, 2)) == 12, "rows of two layouts in one output"
 
 
@@ -161,7 +161,7 @@ def test_overwrite_with_another_shard_count_removes_every_shard_of_the_old_job(
         assert run(small, out, cache_dir, "--shard", f"{shard}/2") == 0
     assert run(small, out, cache_dir, "--shard", "0/3") == 2
     assert run(small, out, cache_dir, "--shard", "0/3", "--overwrite") == 0
-    assert not [p for p in out.iterdir() if checkpoint.shard_file_index(p.name) == 1], "the old shard 1 survived"
+    assert not [p for p in checkpoint.output_files(out) if checkpoint.shard_file_index(p.name) == 1], "the old shard 1 survived"
     for shard in (1, 2):
         assert run(small, out, cache_dir, "--shard", f"{shard}/3") == 0
     assert_same_rows(read_output(out, 3), read_output(reference))
@@ -245,10 +245,10 @@ def test_a_lock_symlink_planted_in_the_output_is_refused_and_its_target_untouche
     small: Path, tmp_path: Path, cache_dir: str, capsys, name: str
 ) -> None:
     out = tmp_path / "out"
-    out.mkdir()
+    (out / checkpoint.META).mkdir(parents=True)
     victim = tmp_path / "precious.txt"
     victim.write_text("do not truncate me\n")
-    (out / name).symlink_to(victim)
+    (out / checkpoint.META / name).symlink_to(victim)
     assert run(small, out, cache_dir) == 2
     line = one_line(capsys.readouterr().err)
     assert "is a symbolic link" in line and name in line
@@ -431,7 +431,7 @@ def test_dry_run_prints_a_script_whose_comment_escapes_the_job_file_name(
     assert main(["submit", str(nasty), *args[1:], "--shards", "1", "--dry-run"]) == 0
     script = capsys.readouterr().out
     comment = [line for line in script.splitlines() if line.startswith("# embedjob:")]
-    assert comment == [f"# embedjob: 1 shards of {tmp_path}/job\\ntouch PWNED\\n.yaml; written by `embedjob submit`."]
+    assert comment == [f"# embedjob: 1 shard of {tmp_path}/job\\ntouch PWNED\\n.yaml; written by `embedjob submit`."]
     (tmp_path / "printed.sbatch").write_text(script.replace(sys.executable, "true"))
     subprocess.run(["bash", str(tmp_path / "printed.sbatch")], cwd=tmp_path, check=True, capture_output=True,
                    env={**os.environ, "SLURM_ARRAY_TASK_ID": "0"})

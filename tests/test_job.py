@@ -8,13 +8,16 @@ import pytest
 
 from embedjob.job import JobError, describe, job_from_dict, load_job
 
-MINIMAL = {"input": {"path": "data/*.parquet", "media_column": "image"}, "output": {"path": "out"}}
+MINIMAL = {
+    "input": {"path": "data/*.parquet", "media_column": "image"},
+    "model": {"path": "builtin:tiny-qwen2_5_vl"},
+    "output": {"path": "out"},
+}
 
 
 def test_defaults_follow_the_design_contract() -> None:
     job = job_from_dict(MINIMAL)
     assert job.model.family == "qwen2_5_vl"
-    assert job.model.path == "builtin:tiny-qwen2_5_vl"
     assert job.input.modality == "image"
     assert job.batching.token_budgets == "auto"
     assert job.batching.cuda_graphs is True
@@ -34,7 +37,7 @@ def test_overrides_parse_yaml_values() -> None:
 
 
 def test_override_can_supply_a_missing_required_key() -> None:
-    job = job_from_dict({"input": {"path": "x.parquet"}}, ["input.media_column=jpg", "output.path=o"])
+    job = job_from_dict({"input": {"path": "x.parquet"}}, ["input.media_column=jpg", "output.path=o", "model.path=m"])
     assert job.input.media_column == "jpg"
 
 
@@ -46,8 +49,8 @@ def test_override_can_supply_a_missing_required_key() -> None:
         (MINIMAL, ["output.pooling=max"], "key 'output.pooling' = 'max' is not allowed; expected 'mean' | 'none'"),
         (MINIMAL, ["batching.window=many"], "key 'batching.window' = 'many' is not allowed; expected an integer"),
         (MINIMAL, ["batching.token_budgets=[64, x]"], "key 'batching.token_budgets'"),
-        ({"input": {"path": "p"}, "output": {"path": "o"}}, [], "missing required key 'input.media_column'"),
-        ({"input": {"media_column": "c"}, "output": {"path": "o"}}, [], "missing required key 'input.path'"),
+        ({**MINIMAL, "input": {"path": "p"}}, [], "input.media_column is required"),
+        ({**MINIMAL, "input": {"media_column": "c"}}, [], "input.path is required"),
         (MINIMAL, ["video.fps=0"], "'video.fps' = 0.0 must be > 0"),
         (MINIMAL, ["batching.token_budgets=[]"], "non-empty list of positive integers"),
         (MINIMAL, ["runtime.workers=-1"], "'runtime.workers' = -1 must be 'auto' or >= 0"),

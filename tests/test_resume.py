@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from embedjob.checkpoint import output_files
 from embedjob.cli import main
 
 from conftest import REPO
@@ -29,7 +30,7 @@ SEED = 20261129
 
 def manifest(out: Path, shard: int = 0) -> dict | None:
     try:
-        return json.loads((out / f"manifest-{shard:05d}.json").read_text())
+        return json.loads((out / f"_embedjob/manifest-{shard:05d}.json").read_text())
     except FileNotFoundError:
         return None
 
@@ -43,7 +44,7 @@ def debris(out: Path) -> list[str]:
     """Temporary files, lock files and part files the manifest does not list."""
     listed = {p["name"] for p in (manifest(out) or {"parts": []})["parts"]}
     return sorted(
-        p.name for p in out.iterdir()
+        p.name for p in output_files(out)
         if ".tmp-" in p.name or p.name.startswith(".lock-") or (p.name.startswith("part-") and p.name not in listed)
     )
 
@@ -114,7 +115,7 @@ def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_output(tm
     want = read_output(reference)
     total_parts = len(manifest(reference)["parts"])
     assert len(want) == 96 and total_parts == 96
-    part_seconds = json.loads((reference / "stats-00000.json").read_text())["pipeline_seconds"] / total_parts
+    part_seconds = json.loads((reference / "_embedjob/stats-00000.json").read_text())["pipeline_seconds"] / total_parts
 
     out = tmp_path / "out"
     args = job_args(inputs, out, cache_dir) + settings
@@ -154,7 +155,7 @@ def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_output(tm
     assert part_digests(out) == part_digests(reference), "a part differs from the uninterrupted run's, byte for byte"
     assert debris(out) == []
     assert main(["verify", str(out)]) == 0
-    stats = json.loads((out / "stats-00000.json").read_text())
+    stats = json.loads((out / "_embedjob/stats-00000.json").read_text())
     assert stats["resumed_from_row"] == history[-1] * rows_per_part and stats["rows"] == 96
 
 
@@ -164,7 +165,7 @@ def small(tmp_path: Path) -> Path:
 
 
 def snapshot(out: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    return {p.name: p.stat().st_mtime_ns for p in output_files(out)}
 
 
 def interrupt_after_first_part(out: Path) -> None:
@@ -172,8 +173,8 @@ def interrupt_after_first_part(out: Path) -> None:
     into place (not yet in the manifest), in the middle of writing part 1 again."""
     found = manifest(out)
     found["parts"] = found["parts"][:1]
-    (out / "manifest-00000.json").write_text(json.dumps(found))
-    for name in ("_SUCCESS-00000", "stats-00000.json"):
+    (out / "_embedjob/manifest-00000.json").write_text(json.dumps(found))
+    for name in ("_embedjob/_SUCCESS-00000", "_embedjob/stats-00000.json"):
         (out / name).unlink()
     (out / ".part-00000-00001.parquet.tmp-4242").write_bytes(b"half a part")
 
@@ -185,7 +186,7 @@ def test_resume_recomputes_only_the_uncommitted_rows(small: Path, tmp_path: Path
     first_part = (out / "part-00000-00000.parquet").stat().st_mtime_ns
     interrupt_after_first_part(out)
     assert main(["run", *job_args(small, out, cache_dir)]) == 0
-    stats = json.loads((out / "stats-00000.json").read_text())
+    stats = json.loads((out / "_embedjob/stats-00000.json").read_text())
     assert (stats["resumed_from_row"], stats["rows_this_run"], stats["rows"]) == (4, 8, 12)
     # The statistics cover the whole shard: the first run's committed rows and this run's.
     attempts = stats["attempts"]

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from embedjob.cli import main
+from embedjob.checkpoint import output_files
 
 from conftest import REPO
 
@@ -44,17 +45,17 @@ def test_demo_writes_every_row_in_order_with_errors_for_broken_media(demo_out: P
         assert r["modality"] == "image" and r["tokens"] > 0 and r["frames"] == 0
     assert rows[10]["error"].startswith("truncated: ")
     assert rows[11]["error"].startswith("unknown_format: ")
-    assert all(np.isnan(np.array(r["embedding"], dtype=np.float32)).all() for r in rows[10:])
+    assert all(r["embedding"] is None for r in rows[10:])
 
 
 def test_demo_parts_manifest_stats_and_success_marker(demo_out: Path) -> None:
     parts = sorted(p.name for p in demo_out.glob("part-*.parquet"))
     assert parts == ["part-00000-00000.parquet", "part-00000-00001.parquet", "part-00000-00002.parquet"]
-    assert (demo_out / "_SUCCESS-00000").exists()
-    assert not [p for p in demo_out.iterdir() if ".tmp-" in p.name]
-    manifest = json.loads((demo_out / "manifest-00000.json").read_text())
+    assert (demo_out / "_embedjob/_SUCCESS-00000").exists()
+    assert not [p for p in output_files(demo_out) if ".tmp-" in p.name]
+    manifest = json.loads((demo_out / "_embedjob/manifest-00000.json").read_text())
     assert [(p["first_row"], p["end_row"]) for p in manifest["parts"]] == [(0, 5), (5, 10), (10, 12)]
-    stats = json.loads((demo_out / "stats-00000.json").read_text())
+    stats = json.loads((demo_out / "_embedjob/stats-00000.json").read_text())
     for key in ("rows", "errors", "graph_hits", "graph_misses", "hit_rate", "num_graphs", "token_budgets",
                 "padding_waste", "seconds", "items_per_second"):
         assert key in stats, key
@@ -70,10 +71,10 @@ def test_workers_and_inline_decoding_give_identical_output(demo_out: Path, tmp_p
 
 
 def test_rerun_of_a_finished_shard_does_nothing(demo_out: Path, cache_dir: str, capsys: pytest.CaptureFixture) -> None:
-    before = {p.name: p.stat().st_mtime_ns for p in demo_out.iterdir()}
+    before = {p.name: p.stat().st_mtime_ns for p in output_files(demo_out)}
     assert run(demo_out, cache_dir) == 0
     assert "already complete" in capsys.readouterr().err
-    assert {p.name: p.stat().st_mtime_ns for p in demo_out.iterdir()} == before
+    assert {p.name: p.stat().st_mtime_ns for p in output_files(demo_out)} == before
 
 
 def test_changed_job_refuses_to_resume_unless_overwrite(demo_out: Path, tmp_path: Path, cache_dir: str, capsys) -> None:
@@ -93,7 +94,7 @@ def test_changed_job_refuses_to_resume_unless_overwrite(demo_out: Path, tmp_path
 def test_eager_float32_output_matches_graph_output(demo_out: Path, tmp_path: Path, cache_dir: str) -> None:
     assert run(tmp_path, cache_dir, "--set", "batching.cuda_graphs=false", "--set", "output.dtype=float32",
                "--set", "runtime.workers=0") == 0
-    stats = json.loads((tmp_path / "stats-00000.json").read_text())
+    stats = json.loads((tmp_path / "_embedjob/stats-00000.json").read_text())
     assert stats["graph_hits"] == 0 and stats["graph_misses"] == 10
     eager = read(tmp_path)
     for a, b in zip(eager, read(demo_out)):
@@ -129,9 +130,9 @@ def test_an_empty_shard_finishes_without_loading_the_model(tmp_path: Path, cache
 
     monkeypatch.setattr(embedjob.runner, "load_encoder_adapter", no_model)
     assert run(tmp_path, cache_dir, "--shard", "3/4") == 0
-    stats = json.loads((tmp_path / "stats-00003.json").read_text())
+    stats = json.loads((tmp_path / "_embedjob/stats-00003.json").read_text())
     assert (stats["rows"], stats["errors"], stats["graph_hits"]) == (0, 0, 0)
-    assert (tmp_path / "_SUCCESS-00003").exists() and not list(tmp_path.glob("part-00003-*"))
+    assert (tmp_path / "_embedjob/_SUCCESS-00003").exists() and not list(tmp_path.glob("part-00003-*"))
 
 
 def test_a_partial_slurm_array_must_name_its_shard(monkeypatch) -> None:

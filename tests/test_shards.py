@@ -115,9 +115,9 @@ def test_shards_in_shard_order_are_the_single_process_output(
     assert_same_rows(read_output(tmp_path, n), single)
     end = 0
     for shard in range(n):
-        manifest = json.loads((tmp_path / f"manifest-{shard:05d}.json").read_text())
-        stats = json.loads((tmp_path / f"stats-{shard:05d}.json").read_text())
-        assert (tmp_path / f"_SUCCESS-{shard:05d}").exists()
+        manifest = json.loads((tmp_path / f"_embedjob/manifest-{shard:05d}.json").read_text())
+        stats = json.loads((tmp_path / f"_embedjob/stats-{shard:05d}.json").read_text())
+        assert (tmp_path / f"_embedjob/_SUCCESS-{shard:05d}").exists()
         rows = [r["row"] for r in read_output_shard(tmp_path, shard)]
         assert stats["rows"] == len(rows) == manifest["end_row"] - manifest["first_row"]
         if rows:

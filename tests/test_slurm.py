@@ -24,6 +24,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from embedjob.checkpoint import output_files
 from embedjob.cli import main
 from embedjob.job import JobError
 from embedjob.slurm import (
@@ -89,7 +90,7 @@ def test_script_requests_one_requeueable_task_per_shard_with_logs_under_the_outp
     script = render_script(task(tmp_path), [0, 2, 3], SubmitOptions(num_shards=4))
     lines = directives(script)
     assert "--array=0,2-3" in lines and "--requeue" in lines and "--ntasks=1" in lines
-    assert f"--output={tmp_path}/out/logs/shard-%5a-job-%A.log" in lines
+    assert f"--output={tmp_path}/out/_embedjob/logs/shard-%5a-job-%A.log" in lines
     assert "--open-mode=append" in lines, "a requeued task must not wipe its first attempt's log"
     assert f"--chdir={tmp_path}" in lines
     assert not [line for line in lines if "gpu" in line or "gres" in line], "no GPU lines when G = 0"
@@ -192,12 +193,12 @@ def test_dry_run_renders_only_unfinished_shards_and_writes_nothing(
     out = tmp_path / "out"
     for shard in (0, 2):
         assert main(["run", *job_args(inputs, out, cache_dir), "--shard", f"{shard}/4"]) == 0
-    before = sorted(p.name for p in out.iterdir())
+    before = sorted(p.name for p in output_files(out))
     capsys.readouterr()
     assert submit(inputs, out, cache_dir, 4, "--dry-run") == 0
     captured = capsys.readouterr()
     assert "--array=1,3" in directives(captured.out) and "2 of 4 shards are done" in captured.err
-    assert sorted(p.name for p in out.iterdir()) == before, "a dry run wrote to the output"
+    assert sorted(p.name for p in output_files(out)) == before, "a dry run wrote to the output"
 
     for shard in (1, 3):
         assert main(["run", *job_args(inputs, out, cache_dir), "--shard", f"{shard}/4"]) == 0
@@ -228,16 +229,16 @@ def test_submit_records_the_job_status_follows_it_and_resubmission_skips_active_
     stand_in_scontrol(stand_ins, "exit 1")
     assert submit(inputs, out, cache_dir, 4) == 0
     assert capsys.readouterr().out == "4242\n"
-    record = json.loads((out / "slurm-job.json").read_text())
+    record = json.loads((out / "_embedjob/slurm-job.json").read_text())
     (submission,) = record["submissions"]
     assert (submission["job_id"], submission["shards"], record["num_shards"]) == ("4242", [0, 1, 2, 3], 4)
     assert sum(record["shard_rows"]) == 24
     assert (tmp_path / "sbatch-args").read_text().strip() == "--parsable"
     script = (tmp_path / "submitted.sbatch").read_text()
-    assert Path(submission["script"]).read_text() == script and Path(submission["script"]).parent == out / "logs"
+    assert Path(submission["script"]).read_text() == script and Path(submission["script"]).parent == out / "_embedjob" / "logs"
     snapshot = Path(submission["job_snapshot"])
     assert f" run {snapshot} --shard " in script, "tasks must run the copy, not a job file that may change"
-    assert snapshot.parent == out / "logs" and snapshot.read_text() == Path(job_args(inputs, out, cache_dir)[0]).read_text()
+    assert snapshot.parent == out / "_embedjob" / "logs" and snapshot.read_text() == Path(job_args(inputs, out, cache_dir)[0]).read_text()
 
     # Shard 3 finished; SLURM says 0 ended without it finishing, 1 runs, 2 waits.
     assert main(["run", *job_args(inputs, out, cache_dir), "--shard", "3/4"]) == 0
@@ -249,7 +250,7 @@ def test_submit_records_the_job_status_follows_it_and_resubmission_skips_active_
         ("failed", "4242_0"), ("running", "4242_1"), ("pending", "4242_2"), ("done", "4242_3")
     ]
     assert [s.rows for s in status.shards] == record["shard_rows"]
-    assert f"its log: {out}/logs/shard-00000-job-4242.log" in format_status(status)
+    assert f"its log: {out}/_embedjob/logs/shard-00000-job-4242.log" in format_status(status)
     assert status.shards[3].committed == record["shard_rows"][3] and status.shards[0].committed == 0
 
     capsys.readouterr()
@@ -257,7 +258,7 @@ def test_submit_records_the_job_status_follows_it_and_resubmission_skips_active_
     assert submit(inputs, out, cache_dir, 4) == 0
     captured = capsys.readouterr()
     assert captured.out == "4243\n" and "4242_1, 4242_2" in captured.err
-    record = json.loads((out / "slurm-job.json").read_text())
+    record = json.loads((out / "_embedjob/slurm-job.json").read_text())
     assert record["submissions"][-1]["shards"] == [0]
 
     # Once SLURM has forgotten both jobs they ended: what is not done failed.
@@ -283,16 +284,17 @@ def test_status_without_slurm_reports_from_the_files(
 ) -> None:
     out = tmp_path / "out"
     assert main(["run", *job_args(inputs, out, cache_dir), "--shard", "1/3"]) == 0
-    (out / "slurm-job.json").write_text(json.dumps({"num_shards": 3, "submissions": [{"job_id": "7", "num_shards": 3, "shards": [0, 1, 2]}]}))
+    (out / "_embedjob/slurm-job.json").write_text(json.dumps({"num_shards": 3, "submissions": [{"job_id": "7", "num_shards": 3, "shards": [0, 1, 2]}]}))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     capsys.readouterr()
     assert main(["status", str(out)]) == 0
     text = capsys.readouterr().out
     assert "3 shards: 1 done, 0 running, 0 pending, 0 failed, 2 unfinished" in text
     assert "scontrol not found" in text
-    rows = json.loads((out / "stats-00001.json").read_text())["rows"]
-    table = [line.split()[:3] for line in text.splitlines()[2:]]
+    rows = json.loads((out / "_embedjob/stats-00001.json").read_text())["rows"]
+    table = [line.split()[:3] for line in text.splitlines()[2:5]]
     assert table == [["0", "unfinished", "0/?"], ["1", "done", f"{rows}/{rows}"], ["2", "unfinished", "0/?"]]
+    assert text.splitlines()[5].startswith("errors by code: ")
 
 
 def test_status_of_a_directory_without_shards_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -355,7 +357,7 @@ def test_four_shard_job_on_local_slurm_equals_a_single_process_run(
     assert {s.slurm_state for s in final.shards} <= {"COMPLETED", "COMPLETING", "RUNNING"}
 
     assert_same_rows(read_output(out, 4), read_output(single))
-    logs = sorted(p.name for p in (out / "logs").glob("*.log"))
+    logs = sorted(p.name for p in (out / "_embedjob" / "logs").glob("*.log"))
     assert logs == [f"shard-{i:05d}-job-{job_id}.log" for i in range(4)]
 
     assert main(["status", str(out)]) == 0
@@ -363,4 +365,4 @@ def test_four_shard_job_on_local_slurm_equals_a_single_process_run(
     assert submit(inputs, out, cache_dir, 4, *settings) == 0
     captured = capsys.readouterr()
     assert captured.out == "" and "nothing to submit" in captured.err
-    assert len(json.loads((out / "slurm-job.json").read_text())["submissions"]) == 1
+    assert len(json.loads((out / "_embedjob/slurm-job.json").read_text())["submissions"]) == 1

@@ -27,6 +27,7 @@ def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
         "max_tiles": job.preprocess.max_tiles,
         "tile_combine": job.preprocess.tile_combine,
         "dinov2_pool": job.model.dinov2_pool,
+        "per_token": job.output.pooling == "none",
     }
     if job.model.family in QWEN_FAMILIES:
         from embedjob.encoders.qwen import build_adapter

@@ -9,8 +9,9 @@ the methods declared here.
 Invariants every adapter keeps:
 - `EncoderInput.tokens` is what the item costs in a token budget (the encoder tokens it
   occupies), and `row_counts` gives each item's number of output rows, which `split`
-  cuts in batch order: one per output token for native-resolution towers (Qwen-VL), one
-  per view (image or video frame) for fixed-resolution ones (CLIP, SigLIP, DINOv2).
+  cuts in batch order: one per output token for native-resolution towers (Qwen-VL), and
+  for fixed-resolution ones (CLIP, SigLIP, DINOv2) one per view (image or video frame),
+  or one per patch token of each view when the job asks for per-token output.
 - Batch assembly (`batch_values`, `eager_inputs`) runs on the pipeline's main thread:
   it makes a constant number of torch calls per batch, not per item (each call costs
   microseconds and releases and re-takes the GIL, which the process's other threads
@@ -35,6 +36,8 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
+from embedjob.job import relative_note
+
 logger = logging.getLogger(__name__)
 
 PAD_ZERO = "zero"
@@ -51,7 +54,9 @@ class EncoderInput:
     holds the few integers batch assembly needs about the item's layout (Qwen-VL: the
     patch grid (t, h, w)) as plain Python ints, so a batch of items is assembled with
     a constant number of torch calls instead of one `.tolist()` per item; empty where
-    an adapter needs none.
+    an adapter needs none. `token_grid` is the (t, h, w) grid of the item's output
+    tokens, in the order a per-token forward outputs them (t * h * w rows): what the
+    output's `grid` column carries, so a user can put the rows back into a map.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -60,6 +65,7 @@ class EncoderInput:
     size: int
     modality: str = "image"
     grid: tuple[int, ...] = ()
+    token_grid: tuple[int, ...] = ()
 
     def __reduce_ex__(self, protocol: int) -> tuple[Any, tuple[Any, ...]]:
         """Pickle each tensor as its raw bytes: a `pickle.PickleBuffer` over the tensor's
@@ -73,7 +79,7 @@ class EncoderInput:
         which measured 3x slower than bytes for our item sizes.
         """
         packed = {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape), _raw(v, protocol)) for k, v in self.tensors.items()}
-        return (_rebuild_input, (packed, self.tokens, self.frames, self.size, self.modality, self.grid))
+        return (_rebuild_input, (packed, self.tokens, self.frames, self.size, self.modality, self.grid, self.token_grid))
 
 
 def _raw(tensor: torch.Tensor, protocol: int) -> bytes | pickle.PickleBuffer:
@@ -104,10 +110,16 @@ def _from_raw(dtype: str, shape: tuple[int, ...], raw: Any) -> torch.Tensor:
 
 
 def _rebuild_input(
-    packed: dict[str, Any], tokens: int, frames: int, size: int, modality: str, grid: tuple[int, ...]
+    packed: dict[str, Any],
+    tokens: int,
+    frames: int,
+    size: int,
+    modality: str,
+    grid: tuple[int, ...],
+    token_grid: tuple[int, ...],
 ) -> EncoderInput:
     tensors = {k: _from_raw(*v) for k, v in packed.items()}
-    return EncoderInput(tensors, tokens, frames, size, modality, grid)
+    return EncoderInput(tensors, tokens, frames, size, modality, grid, token_grid)
 
 
 class Preprocessor(Protocol):
@@ -280,6 +292,7 @@ def resolve_checkpoint(
 
     `builtin:tiny-<family>` is made locally (`builtin`), an existing directory is used as
     it is, anything else that does not look like a local path is a hub id (`download`).
+    A builtin model has random weights, which the log says: its vectors mean nothing.
     """
     if path.startswith("builtin:"):
         name = path.removeprefix("builtin:")
@@ -289,10 +302,20 @@ def resolve_checkpoint(
             raise ValueError(f"unknown builtin model {path!r}; available: builtin:tiny-{', builtin:tiny-'.join(known)}")
         if named != family:
             raise ValueError(f"model.path {path!r} is a {named} model but model.family is {family!r}")
+        logger.warning(
+            "model.path %s is a tiny demo model with random weights (fixed seed), for demos and tests: "
+            "its vectors mean nothing; name a real checkpoint for real embeddings", path,
+        )
         return builtin()
     local = Path(path).expanduser()
     if local.is_dir():
         return local
     if local.exists() or path.startswith(("/", "./", "../")):
-        raise ValueError(f"model.path {path!r} is not a checkpoint directory")
-    return download(path)
+        raise ValueError(f"model.path {path!r} is not a checkpoint directory{relative_note(path)}")
+    try:
+        return download(path)
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(
+            f"model.path {path!r} is neither a directory{relative_note(path)} nor a model the hub gives ({first})"
+        ) from None

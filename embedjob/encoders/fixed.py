@@ -9,9 +9,16 @@ What the numbers mean (the contract the packer, the graph manager and the writer
 - `EncoderInput.tokens` is the item's encoder tokens, views x tokens_per_image (views: 1
   for an image, its frames for a video, plus its tiles in the dual-path mode). It is what
   budgets count, what padding waste is measured in and what the `tokens` column reports.
-- `split` returns one row per view, not per token: a fixed-resolution encoder emits one
-  pooled embedding per image. An image gives 1 row; a video one row per frame, which the
-  runner averages (`output.pooling: mean`) or keeps (`none`).
+- `split` returns one row per view: a fixed-resolution encoder emits one pooled
+  embedding per image. An image gives 1 row; a video one row per frame, which the runner
+  averages (`output.pooling: mean`).
+- Per-token output (`output.pooling: none`, `per_token`): one row per patch token of
+  each view instead, row-major over the patch grid, views (frames) one after the other,
+  so an item's rows form its `token_grid` (views, patches high, patches wide). The CLS
+  token is not among them (it is the pooled output). A token is what the family's
+  pooled vector is made from, in the same space: CLIP's patch states through the
+  post-layernorm and the visual projection (as its CLS state is), SigLIP's and DINOv2's
+  final (layer-normed) states. Budgets still count every encoder token, CLS included.
 - A budget of B tokens holds B // tokens_per_image images; budgets are multiples of it.
 
 Embeddings: CLIP and SigLIP return what `get_image_features` returns (CLIP: the
@@ -85,12 +92,15 @@ class FixedFamily:
     processor_class: str
     cls_token: bool
     layers: str
+    # Whether the tower's last_hidden_state still needs its final norm (CLIP applies
+    # post_layernorm to the pooled CLS state only; SigLIP and DINOv2 to every state).
+    unnormed_states: bool = False
 
 
 FAMILIES = {
     "clip": FixedFamily(
         "clip", "clip", "clip_vision_model", "CLIPModel", "CLIPVisionModel", "CLIPVisionModelWithProjection",
-        "CLIPImageProcessor", True, "encoder.layers",
+        "CLIPImageProcessor", True, "encoder.layers", unnormed_states=True,
     ),
     "siglip": FixedFamily(
         "siglip", "siglip", "siglip_vision_model", "SiglipModel", "SiglipVisionModel", None,
@@ -127,6 +137,7 @@ class FixedPreprocessor:
     std: tuple[float, ...] | None
     input_size: tuple[int, int]
     tokens_per_image: int
+    patch_grid: tuple[int, int]
     max_tiles: int = 0
 
     @property
@@ -157,7 +168,8 @@ class FixedPreprocessor:
             tensors[LOCAL_KEY] = tiles
             count += tiles.shape[0]
         tokens = count * self.tokens_per_image
-        return EncoderInput(tensors, tokens=tokens, frames=num_frames, size=tokens, modality=modality)
+        token_grid = (views.shape[0], *self.patch_grid)
+        return EncoderInput(tensors, tokens=tokens, frames=num_frames, size=tokens, modality=modality, token_grid=token_grid)
 
     def process(self, images: torch.Tensor) -> torch.Tensor:
         """(N, 3, H, W) uint8 -> (N, 3, h, w) uint8 views, h x w = `input_size`.
@@ -235,7 +247,9 @@ class FixedResAdapter(EncoderAdapter):
 
     `views` lists the item tensors this adapter produces: the global views, plus the
     local tiles in the dual-path mode (the dual-path encoder runs one graph set per key
-    through `path_input` and merges them with `combine`).
+    through `path_input` and merges them with `combine`). `per_token` makes `forward`
+    return every view's patch tokens instead of its pooled vector (not with tiles, which
+    have no place in a view's token grid: the job refuses that combination).
     """
 
     def __init__(
@@ -249,12 +263,15 @@ class FixedResAdapter(EncoderAdapter):
         source: str,
         pool: str,
         tile_combine: str,
+        per_token: bool = False,
     ) -> None:
         super().__init__(spec, processing, device, dtype, source)
         self.tower = tower
         self.projection = projection
         self.pool = pool
         self.tile_combine = tile_combine
+        self.per_token = per_token
+        self.rows_per_view = processing.patch_grid[0] * processing.patch_grid[1] if per_token else 1
         self.tokens_per_image = processing.tokens_per_image
         self.feature_dim = int(projection.out_features if projection is not None else tower.config.hidden_size)
         tiled = processing.max_tiles > 0
@@ -279,6 +296,7 @@ class FixedResAdapter(EncoderAdapter):
             input_size=list(p.input_size),
             tokens_per_image=self.tokens_per_image,
             pool=self.pool,
+            per_token=self.per_token,
             max_tiles=p.max_tiles,
             tile_combine=self.tile_combine if p.max_tiles else None,
         )
@@ -309,19 +327,37 @@ class FixedResAdapter(EncoderAdapter):
         return StaticInputs({GLOBAL_KEY: self._joined(items).to(self.device, non_blocking=True)})
 
     def forward(self, inputs: StaticInputs) -> torch.Tensor:
-        """(N, 3, h, w) uint8 -> (N, feature_dim): one embedding per image, in input order.
+        """(N, 3, h, w) uint8 -> (N, feature_dim): one embedding per image, in input order
+        (per token: (N * patches, feature_dim), each image's patch tokens in turn).
         Normalising here puts it on the device, inside a captured graph."""
         pixels = self.processing.normalize(inputs.tensors[GLOBAL_KEY], self.pixel_scale).to(self.dtype)
         output = self.tower(pixel_values=pixels)
+        if self.per_token:
+            return self._patch_tokens(output.last_hidden_state)
         if self.pool == "patch_mean":
             pooled = output.last_hidden_state[:, int(self.spec.cls_token) :].mean(dim=1)
         else:
             pooled = output.pooler_output
         return pooled if self.projection is None else self.projection(pooled)
 
+    def _patch_tokens(self, states: torch.Tensor) -> torch.Tensor:
+        """(N, tokens, hidden) final states -> (N * patches, feature_dim): the patch
+        tokens in the space of the family's pooled vector (see the module docstring)."""
+        tokens = states[:, int(self.spec.cls_token) :]
+        if self.spec.unnormed_states:
+            tokens = self.tower.post_layernorm(tokens)
+        if self.projection is not None:
+            tokens = self.projection(tokens)
+        return tokens.reshape(-1, tokens.shape[-1])
+
     def row_counts(self, items: list[EncoderInput]) -> list[int]:
-        """One row per global view of each item: 1 for an image, one per frame for a
-        video (and, for a local path's input, one per tile: `path_input` puts them there)."""
+        """One row per global view of each item (1 for an image, one per frame for a
+        video; for a local path's input, one per tile: `path_input` puts them there), or
+        with `per_token` one per patch token of each view."""
+        return [views * self.rows_per_view for views in self._views(items)]
+
+    @staticmethod
+    def _views(items: list[EncoderInput]) -> list[int]:
         return [item.tensors[GLOBAL_KEY].shape[0] for item in items]
 
     def path_input(self, item: EncoderInput, key: str) -> EncoderInput | None:
@@ -348,8 +384,8 @@ class FixedResAdapter(EncoderAdapter):
         """All items' views in one new uint8 tensor, joined by one `cat`, page-locked
         when it feeds a GPU so the copy to the device is asynchronous."""
         parts = [item.tensors[GLOBAL_KEY] for item in items]
-        rows = sum(self.row_counts(items))
-        out = torch.empty((rows, 3, *self.processing.input_size), dtype=torch.uint8, pin_memory=self.pin_memory)
+        views = sum(self._views(items))
+        out = torch.empty((views, 3, *self.processing.input_size), dtype=torch.uint8, pin_memory=self.pin_memory)
         return torch.cat(parts, out=out)
 
 
@@ -499,6 +535,7 @@ def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_
         std=tuple(float(v) for v in processor.image_std) if processor.do_normalize else None,
         input_size=input_size,
         tokens_per_image=(input_size[0] // patch) * (input_size[1] // patch) + int(spec.cls_token),
+        patch_grid=(input_size[0] // patch, input_size[1] // patch),
         max_tiles=max_tiles,
     )
 
@@ -518,7 +555,10 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
         raise ValueError(f"checkpoint {directory} has no SigLIP pooling head (vision_use_head=false), so no image embedding")
     max_tiles = int(options.get("max_tiles", 0)) if options.get("tiling") == "anyres" else 0
     processing = load_processing(spec, directory, tower.config, max_tiles)
-    adapter = FixedResAdapter(spec, tower, projection, processing, device, dtype, path, pool, options.get("tile_combine", "concat"))
+    adapter = FixedResAdapter(
+        spec, tower, projection, processing, device, dtype, path, pool, options.get("tile_combine", "concat"),
+        per_token=bool(options.get("per_token")),
+    )
     adapter.max_frames_per_video = int(options.get("video_max_frames", 0))
     adapter.cache_dir = cache_root(options.get("cache_dir"))
     return adapter

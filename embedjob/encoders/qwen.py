@@ -156,7 +156,10 @@ class QwenPreprocessor:
         tensors.update(self.item_metadata(grid))
         t, h, w = grid
         tokens = t * h * w // (self.merge_size**2)
-        return EncoderInput(tensors, tokens=tokens, frames=num_frames, size=t * h * w, modality=modality, grid=grid)
+        merged = (t, h // self.merge_size, w // self.merge_size)
+        return EncoderInput(
+            tensors, tokens=tokens, frames=num_frames, size=t * h * w, modality=modality, grid=grid, token_grid=merged
+        )
 
     def resize(self, frames: torch.Tensor, min_pixels: int, max_pixels: int) -> torch.Tensor:
         """(T, 3, H, W) uint8 -> (T, 3, H', W') uint8 at the `smart_resize` size."""

@@ -343,7 +343,7 @@ def run_cli(job: Path, output: Path, gpus: int, overrides: list[str], logfile: P
         out.write(" ".join(command) + "\n")
         out.flush()
         code = subprocess.run(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
-    stats = sorted(output.glob("stats-*.json"))
+    stats = sorted(output.glob("_embedjob/stats-*.json"))
     if code != 0 or not stats:
         tail = logfile.read_text().splitlines()[-15:]
         log(f"run failed (exit code {code}); last lines of {logfile}:\n" + "\n".join(tail))

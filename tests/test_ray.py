@@ -165,10 +165,13 @@ def test_pick_engine_names_the_engine() -> None:
 # ---------------------------------------------------------------- a local Ray cluster
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 class RayHead:
@@ -178,10 +181,11 @@ class RayHead:
 
     def __init__(self, temp: Path) -> None:
         self.log = temp / "ray-start.log"
-        self.port = _free_port()
+        self.port, self.client_port = _free_ports(2)
         command = [
             str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
             "--node-ip-address", "127.0.0.1", "--port", str(self.port),
+            "--ray-client-server-port", str(self.client_port),
             "--num-cpus", "3", "--num-gpus", "0", "--include-dashboard", "false",
             "--object-store-memory", str(200 * 2**20), "--temp-dir", str(temp / "t"), "--disable-usage-stats",
         ]
@@ -199,6 +203,11 @@ class RayHead:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def client_address(self) -> str:
+        """The Ray Client address (a driver that is not a node of the cluster)."""
+        return f"ray://127.0.0.1:{self.client_port}"
 
     def task_pid(self, shard: int) -> int | None:
         """The worker process of this cluster now running the task of `shard` (Ray
@@ -334,9 +343,10 @@ def test_a_six_shard_job_on_ray_survives_a_killed_worker_and_equals_the_single_p
     assert attempts[1]["resumed_from_row"] >= first_row + committed
     assert sum(a["rows"] for a in attempts) == ROWS_PER_SHARD
 
-    # The rerun (its shard count from the output) runs only the shard that failed.
+    # The rerun (its shard count from the output; through Ray Client this time) runs
+    # only the shard that failed.
     before = part_times(out)
-    second = embedjob(*ray_run, "--address", ray_head.address)
+    second = embedjob(*ray_run, "--address", ray_head.client_address)
     assert second.returncode == 0, second.stderr
     assert f"{SHARDS} shards: {SHARDS} done, 0 running" in second.stderr
     after = part_times(out)
@@ -346,7 +356,7 @@ def test_a_six_shard_job_on_ray_survives_a_killed_worker_and_equals_the_single_p
 
     # Once every shard is done, nothing is recomputed, and no cluster is even asked:
     # an address where none answers does.
-    third = embedjob(*ray_run, "--address", f"127.0.0.1:{_free_port()}", timeout=120)
+    third = embedjob(*ray_run, "--address", f"127.0.0.1:{_free_ports(1)[0]}", timeout=120)
     assert third.returncode == 0, third.stderr
     assert f"all {SHARDS} shards were already complete; nothing to do" in third.stderr
     assert part_times(out) == after

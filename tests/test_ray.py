@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from embedjob.cli import main
 from embedjob.engines import RAY_MISSING, pick_engine, shards_to_run
 from embedjob.job import JobError, job_from_dict
 from embedjob.ray_engine import (
-    REACH, TaskContext, TaskShape, job_for_tasks, output_dir, probe_task, reach_token, task_shape,
+    REACH, RayEngine, TaskContext, TaskShape, job_for_tasks, output_dir, probe_task, reach_token, task_shape,
 )
 
 from conftest import REPO
@@ -155,11 +156,13 @@ def test_tasks_take_a_gpu_each_where_there_are_gpus_and_a_cpu_elsewhere() -> Non
     assert job_for_tasks(job(workers=0), TaskShape(gpus=1, cpus=8)).runtime.workers == 0
 
 
-def test_pick_engine_names_the_engine() -> None:
+def test_pick_engine_names_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))  # Ray itself stays out of pytest's process
     with pytest.raises(JobError, match="expected one of local, ray"):
         pick_engine("spark")
     with pytest.raises(JobError, match="--max-retries must be >= 0"):
         pick_engine("ray", max_retries=-1)
+    assert isinstance(pick_engine("ray", "auto", 2, 4), RayEngine)
 
 
 # ---------------------------------------------------------------- a local Ray cluster

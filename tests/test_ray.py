@@ -234,7 +234,7 @@ class RayHead:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(10)
+                self.proc.wait(2)
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         deadline = time.monotonic() + 15

@@ -5,10 +5,11 @@ intact; 2 when something the user names must change: the job spec or the command
 line, an input.path or model.path that cannot be used (a checkpoint torch refuses to
 unpickle included), an output.path that holds another job's output or a shard another
 process writes; 1 when the job could not run for another reason (a full disk or an
-unwritable output, at start as mid-run; a failed rank; sbatch failing; more error rows
-than `runtime.max_error_rate` allows), or `verify` (`status --verify`) found a damaged
-output. Every failure prints one line; the libraries' warnings go to the log only with
--v.
+unwritable output, at start as mid-run; a failed rank; a shard that `run --engine ray`
+could not finish; sbatch failing; more error rows than `runtime.max_error_rate`
+allows), or `verify` (`status --verify`) found a damaged output. Every failure prints one
+line (a Ray run: one per shard that failed, then one); the libraries' warnings go to the
+log only with -v.
 """
 
 from __future__ import annotations
@@ -80,13 +81,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logs")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="embed one shard of a job (all of it by default)")
+    run = sub.add_parser(
+        "run", help="embed one shard of a job (all of it by default), or every shard (--shards N), here or on Ray"
+    )
     _job_arguments(run)
     run.add_argument("--shard", help="I/N: run shard I of N (default: SLURM_ARRAY_TASK_ID/COUNT, else 0/1)")
-    run.add_argument("--overwrite", action="store_true", help="replace this shard's earlier output instead of resuming")
+    run.add_argument(
+        "--overwrite", action="store_true",
+        help="replace the earlier output of the shards this run covers instead of resuming",
+    )
     run.add_argument(
         "--gpus", type=int, metavar="N", help="GPUs (one process each) for this shard; same as --set runtime.gpus=N"
     )
+    _engine_arguments(run)
     run.set_defaults(func=_cmd_run)
     _slurm_commands(sub)
 
@@ -145,17 +152,53 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from embedjob.runner import Shard, run_job
+def _engine_arguments(run: argparse.ArgumentParser) -> None:
+    run.add_argument(
+        "--shards", type=int, metavar="N",
+        help="run every unfinished shard of N (default with --engine ray: the count the output records)",
+    )
+    run.add_argument(
+        "--engine", choices=["local", "ray"], default="local",
+        help="local: the shards one after another in this process (default); ray: each shard a task on a Ray cluster",
+    )
+    run.add_argument(
+        "--address", metavar="ADDR",
+        help="--engine ray: the cluster, ray://HOST:PORT, HOST:PORT or auto "
+        "(default: RAY_ADDRESS, a cluster started on this machine, else a new local one)",
+    )
+    run.add_argument(
+        "--max-retries", type=int, metavar="K",
+        help="--engine ray: restarts of a shard's task whose process or node died (default 3); it resumes",
+    )
+    run.add_argument(
+        "--cpus-per-task", type=int, metavar="C",
+        help="--engine ray: CPUs each task reserves, its decode workers (default: the cores per GPU; 1 per CPU task)",
+    )
 
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from embedjob.engines import pick_engine, shards_to_run, status_report
+
+    engine = pick_engine(args.engine, args.address, args.max_retries, args.cpus_per_task)
     _quiet_transformers()
     gpus = [] if args.gpus is None else [f"runtime.gpus={args.gpus}"]
     job = load_job(args.job, [*args.set, *gpus])
-    shard = Shard.parse(args.shard)
-    stats = run_job(job, shard, overwrite=args.overwrite)
-    if stats:  # empty on the ranks of a torchrun group that only encode
-        print(_summary(job, stats), file=sys.stderr)
-    return 0
+    outcomes = engine(job, shards_to_run(job, args.shard, args.shards, args.engine), overwrite=args.overwrite)
+    if len(outcomes) > 1:
+        print(status_report(job, outcomes), file=sys.stderr)
+    elif outcomes[0].stats:  # empty on the ranks of a torchrun group that only encode
+        print(_summary(job, outcomes[0].stats), file=sys.stderr)
+    failed = [o for o in outcomes if o.error is not None]
+    for o in failed:
+        tries = f" after {o.attempts} attempts" if o.attempts > 1 else ""
+        print(f"embedjob: shard {o.shard.index}/{o.shard.count} failed{tries}: {o.error}", file=sys.stderr)
+    if failed:
+        print(
+            f"embedjob: failed: {len(failed)} of {len(outcomes)} shards did not finish; "
+            "committed parts are kept, rerun the same command to finish them",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
 
 
 def _summary(job: Job, stats: dict[str, Any]) -> str:

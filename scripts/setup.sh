@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs embedjob with its test tools into it.
+# Creates .venv (once) and installs embedjob with its test tools and Ray (the tests run
+# `--engine ray` on a local Ray cluster) into it.
 # torch 2.14.1 / torchvision 0.29.1 are the newest releases these machines carry locally;
 # on other machines pip downloads them.
 set -euo pipefail
@@ -10,4 +11,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -e '.[test,ray]'

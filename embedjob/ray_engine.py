@@ -1,0 +1,444 @@
+"""The Ray engine: the shards of a job as tasks on a Ray cluster (`embedjob run --engine ray`).
+
+Each shard is one plain Ray task that runs exactly `embedjob run --shard I/N`
+(`runner.run_job`), so the output is what every other way of running the shards
+writes: the same parts, manifests, statistics, `_SUCCESS` markers and resume. Why tasks
+over shards rather than Ray Data (`read_parquet` -> `map_batches` on an actor pool):
+a shard is a contiguous run of row groups whose rows a task commits in order, part by
+part, so input order and the resume contract (a restart keeps the committed prefix and
+recomputes the rest) hold as they do for one process; a streaming Ray Data pipeline
+has neither a committed prefix to resume from nor our part layout, and would keep
+order only by giving up its own scheduling freedom. Inside a task the per-GPU pipeline
+already overlaps decoding with the GPU, which is what Ray Data's streaming would add.
+The price: a shard is the unit of balance and of retry, so cut the input into a few
+shards per GPU.
+
+The driver (this process):
+
+1. checks the job, its input and the output's job before queueing anything (as
+   `submit` does): a bad spec, an unreadable input or an output of another job stop
+   here; shards with `_SUCCESS` are skipped (`--overwrite` recomputes them too);
+2. connects to the cluster (`--address`; none: `RAY_ADDRESS`, a cluster started on
+   this machine, else a new local one);
+3. checks that the output is shared: it writes a random token into output.path, and
+   one task shaped like a shard's must find it there and write an answer the driver
+   can see (every shard's task checks the token again before it writes anything);
+4. queues one task per unfinished shard: on a cluster with GPUs each asks for
+   `runtime.gpus` GPUs (1 for `auto`; Ray sets CUDA_VISIBLE_DEVICES, so the task's
+   `auto` means them), on a CPU-only cluster (or `runtime.device: cpu`) it is a CPU
+   task; each reserves `--cpus-per-task` CPUs (default: the cores per GPU of the
+   smallest GPU node, times its GPUs; one per rank on CPU tasks), which its decode
+   workers use when `runtime.workers` is `auto`;
+5. shows one progress bar: rows committed (read from the shards' manifests, so it
+   moves part by part), rows/s, and shards done, running and failed.
+
+A task runs from the driver's working directory when its node has it, so relative
+paths in the job mean what they mean for the driver (as SLURM tasks run from the
+directory `submit` ran in). Ray restarts a task whose process or node died up to
+`--max-retries` times, and a task that raises `RankFailure` (a rank of a multi-GPU
+task died); a restarted task resumes from the committed parts. Any other error (a
+`JobError`, a full disk) is not retried: the shard is reported failed with its
+reason, and the other shards finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+from embedjob import reader
+from embedjob.checkpoint import (
+    OutputError,
+    OutputRecord,
+    claim_output,
+    job_fingerprint,
+    shard_progress,
+    success_name,
+)
+from embedjob.engines import ShardOutcome
+from embedjob.job import Job, JobError
+from embedjob.slurm import shard_ranges
+
+if TYPE_CHECKING:
+    from embedjob.runner import Shard
+
+logger = logging.getLogger(__name__)
+
+REACH = ".embedjob-reach-"
+"""Name prefix of the driver's token file in the output (and of the probe's answer)."""
+
+TASK_NAME = "embedjob-shard-{:05d}"
+"""A shard's task name; Ray shows it in `ray list tasks` and as the process title
+(`ray::embedjob-shard-00003`) of the worker running it."""
+
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class TaskShape:
+    """What each shard's task asks Ray for: GPUs (0: a CPU task) and CPUs."""
+
+    gpus: int
+    cpus: int
+
+    def describe(self) -> str:
+        return f"{self.gpus} GPU{'s' * (self.gpus != 1)} and {self.cpus} CPU{'s' * (self.cpus != 1)}"
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What every task gets besides the job and its shard."""
+
+    cwd: str
+    """The driver's working directory: the job's relative paths are taken from it."""
+    output: str
+    """output.path as the driver resolved it (for messages)."""
+    token: str
+    """The driver's token in the output; a task that does not find it writes nothing."""
+
+
+class Board:
+    """An actor the tasks tell when they start (a restarted task starts again): the
+    driver's view of which shards run and how many attempts each took."""
+
+    def __init__(self) -> None:
+        self.starts: dict[int, int] = {}
+
+    def started(self, shard: int) -> int:
+        self.starts[shard] = self.starts.get(shard, 0) + 1
+        return self.starts[shard]
+
+    def snapshot(self) -> dict[int, int]:
+        return dict(self.starts)
+
+
+class RayEngine:
+    """`Engine` over a Ray cluster: every shard a task, side by side (module docstring)."""
+
+    def __init__(self, address: str | None = None, max_retries: int = 3, cpus_per_task: int | None = None) -> None:
+        if max_retries < 0:
+            raise JobError(f"--max-retries must be >= 0, got {max_retries}")
+        if cpus_per_task is not None and cpus_per_task < 1:
+            raise JobError(f"--cpus-per-task must be >= 1, got {cpus_per_task}")
+        self.address = address
+        self.max_retries = max_retries
+        self.cpus_per_task = cpus_per_task
+
+    def __call__(self, job: Job, shards: list[Shard], overwrite: bool = False) -> list[ShardOutcome]:
+        output = output_dir(job)
+        rows = _claim(job, output, shards[0].count, overwrite)
+        outcomes = {}
+        for shard in shards:
+            if not overwrite and (output / success_name(shard.index)).exists():
+                first, end = rows[shard.index]
+                stats = {"shard": shard.index, "num_shards": shard.count, "rows": end - first, "skipped": True}
+                outcomes[shard.index] = ShardOutcome(shard, stats)
+        todo = [s for s in shards if s.index not in outcomes]
+        if todo:
+            with connect(self.address) as ray:
+                outcomes.update(self._run(ray, job, todo, output, rows, overwrite))
+        return [outcomes[s.index] for s in shards]
+
+    def _run(
+        self, ray: Any, job: Job, todo: list[Shard], output: Path, rows: list[tuple[int, int]], overwrite: bool
+    ) -> dict[int, ShardOutcome]:
+        from embedjob.distributed import RankFailure
+
+        nodes = ray.nodes()
+        shape = task_shape(job, nodes, self.cpus_per_task)
+        if not fits(shape, nodes):
+            logger.warning("no node of the cluster has %s for a task now; the tasks wait for one", shape.describe())
+        resources = {"num_gpus": shape.gpus, "num_cpus": shape.cpus}
+        task_job = job_for_tasks(job, shape)
+        with reach_token(output) as token:
+            context = TaskContext(os.getcwd(), str(output), token)
+            _check_shared(ray, task_job, context, resources, output)
+            board = ray.remote(num_cpus=0)(Board).remote()
+            task = ray.remote(run_shard_task)
+            retries = {"max_retries": self.max_retries, "retry_exceptions": [RankFailure]}
+            refs = {
+                task.options(**resources, **retries, name=TASK_NAME.format(s.index)).remote(
+                    task_job, s, context, board, overwrite
+                ): s
+                for s in todo
+            }
+            logger.info("queued %d shards as Ray tasks of %s each", len(refs), shape.describe())
+            return _follow(ray, refs, board, output, {s.index: rows[s.index] for s in todo}, job.runtime.progress)
+
+
+# ---------------------------------------------------------------- the driver's checks
+
+
+def output_dir(job: Job) -> Path:
+    """output.path as the driver sees it; every node must see it at the same path."""
+    if "://" in job.output.path:
+        raise JobError(
+            f"output.path {job.output.path!r}: the Ray engine writes into a directory that every node mounts at the "
+            "same path (a shared filesystem, or a bucket mounted as one); URLs are not supported for output"
+        )
+    return (Path.cwd() / job.output.path).resolve()
+
+
+def _claim(job: Job, output: Path, num_shards: int, overwrite: bool) -> list[tuple[int, int]]:
+    """Check the input and the output's job, record the job there (replacing another
+    job's output with `overwrite`); each shard's global row range."""
+    listing = reader.scan_input(job.input)
+    ranges = shard_ranges(listing.fragments, num_shards)
+    record = OutputRecord(job_fingerprint(job, listing), num_shards, job.output.rows_per_part)
+    try:
+        claim_output(output, record, overwrite)
+    except OSError as exc:
+        raise OutputError(f"cannot write to output.path {output}: {exc.strerror or exc}") from None
+    return ranges
+
+
+@contextlib.contextmanager
+def reach_token(output: Path) -> Iterator[str]:
+    """A random token written into the output for the tasks to find; removed (with the
+    answers tasks wrote next to it) when the run ends."""
+    token = secrets.token_hex(8)
+    try:
+        (output / f"{REACH}{token}").write_text(token)
+    except OSError as exc:
+        raise OutputError(f"cannot write to output.path {output}: {exc.strerror or exc}") from None
+    try:
+        yield token
+    finally:
+        for path in output.glob(f"{REACH}{token}*"):
+            path.unlink(missing_ok=True)
+
+
+def _check_shared(ray: Any, job: Job, context: TaskContext, resources: dict[str, int], output: Path) -> None:
+    """One task shaped like a shard's must find the token and answer with a file the
+    driver sees; its JobError or OutputError is the run's."""
+    logger.info("checking that a task sees output.path %s (waiting for a node with room for one)", output)
+    probe = ray.remote(probe_task).options(**resources, max_retries=0, name="embedjob-check-output")
+    try:
+        answer = ray.get(probe.remote(job, context))
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, (JobError, OutputError)):
+            raise exc.cause from None
+        raise RuntimeError(f"the task checking output.path failed: {_reason(exc)}") from None
+    if not (output / answer).is_file():
+        raise JobError(
+            f"output.path {output}: a task wrote {answer} into it, but the driver does not see that file; "
+            "every node and the driver must see output.path at the same path (a shared filesystem)"
+        )
+
+
+# ---------------------------------------------------------------- what each task asks for
+
+
+def task_shape(job: Job, nodes: list[dict[str, Any]], cpus_per_task: int | None = None) -> TaskShape:
+    """GPU tasks where the cluster has GPUs (`runtime.gpus` each, 1 for `auto`), CPU
+    tasks on a CPU-only cluster or for `runtime.device: cpu`; CPUs: `cpus_per_task`,
+    else the smallest GPU node's cores per GPU times the task's GPUs, else one per rank.
+    `nodes` is `ray.nodes()`."""
+    ranks = 1 if job.runtime.gpus == "auto" else int(job.runtime.gpus)
+    gpu_nodes = [n["Resources"] for n in nodes if n.get("Alive") and n["Resources"].get("GPU", 0) > 0]
+    if job.runtime.device == "cuda" and not gpu_nodes:
+        raise JobError(
+            "runtime.device is 'cuda' but no node of the Ray cluster has a GPU; use runtime.device=auto or cpu"
+        )
+    gpus = ranks if gpu_nodes and job.runtime.device != "cpu" else 0
+    if cpus_per_task is not None:
+        return TaskShape(gpus, cpus_per_task)
+    if gpus:
+        return TaskShape(gpus, max(1, min(int(r.get("CPU", 0) // r["GPU"]) for r in gpu_nodes) * gpus))
+    return TaskShape(0, ranks)
+
+
+def fits(shape: TaskShape, nodes: list[dict[str, Any]]) -> bool:
+    """Whether some live node has room for one task of this shape (when idle)."""
+    return any(
+        n["Resources"].get("GPU", 0) >= shape.gpus and n["Resources"].get("CPU", 0) >= shape.cpus
+        for n in nodes
+        if n.get("Alive")
+    )
+
+
+def job_for_tasks(job: Job, shape: TaskShape) -> Job:
+    """The job as its tasks run it: no progress bar of their own (the driver shows one
+    for all), and `runtime.workers: auto` as the task's CPUs shared by its ranks
+    (`auto` would take every core of the node, which the node's other tasks share)."""
+    workers = job.runtime.workers
+    if workers == "auto":
+        ranks = shape.gpus or (1 if job.runtime.gpus == "auto" else int(job.runtime.gpus))
+        workers = max(1, shape.cpus // ranks)
+    return dataclasses.replace(job, runtime=dataclasses.replace(job.runtime, progress=False, workers=workers))
+
+
+# ---------------------------------------------------------------- in the tasks
+
+
+def node_name() -> str:
+    return socket.gethostname()
+
+
+@contextlib.contextmanager
+def driver_cwd(cwd: str) -> Iterator[None]:
+    """Run from the driver's working directory where this node has it (a Ray worker
+    process runs many tasks: its own directory comes back afterwards)."""
+    before = os.getcwd()
+    with contextlib.suppress(OSError):
+        os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def check_reach(job: Job, context: TaskContext) -> Path:
+    """output.path as this task sees it, which must hold the driver's token."""
+    here = Path.cwd() / job.output.path
+    if not (here / f"{REACH}{context.token}").is_file():
+        seen = "" if str(here) == context.output else f" (here {here}, the driver's {context.output})"
+        raise JobError(
+            f"output.path {job.output.path!r} on node {node_name()} is not the directory the driver writes to{seen}: "
+            "every node must see output.path at the same path (a shared filesystem)"
+        )
+    return here
+
+
+def probe_task(job: Job, context: TaskContext) -> str:
+    """Find the driver's token, answer with a file next to it; the answer's name."""
+    with driver_cwd(context.cwd):
+        here = check_reach(job, context)
+        answer = f"{REACH}{context.token}.{secrets.token_hex(4)}"
+        try:
+            (here / answer).write_bytes(b"")
+        except OSError as exc:
+            where = f"output.path {here} on node {node_name()}"
+            raise OutputError(f"cannot write to {where}: {exc.strerror or exc}") from None
+        return answer
+
+
+def run_shard_task(job: Job, shard: Shard, context: TaskContext, board: Any, overwrite: bool) -> dict[str, Any]:
+    """One shard, exactly as `embedjob run --shard I/N` runs it; its statistics.
+
+    Only a shard's first attempt may overwrite: a restarted one resumes from what the
+    first committed."""
+    import ray
+
+    try:
+        attempt = ray.get(board.started.remote(shard.index), timeout=60)
+    except ray.exceptions.RayError:
+        attempt = 0  # no board: progress shows less, and nothing is overwritten
+    with driver_cwd(context.cwd):
+        check_reach(job, context)
+        _quiet_transformers()
+        from embedjob.runner import run_job
+
+        return run_job(job, shard, overwrite=overwrite and attempt == 1)
+
+
+def _quiet_transformers() -> None:
+    """Model loading chatter in a task's log would reach the driver's terminal."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+# ---------------------------------------------------------------- following the tasks
+
+
+def _follow(
+    ray: Any, refs: dict[Any, Shard], board: Any, output: Path, rows: dict[int, tuple[int, int]], progress: bool
+) -> dict[int, ShardOutcome]:
+    """Wait for every task, with one progress bar over the shards' committed rows;
+    Ctrl-C (or any error here) cancels the tasks still out."""
+    pending = dict(refs)
+    outcomes: dict[int, ShardOutcome] = {}
+    committed = {s.index: _committed(output, s.index, 0) for s in pending.values()}
+    starts: dict[int, int] = {}
+    total = sum(end - first for first, end in rows.values())
+    with tqdm(
+        total=total, initial=sum(committed.values()), unit="row", desc=f"{len(pending)} shards",
+        disable=not progress, dynamic_ncols=True,
+    ) as bar:
+        try:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
+                starts = _snapshot(ray, board, starts)
+                finished = [(ref, pending.pop(ref)) for ref in ready]
+                for ref, shard in finished:
+                    outcomes[shard.index] = _outcome(ray, ref, shard, starts.get(shard.index, 0))
+                for shard in [*(s for _, s in finished), *pending.values()]:
+                    if shard.index in starts:
+                        committed[shard.index] = _committed(output, shard.index, committed[shard.index])
+                running = sum(s.index in starts for s in pending.values())
+                failed = sum(o.error is not None for o in outcomes.values())
+                shards = f"shards: {len(outcomes) - failed} done, {running} running, {failed} failed"
+                bar.set_postfix_str(shards, refresh=False)
+                bar.update(sum(committed.values()) - bar.n)
+        except BaseException:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            raise
+    return outcomes
+
+
+def _committed(output: Path, shard: int, before: int) -> int:
+    """Rows the shard's manifest lists as committed (`before` while it cannot be read)."""
+    try:
+        return shard_progress(output, shard).committed
+    except (JobError, OSError):
+        return before
+
+
+def _snapshot(ray: Any, board: Any, before: dict[int, int]) -> dict[int, int]:
+    try:
+        return ray.get(board.snapshot.remote(), timeout=10)
+    except ray.exceptions.RayError:
+        return before
+
+
+def _outcome(ray: Any, ref: Any, shard: Shard, attempts: int) -> ShardOutcome:
+    try:
+        return ShardOutcome(shard, ray.get(ref), attempts=attempts)
+    except ray.exceptions.RayError as exc:
+        return ShardOutcome(shard, None, _reason(exc), attempts)
+
+
+def _reason(exc: BaseException) -> str:
+    """One line: our own errors as they are, a task's other exceptions and Ray's own
+    (a worker or node that died for good, a cancelled task) with their type."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        exc = cause
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return first if isinstance(exc, (JobError, OutputError)) else f"{type(exc).__name__}: {first}"
+
+
+# ---------------------------------------------------------------- the connection
+
+
+@contextlib.contextmanager
+def connect(address: str | None) -> Iterator[Any]:
+    """The `ray` module, connected to `address` for the run (left connected when the
+    caller had connected already)."""
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    except ConnectionError as exc:
+        where = address or "RAY_ADDRESS / this machine"
+        raise RuntimeError(f"cannot connect to the Ray cluster at {where}: {_reason(exc)}") from None
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

@@ -1,0 +1,365 @@
+"""The Ray engine (`embedjob run --engine ray`) on a local Ray cluster: a head started
+with `ray start` for this module (3 CPUs, no GPU, everything on 127.0.0.1, no
+dashboard) and stopped after it.
+
+A six-shard job of real photos runs through the cluster while one shard's worker
+process is SIGKILLed mid-shard (Ray restarts the task, which resumes from its
+committed parts) and another shard cannot run (its lock is held here: a JobError,
+reported without retrying while the other shards finish); the rerun runs only that
+shard, and the output equals the single-process run row for row; a third run
+recomputes nothing. The driver runs as a user runs it, `embedjob run` in a process of
+its own. Without Ray installed `--engine ray` is a one-line job error."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from embedjob.checkpoint import shard_lock, shard_progress
+from embedjob.cli import main
+from embedjob.engines import RAY_MISSING, pick_engine, shards_to_run
+from embedjob.job import JobError, job_from_dict
+from embedjob.ray_engine import (
+    REACH, RayEngine, TaskContext, TaskShape, job_for_tasks, output_dir, probe_task, reach_token, task_shape,
+)
+
+from conftest import REPO
+from test_shards import assert_same_rows, job_args, read_output
+
+SHARDS = 6
+ROWS_PER_SHARD = 4
+LOCKED = 5
+LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Set to 0, Ray takes 127.0.0.1 as the node's address and binds its servers there (a
+Linux node otherwise advertises, and is reached at, its network address)."""
+
+# Six row groups of four rows (twice the demo's ten photos and two broken rows), one
+# row per part and one item per window: each shard commits four parts, a few tenths of
+# a second apart, so a kill lands between two of them.
+SETTINGS = ["--set", "output.rows_per_part=1", "--set", "batching.window=1"]
+
+
+def write_photos(directory: Path) -> Path:
+    demo = pq.read_table(REPO / "jobs" / "data" / "demo-images.parquet").to_pylist()
+    rows = [{"id": f"{r['id']}#{k}", "image": r["image"]} for k in range(2) for r in demo]
+    assert len(rows) == SHARDS * ROWS_PER_SHARD
+    directory.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema([("id", pa.string()), ("image", pa.binary())])
+    table = pa.Table.from_pylist(rows, schema=schema)
+    pq.write_table(table, directory / "photos.parquet", row_group_size=ROWS_PER_SHARD)
+    return directory
+
+
+# ---------------------------------------------------------------- without a cluster
+
+
+def test_without_ray_the_engine_is_a_one_line_job_error(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as where it is not installed
+    inputs = write_photos(tmp_path / "in")
+    assert main(["run", *job_args(inputs, tmp_path / "out", cache_dir), "--engine", "ray", "--shards", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"embedjob: error: {RAY_MISSING}"] and "pip install 'embedjob[ray]'" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--address", "auto"], "--address applies to the Ray engine"),
+        (["--max-retries", "2"], "--max-retries applies to the Ray engine"),
+        (["--shard", "0/2", "--shards", "2"], "give one of the two"),
+        (["--shards", "0"], "--shards must be >= 1"),
+    ],
+)
+def test_options_that_do_not_fit_are_job_errors(
+    argv: list[str], named: str, tmp_path: Path, cache_dir: str, capsys: pytest.CaptureFixture
+) -> None:
+    inputs = write_photos(tmp_path / "in")
+    assert main(["run", *job_args(inputs, tmp_path / "out", cache_dir), *argv]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_the_ray_engine_needs_a_shard_count_and_a_mounted_output(tmp_path: Path) -> None:
+    job = job_from_dict({"input": {"path": "i.parquet", "media_column": "m"}, "output": {"path": str(tmp_path / "o")}})
+    with pytest.raises(JobError, match="needs --shards N"):
+        shards_to_run(job, None, None, "ray")
+    assert [s.index for s in shards_to_run(job, None, 3, "ray")] == [0, 1, 2]
+    assert [(s.index, s.count) for s in shards_to_run(job, "1/4", None, "ray")] == [(1, 4)]
+    bucket = job_from_dict({"input": {"path": "in.parquet", "media_column": "image"}, "output": {"path": "s3://b/o"}})
+    with pytest.raises(JobError, match="every node mounts at the same path"):
+        output_dir(bucket)
+
+
+def test_the_local_engine_runs_every_shard_in_turn_and_then_nothing(
+    tmp_path: Path, cache_dir: str, capsys: pytest.CaptureFixture
+) -> None:
+    inputs = write_photos(tmp_path / "in")
+    args = ["run", *job_args(inputs, tmp_path / "out", cache_dir, "--shards", "3")]
+    assert main(args) == 0
+    assert "3 shards: 3 done, 0 running, 0 pending, 0 failed, 0 unfinished; 24 of 24 rows" in capsys.readouterr().err
+    parts = part_times(tmp_path / "out")
+    assert main(args) == 0
+    assert "all 3 shards were already complete; nothing to do" in capsys.readouterr().err
+    assert part_times(tmp_path / "out") == parts
+
+
+def test_a_task_writes_nothing_into_an_output_that_is_not_the_drivers(tmp_path: Path) -> None:
+    job = job_from_dict({"input": {"path": "in.parquet", "media_column": "image"}, "output": {"path": "out"}})
+    (tmp_path / "out").mkdir()
+    with reach_token(tmp_path / "out") as token:
+        here = TaskContext(str(tmp_path), str(tmp_path / "out"), token)
+        answer = probe_task(job, here)  # relative paths are taken from the driver's directory
+        assert (tmp_path / "out" / answer).is_file() and answer.startswith(REACH + token)
+        elsewhere = TaskContext(str(tmp_path / "missing"), str(tmp_path / "out"), token)
+        with pytest.raises(JobError, match=r"output.path 'out' on node .* is not the directory the driver writes to"):
+            probe_task(job, elsewhere)
+    assert not list((tmp_path / "out").iterdir()), "the token and the answers go with the run"
+
+
+def node(cpus: float, gpus: float = 0, alive: bool = True) -> dict:
+    return {"Alive": alive, "Resources": {"CPU": cpus, **({"GPU": gpus} if gpus else {})}}
+
+
+def test_tasks_take_a_gpu_each_where_there_are_gpus_and_a_cpu_elsewhere() -> None:
+    def job(**runtime):
+        return job_from_dict({"input": {"path": "i", "media_column": "m"}, "output": {"path": "o"}, "runtime": runtime})
+
+    gpu_cluster = [node(64, 8), node(32, 8), node(16), node(128, 4, alive=False)]
+    assert task_shape(job(), gpu_cluster) == TaskShape(gpus=1, cpus=4)  # the smallest GPU node's cores per GPU
+    assert task_shape(job(gpus=2), gpu_cluster) == TaskShape(gpus=2, cpus=8)
+    assert task_shape(job(gpus=2), gpu_cluster, cpus_per_task=3) == TaskShape(gpus=2, cpus=3)
+    assert task_shape(job(device="cpu"), gpu_cluster) == TaskShape(gpus=0, cpus=1)
+    assert task_shape(job(), [node(3)]) == TaskShape(gpus=0, cpus=1)
+    assert task_shape(job(gpus=2), [node(3)]) == TaskShape(gpus=0, cpus=2)
+    with pytest.raises(JobError, match="no node of the Ray cluster has a GPU"):
+        task_shape(job(device="cuda"), [node(3)])
+    # A task's decode workers share its CPUs (not every core of the node), and it shows no bar of its own.
+    runtime = job_for_tasks(job(gpus=2), TaskShape(gpus=2, cpus=8)).runtime
+    assert (runtime.workers, runtime.progress) == (4, False)
+    assert job_for_tasks(job(workers=0), TaskShape(gpus=1, cpus=8)).runtime.workers == 0
+
+
+def test_pick_engine_names_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))  # Ray itself stays out of pytest's process
+    with pytest.raises(JobError, match="expected one of local, ray"):
+        pick_engine("spark")
+    with pytest.raises(JobError, match="--max-retries must be >= 0"):
+        pick_engine("ray", max_retries=-1)
+    assert isinstance(pick_engine("ray", "auto", 2, 4), RayEngine)
+
+
+# ---------------------------------------------------------------- a local Ray cluster
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+class RayHead:
+    """`ray start --head --block` in a session of its own: every process of the
+    cluster (its workers included) is in that session, and it is stopped by its
+    process group."""
+
+    def __init__(self, temp: Path) -> None:
+        self.log = temp / "ray-start.log"
+        self.port, self.client_port = _free_ports(2)
+        command = [
+            str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+            "--node-ip-address", "127.0.0.1", "--port", str(self.port),
+            "--ray-client-server-port", str(self.client_port),
+            "--num-cpus", "3", "--num-gpus", "0", "--include-dashboard", "false",
+            "--object-store-memory", str(200 * 2**20), "--temp-dir", str(temp / "t"), "--disable-usage-stats",
+        ]
+        with self.log.open("w") as sink:
+            self.proc = subprocess.Popen(
+                command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, LOOPBACK_ONLY: "0"},
+            )
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in self.log.read_text():
+            assert self.proc.poll() is None, f"ray start failed:\n{self.log.read_text()}"
+            assert time.monotonic() < deadline, f"ray start did not come up in 120 s:\n{self.log.read_text()}"
+            time.sleep(0.2)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def client_address(self) -> str:
+        """The Ray Client address (a driver that is not a node of the cluster)."""
+        return f"ray://127.0.0.1:{self.client_port}"
+
+    def task_pid(self, shard: int) -> int | None:
+        """The worker process of this cluster now running the task of `shard` (Ray
+        titles it `ray::embedjob-shard-SSSSS`)."""
+        title = f"ray::embedjob-shard-{shard:05d}"
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                words = (entry / "cmdline").read_bytes().replace(b"\0", b" ").split()
+                if words[:1] == [title.encode()] and os.getsid(int(entry.name)) == self.proc.pid:
+                    return int(entry.name)
+            except (OSError, IndexError):
+                continue
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL, the cluster's process group (gcs_server and raylet
+        outlive a SIGTERM for a while); its workers, each in a group of its own, end
+        with the raylet, and any still there after that is killed by its id."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(2)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        deadline = time.monotonic() + 15
+        while (left := self.processes()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def processes(self) -> list[int]:
+        """Live processes of the cluster's session."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if state != "Z" and os.getsid(int(entry.name)) == self.proc.pid:
+                        found.append(int(entry.name))
+        return found
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
+    if importlib.util.find_spec("ray") is None:
+        if os.environ.get("CI"):
+            pytest.fail("Ray is not installed; scripts/setup.sh installs embedjob[test,ray]")
+        pytest.skip("Ray is not installed (pip install -e '.[ray]')")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(LOOPBACK_ONLY, "0")  # this process is the driver
+        head = RayHead(tmp_path_factory.mktemp("ray"))
+        try:
+            yield head
+        finally:
+            head.stop()
+
+
+class Killer(threading.Thread):
+    """SIGKILLs the task process of the first shard (other than `spare`) seen with
+    some, not all, of its parts committed."""
+
+    def __init__(self, head: RayHead, out: Path, spare: int) -> None:
+        super().__init__(daemon=True)
+        self.head, self.out, self.spare = head, out, spare
+        self.killed: tuple[int, int] | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            for shard in set(range(SHARDS)) - {self.spare}:
+                try:
+                    committed = shard_progress(self.out, shard).committed
+                except (JobError, OSError):
+                    continue
+                pid = self.head.task_pid(shard) if 0 < committed < ROWS_PER_SHARD else None
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    self.killed = (shard, committed)
+                    return
+            time.sleep(0.02)
+
+
+def part_times(out: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
+
+
+def embedjob(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`embedjob ARGS` in a process of its own, as a user runs it: the Ray driver's
+    state stays out of pytest's process, and a run that hangs fails the test."""
+    return subprocess.run(
+        [sys.executable, "-m", "embedjob.cli", *args], cwd=REPO, env={**os.environ, LOOPBACK_ONLY: "0"},
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_a_six_shard_job_on_ray_survives_a_killed_worker_and_equals_the_single_process_run(
+    ray_head: RayHead, tmp_path: Path, cache_dir: str
+) -> None:
+    inputs = write_photos(tmp_path / "in")
+    single = tmp_path / "single"
+    assert main(["run", *job_args(inputs, single, cache_dir), *SETTINGS]) == 0
+    reference = read_output(single)
+    assert len(reference) == SHARDS * ROWS_PER_SHARD and sum(r["error"] is not None for r in reference) == 4
+
+    out = tmp_path / "ray"
+    out.mkdir()
+    ray_run = ["run", *job_args(inputs, out, cache_dir), *SETTINGS, "--engine", "ray"]
+    lock = shard_lock(out, LOCKED)  # as if another process were writing that shard
+    killer = Killer(ray_head, out, spare=LOCKED)
+    killer.start()
+    try:
+        first = embedjob(*ray_run, "--address", ray_head.address, "--shards", str(SHARDS), "--max-retries", "2")
+    finally:
+        killer.done.set()
+        lock.release()
+    assert first.returncode == 1, first.stderr
+    assert killer.killed is not None, f"no shard was seen part-way to kill:\n{first.stderr}"
+    shard, committed = killer.killed
+    assert f"{SHARDS} shards: {SHARDS - 1} done, 0 running, 0 pending, 1 failed, 0 unfinished" in first.stderr
+    held = f"shard {LOCKED} of {out} is being written by another process"
+    assert f"embedjob: shard {LOCKED}/{SHARDS} failed: {held}" in first.stderr
+    assert f"embedjob: failed: 1 of {SHARDS} shards did not finish" in first.stderr.strip().splitlines()[-1]
+    assert not list(out.glob(".embedjob-reach-*")), "the driver's token stays behind"
+
+    # The killed shard's task was restarted and resumed from its committed parts.
+    attempts = json.loads((out / f"stats-{shard:05d}.json").read_text())["attempts"]
+    first_row = shard * ROWS_PER_SHARD
+    assert len(attempts) == 2 and attempts[0]["resumed_from_row"] == first_row
+    assert attempts[1]["resumed_from_row"] >= first_row + committed
+    assert sum(a["rows"] for a in attempts) == ROWS_PER_SHARD
+
+    # The rerun (its shard count from the output; through Ray Client this time) runs
+    # only the shard that failed.
+    before = part_times(out)
+    second = embedjob(*ray_run, "--address", ray_head.client_address)
+    assert second.returncode == 0, second.stderr
+    assert f"{SHARDS} shards: {SHARDS} done, 0 running" in second.stderr
+    after = part_times(out)
+    assert {name: t for name, t in after.items() if not name.startswith(f"part-{LOCKED:05d}-")} == before
+    assert_same_rows(read_output(out, SHARDS), reference)
+    assert main(["verify", str(out)]) == 0
+
+    # Once every shard is done, nothing is recomputed, and no cluster is even asked:
+    # an address where none answers does.
+    third = embedjob(*ray_run, "--address", f"127.0.0.1:{_free_ports(1)[0]}", timeout=120)
+    assert third.returncode == 0, third.stderr
+    assert f"all {SHARDS} shards were already complete; nothing to do" in third.stderr
+    assert part_times(out) == after

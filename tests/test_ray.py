@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from embedjob.checkpoint import shard_lock, shard_progress
+from embedjob.checkpoint import META, shard_lock, shard_progress, stats_name
 from embedjob.cli import main
 from embedjob.engines import RAY_MISSING, pick_engine, shards_to_run
 from embedjob.job import JobError, job_from_dict
@@ -97,12 +97,12 @@ def test_options_that_do_not_fit_are_job_errors(
 
 
 def test_the_ray_engine_needs_a_shard_count_and_a_mounted_output(tmp_path: Path) -> None:
-    job = job_from_dict({"input": {"path": "i.parquet", "media_column": "m"}, "output": {"path": str(tmp_path / "o")}})
+    job = job_from_dict({"input": {"path": "i.parquet", "media_column": "m"}, "model": {"path": "builtin:tiny-qwen2_5_vl"}, "output": {"path": str(tmp_path / "o")}})
     with pytest.raises(JobError, match="needs --shards N"):
         shards_to_run(job, None, None, "ray")
     assert [s.index for s in shards_to_run(job, None, 3, "ray")] == [0, 1, 2]
     assert [(s.index, s.count) for s in shards_to_run(job, "1/4", None, "ray")] == [(1, 4)]
-    bucket = job_from_dict({"input": {"path": "in.parquet", "media_column": "image"}, "output": {"path": "s3://b/o"}})
+    bucket = job_from_dict({"input": {"path": "in.parquet", "media_column": "image"}, "model": {"path": "builtin:tiny-qwen2_5_vl"}, "output": {"path": "s3://b/o"}})
     with pytest.raises(JobError, match="every node mounts at the same path"):
         output_dir(bucket)
 
@@ -121,7 +121,7 @@ def test_the_local_engine_runs_every_shard_in_turn_and_then_nothing(
 
 
 def test_a_task_writes_nothing_into_an_output_that_is_not_the_drivers(tmp_path: Path) -> None:
-    job = job_from_dict({"input": {"path": "in.parquet", "media_column": "image"}, "output": {"path": "out"}})
+    job = job_from_dict({"input": {"path": "in.parquet", "media_column": "image"}, "model": {"path": "builtin:tiny-qwen2_5_vl"}, "output": {"path": "out"}})
     (tmp_path / "out").mkdir()
     with reach_token(tmp_path / "out") as token:
         here = TaskContext(str(tmp_path), str(tmp_path / "out"), token)
@@ -139,7 +139,7 @@ def node(cpus: float, gpus: float = 0, alive: bool = True) -> dict:
 
 def test_tasks_take_a_gpu_each_where_there_are_gpus_and_a_cpu_elsewhere() -> None:
     def job(**runtime):
-        return job_from_dict({"input": {"path": "i", "media_column": "m"}, "output": {"path": "o"}, "runtime": runtime})
+        return job_from_dict({"input": {"path": "i", "media_column": "m"}, "model": {"path": "builtin:tiny-qwen2_5_vl"}, "output": {"path": "o"}, "runtime": runtime})
 
     gpu_cluster = [node(64, 8), node(32, 8), node(16), node(128, 4, alive=False)]
     assert task_shape(job(), gpu_cluster) == TaskShape(gpus=1, cpus=4)  # the smallest GPU node's cores per GPU
@@ -320,7 +320,7 @@ def test_a_six_shard_job_on_ray_survives_a_killed_worker_and_equals_the_single_p
     assert len(reference) == SHARDS * ROWS_PER_SHARD and sum(r["error"] is not None for r in reference) == 4
 
     out = tmp_path / "ray"
-    out.mkdir()
+    (out / META).mkdir(parents=True)
     ray_run = ["run", *job_args(inputs, out, cache_dir), *SETTINGS, "--engine", "ray"]
     lock = shard_lock(out, LOCKED)  # as if another process were writing that shard
     killer = Killer(ray_head, out, spare=LOCKED)
@@ -340,7 +340,7 @@ def test_a_six_shard_job_on_ray_survives_a_killed_worker_and_equals_the_single_p
     assert not list(out.glob(".embedjob-reach-*")), "the driver's token stays behind"
 
     # The killed shard's task was restarted and resumed from its committed parts.
-    attempts = json.loads((out / f"stats-{shard:05d}.json").read_text())["attempts"]
+    attempts = json.loads((out / stats_name(shard)).read_text())["attempts"]
     first_row = shard * ROWS_PER_SHARD
     assert len(attempts) == 2 and attempts[0]["resumed_from_row"] == first_row
     assert attempts[1]["resumed_from_row"] >= first_row + committed

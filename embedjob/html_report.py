@@ -129,8 +129,8 @@ def read_output(output: Path) -> OutputView:
     status = output_status(output)
     shards = [ShardView(s, _stats(output, s), _attempts(output, s.shard)) for s in status.shards]
     view = OutputView(output, status, shards)
+    view.rank_shards = _rank_figure_shards(view.runs)
     view.notes = _notes(view)
-    view.rank_shards = _rank_figure_shards(view)
     return view
 
 
@@ -167,7 +167,10 @@ def _notes(view: OutputView) -> list[str]:
         notes.append(f"done, but their statistics file cannot be read: shards {_shards_text(unread)}")
     runs = view.runs
     missing = {
-        "a time series (throughput over time, per-rank plots)": [s for s, st in runs.items() if "timeline" not in st],
+        # A shard with nothing to encode (empty, or all committed before) has no ranks to time.
+        "a time series (throughput over time, per-rank plots)": [
+            s for s, st in runs.items() if "timeline" not in st and st.get("ranks")
+        ],
         "the job spec": [s for s, st in runs.items() if "job" not in st],
         "software versions and device names": [s for s, st in runs.items() if "versions" not in st],
         "the seconds spent writing parts": [s for s, st in runs.items() if "write_seconds" not in st and st.get("ranks")],
@@ -175,17 +178,25 @@ def _notes(view: OutputView) -> list[str]:
     for what, shards in missing.items():
         if shards:
             notes.append(f"statistics written by an earlier embedjob, without {what}: shards {_shards_text(shards)}")
+    timed = _timed_shards(runs)
+    if len(timed) > len(view.rank_shards):
+        notes.append(f"per-rank plots of the {len(view.rank_shards)} slowest shards only ({len(timed)} have a time series)")
+    errors = sum(s.errors for s in view.status.shards)
+    if errors and not view.status.error_codes():
+        notes.append(f"{plural(errors, 'error row')} whose codes the manifests of an earlier embedjob did not record")
     return notes
 
 
-def _rank_figure_shards(view: OutputView) -> list[int]:
+def _timed_shards(runs: dict[int, dict[str, Any]]) -> list[int]:
+    """Finished shards whose ranks recorded a time series."""
+    return [s for s, stats in runs.items() if any("timeline" in r for r in stats.get("ranks", []))]
+
+
+def _rank_figure_shards(runs: dict[int, dict[str, Any]]) -> list[int]:
     """The shards that get a per-rank figure: those with a time series, the slowest
-    RANK_FIGURES at most (a note says how many were left out)."""
-    timed = [s for s, stats in view.runs.items() if any("timeline" in r for r in stats.get("ranks", []))]
-    chosen = sorted(timed, key=lambda s: (view.runs[s].get("items_per_second") or 0.0, s))[:RANK_FIGURES]
-    if len(timed) > len(chosen):
-        view.notes.append(f"per-rank plots of the {len(chosen)} slowest shards only ({len(timed)} have a time series)")
-    return sorted(chosen)
+    RANK_FIGURES at most, in shard order."""
+    slowest = sorted(_timed_shards(runs), key=lambda s: (runs[s].get("items_per_second") or 0.0, s))
+    return sorted(slowest[:RANK_FIGURES])
 
 
 def _shards_text(shards: list[int]) -> str:

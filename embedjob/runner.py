@@ -355,12 +355,14 @@ class BusyClock:
 @dataclass
 class PendingWindow:
     """A window whose batches are enqueued on the device; `host` holds its rows once
-    `busy` has stopped on the device."""
+    `busy` has stopped on the device. `started_at`: when its first batch was launched
+    (wall clock, for the time series)."""
 
     window: list[Decoded]
     encoded: Encoded
     host: torch.Tensor
     busy: BusyClock
+    started_at: float
 
 
 class WindowEncoder:
@@ -381,6 +383,7 @@ class WindowEncoder:
         self.device = device
 
     def enqueue(self, window: list[Decoded]) -> PendingWindow:
+        started = time.time()
         busy = BusyClock(self.device)
         items = [d.item for d in window if d.item is not None]
         encoded = self.encoder.encode(items, self.pooling, self.dtype)
@@ -388,7 +391,7 @@ class WindowEncoder:
             encoded.rows = l2_normalize(encoded.rows)
         host = _to_host(encoded.rows)
         busy.stop()
-        return PendingWindow(window, encoded, host, busy)
+        return PendingWindow(window, encoded, host, busy, started)
 
     def finalize(self, pending: PendingWindow) -> tuple[list[RowBlock], float]:
         """The window's rows as blocks of consecutive rows, and its device seconds."""
@@ -744,22 +747,25 @@ class RankPipeline:
         self.stats.decode_seconds += sum(d.seconds for d in window)
         self.stats.items += sum(d.item is not None for d in window)
         self.stats.load += sum(d.item.size for d in window if d.item is not None)
-        self._sample()
+        self._sample(pending.started_at)
 
-    def _sample(self) -> None:
+    def _sample(self, window_started: float | None = None) -> None:
         """Add what this rank did since the last sample to its time series (once per
         window, and once at the end for the last waits): the running totals of its
-        statistics, so each series sums to the total `to_dict` reports."""
+        statistics, so each series sums to the total `to_dict` reports.
+
+        Launches, graph counts and waits accrue as they happen, so they spread over
+        the time since the last sample; a window's rows, device and decode seconds are
+        counted when it is handed over, so they spread over its own lifetime, from
+        `window_started` (its device work began there, before the previous window was
+        handed over)."""
+        now = time.time()
         graphs = self.encoder.graph_stats()
         # The reading thread adds to its clock while this one reads it: a copy first.
         waits = {k: v for k, v in {**self.clock.seconds, **dict(self.reading.seconds)}.items() if not k.startswith("host")}
         launch = graphs.host_seconds.get("launch", 0.0)
         stats = self.stats
-        totals = {
-            "rows": stats.rows,
-            "items": stats.items,
-            "busy_seconds": stats.busy_seconds,
-            "decode_seconds": stats.decode_seconds,
+        as_they_happen = {
             "host_seconds": self.clock.seconds.get("host", 0.0) - launch,
             "launch_seconds": launch,
             "graph_hits": graphs.hits,
@@ -768,7 +774,11 @@ class RankPipeline:
             "real_tokens": graphs.real_tokens,
             **waits,
         }
-        stats.timeline.advance(time.time(), totals)
+        stats.timeline.advance(now, as_they_happen)
+        if window_started is not None:
+            per_window = {"rows": stats.rows, "items": stats.items, "busy_seconds": stats.busy_seconds,
+                          "decode_seconds": stats.decode_seconds}
+            stats.timeline.advance(now, per_window, since=window_started)
 
     def _finish(self) -> None:
         self.stats.stages = dict(self.clock.seconds)

@@ -52,13 +52,15 @@ class Timeline:
         next `advance` spreads its gains from there on, not from `origin`."""
         self.last = at
 
-    def advance(self, at: float, totals: dict[str, float]) -> None:
-        """Add what each running total gained since the previous call (the first call:
-        all of it), spread over the time since then, so a caller that keeps totals need
-        not keep differences."""
+    def advance(self, at: float, totals: dict[str, float], since: float | None = None) -> None:
+        """Add what each running total gained since its previous call (the first call:
+        all of it), spread over the time since the previous call, or since `since`
+        when the gain accrued over another span (e.g. a piece of work that began
+        before the previous call); a caller that keeps totals need not keep differences."""
         gained = {name: value - self.totals.get(name, 0.0) for name, value in totals.items()}
         self.totals.update(totals)
-        self.spread(self.origin if self.last is None else self.last, at, gained)
+        start = since if since is not None else self.origin if self.last is None else self.last
+        self.spread(start, at, gained)
         self.last = at
 
     def spread(self, start: float, end: float, values: dict[str, float]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from embedjob.report import plural
 from embedjob.timeline import Timeline
 
 LEGEND_MAX = 12
@@ -228,7 +229,7 @@ def graphs(runs: dict[int, dict[str, Any]]) -> Figure | None:
     per_budget, hit_rate, padding = figure.subplots(1, 3, width_ratios=[2, 1, 1])
     ordered = sorted(budgets)
     bars = per_budget.bar([str(b) for b in ordered], [budgets[b] for b in ordered], color="C0")
-    per_budget.bar_label(bars, labels=[f"{items[b]} items" for b in ordered], fontsize="x-small")
+    per_budget.bar_label(bars, labels=[plural(items[b], "item") for b in ordered], fontsize="x-small")
     per_budget.set_title("batches per token budget (graph replays, all shards)")
     per_budget.set_xlabel("token budget")
     per_budget.set_ylabel("batches")

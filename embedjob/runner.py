@@ -582,6 +582,7 @@ class RankPipeline:
         self.options: media.DecodeOptions | None = None
         self.preprocess: Any = None
         self._unencoded = 0
+        self._device_free = 0.0
 
     def prepare(self) -> None:
         """Load the model and build the encoder; a job the model cannot serve (a bad
@@ -747,18 +748,26 @@ class RankPipeline:
         self.stats.decode_seconds += sum(d.seconds for d in window)
         self.stats.items += sum(d.item is not None for d in window)
         self.stats.load += sum(d.item.size for d in window if d.item is not None)
-        self._sample(pending.started_at)
+        self._sample(self._device_span(pending.started_at, busy))
 
-    def _sample(self, window_started: float | None = None) -> None:
+    def _device_span(self, launched: float, busy: float) -> tuple[float, float]:
+        """When (wall clock) a window ran on the device, as the time series counts it:
+        `busy` seconds from its launch or from the end of the window before, whichever
+        is later (a device runs one window's work after the other's), ending by now.
+        Exact on a CPU, where a window runs while it is launched."""
+        end = min(max(launched, self._device_free) + busy, time.time())
+        self._device_free = end
+        return end - busy, end
+
+    def _sample(self, window: tuple[float, float] | None = None) -> None:
         """Add what this rank did since the last sample to its time series (once per
         window, and once at the end for the last waits): the running totals of its
         statistics, so each series sums to the total `to_dict` reports.
 
         Launches, graph counts and waits accrue as they happen, so they spread over
         the time since the last sample; a window's rows, device and decode seconds are
-        counted when it is handed over, so they spread over its own lifetime, from
-        `window_started` (its device work began there, before the previous window was
-        handed over)."""
+        counted when it is handed over, a window later, so they spread over `window`,
+        its span on the device (`_device_span`)."""
         now = time.time()
         graphs = self.encoder.graph_stats()
         # The reading thread adds to its clock while this one reads it: a copy first.
@@ -775,10 +784,10 @@ class RankPipeline:
             **waits,
         }
         stats.timeline.advance(now, as_they_happen)
-        if window_started is not None:
+        if window is not None:
             per_window = {"rows": stats.rows, "items": stats.items, "busy_seconds": stats.busy_seconds,
                           "decode_seconds": stats.decode_seconds}
-            stats.timeline.advance(now, per_window, since=window_started)
+            stats.timeline.advance(window[1], per_window, since=window[0])
 
     def _finish(self) -> None:
         self.stats.stages = dict(self.clock.seconds)

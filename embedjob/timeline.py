@@ -37,7 +37,7 @@ class Timeline:
 
     `end` is the time (after `origin`) of the latest sample, so a reader knows how much
     of the last bucket the run covered. `totals` and `last` (wall-clock seconds) are
-    the running totals and the time of the previous `advance`.
+    the running totals and the time of the previous `advance` without a span of its own.
     """
 
     origin: float = field(default_factory=time.time)
@@ -54,13 +54,18 @@ class Timeline:
 
     def advance(self, at: float, totals: dict[str, float], since: float | None = None) -> None:
         """Add what each running total gained since its previous call (the first call:
-        all of it), spread over the time since the previous call, or since `since`
-        when the gain accrued over another span (e.g. a piece of work that began
-        before the previous call); a caller that keeps totals need not keep differences."""
+        all of it), so a caller that keeps totals need not keep differences.
+
+        The gain is spread over the time since the previous call without `since`
+        (what accrues as it happens: waits, launches), or over [since, at] (work whose
+        own span is known, e.g. a window's time on the device), which leaves the time
+        of the previous call as it was."""
         gained = {name: value - self.totals.get(name, 0.0) for name, value in totals.items()}
         self.totals.update(totals)
-        start = since if since is not None else self.origin if self.last is None else self.last
-        self.spread(start, at, gained)
+        if since is not None:
+            self.spread(since, at, gained)
+            return
+        self.spread(self.origin if self.last is None else self.last, at, gained)
         self.last = at
 
     def spread(self, start: float, end: float, values: dict[str, float]) -> None:

@@ -332,13 +332,16 @@ def test_a_shard_a_process_writes_is_reported_running(one_shard: tuple[Path, str
     assert page.images and "3 (running)" not in page.all_text and "0 (running)" in page.all_text
 
 
-def test_report_of_what_is_not_an_output_or_to_a_page_that_is_not_html_is_one_line(
+def test_report_of_what_is_not_an_output_or_to_where_it_cannot_be_written_is_one_line(
     one_shard: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     assert main(["report", str(tmp_path)]) == 2
     assert "holds no embedjob shards" in capsys.readouterr().err
     assert main(["report", str(one_shard[0]), "--out", str(tmp_path / "report.txt")]) == 2
     assert "name it *.html" in capsys.readouterr().err
+    (tmp_path / "a file").write_text("")
+    assert main(["report", str(one_shard[0]), "--out", str(tmp_path / "a file" / "report.html")]) == 1
+    assert "cannot write the report to" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 # ---------------------------------------------------------------- in a browser

@@ -32,6 +32,9 @@ MAIN_THREAD = ("setup", "host", "launch", "waiting for decode", "waiting for the
 ELSEWHERE = ("device busy", "decode workers", "writing parts", "reading rows", "waiting for a chunk")
 """Work of other threads, processes and the device, side by side with the main thread."""
 
+STAGE_COLORS = {stage: f"C{k}" for k, stage in enumerate(MAIN_THREAD + ELSEWHERE)}
+"""One colour per stage in every figure, so a wait reads the same everywhere."""
+
 DPI = 100
 
 
@@ -137,7 +140,9 @@ def _waits(axes: Any, lines: list[tuple[dict[str, Any], Timeline]], since: float
     curves = [(stage, x, y) for stage, x, y in curves if any(y)]
     if curves:
         x = curves[0][1]
-        axes.stackplot(x, *[y for _, _, y in curves], labels=[stage for stage, _, _ in curves], step="post")
+        stages = [stage for stage, _, _ in curves]
+        colors = [STAGE_COLORS.get(stage, "grey") for stage in stages]
+        axes.stackplot(x, *[y for _, _, y in curves], labels=stages, colors=colors, step="post")
         axes.legend(loc="upper left", fontsize="small")
     axes.set_title("what the ranks waited on (seconds per second, all ranks)")
     axes.set_ylabel("seconds / s")
@@ -170,9 +175,9 @@ def stages(runs: dict[int, dict[str, Any]]) -> Figure | None:
     main, other = figure.subplots(1, 2, sharey=True)
     labels = [f"shard {s}" for s in shards]
     left = [0.0] * len(shards)
-    for k, stage in enumerate(MAIN_THREAD):
+    for stage in MAIN_THREAD:
         values = [main_thread_seconds(runs[s]).get(stage, 0.0) for s in shards]
-        main.barh(labels, values, left=left, color=_color(k), label=stage)
+        main.barh(labels, values, left=left, color=STAGE_COLORS[stage], label=stage)
         left = [a + b for a, b in zip(left, values)]
     main.set_title("main thread of each rank (adds up to its time)")
     main.set_xlabel("seconds, summed over ranks")
@@ -182,7 +187,7 @@ def stages(runs: dict[int, dict[str, Any]]) -> Figure | None:
     for k, stage in enumerate(ELSEWHERE):
         values = [other_seconds(runs[s]).get(stage, 0.0) for s in shards]
         positions = [i - 0.4 + (k + 0.5) * height for i in range(len(shards))]
-        other.barh(positions, values, height=height, color=_color(k + len(MAIN_THREAD)), label=stage)
+        other.barh(positions, values, height=height, color=STAGE_COLORS[stage], label=stage)
     other.set_title("other threads and the device (side by side)")
     other.set_xlabel("seconds, summed over ranks")
     figure.legend(*other.get_legend_handles_labels(), loc="outside lower right", ncols=3, fontsize="small")

@@ -171,9 +171,9 @@ def _timed_shards(runs: dict[int, dict[str, Any]]) -> list[int]:
 
 def _rank_figure_shards(runs: dict[int, dict[str, Any]]) -> list[int]:
     """The shards that get a per-rank figure: those with a time series, the slowest
-    RANK_FIGURES at most, in shard order."""
+    first, RANK_FIGURES at most."""
     slowest = sorted(_timed_shards(runs), key=lambda s: (runs[s].get("items_per_second") or 0.0, s))
-    return sorted(slowest[:RANK_FIGURES])
+    return slowest[:RANK_FIGURES]
 
 
 def shards_text(shards: list[int]) -> str:

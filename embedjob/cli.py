@@ -1,4 +1,4 @@
-"""`embedjob run / submit / status / verify / bench / inspect`.
+"""`embedjob run / submit / status / verify / report / bench / inspect`.
 
 Exit codes: 0 when the shard finished (error rows included), or the output verified
 intact; 2 when something the user names must change: the job spec or the command
@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import pickle
+import shlex
 import sys
 from typing import Any
 
@@ -96,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     _engine_arguments(run)
     run.set_defaults(func=_cmd_run)
     _slurm_commands(sub)
+    _report_command(sub)
 
     _bench_command(sub)
 
@@ -215,7 +217,8 @@ def _summary(job: Job, stats: dict[str, Any]) -> str:
         f"{where}: {plural(stats['rows'], 'row')}, {errors}; this run: {plural(stats['rows_this_run'], 'row')}{since} "
         f"in {stats['pipeline_seconds']:.1f} s after {stats['setup_seconds']:.1f} s of setup, "
         f"{stats['items_per_second']:.1f} rows/s; {plural(stats['num_graphs'], 'graph')}, hit rate {stats['hit_rate']:.0%}, "
-        f"padding {plural(stats['padding_waste'], 'token')};{_ranks(stats)} output in {job.output.path}"
+        f"padding {plural(stats['padding_waste'], 'token')};{_ranks(stats)} output in {job.output.path}; "
+        f"report: embedjob report {shlex.quote(job.output.path)}"
     )
 
 
@@ -327,6 +330,26 @@ def _cmd_status(args: argparse.Namespace) -> int:
             print(f"damaged: {problem}")
     # Unfinished shards are what status reports; only damage fails it.
     return 1 if checked is not None and checked.problems else 0
+
+
+def _report_command(sub: Any) -> None:
+    report = sub.add_parser("report", help="write an HTML report of an output: plots, shard table, errors, versions")
+    report.add_argument("output", help="the job's output.path (finished or not)")
+    report.add_argument(
+        "--out", metavar="FILE.html", help="where to write it (default: OUTPUT/_embedjob/report.html); its PNGs go beside it"
+    )
+    report.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from embedjob.html_report import write_report
+
+    report = write_report(Path(args.output), Path(args.out) if args.out else None)
+    print(f"embedjob: wrote the report of {args.output} with {plural(len(report.figures), 'figure')}", file=sys.stderr)
+    print(report.path)
+    return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

@@ -22,7 +22,12 @@ _CHUNK = 1 << 20
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Atomically replace a small JSON file (manifest, marker, statistics, records).
+    """Atomically replace a small JSON file (manifest, marker, statistics, records)."""
+    write_bytes(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Atomically replace a file of an output (a JSON record, a report, a figure).
 
     The temporary name keeps the writer's pattern (`.NAME.tmp-PID...`), so a run that
     finds one left by a killed run knows it for debris.
@@ -30,8 +35,8 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        with open(fd, "w", closefd=False) as handle:
-            handle.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        with open(fd, "wb", closefd=False) as handle:
+            handle.write(data)
         os.fsync(fd)
     except BaseException:
         tmp.unlink(missing_ok=True)

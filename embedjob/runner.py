@@ -27,9 +27,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import importlib.metadata
 import logging
 import multiprocessing
 import os
+import platform
 import threading
 import time
 import warnings
@@ -48,6 +50,7 @@ from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
 from embedjob.graphs import BatchEncoder, DualPathEncoder, Encoded, GraphStats, build_encoder
 from embedjob.job import Job, JobError
 from embedjob.report import codes_text, count_errors, plural, route_warnings
+from embedjob.timeline import Timeline
 from embedjob.writer import ErrorRateExceeded, RowBlock, output_schema, part_name, write_part
 
 logger = logging.getLogger(__name__)
@@ -180,6 +183,39 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
+
+
+def device_name(device: torch.device) -> str:
+    """The device as a report names it: the GPU's model, or the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({_cpu_model() or platform.machine() or 'unknown'})"
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (Linux); None elsewhere."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
+
+VERSIONED = ("torch", "torchvision", "transformers", "pyarrow", "numpy")
+"""The libraries whose versions the statistics record: what the embeddings depend on."""
+
+
+def software_versions() -> dict[str, str]:
+    """embedjob's, Python's and VERSIONED's versions, so a report says what made an output."""
+    from embedjob import __version__
+
+    versions = {"embedjob": __version__, "python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
 
 
 def resolve_workers(value: str | int, world_size: int = 1) -> int:
@@ -319,12 +355,14 @@ class BusyClock:
 @dataclass
 class PendingWindow:
     """A window whose batches are enqueued on the device; `host` holds its rows once
-    `busy` has stopped on the device."""
+    `busy` has stopped on the device. `started_at`: when its first batch was launched
+    (wall clock, for the time series)."""
 
     window: list[Decoded]
     encoded: Encoded
     host: torch.Tensor
     busy: BusyClock
+    started_at: float
 
 
 class WindowEncoder:
@@ -345,6 +383,7 @@ class WindowEncoder:
         self.device = device
 
     def enqueue(self, window: list[Decoded]) -> PendingWindow:
+        started = time.time()
         busy = BusyClock(self.device)
         items = [d.item for d in window if d.item is not None]
         encoded = self.encoder.encode(items, self.pooling, self.dtype)
@@ -352,7 +391,7 @@ class WindowEncoder:
             encoded.rows = l2_normalize(encoded.rows)
         host = _to_host(encoded.rows)
         busy.stop()
-        return PendingWindow(window, encoded, host, busy)
+        return PendingWindow(window, encoded, host, busy, started)
 
     def finalize(self, pending: PendingWindow) -> tuple[list[RowBlock], float]:
         """The window's rows as blocks of consecutive rows, and its device seconds."""
@@ -458,6 +497,7 @@ class RankStats:
 
     rank: int
     device: str
+    device_name: str = ""
     rows: int = 0
     items: int = 0
     load: int = 0
@@ -471,6 +511,7 @@ class RankStats:
     ready_at: float | None = None
     graphs: GraphStats | None = None
     plan: dict[str, Any] = field(default_factory=dict)
+    timeline: Timeline = field(default_factory=Timeline)
 
     @property
     def launch_seconds(self) -> float:
@@ -484,6 +525,7 @@ class RankStats:
         return {
             "rank": self.rank,
             "device": self.device,
+            "device_name": self.device_name,
             "rows": self.rows,
             "items": self.items,
             "load": self.load,
@@ -501,6 +543,9 @@ class RankStats:
             "graph_misses": graphs.misses,
             "hit_rate": round(graphs.hit_rate, 6),
             "padding_waste": graphs.padding_waste,
+            "started_at": round(self.started_at, 3) if self.started_at else None,
+            "ready_at": round(self.ready_at, 3) if self.ready_at else None,
+            "timeline": self.timeline.to_dict(),
         }
 
 
@@ -530,13 +575,14 @@ class RankPipeline:
         self.workers = workers
         self.take = take
         self.deliver = deliver
-        self.stats = RankStats(rank, str(device))
+        self.stats = RankStats(rank, str(device), device_name(device))
         self.clock = StageClock()
         self.reading = StageClock()
         self.encoder: Any = None
         self.options: media.DecodeOptions | None = None
         self.preprocess: Any = None
         self._unencoded = 0
+        self._device_free = 0.0
 
     def prepare(self) -> None:
         """Load the model and build the encoder; a job the model cannot serve (a bad
@@ -566,6 +612,7 @@ class RankPipeline:
         pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
         with pool:
             self.stats.ready_at = time.time()
+            self.stats.timeline.skip_to(self.stats.ready_at)
             self.ready()
             windows = WindowEncoder(self.encoder, self.job, self.device)
             self._pipeline(self._windows(stream, submitted), windows, ChunkAssembler(taken, self.deliver))
@@ -701,12 +748,53 @@ class RankPipeline:
         self.stats.decode_seconds += sum(d.seconds for d in window)
         self.stats.items += sum(d.item is not None for d in window)
         self.stats.load += sum(d.item.size for d in window if d.item is not None)
+        self._sample(self._device_span(pending.started_at, busy))
+
+    def _device_span(self, launched: float, busy: float) -> tuple[float, float]:
+        """When (wall clock) a window ran on the device, as the time series counts it:
+        `busy` seconds from its launch or from the end of the window before, whichever
+        is later (a device runs one window's work after the other's), ending by now.
+        Exact on a CPU, where a window runs while it is launched."""
+        end = min(max(launched, self._device_free) + busy, time.time())
+        self._device_free = end
+        return end - busy, end
+
+    def _sample(self, window: tuple[float, float] | None = None) -> None:
+        """Add what this rank did since the last sample to its time series (once per
+        window, and once at the end for the last waits): the running totals of its
+        statistics, so each series sums to the total `to_dict` reports.
+
+        Launches, graph counts and waits accrue as they happen, so they spread over
+        the time since the last sample; a window's rows, device and decode seconds are
+        counted when it is handed over, a window later, so they spread over `window`,
+        its span on the device (`_device_span`)."""
+        now = time.time()
+        graphs = self.encoder.graph_stats()
+        # The reading thread adds to its clock while this one reads it: a copy first.
+        waits = {k: v for k, v in {**self.clock.seconds, **dict(self.reading.seconds)}.items() if not k.startswith("host")}
+        launch = graphs.host_seconds.get("launch", 0.0)
+        stats = self.stats
+        as_they_happen = {
+            "host_seconds": self.clock.seconds.get("host", 0.0) - launch,
+            "launch_seconds": launch,
+            "graph_hits": graphs.hits,
+            "graph_misses": graphs.misses,
+            "padding_waste": graphs.padding_waste,
+            "real_tokens": graphs.real_tokens,
+            **waits,
+        }
+        stats.timeline.advance(now, as_they_happen)
+        if window is not None:
+            per_window = {"rows": stats.rows, "items": stats.items, "busy_seconds": stats.busy_seconds,
+                          "decode_seconds": stats.decode_seconds}
+            stats.timeline.advance(window[1], per_window, since=window[0])
 
     def _finish(self) -> None:
         self.stats.stages = dict(self.clock.seconds)
         self.stats.waits = {k: v for k, v in {**self.clock.seconds, **self.reading.seconds}.items() if not k.startswith("host")}
         self.stats.graphs = self.encoder.graph_stats()
         self.stats.plan = self.encoder.plan_stats()
+        self._sample()
 
 
 def _items_encoded(encoder: BatchEncoder | DualPathEncoder) -> int:
@@ -853,7 +941,9 @@ class Writer:
     `own` holds the first rows of the chunks rank 0 encoded (their rows are already on
     the progress bar). A failure (a full disk, the error rate above its limit) stops the
     coordinator, so no rank waits for rows that will never be written, and is re-raised
-    by `join`.
+    by `join`. The writer sees every row of the shard as it is written, whichever rank
+    encoded it, so the shard's time series (rows and errors written) is kept here, with
+    the seconds spent writing parts.
     """
 
     def __init__(
@@ -864,6 +954,7 @@ class Writer:
         rate: ErrorRate,
         progress: Progress,
         own: set[int],
+        timeline: Timeline,
     ) -> None:
         self.coordinator = coordinator
         self.checkpoint = checkpoint
@@ -871,7 +962,10 @@ class Writer:
         self.rate = rate
         self.progress = progress
         self.own = own
+        self.timeline = timeline
         self.rows = 0
+        self.error_rows = 0
+        self.seconds = 0.0
         self.finished_at: float | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="embedjob-writer", daemon=True)
@@ -894,16 +988,23 @@ class Writer:
                 # Before the block is written: a shard whose rows fail too often stops
                 # without committing more of them.
                 self.rate.add(block)
-                sink.add(block)
+                self._timed(sink.add, block)
                 self.rows += len(block)
+                self.error_rows += sum(e is not None for e in block.errors)
+                self.timeline.advance(time.time(), {"rows": self.rows, "errors": self.error_rows})
                 self.progress.errors = self.rate.errors
                 if block.first_row not in self.own:
                     self.progress.others_written(len(block))
-            sink.close()
+            self._timed(sink.close)
             self.finished_at = time.time()
         except BaseException as exc:
             self.error = exc
             self.coordinator.fail(exc)
+
+    def _timed(self, write: Callable[..., None], *args: Any) -> None:
+        since = time.perf_counter()
+        write(*args)
+        self.seconds += time.perf_counter() - since
 
 
 # --- a shard ------------------------------------------------------------------------
@@ -1003,7 +1104,9 @@ class Runner:
 
         def ready() -> None:
             coordinator.ready(0)
-            progress.start()  # defined by then: the pipeline calls `ready` from `run`, inside the bar's block
+            # Both defined by then: the pipeline calls `ready` from `run`, inside the bar's block.
+            progress.start()
+            writer.timeline.skip_to(time.time())
 
         pipeline = RankPipeline(
             self.job, device, 0, resolve_workers(self.job.runtime.workers, self.world_size),
@@ -1015,7 +1118,8 @@ class Runner:
             logger.info("resuming shard %d at row %d (%d rows committed)", self.shard.index, resumed, resumed - checkpoint.first_row)
         with self._progress(checkpoint.end_row - resumed) as bar:
             progress = Progress(bar, pipeline.rows_done)
-            writer = Writer(coordinator, checkpoint, schema, ErrorRate(self.job, self.shard, checkpoint), progress, own)
+            rate = ErrorRate(self.job, self.shard, checkpoint)
+            writer = Writer(coordinator, checkpoint, schema, rate, progress, own, Timeline(started))
             try:
                 own_stats = pipeline.run()
             except BaseException as exc:
@@ -1055,9 +1159,15 @@ class Runner:
             "num_graphs": 0,
             "token_budgets": [],
             "padding_waste": 0,
+            **self._provenance(),
         }
         checkpoint.finish(stats)
         return stats
+
+    def _provenance(self) -> dict[str, Any]:
+        """What made the output: the job as this run read it (defaults filled in) and
+        the software versions; the report shows them."""
+        return {"job": self.job.to_dict(), "versions": software_versions()}
 
     def _row_range(self, fragments: list[reader.Fragment]) -> tuple[int, int]:
         if fragments:
@@ -1114,6 +1224,11 @@ class Runner:
             "pipeline_seconds": round(pipeline, 3),
             "items_per_second": round(writer.rows / pipeline, 3),
             "stage_seconds": {k: round(v, 3) for k, v in ranks[0].stages.items()},
+            "write_seconds": round(writer.seconds, 3),
+            "started_at": round(started, 3),
+            "timeline": writer.timeline.to_dict(),
+            "device_name": ranks[0].device_name,
+            **self._provenance(),
         }
         stats.update(_plan(ranks))
         stats.update(_merged_graphs(ranks).to_dict())

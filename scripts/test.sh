@@ -6,9 +6,20 @@
 # tests/test_slurm.py (scripts/slurm-up.sh, ~5 s) and stopped afterwards; elsewhere, or
 # with EMBEDJOB_TEST_SLURM=0, those tests are skipped. A cluster that already answers
 # is used as it is and left running.
+#
+# Likewise Debian's Chromium is installed (once) for the browser test of
+# tests/test_report.py, which renders a report headless; elsewhere, or with
+# EMBEDJOB_TEST_BROWSER=0, that test is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+has_browser() { command -v chromium >/dev/null || command -v chromium-browser >/dev/null; }
+install_browser() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q -o DPkg::Lock::Timeout=300 chromium >/dev/null; }
+if [ "${EMBEDJOB_TEST_BROWSER:-1}" != 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! has_browser; then
+  if ! install_browser 2>/dev/null && ! { apt-get update -q >/dev/null && install_browser; }; then
+    echo "test.sh: Chromium could not be installed; tests/test_report.py will skip its browser test" >&2
+  fi
+fi
 slurm_up() { timeout 10 scontrol ping 2>/dev/null | grep -q "is UP"; }
 if [ "${EMBEDJOB_TEST_SLURM:-1}" != 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! slurm_up; then
   if scripts/slurm-up.sh; then

@@ -36,6 +36,7 @@ valid and a rerun resumes.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 import multiprocessing
@@ -158,23 +159,28 @@ class Coordinator:
     `lookahead` chunks are handed out beyond the first one not yet written, so at most
     that many results wait in memory. A `fail` wakes every waiter with the error.
 
-    Start: a rank's first take is answered at once (it decodes that chunk while it
-    loads and captures, and learns whether it has anything to do before loading a
-    model); its next ones wait until every rank is `ready` (or had nothing to take).
-    Otherwise a rank still setting up would hold its first chunk while the others ran
-    ahead to the lookahead and then waited for it, and the fast ranks' decoding would
-    slow the others' setup.
+    Start: a rank's first `head_start` takes are answered at once (it decodes those
+    chunks while it loads and captures, so its GPU has work the moment it is ready, and
+    learns whether it has anything to do before loading a model); its next ones wait
+    until every rank is `ready` (or had nothing to take). Otherwise a rank still
+    setting up would hold its chunks while the others ran ahead to the lookahead and
+    then waited for them, and the fast ranks' full-speed decoding would slow the
+    others' setup. `world_size * head_start <= lookahead`, so no head start waits on
+    the lookahead.
     """
 
-    def __init__(self, world_size: int, lookahead: int) -> None:
-        if lookahead < world_size:
-            raise ValueError(f"lookahead must be >= the world size {world_size}, got {lookahead}")
+    def __init__(self, world_size: int, lookahead: int, head_start: int = 1) -> None:
+        if not 1 <= head_start or world_size * head_start > lookahead:
+            raise ValueError(
+                f"need 1 <= head_start and world_size * head_start <= lookahead, got {world_size}, {head_start}, {lookahead}"
+            )
         self.world_size = world_size
         self.lookahead = lookahead
+        self.head_start = head_start
         self._cond = threading.Condition()
         self._chunks: list[Chunk] | None = None
         self._next = 0
-        self._started: set[int] = set()
+        self._taken: collections.Counter[int] = collections.Counter()
         self._ready: set[int] = set()
         self._written = 0
         self._results: dict[int, RowBlock] = {}
@@ -203,16 +209,15 @@ class Coordinator:
         with self._cond:
             while True:
                 self._raise_if_failed()
-                if self._chunks is not None and (rank not in self._started or self._all_ready()):
-                    first = rank not in self._started
-                    self._started.add(rank)
+                if self._chunks is not None and (self._taken[rank] < self.head_start or self._all_ready()):
                     if self._next >= len(self._chunks):
-                        if first:
+                        if not self._taken[rank]:
                             self.ready(rank)  # it will never capture anything: do not wait for it
                         return None
                     if self._next < self._written + self.lookahead:
                         chunk = self._chunks[self._next]
                         self._holders[chunk.index] = rank
+                        self._taken[rank] += 1
                         self._next += 1
                         return chunk
                 self._cond.wait()

@@ -32,6 +32,7 @@ import logging
 import multiprocessing
 import os
 import platform
+import sys
 import threading
 import time
 import warnings
@@ -285,22 +286,35 @@ HOST_THREADS = 4
 """The most torch CPU threads a process that feeds a GPU uses (see `host_threads`)."""
 
 
+GIL_SWITCH_SECONDS = 0.0005
+"""CPython's GIL switch interval while a pipeline runs (its default is 0.005 s)."""
+
+
 @contextlib.contextmanager
 def host_threads(device: torch.device) -> Iterator[None]:
-    """Limit torch's CPU threads while this process feeds a GPU.
+    """Settle this process's threads for the pipeline, and restore them after.
 
-    Its own CPU work is copying items into batches. The decode workers already run one
-    per core, and torch's default of one OpenMP thread per core, which spin between
-    parallel regions, takes cores from them and from the other ranks (benchmarks/
-    RESULTS.md measured it). On a CPU the encoder itself needs the threads.
+    - torch's CPU threads are limited while it feeds a GPU: its own CPU work is copying
+      items into batches. The decode workers already run one per core, and torch's
+      default of one OpenMP thread per core, which spin between parallel regions, takes
+      cores from them and from the other ranks (benchmarks/RESULTS.md measured it). On
+      a CPU the encoder itself needs the threads.
+    - The GIL is handed over sooner. The decode pool's service thread releases it at
+      every send, receive and wait, several times per item, and each time must get it
+      back from whichever thread runs Python meanwhile (the main thread packing, the
+      writer, the chunk reader): at the default interval that is up to 5 ms per
+      hand-over, which bounds the whole pipeline's decode rate
+      (`benchmarks/decode_pool.py`).
     """
-    before = torch.get_num_threads()
+    before, interval = torch.get_num_threads(), sys.getswitchinterval()
     if device.type == "cuda":
         torch.set_num_threads(min(before, HOST_THREADS))
+    sys.setswitchinterval(min(interval, GIL_SWITCH_SECONDS))
     try:
         yield
     finally:
         torch.set_num_threads(before)
+        sys.setswitchinterval(interval)
 
 
 # --- timing -------------------------------------------------------------------------
@@ -1026,7 +1040,7 @@ class Runner:
     def run(self) -> dict[str, Any]:
         """Run (or resume) the shard; returns its statistics. Raises JobError if it cannot run."""
         device = self.cluster.device if self.cluster else resolve_device(self.job.runtime.device)
-        coordinator = distributed.Coordinator(self.world_size, self._lookahead())
+        coordinator = distributed.Coordinator(self.world_size, self._lookahead(), self._head_start())
         if self.cluster is not None:
             self.cluster.hub.serve(coordinator)
         try:
@@ -1039,8 +1053,15 @@ class Runner:
     def _lookahead(self) -> int:
         """Chunks out beyond the first unwritten one: what every rank holds in its
         pipeline (two windows decoding, two on the device) and one more to take."""
-        per_window = -(-self.job.batching.window // self._chunk_rows())
-        return self.world_size * (4 * per_window + 2)
+        return self.world_size * (4 * self._chunks_per_window() + 2)
+
+    def _head_start(self) -> int:
+        """Chunks a rank takes before every rank is ready: what its decode workers hold
+        in flight (two windows), so its first windows are decoded when capture ends."""
+        return 2 * self._chunks_per_window()
+
+    def _chunks_per_window(self) -> int:
+        return -(-self.job.batching.window // self._chunk_rows())
 
     def _chunk_rows(self) -> int:
         return min(CHUNK_ROWS, self.job.batching.window)

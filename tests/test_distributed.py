@@ -95,12 +95,16 @@ def test_ranks_taking_chunks_at_their_own_pace_get_each_once_and_the_writer_gets
     assert len({r for r, _ in taken}) == 3  # every rank took some
 
 
-def test_a_rank_setting_up_holds_back_only_its_first_chunk() -> None:
-    """Each rank gets one chunk at once; more only once every rank is ready, so a slow
-    starter never holds a chunk while the others run ahead and then wait for it."""
-    coordinator = Coordinator(2, lookahead=8)
-    coordinator.open([Chunk(i, i, i + 1, ()) for i in range(6)])
-    assert coordinator.take(0).index == 0 and coordinator.take(1).index == 1
+@pytest.mark.parametrize("head_start", [1, 3])
+def test_a_rank_setting_up_holds_back_only_its_head_start(head_start: int) -> None:
+    """Each rank gets `head_start` chunks at once (decoded while it captures); more only
+    once every rank is ready, so a slow starter never holds chunks while the others run
+    ahead and then wait for them."""
+    coordinator = Coordinator(2, lookahead=8, head_start=head_start)
+    coordinator.open([Chunk(i, i, i + 1, ()) for i in range(10)])
+    first = [coordinator.take(0).index for _ in range(head_start)]
+    second = [coordinator.take(1).index for _ in range(head_start)]
+    assert first + second == list(range(2 * head_start))
     coordinator.ready(0)
     later: list[int] = []
     thread = threading.Thread(target=lambda: later.append(coordinator.take(0).index))
@@ -109,7 +113,12 @@ def test_a_rank_setting_up_holds_back_only_its_first_chunk() -> None:
     assert later == []  # rank 1 is still capturing
     coordinator.ready(1)
     thread.join(timeout=5)
-    assert later == [2]
+    assert later == [2 * head_start]
+
+
+def test_head_starts_that_the_lookahead_cannot_hold_are_refused() -> None:
+    with pytest.raises(ValueError, match="head_start"):
+        Coordinator(2, lookahead=5, head_start=3)
 
 
 def test_a_failure_wakes_every_waiting_rank_and_the_writer() -> None:
@@ -274,7 +283,7 @@ def test_ranks_give_the_single_process_output_row_for_row(
 def test_a_dying_rank_stops_the_job_with_one_line_and_a_rerun_resumes(
     single: dict[str, Path], tmp_path: Path, cache_dir: str, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(FAULT_ENV, "1:0")  # rank 1 exits when it is handed its first chunk (rows 2-3)
+    monkeypatch.setenv(FAULT_ENV, "1:0")  # rank 1 exits when it is handed its first chunk
     start = time.monotonic()
     assert _run(None, tmp_path, cache_dir, "--gpus", "2", "--set", "output.rows_per_part=2") == 1
     assert time.monotonic() - start < 60
@@ -283,12 +292,15 @@ def test_a_dying_rank_stops_the_job_with_one_line_and_a_rerun_resumes(
     assert f"exited with code {FAULT_EXIT_CODE}" in err and "rerun" in err
     manifest = json.loads((tmp_path / "_embedjob/manifest-00000.json").read_text())
     committed = [(p["first_row"], p["end_row"]) for p in manifest["parts"]]
-    assert committed == [(0, 2)]  # rows after the lost chunk wait for it and are not written
+    resumed = committed[-1][1] if committed else 0
+    # Rows after the lost chunk wait for it and are not written: a gapless prefix. Which
+    # chunk rank 1 drew depends on how many rank 0 took while rank 1 was starting.
+    assert committed == [(row, row + 2) for row in range(0, resumed, 2)] and resumed < 12
     assert not (tmp_path / "_embedjob/_SUCCESS-00000").exists()
 
     monkeypatch.delenv(FAULT_ENV)
     assert _run(None, tmp_path, cache_dir, "--gpus", "2", "--set", "output.rows_per_part=2") == 0
-    assert _stats(tmp_path)["resumed_from_row"] == 2
+    assert _stats(tmp_path)["resumed_from_row"] == resumed
     reference = tmp_path.parent / "reference"
     assert _run(None, reference, cache_dir, "--set", "output.rows_per_part=2") == 0
     _assert_same_output(tmp_path, reference)

@@ -211,3 +211,23 @@ def test_a_process_feeding_a_gpu_uses_a_few_cpu_threads_and_gets_its_setting_bac
             assert torch.get_num_threads() == HOST_THREADS + 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_run_hands_the_gil_over_quickly_and_gives_a_calling_process_its_interval_back() -> None:
+    """At CPython's 5 ms default the decode pool's service thread starves behind any
+    thread running Python (68 against 492 items/s in benchmarks/decode_pool.py); a
+    notebook that calls the job gets its own setting back."""
+    import sys
+
+    import torch
+
+    from embedjob.runner import GIL_SWITCH_SECONDS, host_threads
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    try:
+        with host_threads(torch.device("cpu")):
+            assert sys.getswitchinterval() == GIL_SWITCH_SECONDS
+        assert sys.getswitchinterval() == 0.004
+    finally:
+        sys.setswitchinterval(before)

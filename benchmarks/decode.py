@@ -1,4 +1,4 @@
-"""Video decode throughput of embedjob.media on real clips.
+"""Video decode throughput of embedjob.decode.media on real clips.
 
 Decodes every video in ../shared/data/videos (fps 2, max_frames 32, frame_multiple 2,
 as for Qwen2-VL) and prints a Markdown report:
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from embedjob.media import DecodedVideo, DecodeOptions, DecodePool, MediaError, decode
+from embedjob.decode.media import DecodedVideo, DecodeOptions, DecodePool, MediaError, decode
 
 OPTIONS = DecodeOptions(modality="video", max_image_pixels=1, fps=2.0, max_frames=32, frame_multiple=2, decoder_threads=1)
 DEFAULT_VIDEOS = Path(__file__).resolve().parents[2] / "shared" / "data" / "videos"

@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from embedjob.media import DecodePool
-from embedjob.runner import GIL_SWITCH_SECONDS
+from embedjob.decode.media import DecodePool
+from embedjob.pipeline import GIL_SWITCH_SECONDS
 
 LOADS = {"none": 0.0, "python 1/3 of the time": 0.002, "python all the time": None}
 """Seconds of Python per 6 ms the parent's other thread runs (None: without pause)."""

@@ -1,6 +1,6 @@
 """The encoder-only rate of a job's rows on one device: the bound `embedjob run` is measured against.
 
-Every row is decoded and preprocessed on the CPU first (`embedjob.media.decode` and the
+Every row is decoded and preprocessed on the CPU first (`embedjob.decode.media.decode` and the
 adapter's own preprocessor, in a process pool), so the timed part is the encoder alone:
 the job's checkpoint loaded through `load_adapter` with the job itself (same dtype,
 preprocessing and budgets), compiled as the runner compiles it, the job's budget plan
@@ -28,12 +28,13 @@ import pyarrow.parquet as pq
 import torch
 
 from benchmarks.mixes import items_flops
-from embedjob import media, packer
+from embedjob.bench import cuda_passes
+from embedjob.config import Job
+from embedjob.decode import media
 from embedjob.encoders import EncoderInput, load_adapter
 from embedjob.encoders.fixed import FixedResAdapter
-from embedjob.bench import cuda_passes
-from embedjob.graphs import GraphManager, budget_plan, pool_rows, whole_image_plan
-from embedjob.job import Job
+from embedjob.engine import packer
+from embedjob.engine.graphs import GraphManager, budget_plan, pool_rows, whole_image_plan
 
 
 @dataclass
@@ -83,7 +84,7 @@ def _host_threads(device: torch.device) -> contextlib.AbstractContextManager[Non
     """The runner's limit on torch CPU threads in a process that feeds a GPU, so batches
     are assembled on the host as in a run; torch's default where the runner has none."""
     try:
-        from embedjob.runner import host_threads
+        from embedjob.pipeline import host_threads
     except ImportError:
         return contextlib.nullcontext()
     return host_threads(device)

@@ -29,10 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedjob.bench import cuda_time  # noqa: E402
+from embedjob.config import job_from_dict  # noqa: E402
 from embedjob.encoders import EncoderAdapter, load_adapter  # noqa: E402
-from embedjob.graphs import GraphManager  # noqa: E402
-from embedjob.job import job_from_dict  # noqa: E402
-from embedjob.packer import BudgetPlan  # noqa: E402
+from embedjob.engine.graphs import GraphManager  # noqa: E402
+from embedjob.engine.packer import BudgetPlan  # noqa: E402
 
 TOWER = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, image_size=224, patch_size=16)
 

@@ -32,10 +32,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from embedjob import packer
 from embedjob.encoders.base import EncoderInput, cache_root
 from embedjob.encoders.qwen import FAMILIES, QwenAdapter, QwenPreprocessor, tune_for_cuda
-from embedjob.graphs import GraphManager
+from embedjob.engine import packer
+from embedjob.engine.graphs import GraphManager
 
 logger = logging.getLogger(__name__)
 
@@ -361,9 +361,9 @@ def make_jpeg_parquet(path: Path, count: int, seed: int = 0) -> None:
 
 def end_to_end(adapter: QwenAdapter, checkpoint: Path, workdir: Path, args: argparse.Namespace, peak: float, compiled: bool) -> list[Row]:
     """`embedjob run` on real JPEGs against the encoder-only rate of the same images."""
-    from embedjob import media
-    from embedjob.job import job_from_dict
-    from embedjob.runner import Runner
+    from embedjob.config import job_from_dict
+    from embedjob.decode import media
+    from embedjob.pipeline import Runner
 
     parquet = workdir / "jpegs.parquet"
     make_jpeg_parquet(parquet, args.e2e_images)

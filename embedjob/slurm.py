@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import embedjob
-from embedjob import reader
-from embedjob.checkpoint import (
+from embedjob.config import Job, JobError, load_job
+from embedjob.io import reader
+from embedjob.io.checkpoint import (
     META,
     OutputRecord,
     ShardProgress,
@@ -59,9 +60,8 @@ from embedjob.checkpoint import (
     shards_in,
     success_name,
 )
-from embedjob.job import Job, JobError, load_job
-from embedjob.files import write_json
-from embedjob.report import codes_text, plural
+from embedjob.io.files import write_json
+from embedjob.report.counts import codes_text, plural
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torchvision.transforms.v2.functional as tvF
+from conftest import REPO, make_job, random_image, random_video
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,10 +21,8 @@ from embedjob.cli import main
 from embedjob.encoders import EncoderInput, load_adapter
 from embedjob.encoders.fixed import GLOBAL_KEY, LOCAL_KEY
 from embedjob.encoders.tiling import cut_tiles, select_grid
-from embedjob.graphs import DualPathEncoder, build_encoder, clone_rows, dual_paths
-from embedjob.packer import POLICIES, BudgetPlan, resolve_dual_budgets
-
-from conftest import REPO, make_job, random_image, random_video
+from embedjob.engine.graphs import DualPathEncoder, build_encoder, clone_rows, dual_paths
+from embedjob.engine.packer import POLICIES, BudgetPlan, resolve_dual_budgets
 
 CPU = torch.device("cpu")
 BICUBIC = tvF.InterpolationMode.BICUBIC
@@ -247,7 +246,7 @@ def test_build_encoder_picks_the_dual_path_for_tiled_jobs(adapter, plain, cache_
 
 
 def test_tiling_with_a_native_resolution_family_is_refused(cache_dir: str) -> None:
-    from embedjob.job import JobError
+    from embedjob.config import JobError
 
     with pytest.raises(JobError, match="tiling = 'anyres' needs a fixed-resolution encoder"):
         make_job(cache_dir, preprocess={"tiling": "anyres"})

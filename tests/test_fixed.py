@@ -13,6 +13,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import REPO, make_job, random_image, random_video
+from test_qwen import assembly_calls
 from transformers import (
     AutoImageProcessor,
     CLIPModel,
@@ -25,14 +27,11 @@ from transformers import (
 )
 
 from embedjob.cli import main
+from embedjob.config import JobError
 from embedjob.encoders import load_adapter
 from embedjob.encoders.fixed import BUILTIN_VISION, FAMILIES, GLOBAL_KEY, builtin_dir
-from embedjob.graphs import BatchEncoder, GraphManager, build_encoder
-from embedjob.job import JobError
-from embedjob.packer import BudgetPlan
-
-from conftest import REPO, make_job, random_image, random_video
-from test_qwen import assembly_calls
+from embedjob.engine.graphs import BatchEncoder, GraphManager, build_encoder
+from embedjob.engine.packer import BudgetPlan
 
 SIZES = [(224, 224), (300, 500), (641, 479), (5, 900), (30, 30), (64, 65)]
 CPU = torch.device("cpu")

@@ -12,13 +12,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import REPO, make_job, random_image, random_video
 
 from embedjob.encoders import load_adapter
 from embedjob.encoders.attention import _segmented_sdpa, varlen_attention
-from embedjob.graphs import GraphManager
-from embedjob.packer import BudgetPlan, pack
-
-from conftest import REPO, make_job, random_image, random_video
+from embedjob.engine.graphs import GraphManager
+from embedjob.engine.packer import BudgetPlan, pack
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -106,8 +105,8 @@ def test_eager_fallback_and_statistics_on_cuda(cuda_adapter, items) -> None:
 
 
 def test_demo_job_on_cuda_matches_the_cpu_run(tmp_path: Path, cache_dir: str) -> None:
-    from embedjob.job import load_job
-    from embedjob.runner import run_job
+    from embedjob.config import load_job
+    from embedjob.pipeline import run_job
 
     outputs = {}
     for device in ("cpu", "cuda"):
@@ -137,8 +136,8 @@ def _fixed_job(cache_dir: str, family: str, pooling: str = "mean", **preprocess)
 
 
 def test_dual_path_cuda_replay_equals_eager_on_the_same_padded_batch(cache_dir: str) -> None:
-    from embedjob.graphs import DualPathEncoder, dual_paths
-    from embedjob.packer import resolve_dual_budgets
+    from embedjob.engine.graphs import DualPathEncoder, dual_paths
+    from embedjob.engine.packer import resolve_dual_budgets
 
     adapter = load_adapter(_fixed_job(cache_dir, "clip", tiling="anyres", max_tiles=6), torch.device("cuda"))
     t = adapter.tokens_per_image
@@ -198,8 +197,8 @@ def test_fixed_res_batches_are_page_locked_uint8_normalised_on_the_device_bitwis
 
 @pytest.mark.parametrize(("job_file", "extra"), [("demo-clip.yaml", ["preprocess.tiling=anyres"]), ("demo-siglip-video.yaml", [])])
 def test_fixed_res_demo_jobs_on_cuda_match_the_cpu_run(tmp_path: Path, cache_dir: str, job_file: str, extra: list[str]) -> None:
-    from embedjob.job import load_job
-    from embedjob.runner import run_job
+    from embedjob.config import load_job
+    from embedjob.pipeline import run_job
 
     outputs = {}
     for device in ("cpu", "cuda"):
@@ -242,7 +241,7 @@ def test_small_windows_and_chunks_give_the_plain_runs_rows(tmp_path: Path, cache
 
 
 def test_pooling_per_batch_on_cuda_is_deterministic_and_equals_each_items_own_mean() -> None:
-    from embedjob.graphs import pool_rows
+    from embedjob.engine.graphs import pool_rows
 
     torch.manual_seed(0)
     counts = [64] * 5 + [16, 16, 100]

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from embedjob.graphs import GraphManager
-from embedjob.packer import BudgetPlan, pack
-
 from conftest import random_image, random_video
+
+from embedjob.engine.graphs import GraphManager
+from embedjob.engine.packer import BudgetPlan, pack
 
 PLAN = BudgetPlan(token_budgets=(64, 128, 256, 512), max_items=8, max_frames=16)
 
@@ -113,7 +112,7 @@ def test_unknown_backend_and_cuda_on_cpu_are_refused(qwen_adapter) -> None:
 
 def test_batch_encoder_isolates_an_item_that_fails_to_encode(qwen_adapter, items, monkeypatch) -> None:
     """One item that breaks the encoder costs one error row, not its whole batch."""
-    from embedjob.graphs import BatchEncoder
+    from embedjob.engine.graphs import BatchEncoder
 
     graphs = GraphManager(qwen_adapter, PLAN, "replay")
     graphs.capture()
@@ -139,7 +138,7 @@ def test_batch_encoder_isolates_an_item_that_fails_to_encode(qwen_adapter, items
 def test_pooling_per_batch_equals_each_item_pooled_alone(qwen_adapter, items) -> None:
     """One reduction per run of equal row counts gives every item's own mean, bit for
     bit, whatever else shares its batch (resumed and data-parallel runs batch differently)."""
-    from embedjob.graphs import pool_rows
+    from embedjob.engine.graphs import pool_rows
 
     rows = torch.randn(3 * 4 + 2 * 7 + 5, 16)
     counts = [4, 4, 4, 7, 7, 5]

@@ -22,16 +22,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
-
-from embedjob import checkpoint, media, reader
-from embedjob.cli import main
-from embedjob.job import InputConfig
-from embedjob.slurm import SubmitOptions, TaskCommand, render_script
-
 from conftest import REPO
+from PIL import Image
 from test_resume import interrupt_after_first_part, manifest
 from test_shards import DATA, assert_same_rows, job_args, read_output, write_inputs
+
+from embedjob.cli import main
+from embedjob.config import InputConfig
+from embedjob.decode import media
+from embedjob.io import checkpoint, reader
+from embedjob.slurm import SubmitOptions, TaskCommand, render_script
 
 DEMO = str(REPO / "jobs" / "demo.yaml")
 
@@ -256,7 +256,7 @@ def test_a_lock_symlink_planted_in_the_output_is_refused_and_its_target_untouche
 
 
 def test_a_json_file_is_never_written_through_a_planted_link(tmp_path: Path) -> None:
-    from embedjob.files import write_json
+    from embedjob.io.files import write_json
 
     victim = tmp_path / "victim"
     victim.write_text("keep")
@@ -452,9 +452,9 @@ def test_a_full_disk_is_exit_1_at_start_and_mid_run(
         assert run(small, tmp_path / "start", cache_dir) == 1
     assert "No space left on device" in one_line(capsys.readouterr().err)
 
-    import embedjob.runner
+    import embedjob.pipeline
 
-    real = embedjob.runner.write_part
+    real = embedjob.pipeline.write_part
     calls = []
 
     def full_after_one(*args, **kwargs):
@@ -463,7 +463,7 @@ def test_a_full_disk_is_exit_1_at_start_and_mid_run(
             full()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(embedjob.runner, "write_part", full_after_one)
+    monkeypatch.setattr(embedjob.pipeline, "write_part", full_after_one)
     assert run(small, tmp_path / "mid", cache_dir) == 1
     assert "No space left on device" in one_line(capsys.readouterr().err)
 

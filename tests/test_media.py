@@ -1,4 +1,4 @@
-"""Image decoding, sniffing, reading and the worker pool of embedjob.media.
+"""Image decoding, sniffing, reading and the worker pool of embedjob.decode.media.
 
 Repo-local media (tests/data, licences in tests/data/LICENSES.tsv) carry the essential
 coverage; the larger real corpus in ../shared/data is used when present and skipped
@@ -27,9 +27,10 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from embedjob import media, wire
+from embedjob.decode import media
+from embedjob.decode.media import DecodedImage, DecodedVideo, DecodeOptions, DecodePool, MediaError
 from embedjob.encoders import EncoderInput
-from embedjob.media import DecodedImage, DecodedVideo, DecodeOptions, DecodePool, MediaError
+from embedjob.workers import wire
 
 LOCAL = Path(__file__).parent / "data"
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedjob.packer import (
+from embedjob.engine.packer import (
     POLICIES,
     Batch,
     BudgetPlan,

@@ -1,4 +1,4 @@
-"""Video decoding of embedjob.media: frame sampling, orientation, streams, bad input.
+"""Video decoding of embedjob.decode.media: frame sampling, orientation, streams, bad input.
 
 Repo-local clips (tests/data, licences in tests/data/LICENSES.tsv) carry the essential
 coverage; ../shared/data/videos is used when present and skipped on a clean clone.
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from embedjob import media
-from embedjob.media import DecodedVideo, DecodeOptions, MediaError, sample_frame_indices
+from embedjob.decode import media
+from embedjob.decode.media import DecodedVideo, DecodeOptions, MediaError, sample_frame_indices
 
 LOCAL = Path(__file__).parent / "data"
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -21,13 +21,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-
-from embedjob import media, runner
-from embedjob.cli import main
-from embedjob.encoders.qwen import smart_resize
-from embedjob.graphs import GraphManager
-
 from conftest import REPO, SHARED_DATA
+
+from embedjob import pipeline
+from embedjob.cli import main
+from embedjob.decode import media
+from embedjob.encoders.qwen import smart_resize
+from embedjob.engine.graphs import GraphManager
 
 LOCAL = REPO / "tests" / "data"
 VIDEO_SUFFIXES = (".mov", ".mp4", ".mkv", ".avi")
@@ -379,22 +379,22 @@ def test_images_and_videos_share_batches_and_match_each_item_run_alone(
 HANGING_ID = "hangs"
 
 
-def decode_or_hang(row: Any, options: media.DecodeOptions, preprocess: Any) -> runner.Decoded:
-    """runner.decode_row, except that the row with id HANGING_ID never returns.
+def decode_or_hang(row: Any, options: media.DecodeOptions, preprocess: Any) -> pipeline.Decoded:
+    """pipeline.decode_row, except that the row with id HANGING_ID never returns.
 
     Module level so that the decode workers (forkserver: fresh processes) unpickle it by
     reference from this module: a monkeypatch alone would not reach them.
     """
     if row.id == HANGING_ID:
         time.sleep(3600)
-    return runner.decode_row(row, options, preprocess)
+    return pipeline.decode_row(row, options, preprocess)
 
 
 def test_a_hanging_decoder_is_cut_off_and_its_worker_replaced(
     tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One worker: rows after the hanging one can only be decoded by its replacement."""
-    monkeypatch.setattr(runner, "decode_row", decode_or_hang)
+    monkeypatch.setattr(pipeline, "decode_row", decode_or_hang)
     names = {"first": "decord_video_0.mov", HANGING_ID: "torchcodec_h265_video.mp4",
              "after": "img2dataset_123_456.jpg", "last": "hfdatasets_test_video_66x50.mov"}
     entries = [Entry(key, (LOCAL / name).read_bytes(), {}) for key, name in names.items()]

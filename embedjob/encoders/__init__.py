@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from embedjob.config import Job
 from embedjob.encoders.base import EncoderAdapter, EncoderInput, StaticInputs, resolve_dtype
-from embedjob.job import Job
 
 __all__ = ["EncoderAdapter", "EncoderInput", "StaticInputs", "load_adapter"]
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from embedjob.job import relative_note
+from embedjob.config import relative_note
 
 logger = logging.getLogger(__name__)
 

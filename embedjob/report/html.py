@@ -23,12 +23,12 @@ from typing import Any
 
 import yaml
 
-from embedjob import figures
-from embedjob.checkpoint import META, OutputError, read_output_record
-from embedjob.files import write_bytes
-from embedjob.job import JobError
-from embedjob.report import codes_text, plural
-from embedjob.report_data import OutputView, ShardView, error_examples, read_output, shards_text
+from embedjob.config import JobError
+from embedjob.io.checkpoint import META, OutputError, read_output_record
+from embedjob.io.files import write_bytes
+from embedjob.report import figures
+from embedjob.report.counts import codes_text, plural
+from embedjob.report.data import OutputView, ShardView, error_examples, read_output, shards_text
 from embedjob.slurm import STATES, ShardStatus
 
 DEFAULT_NAME = f"{META}/report.html"

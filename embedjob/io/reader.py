@@ -71,8 +71,8 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-from embedjob.job import InputConfig, JobError, relative_note
-from embedjob.report import plural
+from embedjob.config import InputConfig, JobError, relative_note
+from embedjob.report.counts import plural
 
 logger = logging.getLogger(__name__)
 

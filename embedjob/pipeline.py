@@ -1,7 +1,7 @@
 """Wires the stages of one shard: read -> decode -> pack -> encode -> write.
 
 Every GPU runs a whole pipeline (`RankPipeline`), alone or beside others (`--gpus N`,
-distributed.py): it takes chunks of the shard's rows in row order as it needs them,
+cluster.py): it takes chunks of the shard's rows in row order as it needs them,
 reads them, decodes them in its own worker processes, encodes windows of
 `batching.window` decoded items (packed and replayed through its own graphs) and hands
 every finished chunk's rows back as a columnar `RowBlock`. The process of rank 0 also
@@ -45,14 +45,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from embedjob import distributed, media, reader
-from embedjob.checkpoint import Checkpoint, PartRecord, count_codes, job_fingerprint, open_checkpoint
+from embedjob.config import Job, JobError
+from embedjob.decode import media
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
-from embedjob.graphs import BatchEncoder, DualPathEncoder, Encoded, GraphStats, build_encoder
-from embedjob.job import Job, JobError
-from embedjob.report import codes_text, count_errors, plural, route_warnings
+from embedjob.engine.graphs import BatchEncoder, DualPathEncoder, Encoded, GraphStats, build_encoder
+from embedjob.io import reader
+from embedjob.io.checkpoint import Checkpoint, PartRecord, count_codes, job_fingerprint, open_checkpoint
+from embedjob.io.writer import ErrorRateExceeded, RowBlock, output_schema, part_name, write_part
+from embedjob.parallel.cluster import Cluster, Coordinator, cpu_share, resolve_layout
+from embedjob.report.counts import codes_text, count_errors, plural, route_warnings
 from embedjob.timeline import Timeline
-from embedjob.writer import ErrorRateExceeded, RowBlock, output_schema, part_name, write_part
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +224,7 @@ def software_versions() -> dict[str, str]:
 def resolve_workers(value: str | int, world_size: int = 1) -> int:
     """Decode workers of one rank. "auto": this rank's share of the cores the process
     may run on (under SLURM, the task's allocation, not the whole node)."""
-    return distributed.cpu_share(world_size) if value == "auto" else int(value)
+    return cpu_share(world_size) if value == "auto" else int(value)
 
 
 def load_encoder_adapter(job: Job, device: torch.device) -> EncoderAdapter:
@@ -962,7 +964,7 @@ class Writer:
 
     def __init__(
         self,
-        coordinator: distributed.Coordinator,
+        coordinator: Coordinator,
         checkpoint: Checkpoint,
         schema: Any,
         rate: ErrorRate,
@@ -1029,7 +1031,7 @@ class Runner:
     process is its rank 0), on every rank of it."""
 
     def __init__(
-        self, job: Job, shard: Shard = Shard(), overwrite: bool = False, cluster: distributed.Cluster | None = None
+        self, job: Job, shard: Shard = Shard(), overwrite: bool = False, cluster: Cluster | None = None
     ) -> None:
         self.job = job
         self.shard = shard
@@ -1040,7 +1042,7 @@ class Runner:
     def run(self) -> dict[str, Any]:
         """Run (or resume) the shard; returns its statistics. Raises JobError if it cannot run."""
         device = self.cluster.device if self.cluster else resolve_device(self.job.runtime.device)
-        coordinator = distributed.Coordinator(self.world_size, self._lookahead(), self._head_start())
+        coordinator = Coordinator(self.world_size, self._lookahead(), self._head_start())
         if self.cluster is not None:
             self.cluster.hub.serve(coordinator)
         try:
@@ -1066,7 +1068,7 @@ class Runner:
     def _chunk_rows(self) -> int:
         return min(CHUNK_ROWS, self.job.batching.window)
 
-    def _run(self, device: torch.device, coordinator: distributed.Coordinator) -> dict[str, Any]:
+    def _run(self, device: torch.device, coordinator: Coordinator) -> dict[str, Any]:
         start, started = time.perf_counter(), time.time()
         listing = reader.scan_input(self.job.input, self.job.output.columns)
         fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
@@ -1108,7 +1110,7 @@ class Runner:
     def _encode(
         self,
         device: torch.device,
-        coordinator: distributed.Coordinator,
+        coordinator: Coordinator,
         checkpoint: Checkpoint,
         chunks: list[reader.Chunk],
         schema: Any,
@@ -1294,17 +1296,17 @@ def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[s
 
     Ranks other than 0 (under torchrun) return an empty dict: rank 0 writes everything.
     """
-    layout = distributed.resolve_layout(job.runtime.gpus, resolve_device(job.runtime.device))
+    layout = resolve_layout(job.runtime.gpus, resolve_device(job.runtime.device))
     if layout.world_size == 1:
         return Runner(job, shard, overwrite).run()
-    with distributed.Cluster.start(layout, serve_rank, (job,)) as cluster:
+    with Cluster.start(layout, serve_rank, (job,)) as cluster:
         if cluster.rank == 0:
             return Runner(job, shard, overwrite, cluster).run()
         serve_rank(cluster, job)
         return {}
 
 
-def serve_rank(cluster: distributed.Cluster, job: Job) -> None:
+def serve_rank(cluster: Cluster, job: Job) -> None:
     """A rank other than 0: its own pipeline over the chunks it takes from rank 0."""
     # A rank's stderr is the job's too (a rank started by the command has not been
     # through its logging setup; one under torchrun has, and this changes nothing).

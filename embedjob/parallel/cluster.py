@@ -56,10 +56,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from embedjob import wire
-from embedjob.job import JobError
-from embedjob.reader import Chunk
-from embedjob.writer import RowBlock
+from embedjob.config import JobError
+from embedjob.io.reader import Chunk
+from embedjob.io.writer import RowBlock
+from embedjob.workers import wire
 
 logger = logging.getLogger(__name__)
 

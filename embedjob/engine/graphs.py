@@ -26,11 +26,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from embedjob.config import Job, JobError
 from embedjob.encoders.base import PAD_REPEAT_LAST, PAD_ZERO, EncoderAdapter, EncoderInput, StaticInputs
 from embedjob.encoders.fixed import FixedResAdapter
-from embedjob import packer
-from embedjob.job import Job, JobError
-from embedjob.packer import BudgetPlan, DualBatch, DualPlan, pack, pack_dual
+from embedjob.engine import packer
+from embedjob.engine.packer import BudgetPlan, DualBatch, DualPlan, pack, pack_dual
 
 logger = logging.getLogger(__name__)
 

@@ -83,8 +83,8 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from embedjob import wire
-from embedjob.job import DEFAULT_MAX_FRAME_PIXELS, DEFAULT_MAX_ITEM_BYTES, DEFAULT_MAX_VIDEO_PIXELS
+from embedjob.config import DEFAULT_MAX_FRAME_PIXELS, DEFAULT_MAX_ITEM_BYTES, DEFAULT_MAX_VIDEO_PIXELS
+from embedjob.workers import wire
 
 logger = logging.getLogger(__name__)
 

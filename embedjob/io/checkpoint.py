@@ -54,19 +54,19 @@ import json
 import logging
 import os
 import re
-import time
 import socket
 import stat
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from embedjob import reader
-from embedjob.files import file_digest, write_json
-from embedjob.job import Job, JobError
-from embedjob.writer import TMP_MARK
+from embedjob.config import Job, JobError
+from embedjob.io import reader
+from embedjob.io.files import file_digest, write_json
+from embedjob.io.writer import TMP_MARK
 
 logger = logging.getLogger(__name__)
 

@@ -56,8 +56,9 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from embedjob import reader
-from embedjob.checkpoint import (
+from embedjob.config import Job, JobError
+from embedjob.io import reader
+from embedjob.io.checkpoint import (
     OutputError,
     OutputRecord,
     claim_output,
@@ -65,12 +66,11 @@ from embedjob.checkpoint import (
     shard_progress,
     success_name,
 )
-from embedjob.engines import ShardOutcome
-from embedjob.job import Job, JobError
+from embedjob.parallel.engines import ShardOutcome
 from embedjob.slurm import shard_ranges
 
 if TYPE_CHECKING:
-    from embedjob.runner import Shard
+    from embedjob.pipeline import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class RayEngine:
     def _run(
         self, ray: Any, job: Job, todo: list[Shard], output: Path, rows: list[tuple[int, int]], overwrite: bool
     ) -> dict[int, ShardOutcome]:
-        from embedjob.distributed import RankFailure
+        from embedjob.parallel.cluster import RankFailure
 
         nodes = ray.nodes()
         shape = task_shape(job, nodes, self.cpus_per_task)
@@ -337,7 +337,7 @@ def run_shard_task(job: Job, shard: Shard, context: TaskContext, board: Any, ove
     with driver_cwd(context.cwd):
         check_reach(job, context)
         _quiet_transformers()
-        from embedjob.runner import run_job
+        from embedjob.pipeline import run_job
 
         return run_job(job, shard, overwrite=overwrite and attempt == 1)
 

@@ -1,0 +1,1 @@
+"""Bytes to pixels: media sniffing, image and video decoding (see ARCHITECTURE.md)."""

@@ -48,6 +48,7 @@ from tqdm import tqdm
 from embedjob.config import Job, JobError
 from embedjob.decode import media
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
+from embedjob.encoders.registry import ADAPTER_MODULES
 from embedjob.engine.graphs import BatchEncoder, DualPathEncoder, Encoded, GraphStats, build_encoder
 from embedjob.io import reader
 from embedjob.io.checkpoint import Checkpoint, PartRecord, count_codes, job_fingerprint, open_checkpoint
@@ -62,7 +63,7 @@ CHUNK_ROWS = 64
 """Rows a rank takes at a time (fewer when `batching.window` is smaller). Small, so the
 ranks finish close together; a take is one short message, so small costs nothing."""
 
-WORKER_MODULES = (__name__, "embedjob.encoders.qwen", "embedjob.encoders.fixed")
+WORKER_MODULES = (__name__, *ADAPTER_MODULES)
 """What decode workers import: this module (`decode_row`) and every family's preprocessing."""
 
 LINGER = 0.05

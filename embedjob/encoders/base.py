@@ -28,15 +28,12 @@ import abc
 import logging
 import os
 import pickle
-import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Protocol
 
 import torch
-
-from embedjob.config import relative_note
 
 logger = logging.getLogger(__name__)
 
@@ -158,15 +155,29 @@ class EncoderAdapter(abc.ABC):
     max_frames_per_video: int
     cache_dir: Path
 
-    def __init__(self, spec: Any, processing: Any, device: torch.device, dtype: torch.dtype, source: str) -> None:
+    def __init__(
+        self,
+        spec: Any,
+        processing: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        source: str,
+        *,
+        max_frames_per_video: int,
+        cache_dir: Path,
+    ) -> None:
         """What every family has: its spec (`spec.name` is the family), the preprocessing
-        its decode workers run, the device and dtype it runs in, and where it was loaded from."""
+        its decode workers run, the device and dtype it runs in, where it was loaded from,
+        the most frames one video gives (the frame budgets' unit; 0 without video), and
+        where compiled artefacts are cached."""
         self.family = spec.name
         self.spec = spec
         self.processing = processing
         self.device = device
         self.dtype = dtype
         self.source = source
+        self.max_frames_per_video = max_frames_per_video
+        self.cache_dir = cache_dir
         # Batches bound for a GPU are assembled in page-locked memory, so their copies
         # to the device are asynchronous.
         self.pin_memory = device.type == "cuda"
@@ -233,89 +244,3 @@ class EncoderAdapter(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """What identifies this encoder's outputs (for manifests and resume checks)."""
         return {"family": self.family, "dtype": str(self.dtype).removeprefix("torch."), "embed_dim": self.embed_dim}
-
-
-def cache_root(configured: str | None) -> Path:
-    """Where builtin models and compiled artefacts are kept.
-
-    The job key wins, then $EMBEDJOB_CACHE, then ~/.cache/embedjob, so cluster users can
-    point every task at one shared directory.
-    """
-    if configured:
-        return Path(configured).expanduser()
-    env = os.environ.get("EMBEDJOB_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "embedjob"
-
-
-def save_atomically(build: Any, target: Path) -> None:
-    """Run `build(tmpdir)` and rename the result to `target`.
-
-    Several SLURM tasks may create the same builtin model at once; the rename makes
-    exactly one of them win and the others find a complete directory.
-    """
-    if target.exists():
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    build(tmp)
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        if not target.exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The compute dtype: the job's choice on CUDA, float32 on CPU.
-
-    bfloat16/float16 matmuls on CPU are slow and not what anyone benchmarks, and CPU runs
-    exist for CI and small jobs, so CPU always computes in float32.
-    """
-    if device.type != "cuda":
-        if name != "float32":
-            logger.info("running on CPU: computing in float32 instead of %s", name)
-        return torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
-
-
-def resolve_checkpoint(
-    path: str,
-    family: str,
-    families: Iterable[str],
-    builtin: Callable[[], Path],
-    download: Callable[[str], Path],
-) -> Path:
-    """A local directory holding the checkpoint named by `model.path`.
-
-    `builtin:tiny-<family>` is made locally (`builtin`), an existing directory is used as
-    it is, anything else that does not look like a local path is a hub id (`download`).
-    A builtin model has random weights, which the log says: its vectors mean nothing.
-    """
-    if path.startswith("builtin:"):
-        name = path.removeprefix("builtin:")
-        named = name.removeprefix("tiny-")
-        known = list(families)
-        if not name.startswith("tiny-") or named not in known:
-            raise ValueError(f"unknown builtin model {path!r}; available: builtin:tiny-{', builtin:tiny-'.join(known)}")
-        if named != family:
-            raise ValueError(f"model.path {path!r} is a {named} model but model.family is {family!r}")
-        logger.warning(
-            "model.path %s is a tiny demo model with random weights (fixed seed), for demos and tests: "
-            "its vectors mean nothing; name a real checkpoint for real embeddings", path,
-        )
-        return builtin()
-    local = Path(path).expanduser()
-    if local.is_dir():
-        return local
-    if local.exists() or path.startswith(("/", "./", "../")):
-        raise ValueError(f"model.path {path!r} is not a checkpoint directory{relative_note(path)}")
-    try:
-        return download(path)
-    except (OSError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(
-            f"model.path {path!r} is neither a directory{relative_note(path)} nor a model the hub gives ({first})"
-        ) from None

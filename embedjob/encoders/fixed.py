@@ -47,13 +47,13 @@ from typing import Any
 import torch
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.encoders.base import (
-    EncoderAdapter,
-    EncoderInput,
-    StaticInputs,
-    cache_root,
+from embedjob.encoders.base import EncoderAdapter, EncoderInput, StaticInputs
+from embedjob.encoders.loading import (
+    AdapterOptions,
+    builtin_model,
+    download_snapshot,
     resolve_checkpoint,
-    save_atomically,
+    transformers_class,
 )
 from embedjob.encoders.tiling import cut_tiles, select_grid
 
@@ -264,8 +264,13 @@ class FixedResAdapter(EncoderAdapter):
         pool: str,
         tile_combine: str,
         per_token: bool = False,
+        *,
+        max_frames_per_video: int,
+        cache_dir: Path,
     ) -> None:
-        super().__init__(spec, processing, device, dtype, source)
+        super().__init__(
+            spec, processing, device, dtype, source, max_frames_per_video=max_frames_per_video, cache_dir=cache_dir
+        )
         self.tower = tower
         self.projection = projection
         self.pool = pool
@@ -279,7 +284,6 @@ class FixedResAdapter(EncoderAdapter):
         self.embed_dim = self.feature_dim * (2 if tiled and tile_combine == "concat" else 1)
         self.min_budget = self.tokens_per_image
         self.max_budget = self.tokens_per_image * MAX_IMAGES_PER_BATCH
-        self.max_frames_per_video = 0
         self.pixel_scale = processing.pixel_scale(device)
 
     def preprocessor(self) -> FixedPreprocessor:
@@ -410,45 +414,30 @@ BUILTIN_PROCESSORS: dict[str, dict[str, Any]] = {
 }
 
 
-def _transformers(name: str) -> Any:
-    import transformers
-
-    return getattr(transformers, name)
-
-
 def _build_builtin(spec: FixedFamily) -> torch.nn.Module:
     """The tiny model: the full dual encoder where the family has one, so the demo loads
     through the same path as a user's CLIP or SigLIP checkpoint."""
     vision = BUILTIN_VISION[spec.name]
     if spec.name == "clip":
-        config = _transformers("CLIPConfig")(text_config=BUILTIN_TEXT, vision_config=vision, projection_dim=48)
+        config = transformers_class("CLIPConfig")(text_config=BUILTIN_TEXT, vision_config=vision, projection_dim=48)
     elif spec.name == "siglip":
-        config = _transformers("SiglipConfig")(text_config=BUILTIN_TEXT, vision_config=vision)
+        config = transformers_class("SiglipConfig")(text_config=BUILTIN_TEXT, vision_config=vision)
     else:
-        config = _transformers("Dinov2Config")(**vision)
-    cls = _transformers(spec.full_class or spec.vision_class)
+        config = transformers_class("Dinov2Config")(**vision)
+    cls = transformers_class(spec.full_class or spec.vision_class)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return cls._from_config(config, dtype=torch.float32)
 
 
-def builtin_dir(spec: FixedFamily, cache_dir: str | None) -> Path:
-    """Create the tiny builtin model once (fixed seed) with its image processor config."""
-    target = cache_root(cache_dir) / "builtin" / f"tiny-{spec.name}-v{BUILTIN_VERSION}"
+def builtin_dir(spec: FixedFamily, cache_dir: Path | str) -> Path:
+    """The tiny builtin model of `spec` with its image processor config."""
 
     def build(tmp: Path) -> None:
         _build_builtin(spec).save_pretrained(tmp)
-        _transformers(spec.processor_class)(**BUILTIN_PROCESSORS[spec.name]).save_pretrained(tmp)
-        logger.info("created builtin model %s in %s", spec.name, target)
+        transformers_class(spec.processor_class)(**BUILTIN_PROCESSORS[spec.name]).save_pretrained(tmp)
 
-    save_atomically(build, target)
-    return target
-
-
-def _download(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"]))
+    return builtin_model(cache_dir, spec.name, BUILTIN_VERSION, build)
 
 
 def load_model(spec: FixedFamily, directory: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module | None]:
@@ -461,15 +450,15 @@ def load_model(spec: FixedFamily, directory: Path, dtype: torch.dtype) -> tuple[
     config = json.loads((directory / "config.json").read_text())
     model_type = config.get("model_type")
     if spec.full_class is not None and model_type == spec.full_type:
-        full = _transformers(spec.full_class).from_pretrained(directory, dtype=dtype)
+        full = transformers_class(spec.full_class).from_pretrained(directory, dtype=dtype)
         return full.vision_model, getattr(full, "visual_projection", None)
     if model_type == spec.vision_type:
         if spec.projected_class is not None and spec.projected_class in (config.get("architectures") or []):
-            model = _transformers(spec.projected_class).from_pretrained(directory, dtype=dtype)
+            model = transformers_class(spec.projected_class).from_pretrained(directory, dtype=dtype)
             return model.vision_model, model.visual_projection
         if spec.projected_class is not None:
             logger.warning("%s has no visual projection: embeddings are the tower's pooled features", directory)
-        return _transformers(spec.vision_class).from_pretrained(directory, dtype=dtype), None
+        return transformers_class(spec.vision_class).from_pretrained(directory, dtype=dtype), None
     expected = " or ".join(repr(t) for t in (spec.full_type, spec.vision_type) if t)
     hint = next((f"; set model.family to {f.name!r}" for f in FAMILIES.values() if model_type in (f.full_type, f.vision_type)), "")
     raise ValueError(f"checkpoint {directory} has model_type {model_type!r}; model.family {spec.name!r} expects {expected}{hint}")
@@ -485,7 +474,7 @@ def _field(size: Any, name: str) -> Any:
 def _default_processor(spec: FixedFamily, image_size: int) -> Any:
     """The family's processor for a checkpoint saved without one: the model's own input
     size, and for DINOv2 its published 256 -> 224 crop with ImageNet statistics."""
-    cls = _transformers(spec.processor_class)
+    cls = transformers_class(spec.processor_class)
     if spec.name == "siglip":
         return cls(size={"height": image_size, "width": image_size})
     if spec.name == "dinov2":
@@ -503,7 +492,7 @@ def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_
     configured image size).
     """
     if (directory / "preprocessor_config.json").exists():
-        processor = _transformers("AutoImageProcessor").from_pretrained(directory)
+        processor = transformers_class("AutoImageProcessor").from_pretrained(directory)
     else:
         logger.warning("%s has no preprocessor_config.json; using %s defaults", directory, spec.processor_class)
         processor = _default_processor(spec, int(vision_config.image_size))
@@ -540,25 +529,22 @@ def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_
     )
 
 
-def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: dict[str, Any]) -> FixedResAdapter:
+def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: AdapterOptions) -> FixedResAdapter:
     """Load a fixed-resolution tower on `device` in `dtype`, with the job's pooling and tiling."""
     spec = FAMILIES[family]
     directory = resolve_checkpoint(
-        path, spec.name, FAMILIES, lambda: builtin_dir(spec, options.get("cache_dir")), _download
+        path, spec.name, FAMILIES, lambda: builtin_dir(spec, options.cache_dir), download_snapshot
     )
     tower, projection = load_model(spec, directory, dtype)
     tower = tower.to(device).eval().requires_grad_(False)
     if projection is not None:
         projection = projection.to(device).eval().requires_grad_(False)
-    pool = "patch_mean" if options.get("dinov2_pool") == "patch_mean" else "pooler"
+    pool = "patch_mean" if options.dinov2_pool == "patch_mean" else "pooler"
     if spec.name == "siglip" and not getattr(tower.config, "vision_use_head", True):
         raise ValueError(f"checkpoint {directory} has no SigLIP pooling head (vision_use_head=false), so no image embedding")
-    max_tiles = int(options.get("max_tiles", 0)) if options.get("tiling") == "anyres" else 0
+    max_tiles = options.max_tiles if options.tiling == "anyres" else 0
     processing = load_processing(spec, directory, tower.config, max_tiles)
-    adapter = FixedResAdapter(
-        spec, tower, projection, processing, device, dtype, path, pool, options.get("tile_combine", "concat"),
-        per_token=bool(options.get("per_token")),
+    return FixedResAdapter(
+        spec, tower, projection, processing, device, dtype, path, pool, options.tile_combine,
+        per_token=options.per_token, max_frames_per_video=options.video_max_frames, cache_dir=options.cache_dir,
     )
-    adapter.max_frames_per_video = int(options.get("video_max_frames", 0))
-    adapter.cache_dir = cache_root(options.get("cache_dir"))
-    return adapter

@@ -4,7 +4,7 @@ Every row is decoded and preprocessed on the CPU first (`embedjob.decode.media.d
 adapter's own preprocessor, in a process pool), so the timed part is the encoder alone:
 the job's checkpoint loaded through `load_adapter` with the job itself (same dtype,
 preprocessing and budgets), compiled as the runner compiles it, the job's budget plan
-(rounded to whole images for a fixed-resolution tower, as `graphs.build_encoder` does),
+(rounded to whole images for a fixed-resolution tower, as `encode.build_encoder` does),
 one graph per budget, and every packed batch run through `GraphManager.run` with the
 job's pooling as the read-out. The time is the median of `repeats` passes over all
 batches after one warm-up pass: CUDA events on a GPU, wall time on a CPU.
@@ -34,7 +34,8 @@ from embedjob.decode import media
 from embedjob.encoders import EncoderInput, load_adapter
 from embedjob.encoders.fixed import FixedResAdapter
 from embedjob.engine import packer
-from embedjob.engine.graphs import GraphManager, budget_plan, pool_rows, whole_image_plan
+from embedjob.engine.encode import budget_plan, whole_image_plan
+from embedjob.engine.graphs import GraphManager, pool_rows
 
 
 @dataclass
@@ -102,7 +103,7 @@ def _timed(
     flops = items_flops(adapter, items)
     plan = budget_plan(job, adapter)
     if isinstance(adapter, FixedResAdapter):
-        if len(adapter.views) > 1:
+        if len(adapter.paths) > 1:
             return _not_measured(items, failed, flops, seconds, "the dual-path (tiled) encoder is not measured here")
         plan = whole_image_plan(plan, adapter.tokens_per_image)
     backend = None if not job.batching.cuda_graphs else ("cuda" if device.type == "cuda" else "replay")

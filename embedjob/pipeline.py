@@ -49,7 +49,8 @@ from embedjob.config import Job, JobError
 from embedjob.decode import media
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
 from embedjob.encoders.registry import ADAPTER_MODULES
-from embedjob.engine.graphs import BatchEncoder, DualPathEncoder, Encoded, GraphStats, build_encoder
+from embedjob.engine.defs import Encoded, Encoder, GraphStats
+from embedjob.engine.encode import build_encoder
 from embedjob.io import reader
 from embedjob.io.checkpoint import Checkpoint, PartRecord, count_codes, job_fingerprint, open_checkpoint
 from embedjob.io.writer import ErrorRateExceeded, RowBlock, output_schema, part_name, write_part
@@ -391,7 +392,7 @@ class WindowEncoder:
     works on k.
     """
 
-    def __init__(self, encoder: Any, job: Job, device: torch.device) -> None:
+    def __init__(self, encoder: Encoder, job: Job, device: torch.device) -> None:
         self.encoder = encoder
         self.pooling = job.output.pooling
         self.normalize = job.output.normalize
@@ -814,9 +815,9 @@ class RankPipeline:
         self._sample()
 
 
-def _items_encoded(encoder: BatchEncoder | DualPathEncoder) -> int:
-    """Items an encoder has run so far (hits and misses are counted per batch run)."""
-    counts = encoder.counts if isinstance(encoder, DualPathEncoder) else encoder.graph_stats()
+def _items_encoded(encoder: Encoder) -> int:
+    """Items an encoder has run so far (hits and misses are counted per item)."""
+    counts = encoder.graph_stats()
     return counts.hits + counts.misses
 
 

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import REPO, make_job, random_image, random_video
+from engine_helpers import batches, padded_eager, paths_encoder, run, run_padded_eager
 
 from embedjob.encoders import load_adapter
 from embedjob.encoders.attention import _segmented_sdpa, varlen_attention
@@ -64,7 +65,7 @@ def test_cuda_graph_replay_equals_eager_on_the_same_padded_batch(cuda_manager: G
     for batch in pack([i.tokens for i in items], [i.frames for i in items], PLAN):
         chosen = [items[i] for i in batch.indices]
         replayed = torch.cat(cuda_manager.run(chosen, batch.budget))
-        padded = cuda_manager.run_padded_eager(chosen, batch.budget)
+        padded = padded_eager(cuda_manager, chosen, batch.budget)
         assert torch.equal(replayed, padded[: replayed.shape[0]])
 
 
@@ -136,22 +137,18 @@ def _fixed_job(cache_dir: str, family: str, pooling: str = "mean", **preprocess)
 
 
 def test_dual_path_cuda_replay_equals_eager_on_the_same_padded_batch(cache_dir: str) -> None:
-    from embedjob.engine.graphs import DualPathEncoder, dual_paths
-    from embedjob.engine.packer import resolve_dual_budgets
-
     adapter = load_adapter(_fixed_job(cache_dir, "clip", tiling="anyres", max_tiles=6), torch.device("cuda"))
     t = adapter.tokens_per_image
     single = BudgetPlan(tuple(t * 2**k for k in range(6)), max_items=8, max_frames=16)
-    encoder = DualPathEncoder(adapter, dual_paths(adapter, resolve_dual_budgets(single, single), "cuda"), "min_padding")
-    encoder.capture()
+    encoder = paths_encoder(adapter, single, "cuda", "min_padding")
     assert encoder.stats()["num_graphs"] == 12
     items = [adapter.preprocessor()(m) for m in FIXED_MEDIA]
-    for batch in encoder.batches(items):
-        budgets = (batch.global_budget, batch.local_budget)
+    for batch in batches(encoder, items):
+        budgets = batch.budgets
         assert None not in budgets
         chosen = [items[i] for i in batch.indices]
-        replayed = encoder.run(chosen, budgets)
-        padded = encoder.run_padded_eager(chosen, budgets)
+        replayed = run(encoder, chosen, budgets)
+        padded = run_padded_eager(encoder, chosen, budgets)
         assert all(torch.equal(a, b) for a, b in zip(replayed, padded))
     stats = encoder.stats()
     assert stats["graph_hits"] == len(items) and stats["partial_fallbacks"] == 0
@@ -172,7 +169,7 @@ def test_fixed_res_cuda_graphs_equal_padded_eager_and_the_fp32_cpu_reference(cac
     manager.capture()
     items = [gpu.preprocessor()(m) for m in FIXED_MEDIA]  # 6 images: 3 photos and 3 frames
     replayed = torch.cat(manager.run(items, 8 * t))
-    padded = manager.run_padded_eager(items, 8 * t)
+    padded = padded_eager(manager, items, 8 * t)
     rows = 6 * gpu.rows_per_view
     assert replayed.shape == (rows, gpu.embed_dim) and torch.equal(replayed, padded[:rows])
     cpu_items = [cpu.preprocessor()(m) for m in FIXED_MEDIA]

@@ -31,7 +31,7 @@ from test_slurm import scontrol_records, stand_in_scontrol
 
 from embedjob import pipeline
 from embedjob.cli import main
-from embedjob.engine.graphs import GraphStats
+from embedjob.engine.defs import GraphStats
 from embedjob.io.checkpoint import META, shard_lock
 from embedjob.io.files import write_json
 from embedjob.pipeline import RankStats

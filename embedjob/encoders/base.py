@@ -127,6 +127,20 @@ class Preprocessor(Protocol):
     def __call__(self, media: Any) -> EncoderInput: ...
 
 
+@dataclass(frozen=True)
+class PathSpec:
+    """One graph set an adapter's items run through, declared by the adapter.
+
+    `key` None means the whole item (an adapter with one path); otherwise it names the
+    item tensor this path encodes, which the adapter's `path_input` makes an ordinary
+    item of. The first path is the one every item has; a further path may have no
+    input from an item (an image without tiles). See ARCHITECTURE.md, row "graphs".
+    """
+
+    name: str
+    key: str | None = None
+
+
 @dataclass
 class StaticInputs:
     """The buffers a captured graph reads, plus the pad rule of each buffer.
@@ -154,6 +168,8 @@ class EncoderAdapter(abc.ABC):
     max_budget: int
     max_frames_per_video: int
     cache_dir: Path
+    # The graph sets an item runs through; several paths need `path_input` and `combine`.
+    paths: tuple[PathSpec, ...] = (PathSpec("global"),)
 
     def __init__(
         self,
@@ -240,6 +256,15 @@ class EncoderAdapter(abc.ABC):
         """
         counts = self.row_counts(items)
         return list(output.split([*counts, output.shape[0] - sum(counts)])[: len(counts)])
+
+    def path_input(self, item: EncoderInput, key: str) -> EncoderInput | None:
+        """With several `paths`: the part of `item` the path of `key` encodes, as an
+        ordinary item, or None when the item has no input there."""
+        raise NotImplementedError(f"{type(self).__name__} declares one path; path_input serves several")
+
+    def combine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """With several `paths`: one item's rows from each path (by key) -> its output rows."""
+        raise NotImplementedError(f"{type(self).__name__} declares one path; combine serves several")
 
     def describe(self) -> dict[str, Any]:
         """What identifies this encoder's outputs (for manifests and resume checks)."""

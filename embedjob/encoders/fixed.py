@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.encoders.base import EncoderAdapter, EncoderInput, StaticInputs
+from embedjob.encoders.base import EncoderAdapter, EncoderInput, PathSpec, StaticInputs
 from embedjob.encoders.loading import (
     AdapterOptions,
     builtin_model,
@@ -246,10 +246,11 @@ class FixedResAdapter(EncoderAdapter):
     """A CLIP, SigLIP or DINOv2 vision tower run on batches of fixed-size images.
 
     `views` lists the item tensors this adapter produces: the global views, plus the
-    local tiles in the dual-path mode (the dual-path encoder runs one graph set per key
-    through `path_input` and merges them with `combine`). `per_token` makes `forward`
-    return every view's patch tokens instead of its pooled vector (not with tiles, which
-    have no place in a view's token grid: the job refuses that combination).
+    local tiles with `tiling: anyres`, where `paths` declares a global and a local path
+    (the batch encoder runs one graph set per path's key through `path_input` and
+    merges them with `combine`). `per_token` makes `forward` return every view's patch
+    tokens instead of its pooled vector (not with tiles, which have no place in a view's
+    token grid: the job refuses that combination).
     """
 
     def __init__(
@@ -281,6 +282,8 @@ class FixedResAdapter(EncoderAdapter):
         self.feature_dim = int(projection.out_features if projection is not None else tower.config.hidden_size)
         tiled = processing.max_tiles > 0
         self.views = (GLOBAL_KEY, LOCAL_KEY) if tiled else (GLOBAL_KEY,)
+        if tiled:
+            self.paths = (PathSpec("global", GLOBAL_KEY), PathSpec("local", LOCAL_KEY))
         self.embed_dim = self.feature_dim * (2 if tiled and tile_combine == "concat" else 1)
         self.min_budget = self.tokens_per_image
         self.max_budget = self.tokens_per_image * MAX_IMAGES_PER_BATCH

@@ -12,37 +12,27 @@ Two backends share this code: `cuda` captures real `torch.cuda.CUDAGraph`s; `rep
 records the graph body at capture and re-runs it on the same static buffers at replay,
 writing into a static output buffer exactly like a graph does.
 
-Encoders that see a global view plus local tiles run two such managers, one per path
-(`DualPathEncoder`), packed together by `packer.pack_dual`.
+An encoder whose adapter declares several paths (a global view plus local tiles) runs
+one manager per path (`encode.BatchEncoder`); see ARCHITECTURE.md, row "graphs".
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from embedjob.config import Job, JobError
 from embedjob.encoders.base import PAD_REPEAT_LAST, PAD_ZERO, EncoderAdapter, EncoderInput, StaticInputs
-from embedjob.encoders.fixed import FixedResAdapter
-from embedjob.engine import packer
-from embedjob.engine.packer import BudgetPlan, DualBatch, DualPlan, pack, pack_dual
+from embedjob.engine.defs import GraphStats, lap
+from embedjob.engine.packer import BudgetPlan
 
 logger = logging.getLogger(__name__)
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 POOLINGS = ("mean", "none")
-
-
-def _lap(seconds: Counter, stage: str, since: float) -> float:
-    """Add the wall seconds since `since` to `seconds[stage]`; the time now."""
-    now = time.perf_counter()
-    seconds[stage] += now - since
-    return now
 
 
 def clone_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -76,114 +66,6 @@ def pool_rows(rows: torch.Tensor, counts: Sequence[int], pooling: str) -> tuple[
         means.append(block.float().mean(dim=1))
         start, index = start + run * count, index + run
     return torch.cat(means) if len(means) > 1 else means[0], [1] * len(counts)
-
-
-@dataclass
-class Encoded:
-    """Results of one `encode` call, item by item.
-
-    Item i's rows are `rows[offsets[i] : offsets[i] + counts[i]]` (one row when
-    pooled), in the requested output dtype, in memory of their own (no later replay
-    overwrites them); a failed item has counts[i] == 0 and `failures[i]` says why.
-    `rows` stays on the encoder's device: the caller copies it to the host once.
-    """
-
-    rows: torch.Tensor
-    offsets: list[int]
-    counts: list[int]
-    failures: list[str | None]
-
-    def item(self, index: int) -> torch.Tensor | None:
-        """Item `index`'s rows, or None for a failed item."""
-        if self.failures[index] is not None:
-            return None
-        start = self.offsets[index]
-        return self.rows[start : start + self.counts[index]]
-
-
-class _Collector:
-    """Builds an `Encoded` from batches finished in any order."""
-
-    def __init__(self, count: int, width: int, pooling: str, dtype: torch.dtype, device: torch.device) -> None:
-        self.pooling = pooling
-        self.dtype = dtype
-        self.width = width
-        self.device = device
-        self.parts: list[torch.Tensor] = []
-        self.total = 0
-        self.offsets = [0] * count
-        self.counts = [0] * count
-        self.failures: list[str | None] = [None] * count
-
-    def add(self, indices: Sequence[int], rows: torch.Tensor, counts: Sequence[int]) -> None:
-        """The rows of items `indices` (their rows in order, `counts` each), pooled here."""
-        pooled, pooled_counts = pool_rows(rows, counts, self.pooling)
-        self.parts.append(pooled.to(self.dtype, copy=True))
-        for index, count in zip(indices, pooled_counts):
-            self.offsets[index], self.counts[index] = self.total, count
-            self.total += count
-
-    def fail(self, index: int, reason: str) -> None:
-        self.failures[index] = reason
-
-    def result(self) -> Encoded:
-        if not self.parts:
-            rows = torch.empty((0, self.width), dtype=self.dtype, device=self.device)
-        else:
-            rows = torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
-        return Encoded(rows, self.offsets, self.counts, self.failures)
-
-
-@dataclass
-class GraphStats:
-    """Per-item hits and misses, and what the budgets cost in padding.
-
-    Invariant: hits + misses == number of items run; padding_waste is the sum over graph
-    batches of (budget - real tokens).
-    """
-
-    hits: int = 0
-    misses: int = 0
-    graph_batches: int = 0
-    eager_batches: int = 0
-    real_tokens: int = 0
-    padding_waste: int = 0
-    budget_batches: Counter = field(default_factory=Counter)
-    budget_items: Counter = field(default_factory=Counter)
-    capacity_fallbacks: int = 0
-    capture_seconds: float = 0.0
-    pool_bytes: int = 0
-    host_seconds: Counter = field(default_factory=Counter)
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-    def merge(self, other: "GraphStats") -> None:
-        """Add another manager's counts (e.g. another rank's)."""
-        for name in ("hits", "misses", "graph_batches", "eager_batches", "real_tokens", "padding_waste", "capacity_fallbacks"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.budget_batches.update(other.budget_batches)
-        self.budget_items.update(other.budget_items)
-        self.host_seconds.update(other.host_seconds)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "graph_hits": self.hits,
-            "graph_misses": self.misses,
-            "hit_rate": round(self.hit_rate, 6),
-            "graph_batches": self.graph_batches,
-            "eager_batches": self.eager_batches,
-            "real_tokens": self.real_tokens,
-            "padding_waste": self.padding_waste,
-            "budget_batches": {str(k): v for k, v in sorted(self.budget_batches.items())},
-            "budget_items": {str(k): v for k, v in sorted(self.budget_items.items())},
-            "capacity_fallbacks": self.capacity_fallbacks,
-            "capture_seconds": round(self.capture_seconds, 3),
-            "graph_pool_bytes": self.pool_bytes,
-            "encode_host_seconds": {k: round(v, 3) for k, v in sorted(self.host_seconds.items())},
-        }
 
 
 def _pinned(value: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -323,16 +205,16 @@ class GraphManager:
         with torch.inference_mode():
             if entry is None:
                 inputs = self.adapter.eager_inputs(items)
-                since = _lap(host, "prepare", since)
+                since = lap(host, "prepare", since)
                 output = self.adapter.forward(inputs)
                 self._count(items, None, tokens)
             else:
                 self._fill(entry.static, self.adapter.batch_values(items, entry.static))
-                since = _lap(host, "prepare", since)
+                since = lap(host, "prepare", since)
                 entry.graph.replay()
                 output = entry.graph.output
                 self._count(items, budget, tokens)
-            _lap(host, "launch", since)
+            lap(host, "launch", since)
             return output[:rows]
 
     def run(self, items: list[EncoderInput], budget: int | None, reduce: Reduce = clone_rows) -> list[torch.Tensor]:
@@ -341,14 +223,18 @@ class GraphManager:
         with torch.inference_mode():
             return [reduce(rows) for rows in self.adapter.split(output, items)]
 
-    def run_padded_eager(self, items: list[EncoderInput], budget: int) -> torch.Tensor:
-        """The graph body run eagerly on this batch's padded buffers (for equality checks)."""
+    def padded_inputs(self, items: list[EncoderInput], budget: int) -> StaticInputs:
+        """The static buffers of `budget` holding this batch, padded: what its replay reads.
+
+        `forward` on them is the graph body run eagerly, so replay == this bit for bit
+        (the invariant the tests check); the next batch of this budget overwrites them.
+        """
         entry = self._entry(budget)
         if entry is None:
             raise ValueError(f"budget {budget} has no graph")
         with torch.inference_mode():
             self._fill(entry.static, self.adapter.batch_values(items, entry.static))
-            return self.adapter.forward(entry.static).clone()
+        return entry.static
 
     @staticmethod
     def _fill(static: StaticInputs, values: dict[str, torch.Tensor]) -> None:
@@ -396,342 +282,3 @@ class GraphManager:
         self._pool = None
         if self.backend == "cuda":
             torch.cuda.empty_cache()
-
-
-class BatchEncoder:
-    """Packs items under a plan and runs every batch through one GraphManager.
-
-    This is the interface the runner uses to encode a window (the dual-path encoder
-    provides the same methods): `encode` returns every item's rows, pooled per batch
-    (`pool_rows`), or, for an item that failed, a reason. A failed batch is retried one
-    item at a time eagerly, so one bad item (e.g. out of memory on a huge video) costs
-    one error row, not the batch.
-    """
-
-    def __init__(self, manager: GraphManager, policy: str) -> None:
-        self.manager = manager
-        self.policy = policy
-
-    def capture(self) -> None:
-        self.manager.capture()
-
-    def clear(self) -> None:
-        self.manager.clear()
-
-    @property
-    def hit_rate(self) -> float:
-        return self.manager.stats.hit_rate
-
-    def graph_stats(self) -> GraphStats:
-        """The counts as one GraphStats (what data-parallel ranks merge)."""
-        return self.manager.stats
-
-    def plan_stats(self) -> dict[str, Any]:
-        """The plan and its graphs, as written to stats-*.json."""
-        plan = self.manager.plan
-        return {
-            "num_graphs": self.manager.num_graphs,
-            "token_budgets": list(plan.token_budgets),
-            "max_items_per_batch": plan.max_items,
-            "max_frames_per_batch": plan.max_frames,
-            "graph_backend": self.manager.backend,
-        }
-
-    def stats(self) -> dict[str, Any]:
-        """The plan and the graph statistics."""
-        return {**self.plan_stats(), **self.manager.stats.to_dict()}
-
-    def encode(self, items: list[EncoderInput], pooling: str, dtype: torch.dtype) -> Encoded:
-        """Every item's rows, pooled per `pooling`, in `dtype`, on the device."""
-        out = _Collector(len(items), self.width, pooling, dtype, self.manager.adapter.device)
-        tokens = [item.tokens for item in items]
-        frames = [item.frames for item in items]
-        since = time.perf_counter()
-        batches = pack(tokens, frames, self.manager.plan, self.policy)
-        _lap(self.manager.stats.host_seconds, "pack", since)
-        for batch in batches:
-            self._run(items, list(batch.indices), batch.budget, out)
-        since = time.perf_counter()
-        result = out.result()
-        _lap(self.manager.stats.host_seconds, "collect", since)
-        return result
-
-    @property
-    def width(self) -> int:
-        return self.manager.adapter.embed_dim
-
-    def _run(self, items: list[EncoderInput], indices: list[int], budget: int | None, out: _Collector) -> None:
-        chosen = [items[i] for i in indices]
-        try:
-            rows = self.manager.run_batch(chosen, budget)
-            since = time.perf_counter()
-            with torch.inference_mode():
-                out.add(indices, rows, self.manager.adapter.row_counts(chosen))
-            _lap(self.manager.stats.host_seconds, "pool", since)
-        except Exception as exc:
-            if len(indices) == 1 and budget is None:
-                out.fail(indices[0], f"encode_failed: {type(exc).__name__}: {exc}")
-                logger.warning("an item failed to encode: %s", exc)
-                return
-            logger.warning("batch of %d items failed (%s); retrying one at a time", len(indices), exc)
-            for i in indices:
-                self._run(items, [i], None, out)
-
-
-def budget_plan(job: Job, adapter: EncoderAdapter) -> packer.BudgetPlan:
-    """The packer's plan from the job's batching keys and the adapter's budget range."""
-    b = job.batching
-    try:
-        return packer.resolve_budgets(
-            _auto(b.token_budgets),
-            _auto(b.max_items_per_batch),
-            _auto(b.max_frames_per_batch),
-            model_min=b.min_budget or adapter.min_budget,
-            model_max=b.max_budget or adapter.max_budget,
-            max_frames_per_video=job.video.max_frames,
-            video_enabled=job.input.modality != "image",
-        )
-    except ValueError as exc:
-        raise JobError(f"batching: {exc}") from None
-
-
-def _auto(value: Any) -> Any:
-    """The job's "auto" is the packer's None."""
-    return None if value == "auto" else value
-
-
-def _backend(job: Job, device: torch.device) -> str | None:
-    """Real CUDA graphs on a GPU, the replay backend on a CPU, none when graphs are off."""
-    if not job.batching.cuda_graphs:
-        return None
-    return "cuda" if device.type == "cuda" else "replay"
-
-
-def whole_image_plan(plan: BudgetPlan, tokens_per_image: int) -> BudgetPlan:
-    """A fixed-resolution encoder's plan: budgets rounded down to whole images.
-
-    A budget's buffers hold budget // tokens_per_image images, so the rest of a budget
-    that is not a multiple could never be used and would only inflate the padding count.
-    A budget below one image is a configuration error (JobError naming the numbers).
-    """
-    budgets = sorted({b // tokens_per_image * tokens_per_image for b in plan.token_budgets})
-    if budgets[0] == 0:
-        raise JobError(
-            f"batching: token budget {plan.token_budgets[0]} is smaller than one image, which is "
-            f"{tokens_per_image} tokens for this encoder; use budgets that are multiples of {tokens_per_image}"
-        )
-    if tuple(budgets) != plan.token_budgets:
-        logger.info("token budgets %s rounded down to whole images: %s", list(plan.token_budgets), budgets)
-    return BudgetPlan(tuple(budgets), plan.max_items, plan.max_frames)
-
-
-def build_encoder(job: Job, adapter: EncoderAdapter, device: torch.device) -> BatchEncoder | DualPathEncoder:
-    """The batch encoder for this job and adapter: budgets, graph backend, packing policy.
-
-    The backend is real CUDA graphs on a GPU, the replay backend on a CPU (same packing
-    and padding, so results and statistics match), or none when graphs are turned off.
-    A fixed-resolution adapter that makes local tiles (`preprocess.tiling: anyres`) gets
-    the dual-path encoder, whose two paths share the job's budgets (the local one adds 0).
-    """
-    backend = _backend(job, device)
-    plan = budget_plan(job, adapter)
-    if isinstance(adapter, FixedResAdapter):
-        plan = whole_image_plan(plan, adapter.tokens_per_image)
-        if len(adapter.views) > 1:
-            paths = dual_paths(adapter, packer.resolve_dual_budgets(plan, plan), backend)
-            return DualPathEncoder(adapter, paths, job.batching.policy)
-    return BatchEncoder(GraphManager(adapter, plan, backend), job.batching.policy)
-
-
-@dataclass
-class EncoderPath:
-    """One graph set of a multi-path encoder, as data.
-
-    `key` names the item tensor the path encodes (the adapter's `path_input` makes an
-    ordinary item of it); `plan` holds the budgets the packer picks from, which for the
-    local path start with 0 (a batch without tiles skips the path); `manager` captures
-    and replays the positive budgets of that plan.
-    """
-
-    name: str
-    key: str
-    plan: BudgetPlan
-    manager: GraphManager
-
-
-def dual_paths(adapter: FixedResAdapter, plan: DualPlan, backend: str | None) -> list[EncoderPath]:
-    """The global and local paths of `plan`, in the order `pack_dual` gives their budgets."""
-    paths = []
-    for name, key, path_plan in zip(("global", "local"), adapter.views, (plan.global_plan, plan.local_plan)):
-        positive = BudgetPlan(tuple(b for b in path_plan.token_budgets if b > 0), path_plan.max_items, path_plan.max_frames)
-        paths.append(EncoderPath(name, key, path_plan, GraphManager(adapter, positive, backend)))
-    return paths
-
-
-@dataclass
-class DualStats:
-    """Per-item outcome over both paths.
-
-    Invariant: hits + misses == items encoded; an item is a hit when every path it used
-    replayed a graph, a miss otherwise; `partial` counts the misses in which one path
-    did replay while the other fell back to eager.
-    """
-
-    hits: int = 0
-    misses: int = 0
-    partial: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-    def count(self, replayed: list[bool]) -> None:
-        """Record one item from whether each path it used replayed."""
-        if all(replayed):
-            self.hits += 1
-            return
-        self.misses += 1
-        self.partial += int(any(replayed))
-
-
-class DualPathEncoder:
-    """A global view plus local tiles per item, each path with its own graph set, behind
-    BatchEncoder's interface.
-
-    Items are packed with `pack_dual` against both paths' budgets at once; per batch,
-    each path runs the items that have views for it, replaying the budget the packer
-    chose for that path or running eagerly where it chose None, so one path may replay
-    while the other falls back. The paths' per-view rows are merged by the adapter's
-    `combine` before `reduce`. Statistics: each path's manager counts its own hits and
-    misses; `DualStats` counts items over both. As in BatchEncoder, a failed batch is
-    retried one item at a time eagerly (the failed attempt's path counts stay, since
-    that work was done; the per-item counts only record the attempt that succeeded).
-    """
-
-    def __init__(self, adapter: FixedResAdapter, paths: list[EncoderPath], policy: str) -> None:
-        if len(paths) != 2:
-            raise ValueError(f"a dual-path encoder needs a global and a local path, got {[p.name for p in paths]}")
-        self.adapter = adapter
-        self.paths = paths
-        self.plan = DualPlan(paths[0].plan, paths[1].plan)
-        self.policy = policy
-        self.counts = DualStats()
-
-    def capture(self) -> None:
-        for path in self.paths:
-            path.manager.capture()
-
-    def clear(self) -> None:
-        for path in self.paths:
-            path.manager.clear()
-
-    @property
-    def hit_rate(self) -> float:
-        return self.counts.hit_rate
-
-    def graph_stats(self) -> GraphStats:
-        """Both paths as one GraphStats (what data-parallel ranks merge): hits and misses
-        per item over both paths, every other count summed over the paths."""
-        total = GraphStats()
-        for path in self.paths:
-            total.merge(path.manager.stats)
-            total.capture_seconds += path.manager.stats.capture_seconds
-            total.pool_bytes += path.manager.stats.pool_bytes
-        total.hits, total.misses = self.counts.hits, self.counts.misses
-        return total
-
-    def plan_stats(self) -> dict[str, Any]:
-        """Both paths' plans under the single-path keys, the partial fallbacks, and each
-        path's own budgets and statistics under `paths`."""
-        return {
-            "num_graphs": sum(p.manager.num_graphs for p in self.paths),
-            "token_budgets": list(self.paths[0].plan.token_budgets),
-            "max_items_per_batch": self.plan.global_plan.max_items,
-            "max_frames_per_batch": self.plan.global_plan.max_frames,
-            "graph_backend": self.paths[0].manager.backend,
-            "partial_fallbacks": self.counts.partial,
-            "paths": {p.name: {"token_budgets": list(p.plan.token_budgets), **p.manager.stats.to_dict()} for p in self.paths},
-        }
-
-    def stats(self) -> dict[str, Any]:
-        """The plan and the combined statistics under the single-path keys."""
-        return {**self.plan_stats(), **self.graph_stats().to_dict()}
-
-    def path_inputs(self, items: list[EncoderInput]) -> list[list[EncoderInput | None]]:
-        """Per path, per item: the item's input on that path, or None (no views there)."""
-        return [[self.adapter.path_input(item, path.key) for item in items] for path in self.paths]
-
-    def batches(self, items: list[EncoderInput]) -> list[DualBatch]:
-        """How `encode` packs these items (both paths' limits at once)."""
-        return self._pack(self.path_inputs(items), [item.frames for item in items])
-
-    def _pack(self, inputs: list[list[EncoderInput | None]], frames: list[int]) -> list[DualBatch]:
-        tokens = [[0 if sub is None else sub.tokens for sub in column] for column in inputs]
-        return pack_dual(tokens[0], tokens[1], frames, self.plan, self.policy)
-
-    def encode(self, items: list[EncoderInput], pooling: str, dtype: torch.dtype) -> Encoded:
-        """Every item's combined rows, pooled per `pooling`, in `dtype`, on the device."""
-        out = _Collector(len(items), self.adapter.embed_dim, pooling, dtype, self.adapter.device)
-        inputs = self.path_inputs(items)
-        for batch in self._pack(inputs, [item.frames for item in items]):
-            budgets = (batch.global_budget, batch.local_budget)
-            self._encode_batch(inputs, list(batch.indices), budgets, out)
-        return out.result()
-
-    def run(self, items: list[EncoderInput], budgets: tuple[int | None, ...], reduce: Reduce = clone_rows) -> list[torch.Tensor]:
-        """Embed one packed batch with one budget per path (None: that path runs eagerly)."""
-        inputs = self.path_inputs(items)
-        return [reduce(rows) for rows in self._run_paths(inputs, list(range(len(items))), budgets)]
-
-    def run_padded_eager(self, items: list[EncoderInput], budgets: tuple[int | None, ...]) -> list[torch.Tensor]:
-        """Each path's graph body run eagerly on this batch's padded buffers, combined per
-        item like `run` (for equality checks). Every path with items needs a graph budget."""
-        inputs = self.path_inputs(items)
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in items]
-        for path, column, budget in zip(self.paths, inputs, budgets):
-            chosen = [(k, sub) for k, sub in enumerate(column) if sub is not None]
-            if not chosen:
-                continue
-            subs = [sub for _, sub in chosen]
-            output = path.manager.run_padded_eager(subs, budget)
-            for (k, _), rows in zip(chosen, self.adapter.split(output, subs)):
-                parts[k][path.key] = rows
-        return [self.adapter.combine(p) for p in parts]
-
-    def _encode_batch(
-        self, inputs: list[list[EncoderInput | None]], indices: list[int], budgets: tuple[int | None, ...], out: _Collector
-    ) -> None:
-        try:
-            outputs = self._run_paths(inputs, indices, budgets)
-            with torch.inference_mode():
-                out.add(indices, torch.cat(outputs), [rows.shape[0] for rows in outputs])
-        except Exception as exc:
-            if len(indices) == 1 and all(b is None for b in budgets):
-                out.fail(indices[0], f"encode_failed: {type(exc).__name__}: {exc}")
-                logger.warning("an item failed to encode: %s", exc)
-                return
-            logger.warning("dual-path batch of %d items failed (%s); retrying one at a time", len(indices), exc)
-            for i in indices:
-                self._encode_batch(inputs, [i], (None,) * len(self.paths), out)
-
-    def _run_paths(
-        self, inputs: list[list[EncoderInput | None]], indices: list[int], budgets: tuple[int | None, ...]
-    ) -> list[torch.Tensor]:
-        """Run every path on its share of the batch, then combine per item."""
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in indices]
-        replayed: list[list[bool]] = [[] for _ in indices]
-        for path, column, budget in zip(self.paths, inputs, budgets):
-            chosen = [(k, column[i]) for k, i in enumerate(indices) if column[i] is not None]
-            if not chosen:
-                continue
-            hits = path.manager.stats.hits
-            rows = path.manager.run([sub for _, sub in chosen], budget)
-            hit = path.manager.stats.hits > hits
-            for (k, _), item_rows in zip(chosen, rows):
-                parts[k][path.key] = item_rows
-                replayed[k].append(hit)
-        combined = [self.adapter.combine(p) for p in parts]
-        for item_replayed in replayed:
-            self.counts.count(item_replayed)
-        return combined

@@ -72,8 +72,8 @@ class EncoderInput:
 
         Decode workers send items to the parent as protocol-5 pickles whose buffers go
         over the socket without a copy on either side; torch's own tensor pickling moves
-        each tensor through a shared-memory segment and a file-descriptor handshake,
-        which measured 3x slower than bytes for our item sizes.
+        each tensor through a shared-memory segment and a file-descriptor handshake, a
+        round trip per tensor that costs more than the copy for items of these sizes.
         """
         packed = {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape), _raw(v, protocol)) for k, v in self.tensors.items()}
         return (_rebuild_input, (packed, self.tokens, self.frames, self.size, self.modality, self.grid, self.token_grid))

@@ -493,8 +493,8 @@ def _best_fit_groups(order: list[int], problem: _Problem) -> list[Group]:
     smallest fitting budget like any batch. Big items leave gaps that the small items
     arriving last fill, which the sorted-order split cannot do: when items are close to
     the budget sizes, consecutive runs cannot land near a budget. Cost: O(items x open
-    bins) at worst, when the frame limit rejects many bins (about 0.15 s for 4096
-    videos that each fill half the frame budget).
+    bins) at worst, when the frame limit rejects many bins (`benchmarks/packing.py`
+    times it).
     """
     limits = [b[-1] for b in problem.budgets]
     position = {item: k for k, item in enumerate(order)}

@@ -1,6 +1,6 @@
 """The encoder-only rate of a job's rows on one device: the bound `embedjob run` is measured against.
 
-Every row is decoded and preprocessed on the CPU first (`embedjob.decode.media.decode` and the
+Every row is decoded and preprocessed on the CPU first (`embedjob.decode.decode` and the
 adapter's own preprocessor, in a process pool), so the timed part is the encoder alone:
 the job's checkpoint loaded through `load_adapter` with the job itself (same dtype,
 preprocessing and budgets), compiled as the runner compiles it, the job's budget plan
@@ -30,7 +30,7 @@ import torch
 from benchmarks.mixes import items_flops
 from embedjob.bench import cuda_passes
 from embedjob.config import Job
-from embedjob.decode import media
+from embedjob.decode import DecodeOptions, MediaError, decode
 from embedjob.encoders import EncoderInput, load_adapter
 from embedjob.encoders.fixed import FixedResAdapter
 from embedjob.engine import packer
@@ -160,7 +160,7 @@ def preprocess_rows(job: Job, adapter: Any, workers: int) -> tuple[list[EncoderI
     """Every row of the job's input (one Parquet file, binary media column) decoded and
     preprocessed by `workers` processes; the items of the rows that decoded, and how many did not."""
     preprocessor = adapter.preprocessor()
-    options = media.DecodeOptions(
+    options = DecodeOptions(
         modality=job.input.modality,
         max_image_pixels=job.preprocess.max_image_pixels,
         fps=job.video.fps,
@@ -182,9 +182,9 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _decode_one(data: bytes, options: media.DecodeOptions, preprocess: Any) -> EncoderInput | None:
+def _decode_one(data: bytes, options: DecodeOptions, preprocess: Any) -> EncoderInput | None:
     """Worker: bytes -> EncoderInput, or None for a row that does not decode (an error row in a run)."""
     try:
-        return preprocess(media.decode(data, options))
-    except media.MediaError:
+        return preprocess(decode(data, options))
+    except MediaError:
         return None

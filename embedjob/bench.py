@@ -363,7 +363,7 @@ def make_jpeg_parquet(path: Path, count: int, seed: int = 0) -> None:
 def end_to_end(adapter: QwenAdapter, checkpoint: Path, workdir: Path, args: argparse.Namespace, peak: float, compiled: bool) -> list[Row]:
     """`embedjob run` on real JPEGs against the encoder-only rate of the same images."""
     from embedjob.config import job_from_dict
-    from embedjob.decode import media
+    from embedjob.decode import DecodeOptions, decode
     from embedjob.pipeline import Runner
 
     parquet = workdir / "jpegs.parquet"
@@ -381,11 +381,11 @@ def end_to_end(adapter: QwenAdapter, checkpoint: Path, workdir: Path, args: argp
     stats = _profiled(Runner(job, overwrite=True).run, workdir / "e2e-profile.txt") if args.e2e_profile else Runner(job, overwrite=True).run()
     wall = time.perf_counter() - start
     e2e_seconds = stats["pipeline_seconds"]
-    options = media.DecodeOptions("image", 10**9, 2.0, 32, 2)
+    options = DecodeOptions("image", 10**9, 2.0, 32, 2)
     import pyarrow.parquet as pq
 
     blobs = pq.read_table(parquet).column("image").to_pylist()
-    items = [adapter.preprocessor()(media.decode(b, options)) for b in blobs]
+    items = [adapter.preprocessor()(decode(b, options)) for b in blobs]
     flops = encoder_flops(items, adapter.model.config)
     plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, False)
     manager = GraphManager(adapter, plan, "cuda")

@@ -46,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 from embedjob.config import Job, JobError
-from embedjob.decode import media
+from embedjob.decode import DecodedVideo, DecodeOptions, MediaError, decode, read_source, worker_preload
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
 from embedjob.encoders.registry import ADAPTER_MODULES
 from embedjob.engine.defs import Encoded, Encoder, GraphStats
@@ -57,6 +57,7 @@ from embedjob.io.writer import ErrorRateExceeded, RowBlock, output_schema, part_
 from embedjob.parallel.cluster import Cluster, Coordinator, cpu_share, resolve_layout
 from embedjob.report.counts import codes_text, count_errors, plural, route_warnings
 from embedjob.timeline import Timeline
+from embedjob.workers.pool import IDLE, DecodePool, start_worker_server
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,9 @@ CHUNK_ROWS = 64
 """Rows a rank takes at a time (fewer when `batching.window` is smaller). Small, so the
 ranks finish close together; a take is one short message, so small costs nothing."""
 
-WORKER_MODULES = (__name__, *ADAPTER_MODULES)
-"""What decode workers import: this module (`decode_row`) and every family's preprocessing."""
+WORKER_MODULES = worker_preload([__name__, *ADAPTER_MODULES])
+"""What decode workers import: the decoders, this module (`decode_row`) and every family's
+preprocessing, in the order `worker_preload` gives them."""
 
 LINGER = 0.05
 """Seconds without a decoded item after which a rank encodes what it has: its input
@@ -130,7 +132,7 @@ def _set_up_worker() -> None:
         warnings.simplefilter("ignore")
 
 
-def decode_row(row: reader.InputRow, options: media.DecodeOptions, preprocess: Any) -> Decoded:
+def decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -> Decoded:
     """Worker function: bytes (or a path) -> decoded media -> EncoderInput, or an error row."""
     _set_up_worker()
     start = time.perf_counter()
@@ -140,16 +142,16 @@ def decode_row(row: reader.InputRow, options: media.DecodeOptions, preprocess: A
     return decoded
 
 
-def _decode_row(row: reader.InputRow, options: media.DecodeOptions, preprocess: Any) -> Decoded:
+def _decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -> Decoded:
     fixed = None if options.modality == "auto" else options.modality
     if row.error is not None:
         return Decoded(row.row, row.id, fixed, None, row.error)
     try:
-        data = row.data if row.data is not None else media.read_source(row.uri or "", options.media_root, options.max_item_bytes)
-        decoded = media.decode(data, options)
-    except media.MediaError as err:
+        data = row.data if row.data is not None else read_source(row.uri or "", options.media_root, options.max_item_bytes)
+        decoded = decode(data, options)
+    except MediaError as err:
         return Decoded(row.row, row.id, fixed, None, str(err))
-    modality = "video" if isinstance(decoded, media.DecodedVideo) else "image"
+    modality = "video" if isinstance(decoded, DecodedVideo) else "image"
     try:
         item = preprocess(decoded)
     except Exception as exc:  # a preprocessing failure is one bad row, not a failed job
@@ -263,7 +265,7 @@ def output_dtype(job: Job) -> torch.dtype:
     return torch.float16 if job.output.dtype == "float16" else torch.float32
 
 
-def decode_options(job: Job, adapter: EncoderAdapter) -> media.DecodeOptions:
+def decode_options(job: Job, adapter: EncoderAdapter) -> DecodeOptions:
     """What the decode workers need from the job and the model's preprocessing."""
     preprocess = adapter.preprocessor()
     if job.video.max_frames < preprocess.frame_multiple:
@@ -272,7 +274,7 @@ def decode_options(job: Job, adapter: EncoderAdapter) -> media.DecodeOptions:
             f"{preprocess.frame_multiple}; set video.max_frames to at least {preprocess.frame_multiple}"
         )
     frame_pixels = getattr(preprocess, "video_max_pixels", None)
-    return media.DecodeOptions(
+    return DecodeOptions(
         modality=job.input.modality,
         max_image_pixels=job.preprocess.max_image_pixels,
         fps=job.video.fps,
@@ -597,7 +599,7 @@ class RankPipeline:
         self.clock = StageClock()
         self.reading = StageClock()
         self.encoder: Any = None
-        self.options: media.DecodeOptions | None = None
+        self.options: DecodeOptions | None = None
         self.preprocess: Any = None
         self._unencoded = 0
         self._device_free = 0.0
@@ -607,7 +609,7 @@ class RankPipeline:
         checkpoint, budgets the model cannot take) stops here, before any row is read."""
         since = time.perf_counter()
         self.stats.started_at = time.time()
-        media.start_worker_server(WORKER_MODULES)
+        start_worker_server(WORKER_MODULES)
         if self.job.batching.compile and self.device.type == "cuda":
             threading.Thread(target=_import_compiler, name="embedjob-import", daemon=True).start()
         adapter = load_encoder_adapter(self.job, self.device)
@@ -638,16 +640,16 @@ class RankPipeline:
         self.encoder.clear()
         return self.stats
 
-    def _start_decoding_while_capturing(self, rows: Iterator[reader.InputRow]) -> tuple[media.DecodePool, Iterator[Any]]:
+    def _start_decoding_while_capturing(self, rows: Iterator[reader.InputRow]) -> tuple[DecodePool, Iterator[Any]]:
         """Start the decode workers (and their first rows) on a thread while this one
         compiles and captures the graphs: the two take seconds each and need nothing of
         each other (the workers' thread makes no CUDA call, which capture forbids)."""
         fn = functools.partial(decode_row, options=self.options, preprocess=self.preprocess)
         in_flight = 2 * self.job.batching.window
 
-        def start() -> tuple[media.DecodePool, Iterator[Any]]:
+        def start() -> tuple[DecodePool, Iterator[Any]]:
             since = time.perf_counter()
-            pool = media.DecodePool(fn, self.workers, self.job.runtime.decode_timeout, in_flight, WORKER_MODULES)
+            pool = DecodePool(fn, self.workers, self.job.runtime.decode_timeout, in_flight, WORKER_MODULES, error=MediaError)
             try:
                 stream = pool.imap(rows, idle=LINGER)
             except BaseException:
@@ -712,7 +714,7 @@ class RankPipeline:
         window: list[Decoded] = []
         since = time.perf_counter()
         for result in stream:
-            if result is media.IDLE:
+            if result is IDLE:
                 self.clock.add("waiting for decode", since)
                 if window:
                     yield window
@@ -722,7 +724,7 @@ class RankPipeline:
                 since = time.perf_counter()
                 continue
             row = submitted.popleft()
-            if isinstance(result, media.MediaError):
+            if isinstance(result, MediaError):
                 result = Decoded(row.row, row.id, None, None, str(result), extra=row.extra)
             window.append(result)
             if len(window) >= size:

@@ -25,7 +25,7 @@ from conftest import REPO, SHARED_DATA
 
 from embedjob import pipeline
 from embedjob.cli import main
-from embedjob.decode import media
+from embedjob.decode import DecodedVideo, DecodeOptions, decode
 from embedjob.encoders.qwen import smart_resize
 from embedjob.engine.graphs import GraphManager
 
@@ -43,7 +43,7 @@ LOCAL_VIDEO_ERRORS = {
     "derived_mkv_truncated.mkv": {"video": "truncated", "auto": "truncated"},  # half of a clip
     "decord_corrupted.mp4": {"video": "corrupt", "auto": "corrupt"},  # H.264 units corrupt mid-stream
 }
-# ../shared/data/bad. The MP4 named .jpg is valid video by its bytes, as media.py decides
+# ../shared/data/bad. The MP4 named .jpg is valid video by its bytes, as the decoder decides
 # (modality comes from the bytes, never the name); under `modality: image` it is an error.
 SHARED_BAD = {
     "decord_corrupted.mp4": {"video": "corrupt", "auto": "corrupt"},
@@ -209,15 +209,15 @@ def test_video_rows_carry_sampled_frames_and_tokens_of_their_grid(acceptance: Ac
     resize of the clip's frame size."""
     processing = qwen_adapter.processing
     factor = processing.patch_size * processing.merge_size
-    options = media.DecodeOptions("video", max_image_pixels=1, fps=2.0, max_frames=MAX_FRAMES, frame_multiple=2)
+    options = DecodeOptions("video", max_image_pixels=1, fps=2.0, max_frames=MAX_FRAMES, frame_multiple=2)
     rows = acceptance.runs["video"].by_id()
     checked = 0
     for entry in acceptance.entries:
         row = rows[entry.id]
         if row["error"] is not None:
             continue
-        decoded = media.decode(entry.data, options)
-        assert isinstance(decoded, media.DecodedVideo)
+        decoded = decode(entry.data, options)
+        assert isinstance(decoded, DecodedVideo)
         frames, height, width = decoded.frames.shape[:3]
         assert row["frames"] == frames and frames % 2 == 0 and 2 <= frames <= MAX_FRAMES, entry.id
         h, w = smart_resize(height, width, factor, processing.video_min_pixels, processing.video_max_pixels)
@@ -379,7 +379,7 @@ def test_images_and_videos_share_batches_and_match_each_item_run_alone(
 HANGING_ID = "hangs"
 
 
-def decode_or_hang(row: Any, options: media.DecodeOptions, preprocess: Any) -> pipeline.Decoded:
+def decode_or_hang(row: Any, options: DecodeOptions, preprocess: Any) -> pipeline.Decoded:
     """pipeline.decode_row, except that the row with id HANGING_ID never returns.
 
     Module level so that the decode workers (forkserver: fresh processes) unpickle it by

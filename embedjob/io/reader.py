@@ -43,7 +43,7 @@ Paths in string media cells (and in the `path` field of Hugging Face image struc
 - With a media_root, a path that leaves it after normalisation (`..`, an absolute path
   elsewhere, a symlink pointing out, a URI under another prefix) becomes an error row
   `path_escape: ...`. A symlink swapped in after this check is caught where the file is
-  opened (`media.read_source` checks the opened file against `local_media_root`).
+  opened (`embedjob.decode.read_source` checks the opened file against `local_media_root`).
 
 A media cell of more than `input.max_item_bytes` bytes becomes an error row
 `too_large: ...` here, so it never reaches a decode worker.

@@ -1,8 +1,9 @@
 """The host a rank runs on: its device, its threads, and what the statistics say of it.
 
-Per process settings of a rank (ARCHITECTURE.md, "one GPU's pipeline"): which device,
-how many decode workers, how torch's threads and the GIL are set while a pipeline runs;
-and the names and versions a report shows for the machine and the software.
+Per process settings of a rank (ARCHITECTURE.md, "host"): which device, how many
+decode workers, how torch's threads and the GIL are set while a pipeline runs (and
+given back after, so a notebook that runs a job keeps its own settings); and the names
+and versions a report shows for the machine and the software.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ reads them, decodes them in its own worker processes, encodes windows of
 `batching.window` decoded items (packed and replayed through its own graphs) and hands
 every finished chunk's rows back as a columnar `RowBlock`. The process of rank 0 also
 writes: a `Coordinator` hands out the chunks and gives their rows, in chunk order, to
-the writer thread, which cuts them into the checkpoint's parts. So the output is in
+the writer thread (`io/sink.py`), which cuts them into the checkpoint's parts. So the output is in
 input order while no process holds more than a bounded number of chunks.
 
 Every input row becomes exactly one output row: decode and preprocess failures become
-error rows in the workers, encode failures become error rows here (after retrying the
+error rows in the workers (`rows.py`), encode failures become error rows here (after retrying the
 failed batch one item at a time), and rows already committed by an earlier run are
 skipped through the checkpoint.
 
@@ -18,6 +18,9 @@ The main thread of a rank only launches device work and moves whole windows: poo
 is one reduction per batch on the device (`graphs.pool_rows`), a window's results
 come to the host in one copy, and output rows are built with array operations; the
 per-item work (decode, resize, patching, metadata) is done by the decode workers.
+
+The statistics a rank keeps and the shard's statistics are in `stats.py`, the process
+settings in `host.py` (ARCHITECTURE.md, "Stage -> file").
 """
 
 from __future__ import annotations

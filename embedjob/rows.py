@@ -1,9 +1,10 @@
 """What a decode worker makes of an input row: a preprocessed item or an error row.
 
-Runs in the decode workers (ARCHITECTURE.md, "decode"): `decode_row` is the function a
-`media.DecodePool` calls once per row, so every per-item cost (reading, decoding,
-resizing, the model's preprocessing) is paid there and never on a rank's main thread.
-A failure of one row is that row's error, never the job's.
+ARCHITECTURE.md, "worker rows": `decode_row` is the function a `media.DecodePool`
+calls in its workers once per row, so every per-item cost (reading, decoding, resizing,
+the model's preprocessing) is paid there and never on a rank's main thread; a failure
+of one row is that row's error, never the job's. `decode_options`, on the rank, is what
+the workers are given; the workers import `WORKER_MODULES` before their first row.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ builder of the dict written to `_embedjob/stats-SSSSS.json`.
 Every rank fills a `RankStats` as it works (`StageClock` for where its main thread's
 time went, `BusyClock` for its device's); the other ranks send theirs to rank 0, which
 merges them with what its writer saw (`ShardRun`) in `shard_stats`. The keys are the
-ones the README lists and the report reads (ARCHITECTURE.md, "time series" and
-"report"): a run that loaded no model writes the same common keys from the same code.
+ones the README lists and the report reads (ARCHITECTURE.md, "statistics"): a run that
+loaded no model writes the keys it shares with the others from the same code.
 """
 
 from __future__ import annotations

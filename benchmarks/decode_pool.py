@@ -6,7 +6,7 @@ decoding at all (they return a 336x336 RGB array for a 50 KB task, the size of a
 input and a typical JPEG), so what is measured is the hand-over alone, under three loads
 of the parent's other threads (none; Python 2 ms of every 6, as a main thread packing
 batches; Python all the time) and for several GIL switch intervals. The pipeline sets
-`runner.GIL_SWITCH_SECONDS`.
+`host.GIL_SWITCH_SECONDS`.
 
     python benchmarks/decode_pool.py [--workers N] [--items N] [--repeats R]
 """
@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from embedjob.decode import MediaError
-from embedjob.pipeline import GIL_SWITCH_SECONDS
+from embedjob.host import GIL_SWITCH_SECONDS
 from embedjob.workers.pool import DecodePool
 
 LOADS = {"none": 0.0, "python 1/3 of the time": 0.002, "python all the time": None}

@@ -85,7 +85,7 @@ def _host_threads(device: torch.device) -> contextlib.AbstractContextManager[Non
     """The runner's limit on torch CPU threads in a process that feeds a GPU, so batches
     are assembled on the host as in a run; torch's default where the runner has none."""
     try:
-        from embedjob.pipeline import host_threads
+        from embedjob.host import host_threads
     except ImportError:
         return contextlib.nullcontext()
     return host_threads(device)

@@ -33,7 +33,8 @@ def run(
     rank, more error rows than runtime.max_error_rate allows: exit 1).
     """
     from embedjob.config import Job, job_from_dict, load_job
-    from embedjob.pipeline import Shard, run_job
+    from embedjob.pipeline import run_job
+    from embedjob.slurm import Shard
 
     if isinstance(job_or_path, Job):
         job = job_from_dict(job_or_path.to_dict(), overrides)

@@ -453,9 +453,9 @@ def test_a_full_disk_is_exit_1_at_start_and_mid_run(
         assert run(small, tmp_path / "start", cache_dir) == 1
     assert "No space left on device" in one_line(capsys.readouterr().err)
 
-    import embedjob.pipeline
+    import embedjob.io.sink
 
-    real = embedjob.pipeline.write_part
+    real = embedjob.io.sink.write_part
     calls = []
 
     def full_after_one(*args, **kwargs):
@@ -464,7 +464,7 @@ def test_a_full_disk_is_exit_1_at_start_and_mid_run(
             full()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(embedjob.pipeline, "write_part", full_after_one)
+    monkeypatch.setattr(embedjob.io.sink, "write_part", full_after_one)
     assert run(small, tmp_path / "mid", cache_dir) == 1
     assert "No space left on device" in one_line(capsys.readouterr().err)
 

@@ -136,7 +136,7 @@ def test_an_empty_shard_finishes_without_loading_the_model(tmp_path: Path, cache
 
 def test_a_partial_slurm_array_must_name_its_shard(monkeypatch) -> None:
     from embedjob.config import JobError
-    from embedjob.pipeline import Shard
+    from embedjob.slurm import Shard
 
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
@@ -198,7 +198,7 @@ def test_a_process_feeding_a_gpu_uses_a_few_cpu_threads_and_gets_its_setting_bac
     core slowed two-GPU runs by 9 %. A CPU run keeps every thread for its encoder."""
     import torch
 
-    from embedjob.pipeline import HOST_THREADS, host_threads
+    from embedjob.host import HOST_THREADS, host_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(HOST_THREADS + 2)
@@ -220,7 +220,7 @@ def test_a_run_hands_the_gil_over_quickly_and_gives_a_calling_process_its_interv
 
     import torch
 
-    from embedjob.pipeline import GIL_SWITCH_SECONDS, host_threads
+    from embedjob.host import GIL_SWITCH_SECONDS, host_threads
 
     before = sys.getswitchinterval()
     sys.setswitchinterval(0.004)

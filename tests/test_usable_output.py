@@ -317,8 +317,8 @@ def test_the_bar_advances_per_batch_and_its_rate_is_the_summarys(
 ) -> None:
     import time
 
-    from embedjob import pipeline
     from embedjob.encoders.qwen import QwenAdapter
+    from embedjob.io import sink
 
     forward = QwenAdapter.forward
 
@@ -327,7 +327,7 @@ def test_the_bar_advances_per_batch_and_its_rate_is_the_summarys(
         return forward(self, inputs)
 
     monkeypatch.setattr(QwenAdapter, "forward", slow_forward)
-    monkeypatch.setattr(pipeline, "PROGRESS_INTERVAL", 0.02)
+    monkeypatch.setattr(sink, "PROGRESS_INTERVAL", 0.02)
     sets = ("--set", "runtime.progress=true", "--set", "batching.max_items_per_batch=1", "--set", "batching.cuda_graphs=false")
     assert run(DEMO, tmp_path / "out", cache_dir, *sets) == 0
     err = capsys.readouterr().err

@@ -28,6 +28,7 @@ from embedjob.cli import main
 from embedjob.decode import DecodedVideo, DecodeOptions, decode
 from embedjob.encoders.qwen import smart_resize
 from embedjob.engine.graphs import GraphManager
+from embedjob.rows import Decoded, decode_row
 
 LOCAL = REPO / "tests" / "data"
 VIDEO_SUFFIXES = (".mov", ".mp4", ".mkv", ".avi")
@@ -379,15 +380,15 @@ def test_images_and_videos_share_batches_and_match_each_item_run_alone(
 HANGING_ID = "hangs"
 
 
-def decode_or_hang(row: Any, options: DecodeOptions, preprocess: Any) -> pipeline.Decoded:
-    """pipeline.decode_row, except that the row with id HANGING_ID never returns.
+def decode_or_hang(row: Any, options: DecodeOptions, preprocess: Any) -> Decoded:
+    """`decode_row`, except that the row with id HANGING_ID never returns.
 
     Module level so that the decode workers (forkserver: fresh processes) unpickle it by
     reference from this module: a monkeypatch alone would not reach them.
     """
     if row.id == HANGING_ID:
         time.sleep(3600)
-    return pipeline.decode_row(row, options, preprocess)
+    return decode_row(row, options, preprocess)
 
 
 def test_a_hanging_decoder_is_cut_off_and_its_worker_replaced(

@@ -1,7 +1,7 @@
 """The Ray engine: the shards of a job as tasks on a Ray cluster (`embedjob run --engine ray`).
 
 Each shard is one plain Ray task that runs exactly `embedjob run --shard I/N`
-(`runner.run_job`), so the output is what every other way of running the shards
+(`pipeline.run_job`), so the output is what every other way of running the shards
 writes: the same parts, manifests, statistics, `_SUCCESS` markers and resume. Why tasks
 over shards rather than Ray Data (`read_parquet` -> `map_batches` on an actor pool):
 a shard is a contiguous run of row groups whose rows a task commits in order, part by
@@ -52,7 +52,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
 
@@ -67,10 +67,7 @@ from embedjob.io.checkpoint import (
     success_name,
 )
 from embedjob.parallel.engines import ShardOutcome
-from embedjob.slurm import shard_ranges
-
-if TYPE_CHECKING:
-    from embedjob.pipeline import Shard
+from embedjob.slurm import Shard, shard_ranges
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 An adapter turns decoded media into `EncoderInput`s (on the CPU, in decode workers),
 and runs batches of them on the device, either eagerly at their exact size or through
 static, budget-sized buffers that a captured graph reads. Everything that differs
-between families lives in the subclasses; the graph manager and the runner only use
+between families lives in the subclasses; the graph manager and the pipeline only use
 the methods declared here.
 
 Invariants every adapter keeps:

@@ -10,7 +10,7 @@ What the numbers mean (the contract the packer, the graph manager and the writer
   for an image, its frames for a video, plus its tiles in the dual-path mode). It is what
   budgets count, what padding waste is measured in and what the `tokens` column reports.
 - `split` returns one row per view: a fixed-resolution encoder emits one pooled
-  embedding per image. An image gives 1 row; a video one row per frame, which the runner
+  embedding per image. An image gives 1 row; a video one row per frame, which the pipeline
   averages (`output.pooling: mean`).
 - Per-token output (`output.pooling: none`, `per_token`): one row per patch token of
   each view instead, row-major over the patch grid, views (frames) one after the other,
@@ -148,7 +148,7 @@ class FixedPreprocessor:
     @property
     def video_max_pixels(self) -> int:
         """Frame pixels the decoder needs: the model input with room for a 4:1 aspect
-        ratio. The runner lets decode shrink frames to 4x this, far above what the
+        ratio. The pipeline lets decode shrink frames to 4x this, far above what the
         resize keeps, so decoding full-size 4K frames is not paid for nothing."""
         return 4 * self.input_size[0] * self.input_size[1]
 

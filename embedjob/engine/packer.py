@@ -1,7 +1,7 @@
 """Budget packing: which items share one encoder call, and which captured graph runs it.
 
 Pure functions over plain integers (no torch, no numpy) so that the graph manager, the
-runner and the benchmarks share one definition of a batch.
+pipeline and the benchmarks share one definition of a batch.
 
 Vocabulary:
 

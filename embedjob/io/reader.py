@@ -169,7 +169,7 @@ def scan_input(cfg: InputConfig, columns: Sequence[str] = ()) -> InputListing:
     """Read every footer once and describe the input (see `list_fragments`, `id_type`).
 
     Footers of thousands of remote files are the expensive part of starting a shard,
-    so a runner asks for both answers from one scan. `columns` are the input columns
+    so the pipeline asks for both answers from one scan. `columns` are the input columns
     the job copies into its output: each must exist in every file (JobError listing
     the available ones) with one type across files.
     """

@@ -1,6 +1,6 @@
 """`embedjob report OUTPUT`: one self-contained HTML page about an output, finished or not.
 
-The page shows what `report_data` reads of the output: the shard table (rows, errors,
+The page shows what `report.data` reads of the output: the shard table (rows, errors,
 seconds, rows/s, state) and the slowest shards; rows per second over time per shard,
 and per rank; seconds per stage per shard; batches per budget, hit rate, padding and
 the eager fallbacks with their reasons; error codes with example rows; the job spec

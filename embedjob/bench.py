@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from embedjob.encoders.base import EncoderInput
+from embedjob.encoders.base import EncoderInput, Placement
 from embedjob.encoders.loading import cache_root
 from embedjob.encoders.qwen import FAMILIES, QwenAdapter, QwenPreprocessor, tune_for_cuda
 from embedjob.engine import packer
@@ -133,10 +133,8 @@ def build_tower(device: torch.device) -> QwenAdapter:
         window_size=112,
         pos_grid_side=None,
     )
-    return QwenAdapter(
-        spec, model, processing, device, torch.bfloat16, source="bench:qwen2_5_vl-7b-size",
-        max_frames_per_video=32, cache_dir=cache_root(None),
-    )
+    placement = Placement(device, torch.bfloat16, "bench:qwen2_5_vl-7b-size", 32, cache_root(None))
+    return QwenAdapter(spec, model, processing, placement)
 
 
 def make_mix(name: str, processing: QwenPreprocessor) -> list[EncoderInput]:

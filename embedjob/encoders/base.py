@@ -156,6 +156,19 @@ class StaticInputs:
     constants: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where and how an adapter runs: its device and compute dtype, where its weights
+    came from (`model.path`), the most frames one video gives (the unit of the frame
+    budgets; 0 without video), and where compiled artefacts are cached."""
+
+    device: torch.device
+    dtype: torch.dtype
+    source: str
+    max_frames_per_video: int
+    cache_dir: Path
+
+
 class EncoderAdapter(abc.ABC):
     """Base class of encoder families. Subclasses set the attributes below that `__init__`
     does not (the embedding width, the budget range, ...)."""
@@ -171,32 +184,20 @@ class EncoderAdapter(abc.ABC):
     # The graph sets an item runs through; several paths need `path_input` and `combine`.
     paths: tuple[PathSpec, ...] = (PathSpec("global"),)
 
-    def __init__(
-        self,
-        spec: Any,
-        processing: Any,
-        device: torch.device,
-        dtype: torch.dtype,
-        source: str,
-        *,
-        max_frames_per_video: int,
-        cache_dir: Path,
-    ) -> None:
+    def __init__(self, spec: Any, processing: Any, placement: Placement) -> None:
         """What every family has: its spec (`spec.name` is the family), the preprocessing
-        its decode workers run, the device and dtype it runs in, where it was loaded from,
-        the most frames one video gives (the frame budgets' unit; 0 without video), and
-        where compiled artefacts are cached."""
+        its decode workers run, and where and how it runs (`Placement`)."""
         self.family = spec.name
         self.spec = spec
         self.processing = processing
-        self.device = device
-        self.dtype = dtype
-        self.source = source
-        self.max_frames_per_video = max_frames_per_video
-        self.cache_dir = cache_dir
+        self.device = placement.device
+        self.dtype = placement.dtype
+        self.source = placement.source
+        self.max_frames_per_video = placement.max_frames_per_video
+        self.cache_dir = placement.cache_dir
         # Batches bound for a GPU are assembled in page-locked memory, so their copies
         # to the device are asynchronous.
-        self.pin_memory = device.type == "cuda"
+        self.pin_memory = self.device.type == "cuda"
 
     @abc.abstractmethod
     def preprocessor(self) -> Preprocessor:

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.encoders.base import EncoderAdapter, EncoderInput, PathSpec, StaticInputs
+from embedjob.encoders.base import EncoderAdapter, EncoderInput, PathSpec, Placement, StaticInputs
 from embedjob.encoders.loading import (
     AdapterOptions,
     builtin_model,
@@ -259,19 +259,12 @@ class FixedResAdapter(EncoderAdapter):
         tower: torch.nn.Module,
         projection: torch.nn.Module | None,
         processing: FixedPreprocessor,
-        device: torch.device,
-        dtype: torch.dtype,
-        source: str,
+        placement: Placement,
         pool: str,
         tile_combine: str,
         per_token: bool = False,
-        *,
-        max_frames_per_video: int,
-        cache_dir: Path,
     ) -> None:
-        super().__init__(
-            spec, processing, device, dtype, source, max_frames_per_video=max_frames_per_video, cache_dir=cache_dir
-        )
+        super().__init__(spec, processing, placement)
         self.tower = tower
         self.projection = projection
         self.pool = pool
@@ -287,7 +280,7 @@ class FixedResAdapter(EncoderAdapter):
         self.embed_dim = self.feature_dim * (2 if tiled and tile_combine == "concat" else 1)
         self.min_budget = self.tokens_per_image
         self.max_budget = self.tokens_per_image * MAX_IMAGES_PER_BATCH
-        self.pixel_scale = processing.pixel_scale(device)
+        self.pixel_scale = processing.pixel_scale(placement.device)
 
     def preprocessor(self) -> FixedPreprocessor:
         return self.processing
@@ -548,6 +541,6 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
     max_tiles = options.max_tiles if options.tiling == "anyres" else 0
     processing = load_processing(spec, directory, tower.config, max_tiles)
     return FixedResAdapter(
-        spec, tower, projection, processing, device, dtype, path, pool, options.tile_combine,
-        per_token=options.per_token, max_frames_per_video=options.video_max_frames, cache_dir=options.cache_dir,
+        spec, tower, projection, processing, options.placement(device, dtype, path), pool, options.tile_combine,
+        per_token=options.per_token,
     )

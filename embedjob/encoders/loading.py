@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from embedjob.config import Job, relative_note
-from embedjob.encoders.base import EncoderAdapter
+from embedjob.encoders.base import EncoderAdapter, Placement
 from embedjob.encoders.registry import FAMILIES
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,9 @@ class AdapterOptions:
     tile_combine: str = "concat"
     dinov2_pool: str = "cls"
     per_token: bool = False
+
+    def placement(self, device: torch.device, dtype: torch.dtype, source: str) -> Placement:
+        return Placement(device, dtype, source, self.video_max_frames, self.cache_dir)
 
     @classmethod
     def from_job(cls, job: Job) -> AdapterOptions:

@@ -30,7 +30,7 @@ import torch
 import torchvision.transforms.v2.functional as tvF
 
 from embedjob.encoders.attention import register as register_attention
-from embedjob.encoders.base import PAD_REPEAT_LAST, EncoderAdapter, EncoderInput, StaticInputs
+from embedjob.encoders.base import PAD_REPEAT_LAST, EncoderAdapter, EncoderInput, Placement, StaticInputs
 from embedjob.encoders.loading import AdapterOptions, builtin_model, download_snapshot, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -239,16 +239,9 @@ class QwenAdapter(EncoderAdapter):
         family: QwenFamily,
         model: torch.nn.Module,
         processing: QwenPreprocessor,
-        device: torch.device,
-        dtype: torch.dtype,
-        source: str,
-        *,
-        max_frames_per_video: int,
-        cache_dir: Path,
+        placement: Placement,
     ) -> None:
-        super().__init__(
-            family, processing, device, dtype, source, max_frames_per_video=max_frames_per_video, cache_dir=cache_dir
-        )
+        super().__init__(family, processing, placement)
         self.model = model
         config = model.config
         self.embed_dim = int(getattr(config, "out_hidden_size", None) or config.hidden_size)
@@ -257,7 +250,7 @@ class QwenAdapter(EncoderAdapter):
         self.min_budget = 64
         self.max_budget = 16384
         self.max_frame_patches = max(processing.max_pixels, processing.video_max_pixels) // processing.patch_size**2
-        self.pixel_scale = processing.pixel_scale(device)
+        self.pixel_scale = processing.pixel_scale(placement.device)
         if family.windowed:
             self.window_patches = (processing.window_size // processing.patch_size) ** 2
 
@@ -700,7 +693,4 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
     model.config._attn_implementation = register_attention()
     model.requires_grad_(False)
     processing = load_processing(spec, directory, model.config, options)
-    return QwenAdapter(
-        spec, model, processing, device, dtype, source=path,
-        max_frames_per_video=options.video_max_frames, cache_dir=options.cache_dir,
-    )
+    return QwenAdapter(spec, model, processing, options.placement(device, dtype, path))

@@ -567,15 +567,16 @@ def _file_changes(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[
 def _leaf_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Fingerprint keys named down to the leaf (`model.path`, `pooling`), so the user
     sees which setting changed rather than a whole section."""
-    a, b = _flatten(_plain(old)), _flatten(_plain(new))
+    a, b = flatten(_plain(old)), flatten(_plain(new))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested settings as one level of dotted keys (`batching.window`), as the job spec names them."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

@@ -1,4 +1,4 @@
-"""Video decode throughput of embedjob.media on real clips.
+"""Video decode throughput of embedjob.decode on real clips.
 
 Decodes every video in ../shared/data/videos (fps 2, max_frames 32, frame_multiple 2,
 as for Qwen2-VL) and prints a Markdown report:
@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from embedjob.media import DecodedVideo, DecodeOptions, DecodePool, MediaError, decode
+from embedjob.decode import DecodedVideo, DecodeOptions, MediaError, decode, worker_preload
+from embedjob.workers.pool import DecodePool
 
 OPTIONS = DecodeOptions(modality="video", max_image_pixels=1, fps=2.0, max_frames=32, frame_multiple=2, decoder_threads=1)
 DEFAULT_VIDEOS = Path(__file__).resolve().parents[2] / "shared" / "data" / "videos"
@@ -103,7 +104,7 @@ def frame_count(result: object) -> int:
 def pool_rate(paths: list[Path], workers: int, repeat: int) -> float:
     blobs = [p.read_bytes() for p in paths]
     fn = functools.partial(decode, options=OPTIONS)
-    with DecodePool(fn, workers=workers, timeout=120) as pool:
+    with DecodePool(fn, workers=workers, timeout=120, preload=worker_preload([]), error=MediaError) as pool:
         list(pool.imap(blobs))  # warm-up: workers started and their imports done
         start = time.perf_counter()
         frames = sum(frame_count(r) for r in pool.imap(blobs * repeat))

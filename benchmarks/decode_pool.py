@@ -6,7 +6,7 @@ decoding at all (they return a 336x336 RGB array for a 50 KB task, the size of a
 input and a typical JPEG), so what is measured is the hand-over alone, under three loads
 of the parent's other threads (none; Python 2 ms of every 6, as a main thread packing
 batches; Python all the time) and for several GIL switch intervals. The pipeline sets
-`runner.GIL_SWITCH_SECONDS`.
+`host.GIL_SWITCH_SECONDS`.
 
     python benchmarks/decode_pool.py [--workers N] [--items N] [--repeats R]
 """
@@ -22,8 +22,9 @@ import time
 
 import numpy as np
 
-from embedjob.media import DecodePool
-from embedjob.runner import GIL_SWITCH_SECONDS
+from embedjob.decode import MediaError
+from embedjob.host import GIL_SWITCH_SECONDS
+from embedjob.workers.pool import DecodePool
 
 LOADS = {"none": 0.0, "python 1/3 of the time": 0.002, "python all the time": None}
 """Seconds of Python per 6 ms the parent's other thread runs (None: without pause)."""
@@ -65,7 +66,7 @@ def main() -> int:
     args = parser.parse_args()
     intervals = sorted({0.005, 0.001, GIL_SWITCH_SECONDS}, reverse=True)
     rows = []
-    with DecodePool(fake_decode, args.workers, 60.0, 512) as pool:
+    with DecodePool(fake_decode, args.workers, 60.0, 512, error=MediaError) as pool:
         items_per_second(pool, 200, 0.0)  # the workers start
         for load, busy in LOADS.items():
             for interval in intervals:

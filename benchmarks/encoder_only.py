@@ -1,10 +1,10 @@
 """The encoder-only rate of a job's rows on one device: the bound `embedjob run` is measured against.
 
-Every row is decoded and preprocessed on the CPU first (`embedjob.media.decode` and the
+Every row is decoded and preprocessed on the CPU first (`embedjob.decode.decode` and the
 adapter's own preprocessor, in a process pool), so the timed part is the encoder alone:
 the job's checkpoint loaded through `load_adapter` with the job itself (same dtype,
 preprocessing and budgets), compiled as the runner compiles it, the job's budget plan
-(rounded to whole images for a fixed-resolution tower, as `graphs.build_encoder` does),
+(rounded to whole images for a fixed-resolution tower, as `encode.build_encoder` does),
 one graph per budget, and every packed batch run through `GraphManager.run` with the
 job's pooling as the read-out. The time is the median of `repeats` passes over all
 batches after one warm-up pass: CUDA events on a GPU, wall time on a CPU.
@@ -28,12 +28,14 @@ import pyarrow.parquet as pq
 import torch
 
 from benchmarks.mixes import items_flops
-from embedjob import media, packer
+from embedjob.bench import cuda_passes
+from embedjob.config import Job
+from embedjob.decode import DecodeOptions, MediaError, decode
 from embedjob.encoders import EncoderInput, load_adapter
 from embedjob.encoders.fixed import FixedResAdapter
-from embedjob.bench import cuda_passes
-from embedjob.graphs import GraphManager, budget_plan, pool_rows, whole_image_plan
-from embedjob.job import Job
+from embedjob.engine import packer
+from embedjob.engine.encode import budget_plan, whole_image_plan
+from embedjob.engine.graphs import GraphManager, pool_rows
 
 
 @dataclass
@@ -83,7 +85,7 @@ def _host_threads(device: torch.device) -> contextlib.AbstractContextManager[Non
     """The runner's limit on torch CPU threads in a process that feeds a GPU, so batches
     are assembled on the host as in a run; torch's default where the runner has none."""
     try:
-        from embedjob.runner import host_threads
+        from embedjob.host import host_threads
     except ImportError:
         return contextlib.nullcontext()
     return host_threads(device)
@@ -101,7 +103,7 @@ def _timed(
     flops = items_flops(adapter, items)
     plan = budget_plan(job, adapter)
     if isinstance(adapter, FixedResAdapter):
-        if len(adapter.views) > 1:
+        if len(adapter.paths) > 1:
             return _not_measured(items, failed, flops, seconds, "the dual-path (tiled) encoder is not measured here")
         plan = whole_image_plan(plan, adapter.tokens_per_image)
     backend = None if not job.batching.cuda_graphs else ("cuda" if device.type == "cuda" else "replay")
@@ -158,7 +160,7 @@ def preprocess_rows(job: Job, adapter: Any, workers: int) -> tuple[list[EncoderI
     """Every row of the job's input (one Parquet file, binary media column) decoded and
     preprocessed by `workers` processes; the items of the rows that decoded, and how many did not."""
     preprocessor = adapter.preprocessor()
-    options = media.DecodeOptions(
+    options = DecodeOptions(
         modality=job.input.modality,
         max_image_pixels=job.preprocess.max_image_pixels,
         fps=job.video.fps,
@@ -180,9 +182,9 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _decode_one(data: bytes, options: media.DecodeOptions, preprocess: Any) -> EncoderInput | None:
+def _decode_one(data: bytes, options: DecodeOptions, preprocess: Any) -> EncoderInput | None:
     """Worker: bytes -> EncoderInput, or None for a row that does not decode (an error row in a run)."""
     try:
-        return preprocess(media.decode(data, options))
-    except media.MediaError:
+        return preprocess(decode(data, options))
+    except MediaError:
         return None

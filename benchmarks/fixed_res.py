@@ -29,10 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedjob.bench import cuda_time  # noqa: E402
+from embedjob.config import job_from_dict  # noqa: E402
 from embedjob.encoders import EncoderAdapter, load_adapter  # noqa: E402
-from embedjob.graphs import GraphManager  # noqa: E402
-from embedjob.job import job_from_dict  # noqa: E402
-from embedjob.packer import BudgetPlan  # noqa: E402
+from embedjob.engine.graphs import GraphManager  # noqa: E402
+from embedjob.engine.packer import BudgetPlan  # noqa: E402
 
 TOWER = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, image_size=224, patch_size=16)
 
@@ -104,7 +104,9 @@ def bench_family(family: str, workdir: Path, batches: list[int], repeats: int, c
 
         eager_s = cuda_time(eager, repeats, warmup=3)
         graph_s = cuda_time(graph, repeats, warmup=3)
-        same = torch.equal(torch.cat(manager.run(items, budget)), manager.run_padded_eager(items, budget)[:count])
+        with torch.inference_mode():
+            padded = adapter.forward(manager.padded_inputs(items, budget))[:count]
+        same = torch.equal(torch.cat(manager.run(items, budget)), padded)
         rows.append((family, count, per_image, eager_s, graph_s, same))
     manager.clear()
     return rows

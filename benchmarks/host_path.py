@@ -44,10 +44,10 @@ from torch.overrides import TorchFunctionMode
 # The script runs without installing the package, so the repository root goes first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from embedjob.config import job_from_dict  # noqa: E402
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter  # noqa: E402
-from embedjob.graphs import budget_plan, whole_image_plan  # noqa: E402
-from embedjob.job import job_from_dict  # noqa: E402
-from embedjob.packer import pack  # noqa: E402
+from embedjob.engine.encode import budget_plan, whole_image_plan  # noqa: E402
+from embedjob.engine.packer import pack  # noqa: E402
 
 FAMILIES = ("qwen2_5_vl", "clip")
 

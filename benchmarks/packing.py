@@ -23,14 +23,7 @@ from pathlib import Path
 # The script runs without installing the package, so the repository root goes first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedjob.packer import (  # noqa: E402
-    POLICIES,
-    BudgetPlan,
-    generate_budgets,
-    pack,
-    padding_waste,
-    resolve_budgets,
-)
+from embedjob.engine.packer import POLICIES, BudgetPlan, generate_budgets, pack, padding_waste, resolve_budgets  # noqa: E402
 
 SEED = 1234
 ITEMS = 4096

@@ -28,8 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from embedjob.job import load_job  # noqa: E402
-from embedjob.runner import Runner  # noqa: E402
+from embedjob.config import load_job  # noqa: E402
+from embedjob.pipeline import Runner  # noqa: E402
 
 
 class MainThreadSampler:

@@ -103,8 +103,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
-from benchmarks.mixes import MIXES, SMOKE_IMAGES, Dataset, Mix, builtin_sources, collect_photos, jpeg_dataset, save_tower  # noqa: E402
-from embedjob.job import load_job  # noqa: E402
+from benchmarks.mixes import (  # noqa: E402
+    MIXES,
+    SMOKE_IMAGES,
+    Dataset,
+    Mix,
+    builtin_sources,
+    collect_photos,
+    jpeg_dataset,
+    save_tower,
+)
+from embedjob.config import load_job  # noqa: E402
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ENCODER_PASSES = 3

@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from embedjob.job import Job
+    from embedjob.config import Job
 
 __version__ = "0.1.0"
 
@@ -28,12 +28,13 @@ def run(
     `job_or_path` is a job YAML file, a job as nested dicts (the YAML's structure) or a
     `Job`; `overrides` are `section.key=value` strings as `--set` takes them; `shard` is
     `"I/N"` or `(I, N)` (default: SLURM's array task, else the whole input). Raises
-    `embedjob.job.JobError` for a job that cannot run as written (a bad spec, input or
+    `embedjob.config.JobError` for a job that cannot run as written (a bad spec, input or
     model: the command's exit 2) and RuntimeError when a run fails (a full disk, a dead
     rank, more error rows than runtime.max_error_rate allows: exit 1).
     """
-    from embedjob.job import Job, job_from_dict, load_job
-    from embedjob.runner import Shard, run_job
+    from embedjob.config import Job, job_from_dict, load_job
+    from embedjob.pipeline import run_job
+    from embedjob.slurm import Shard
 
     if isinstance(job_or_path, Job):
         job = job_from_dict(job_or_path.to_dict(), overrides)

@@ -32,10 +32,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from embedjob import packer
-from embedjob.encoders.base import EncoderInput, cache_root
+from embedjob.encoders.base import EncoderInput, Placement
+from embedjob.encoders.loading import cache_root
 from embedjob.encoders.qwen import FAMILIES, QwenAdapter, QwenPreprocessor, tune_for_cuda
-from embedjob.graphs import GraphManager
+from embedjob.engine import packer
+from embedjob.engine.graphs import GraphManager
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +133,8 @@ def build_tower(device: torch.device) -> QwenAdapter:
         window_size=112,
         pos_grid_side=None,
     )
-    adapter = QwenAdapter(spec, model, processing, device, torch.bfloat16, source="bench:qwen2_5_vl-7b-size")
-    adapter.max_frames_per_video = 32
-    adapter.cache_dir = cache_root(None)
-    return adapter
+    placement = Placement(device, torch.bfloat16, "bench:qwen2_5_vl-7b-size", 32, cache_root(None))
+    return QwenAdapter(spec, model, processing, placement)
 
 
 def make_mix(name: str, processing: QwenPreprocessor) -> list[EncoderInput]:
@@ -361,9 +360,9 @@ def make_jpeg_parquet(path: Path, count: int, seed: int = 0) -> None:
 
 def end_to_end(adapter: QwenAdapter, checkpoint: Path, workdir: Path, args: argparse.Namespace, peak: float, compiled: bool) -> list[Row]:
     """`embedjob run` on real JPEGs against the encoder-only rate of the same images."""
-    from embedjob import media
-    from embedjob.job import job_from_dict
-    from embedjob.runner import Runner
+    from embedjob.config import job_from_dict
+    from embedjob.decode import DecodeOptions, decode
+    from embedjob.pipeline import Runner
 
     parquet = workdir / "jpegs.parquet"
     make_jpeg_parquet(parquet, args.e2e_images)
@@ -380,11 +379,11 @@ def end_to_end(adapter: QwenAdapter, checkpoint: Path, workdir: Path, args: argp
     stats = _profiled(Runner(job, overwrite=True).run, workdir / "e2e-profile.txt") if args.e2e_profile else Runner(job, overwrite=True).run()
     wall = time.perf_counter() - start
     e2e_seconds = stats["pipeline_seconds"]
-    options = media.DecodeOptions("image", 10**9, 2.0, 32, 2)
+    options = DecodeOptions("image", 10**9, 2.0, 32, 2)
     import pyarrow.parquet as pq
 
     blobs = pq.read_table(parquet).column("image").to_pylist()
-    items = [adapter.preprocessor()(media.decode(b, options)) for b in blobs]
+    items = [adapter.preprocessor()(decode(b, options)) for b in blobs]
     flops = encoder_flops(items, adapter.model.config)
     plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, False)
     manager = GraphManager(adapter, plan, "cuda")

@@ -24,10 +24,10 @@ from typing import Any
 
 import yaml
 
-from embedjob.checkpoint import OutputError
-from embedjob.job import Job, JobError, describe, load_job
-from embedjob.report import codes_text, plural, route_warnings
-from embedjob.writer import ErrorRateExceeded
+from embedjob.config import Job, JobError, describe, load_job
+from embedjob.io.checkpoint import OutputError
+from embedjob.io.writer import ErrorRateExceeded
+from embedjob.report.counts import codes_text, plural, route_warnings
 
 logger = logging.getLogger("embedjob")
 
@@ -179,7 +179,7 @@ def _engine_arguments(run: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from embedjob.engines import pick_engine, shards_to_run, status_report
+    from embedjob.parallel.engines import pick_engine, shards_to_run, status_report
 
     engine = pick_engine(args.engine, args.address, args.max_retries, args.cpus_per_task)
     _quiet_transformers()
@@ -314,8 +314,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from embedjob.io.verify import verify_output
     from embedjob.slurm import format_status, output_status
-    from embedjob.verify import verify_output
 
     status = output_status(Path(args.output))
     checked = verify_output(Path(args.output)) if args.verify else None
@@ -344,7 +344,7 @@ def _report_command(sub: Any) -> None:
 def _cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from embedjob.html_report import write_report
+    from embedjob.report.html import write_report
 
     report = write_report(Path(args.output), Path(args.out) if args.out else None)
     print(f"embedjob: wrote the report of {args.output} with {plural(len(report.figures), 'figure')}", file=sys.stderr)
@@ -356,7 +356,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from embedjob.verify import format_verification, verify_output
+    from embedjob.io.verify import format_verification, verify_output
 
     result = verify_output(Path(args.output))
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_verification(result))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shlex
 import shutil
@@ -41,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import embedjob
-from embedjob import reader
-from embedjob.checkpoint import (
+from embedjob.config import Job, JobError, load_job
+from embedjob.io import reader
+from embedjob.io.checkpoint import (
     META,
     OutputRecord,
     ShardProgress,
@@ -59,9 +61,8 @@ from embedjob.checkpoint import (
     shards_in,
     success_name,
 )
-from embedjob.job import Job, JobError, load_job
-from embedjob.files import write_json
-from embedjob.report import codes_text, plural
+from embedjob.io.files import write_json
+from embedjob.report.counts import codes_text, plural
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,47 @@ STATES = ("done", "running", "pending", "failed", "unfinished")
 # Characters an #SBATCH value may hold: sbatch splits those lines on whitespace and
 # does its own quote handling, so anything else is refused rather than guessed at.
 _SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:+=@%/\[\]-]+$")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard `index` of `count` (0-based)."""
+
+    index: int = 0
+    count: int = 1
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Shard":
+        """`I/N` from the CLI, else SLURM's array variables, else the whole input."""
+        if text is None:
+            text = array_task_shard()
+            if text is None:
+                return cls()
+        try:
+            index, count = (int(p) for p in text.split("/"))
+        except ValueError:
+            raise JobError(f"--shard expects I/N with integers (e.g. 0/8), got {text!r}") from None
+        if count < 1 or not 0 <= index < count:
+            raise JobError(f"--shard {text}: need 0 <= I < N and N >= 1")
+        return cls(index, count)
+
+
+def array_task_shard() -> str | None:
+    """`I/N` of this SLURM array task, None outside an array.
+
+    The array index is the shard index (module docstring), so only an array of tasks
+    0..N-1 says how many shards there are: any other array must pass --shard I/N.
+    """
+    task, count = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_ARRAY_TASK_COUNT")
+    if task is None or count is None:
+        return None
+    low, high = os.environ.get("SLURM_ARRAY_TASK_MIN", "0"), os.environ.get("SLURM_ARRAY_TASK_MAX")
+    if low != "0" or (high is not None and int(high) != int(count) - 1):
+        raise JobError(
+            f"this SLURM array ({low}-{high}, {count} tasks) is not 0..N-1, so its task count is not the "
+            "number of shards; pass --shard I/N (embedjob submit does)"
+        )
+    return f"{task}/{count}"
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from embedjob.config import Job, job_from_dict
 from embedjob.encoders import load_adapter
-from embedjob.job import Job, job_from_dict
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"

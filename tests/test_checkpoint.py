@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
-from embedjob.checkpoint import (
+from embedjob.config import JobError
+from embedjob.io.checkpoint import (
     JOB_RECORD,
     Checkpoint,
     PartRecord,
@@ -25,10 +27,7 @@ from embedjob.checkpoint import (
     stats_name,
     success_name,
 )
-from embedjob.job import JobError
-from embedjob.writer import TMP_MARK, part_name
-
-from conftest import REPO
+from embedjob.io.writer import TMP_MARK, part_name
 
 FINGERPRINT = {"model": {"family": "qwen2_5_vl", "path": "builtin:tiny-qwen2_5_vl"}, "pooling": "mean"}
 
@@ -203,7 +202,7 @@ def test_a_second_run_of_a_shard_is_refused_while_the_first_holds_it(tmp_path: P
 
 def test_the_lock_of_a_killed_process_is_free_and_its_debris_is_removed(tmp_path: Path) -> None:
     holder = (
-        "import sys, time; from pathlib import Path; from embedjob.checkpoint import open_checkpoint; "
+        "import sys, time; from pathlib import Path; from embedjob.io.checkpoint import open_checkpoint; "
         f"cp = open_checkpoint(Path(sys.argv[1]), 0, 2, 100, 110, 4, {FINGERPRINT!r}, False); "
         "Path(sys.argv[1], '.part-00000-00000.parquet.tmp-1').write_bytes(b'half'); print('locked', flush=True); "
         "time.sleep(60)"

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedjob.reader import Fragment, plan_chunks
-from embedjob.writer import RowBlock, block_to_table, output_schema
+from embedjob.io.reader import Fragment, plan_chunks
+from embedjob.io.writer import RowBlock, block_to_table, output_schema
 
 
 def _fragments(sizes: list[int]) -> list[Fragment]:

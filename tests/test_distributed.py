@@ -25,11 +25,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import REPO
 from PIL import Image
 
-from embedjob import wire
 from embedjob.cli import main
-from embedjob.distributed import (
+from embedjob.config import JobError
+from embedjob.io.reader import Chunk
+from embedjob.io.writer import RowBlock
+from embedjob.parallel.cluster import (
     FAULT_ENV,
     FAULT_EXIT_CODE,
     HELLO,
@@ -39,11 +42,7 @@ from embedjob.distributed import (
     RankFailure,
     resolve_layout,
 )
-from embedjob.job import JobError
-from embedjob.reader import Chunk
-from embedjob.writer import RowBlock
-
-from conftest import REPO
+from embedjob.workers import wire
 
 DEMO = str(REPO / "jobs" / "demo.yaml")
 DEMO_PARQUET = REPO / "jobs" / "data" / "demo-images.parquet"

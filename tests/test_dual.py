@@ -13,6 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torchvision.transforms.v2.functional as tvF
+from conftest import REPO, make_job, random_image, random_video
+from engine_helpers import batches, paths_encoder, run, run_padded_eager
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,10 +22,9 @@ from embedjob.cli import main
 from embedjob.encoders import EncoderInput, load_adapter
 from embedjob.encoders.fixed import GLOBAL_KEY, LOCAL_KEY
 from embedjob.encoders.tiling import cut_tiles, select_grid
-from embedjob.graphs import DualPathEncoder, build_encoder, clone_rows, dual_paths
-from embedjob.packer import POLICIES, BudgetPlan, resolve_dual_budgets
-
-from conftest import REPO, make_job, random_image, random_video
+from embedjob.engine.encode import BatchEncoder, build_encoder
+from embedjob.engine.graphs import clone_rows
+from embedjob.engine.packer import POLICIES, BudgetPlan
 
 CPU = torch.device("cpu")
 BICUBIC = tvF.InterpolationMode.BICUBIC
@@ -47,13 +48,11 @@ def plain(cache_dir: str):
     return load_adapter(make_job(cache_dir, model={"family": "clip", "path": "builtin:tiny-clip"}), CPU)
 
 
-def small_encoder(adapter, policy: str = "greedy", largest: int = 4) -> DualPathEncoder:
+def small_encoder(adapter, policy: str = "greedy", largest: int = 4) -> BatchEncoder:
     """Budgets of 1, 2, 4 (... `largest`) images on both paths, at most 3 items and 6 frames a batch."""
     t = adapter.tokens_per_image
     single = BudgetPlan(tuple(t * 2**k for k in range(largest.bit_length())), max_items=3, max_frames=6)
-    encoder = DualPathEncoder(adapter, dual_paths(adapter, resolve_dual_budgets(single, single), "replay"), policy)
-    encoder.capture()
-    return encoder
+    return paths_encoder(adapter, single, "replay", policy)
 
 
 @given(
@@ -134,19 +133,20 @@ def test_dual_packing_holds_both_limits_and_counts_partial_fallbacks(adapter, sp
     encoder = small_encoder(adapter, policy)
     t, largest = adapter.tokens_per_image, 4 * adapter.tokens_per_image
     items = [_synthetic(adapter, views, tiles, video, k) for k, (views, tiles, video) in enumerate(specs)]
-    batches = encoder.batches(items)
-    assert sorted(i for b in batches for i in b.indices) == list(range(len(items)))
-    for batch in batches:
+    packed = batches(encoder, items)
+    assert sorted(i for b in packed for i in b.indices) == list(range(len(items)))
+    for batch in packed:
         chosen = [specs[i] for i in batch.indices]
         global_tokens, local_tokens = sum(v for v, _, _ in chosen) * t, sum(n for _, n, _ in chosen) * t
         frames = sum(v for v, _, video in chosen if video)
-        if batch.global_budget is not None and batch.local_budget is not None:
+        global_budget, local_budget = batch.budgets
+        if global_budget is not None and local_budget is not None:
             assert len(chosen) <= 3 and frames <= 6
-            assert global_tokens <= batch.global_budget <= largest and local_tokens <= batch.local_budget <= largest
+            assert global_tokens <= global_budget <= largest and local_tokens <= local_budget <= largest
         else:
             assert len(chosen) == 1  # a miss on either path runs alone
         if local_tokens == 0:
-            assert batch.local_budget == 0  # no tiles: the local graph set is skipped
+            assert local_budget == 0  # no tiles: the local graph set is skipped
     encoded = encoder.encode(items, "none", torch.float32)
     assert encoded.failures == [None] * len(items)
     assert [encoded.item(i).shape for i in range(len(items))] == [(v, adapter.embed_dim) for v, _, _ in specs]
@@ -157,7 +157,7 @@ def test_dual_packing_holds_both_limits_and_counts_partial_fallbacks(adapter, sp
     paths = stats["paths"]
     assert paths["global"]["graph_hits"] + paths["global"]["graph_misses"] == len(items)
     assert paths["local"]["graph_hits"] + paths["local"]["graph_misses"] == sum(n > 0 for _, n, _ in specs)
-    assert stats["padding_waste"] == sum(b.padding for b in batches)
+    assert stats["padding_waste"] == sum(b.padding for b in packed)
     merged = encoder.graph_stats()  # what data-parallel ranks add up
     assert (merged.hits, merged.misses) == (stats["graph_hits"], stats["graph_misses"])
     assert merged.real_tokens == sum(item.tokens for item in items)  # both paths' tokens: the `tokens` column
@@ -166,13 +166,13 @@ def test_dual_packing_holds_both_limits_and_counts_partial_fallbacks(adapter, sp
 def test_one_path_replays_while_the_other_runs_eagerly_with_the_same_result(adapter) -> None:
     encoder = small_encoder(adapter)
     item = adapter.preprocessor()(random_image(300, 500, 4))  # 6 tiles: above the 4-image local budgets
-    (batch,) = encoder.batches([item])
-    assert (batch.global_budget, batch.local_budget) == (adapter.tokens_per_image, None)
+    (batch,) = batches(encoder, [item])
+    assert batch.budgets == (adapter.tokens_per_image, None)
     partial = encoder.encode([item], "none", torch.float32).item(0)
     stats = encoder.stats()
     assert (stats["graph_hits"], stats["graph_misses"], stats["partial_fallbacks"]) == (0, 1, 1)
     assert stats["paths"]["global"]["graph_hits"] == 1 and stats["paths"]["local"]["graph_misses"] == 1
-    (eager,) = encoder.run([item], (None, None))
+    (eager,) = run(encoder, [item], (None, None))
     assert torch.allclose(partial, eager, rtol=1e-5, atol=1e-6)
 
 
@@ -182,10 +182,10 @@ def test_dual_replay_equals_eager_on_the_same_padded_batch(adapter) -> None:
     items = [adapter.preprocessor()(m) for m in (random_image(150, 200, 5), random_image(30, 30, 6), random_image(200, 90, 7))]
     budgets = (4 * t, 16 * t)
     assert sum(i.tensors[LOCAL_KEY].shape[0] for i in items) == 12  # both paths pad: 3 of 4 and 12 of 16 images
-    replayed = encoder.run(items, budgets)
-    padded = encoder.run_padded_eager(items, budgets)
+    replayed = run(encoder, items, budgets)
+    padded = run_padded_eager(encoder, items, budgets)
     assert all(torch.equal(a, b) for a, b in zip(replayed, padded))
-    eager = encoder.run(items, (None, None))
+    eager = run(encoder, items, (None, None))
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(replayed, eager))
     assert encoder.stats()["graph_hits"] == 3
 
@@ -197,12 +197,12 @@ def test_combine_concatenates_global_and_mean_of_tiles(adapter, cache_dir: str) 
         views = [adapter.forward(adapter.eager_inputs([adapter.path_input(i, GLOBAL_KEY)])) for i in items]
         tiles = adapter.forward(adapter.eager_inputs([adapter.path_input(items[0], LOCAL_KEY)]))
     assert adapter.path_input(items[1], LOCAL_KEY) is None
-    concat = small_encoder(adapter).run(items, (None, None))
+    concat = run(small_encoder(adapter), items, (None, None))
     expected = [torch.cat([views[0], tiles.mean(0, keepdim=True)], dim=-1), torch.cat([views[1], views[1]], dim=-1)]
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(concat, expected))
     averaged = load_adapter(tiled_job(cache_dir, tile_combine="mean"), CPU)
     assert averaged.embed_dim == adapter.embed_dim // 2
-    mean = small_encoder(averaged).run(items, (None, None))
+    mean = run(small_encoder(averaged), items, (None, None))
     d = averaged.embed_dim
     assert all(torch.allclose(m, (c[:, :d] + c[:, d:]) / 2, rtol=1e-5, atol=1e-6) for m, c in zip(mean, concat))
 
@@ -228,7 +228,7 @@ def test_a_failing_item_costs_one_error_row_in_dual_mode(adapter, monkeypatch) -
 
 def test_build_encoder_picks_the_dual_path_for_tiled_jobs(adapter, plain, cache_dir: str) -> None:
     encoder = build_encoder(tiled_job(cache_dir), adapter, CPU)
-    assert isinstance(encoder, DualPathEncoder)
+    assert isinstance(encoder, BatchEncoder)
     assert [p.name for p in encoder.paths] == ["global", "local"]
     assert encoder.paths[1].plan.token_budgets[0] == 0 and 0 not in encoder.paths[1].manager.plan.token_budgets
     encoder.capture()
@@ -247,7 +247,7 @@ def test_build_encoder_picks_the_dual_path_for_tiled_jobs(adapter, plain, cache_
 
 
 def test_tiling_with_a_native_resolution_family_is_refused(cache_dir: str) -> None:
-    from embedjob.job import JobError
+    from embedjob.config import JobError
 
     with pytest.raises(JobError, match="tiling = 'anyres' needs a fixed-resolution encoder"):
         make_job(cache_dir, preprocess={"tiling": "anyres"})

@@ -13,6 +13,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import REPO, make_job, random_image, random_video
+from engine_helpers import one_path_encoder, padded_eager
+from test_qwen import assembly_calls
 from transformers import (
     AutoImageProcessor,
     CLIPModel,
@@ -25,14 +28,12 @@ from transformers import (
 )
 
 from embedjob.cli import main
+from embedjob.config import JobError
 from embedjob.encoders import load_adapter
 from embedjob.encoders.fixed import BUILTIN_VISION, FAMILIES, GLOBAL_KEY, builtin_dir
-from embedjob.graphs import BatchEncoder, GraphManager, build_encoder
-from embedjob.job import JobError
-from embedjob.packer import BudgetPlan
-
-from conftest import REPO, make_job, random_image, random_video
-from test_qwen import assembly_calls
+from embedjob.engine.encode import build_encoder
+from embedjob.engine.graphs import GraphManager
+from embedjob.engine.packer import BudgetPlan
 
 SIZES = [(224, 224), (300, 500), (641, 479), (5, 900), (30, 30), (64, 65)]
 CPU = torch.device("cpu")
@@ -200,9 +201,10 @@ def test_wrong_family_or_builtin_is_a_clear_error(cache_dir: str) -> None:
 def test_budgets_are_whole_images_and_one_below_an_image_is_refused(adapters, cache_dir: str) -> None:
     adapter = adapters["clip"]
     auto = build_encoder(fixed_job(cache_dir, "clip"), adapter, CPU)
-    assert all(b % 17 == 0 for b in auto.manager.plan.token_budgets) and auto.manager.plan.token_budgets[0] == 17
+    (path,) = auto.paths
+    assert all(b % 17 == 0 for b in path.manager.plan.token_budgets) and path.manager.plan.token_budgets[0] == 17
     user = build_encoder(fixed_job(cache_dir, "clip", batching={"token_budgets": [40, 100], "max_items_per_batch": 2}), adapter, CPU)
-    assert user.manager.plan.token_budgets == (34, 85)
+    assert user.paths[0].manager.plan.token_budgets == (34, 85)
     with pytest.raises(JobError, match="smaller than one image, which is 17 tokens"):
         build_encoder(fixed_job(cache_dir, "clip", batching={"token_budgets": [16, 64], "max_items_per_batch": 1}), adapter, CPU)
 
@@ -215,7 +217,7 @@ def test_replay_equals_padded_eager_bitwise_and_unpadded_eager_closely(adapters)
     items = [adapter.preprocessor()(m) for m in (random_image(90, 60, 1), random_video(3, 50, 80, 2), random_image(20, 20, 3))]
     budget = 16 * t
     replayed = torch.cat(manager.run(items, budget))
-    padded = manager.run_padded_eager(items, budget)
+    padded = padded_eager(manager, items, budget)
     assert replayed.shape == (5, adapter.embed_dim) and padded.shape == (16, adapter.embed_dim)
     assert torch.equal(replayed, padded[:5]) and torch.isfinite(padded).all()
     with torch.no_grad():
@@ -242,7 +244,7 @@ def test_batch_encoder_counts_hits_misses_and_padding_in_tokens(adapters) -> Non
     manager.capture()
     media = [random_image(50, 50, 1), random_image(70, 30, 2), random_video(3, 40, 40, 3), random_video(6, 40, 40, 4)]
     items = [adapter.preprocessor()(m) for m in media]
-    encoded = BatchEncoder(manager, "greedy").encode(items, "mean", torch.float32)
+    encoded = one_path_encoder(manager, "greedy").encode(items, "mean", torch.float32)
     assert encoded.failures == [None] * 4 and all(encoded.item(i).shape == (1, adapter.embed_dim) for i in range(4))
     stats = manager.stats
     assert (stats.hits, stats.misses) == (3, 1)  # the 6-frame video is 6 images > the 4-image budget

@@ -12,13 +12,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import REPO, make_job, random_image, random_video
+from engine_helpers import batches, padded_eager, paths_encoder, run, run_padded_eager
 
 from embedjob.encoders import load_adapter
 from embedjob.encoders.attention import _segmented_sdpa, varlen_attention
-from embedjob.graphs import GraphManager
-from embedjob.packer import BudgetPlan, pack
-
-from conftest import REPO, make_job, random_image, random_video
+from embedjob.engine.graphs import GraphManager
+from embedjob.engine.packer import BudgetPlan, pack
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -65,7 +65,7 @@ def test_cuda_graph_replay_equals_eager_on_the_same_padded_batch(cuda_manager: G
     for batch in pack([i.tokens for i in items], [i.frames for i in items], PLAN):
         chosen = [items[i] for i in batch.indices]
         replayed = torch.cat(cuda_manager.run(chosen, batch.budget))
-        padded = cuda_manager.run_padded_eager(chosen, batch.budget)
+        padded = padded_eager(cuda_manager, chosen, batch.budget)
         assert torch.equal(replayed, padded[: replayed.shape[0]])
 
 
@@ -106,8 +106,8 @@ def test_eager_fallback_and_statistics_on_cuda(cuda_adapter, items) -> None:
 
 
 def test_demo_job_on_cuda_matches_the_cpu_run(tmp_path: Path, cache_dir: str) -> None:
-    from embedjob.job import load_job
-    from embedjob.runner import run_job
+    from embedjob.config import load_job
+    from embedjob.pipeline import run_job
 
     outputs = {}
     for device in ("cpu", "cuda"):
@@ -137,22 +137,18 @@ def _fixed_job(cache_dir: str, family: str, pooling: str = "mean", **preprocess)
 
 
 def test_dual_path_cuda_replay_equals_eager_on_the_same_padded_batch(cache_dir: str) -> None:
-    from embedjob.graphs import DualPathEncoder, dual_paths
-    from embedjob.packer import resolve_dual_budgets
-
     adapter = load_adapter(_fixed_job(cache_dir, "clip", tiling="anyres", max_tiles=6), torch.device("cuda"))
     t = adapter.tokens_per_image
     single = BudgetPlan(tuple(t * 2**k for k in range(6)), max_items=8, max_frames=16)
-    encoder = DualPathEncoder(adapter, dual_paths(adapter, resolve_dual_budgets(single, single), "cuda"), "min_padding")
-    encoder.capture()
+    encoder = paths_encoder(adapter, single, "cuda", "min_padding")
     assert encoder.stats()["num_graphs"] == 12
     items = [adapter.preprocessor()(m) for m in FIXED_MEDIA]
-    for batch in encoder.batches(items):
-        budgets = (batch.global_budget, batch.local_budget)
+    for batch in batches(encoder, items):
+        budgets = batch.budgets
         assert None not in budgets
         chosen = [items[i] for i in batch.indices]
-        replayed = encoder.run(chosen, budgets)
-        padded = encoder.run_padded_eager(chosen, budgets)
+        replayed = run(encoder, chosen, budgets)
+        padded = run_padded_eager(encoder, chosen, budgets)
         assert all(torch.equal(a, b) for a, b in zip(replayed, padded))
     stats = encoder.stats()
     assert stats["graph_hits"] == len(items) and stats["partial_fallbacks"] == 0
@@ -173,7 +169,7 @@ def test_fixed_res_cuda_graphs_equal_padded_eager_and_the_fp32_cpu_reference(cac
     manager.capture()
     items = [gpu.preprocessor()(m) for m in FIXED_MEDIA]  # 6 images: 3 photos and 3 frames
     replayed = torch.cat(manager.run(items, 8 * t))
-    padded = manager.run_padded_eager(items, 8 * t)
+    padded = padded_eager(manager, items, 8 * t)
     rows = 6 * gpu.rows_per_view
     assert replayed.shape == (rows, gpu.embed_dim) and torch.equal(replayed, padded[:rows])
     cpu_items = [cpu.preprocessor()(m) for m in FIXED_MEDIA]
@@ -198,8 +194,8 @@ def test_fixed_res_batches_are_page_locked_uint8_normalised_on_the_device_bitwis
 
 @pytest.mark.parametrize(("job_file", "extra"), [("demo-clip.yaml", ["preprocess.tiling=anyres"]), ("demo-siglip-video.yaml", [])])
 def test_fixed_res_demo_jobs_on_cuda_match_the_cpu_run(tmp_path: Path, cache_dir: str, job_file: str, extra: list[str]) -> None:
-    from embedjob.job import load_job
-    from embedjob.runner import run_job
+    from embedjob.config import load_job
+    from embedjob.pipeline import run_job
 
     outputs = {}
     for device in ("cpu", "cuda"):
@@ -242,7 +238,7 @@ def test_small_windows_and_chunks_give_the_plain_runs_rows(tmp_path: Path, cache
 
 
 def test_pooling_per_batch_on_cuda_is_deterministic_and_equals_each_items_own_mean() -> None:
-    from embedjob.graphs import pool_rows
+    from embedjob.engine.graphs import pool_rows
 
     torch.manual_seed(0)
     counts = [64] * 5 + [16, 16, 100]

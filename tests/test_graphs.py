@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from embedjob.graphs import GraphManager
-from embedjob.packer import BudgetPlan, pack
-
 from conftest import random_image, random_video
+from engine_helpers import one_path_encoder, padded_eager
+
+from embedjob.engine.graphs import GraphManager
+from embedjob.engine.packer import BudgetPlan, pack
 
 PLAN = BudgetPlan(token_budgets=(64, 128, 256, 512), max_items=8, max_frames=16)
 
@@ -42,7 +42,7 @@ def test_replay_equals_eager_on_the_same_padded_batch_bitwise(manager: GraphMana
     batch = items[:3]
     budget = 512
     replayed = manager.run(batch, budget)
-    padded = manager.run_padded_eager(batch, budget)
+    padded = padded_eager(manager, batch, budget)
     offset = 0
     for item, out in zip(batch, replayed):
         assert torch.equal(out, padded[offset : offset + item.tokens])
@@ -92,7 +92,7 @@ def test_eager_fallback_gives_the_same_embedding(qwen_adapter, manager: GraphMan
 
 
 def test_pad_rows_are_finite_and_real_rows_come_first(manager: GraphManager, items) -> None:
-    padded = manager.run_padded_eager(items[3:4], 64)
+    padded = padded_eager(manager, items[3:4], 64)
     assert torch.isfinite(padded).all()
     assert padded.shape[0] == 64 and items[3].tokens < 64
 
@@ -113,8 +113,6 @@ def test_unknown_backend_and_cuda_on_cpu_are_refused(qwen_adapter) -> None:
 
 def test_batch_encoder_isolates_an_item_that_fails_to_encode(qwen_adapter, items, monkeypatch) -> None:
     """One item that breaks the encoder costs one error row, not its whole batch."""
-    from embedjob.graphs import BatchEncoder
-
     graphs = GraphManager(qwen_adapter, PLAN, "replay")
     graphs.capture()
     poisoned = items[1]
@@ -126,7 +124,7 @@ def test_batch_encoder_isolates_an_item_that_fails_to_encode(qwen_adapter, items
         return real_run(batch, budget)
 
     monkeypatch.setattr(graphs, "run_batch", run_batch)
-    encoded = BatchEncoder(graphs, "min_padding").encode(items, "mean", torch.float32)
+    encoded = one_path_encoder(graphs, "min_padding").encode(items, "mean", torch.float32)
     assert encoded.failures[1] == "encode_failed: RuntimeError: CUDA out of memory (simulated)"
     assert encoded.item(1) is None and encoded.counts[1] == 0
     for i, item in enumerate(items):
@@ -139,7 +137,7 @@ def test_batch_encoder_isolates_an_item_that_fails_to_encode(qwen_adapter, items
 def test_pooling_per_batch_equals_each_item_pooled_alone(qwen_adapter, items) -> None:
     """One reduction per run of equal row counts gives every item's own mean, bit for
     bit, whatever else shares its batch (resumed and data-parallel runs batch differently)."""
-    from embedjob.graphs import pool_rows
+    from embedjob.engine.graphs import pool_rows
 
     rows = torch.randn(3 * 4 + 2 * 7 + 5, 16)
     counts = [4, 4, 4, 7, 7, 5]

@@ -22,16 +22,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
-
-from embedjob import checkpoint, media, reader
-from embedjob.cli import main
-from embedjob.job import InputConfig
-from embedjob.slurm import SubmitOptions, TaskCommand, render_script
-
 from conftest import REPO
+from PIL import Image
 from test_resume import interrupt_after_first_part, manifest
 from test_shards import DATA, assert_same_rows, job_args, read_output, write_inputs
+
+from embedjob.cli import main
+from embedjob.config import InputConfig
+from embedjob.decode import DecodeOptions, MediaError, decode, read_source
+from embedjob.decode.containers import matroska_frame_size
+from embedjob.io import checkpoint, reader
+from embedjob.slurm import SubmitOptions, TaskCommand, render_script
 
 DEMO = str(REPO / "jobs" / "demo.yaml")
 
@@ -256,7 +257,7 @@ def test_a_lock_symlink_planted_in_the_output_is_refused_and_its_target_untouche
 
 
 def test_a_json_file_is_never_written_through_a_planted_link(tmp_path: Path) -> None:
-    from embedjob.files import write_json
+    from embedjob.io.files import write_json
 
     victim = tmp_path / "victim"
     victim.write_text("keep")
@@ -281,12 +282,12 @@ def test_a_media_file_swapped_for_a_symlink_after_the_reader_checked_it_is_not_r
     rows = list(reader.read_rows(cfg, reader.list_fragments(cfg)))
     assert [r.error for r in rows] == [None, None]
     real_root = reader.local_media_root(cfg)
-    assert media.read_source(rows[1].uri, real_root) == jpeg_bytes(), "a symlink inside the root is fine"
+    assert read_source(rows[1].uri, real_root) == jpeg_bytes(), "a symlink inside the root is fine"
 
     (root / "a.jpg").unlink()
     (root / "a.jpg").symlink_to(secret)  # swapped between the reader's check and the worker's open
-    with pytest.raises(media.MediaError) as err:
-        media.read_source(rows[0].uri, real_root)
+    with pytest.raises(MediaError) as err:
+        read_source(rows[0].uri, real_root)
     assert err.value.code == "path_escape" and "secret bytes" not in str(err.value)
 
 
@@ -376,20 +377,20 @@ def test_a_video_declaring_huge_frames_is_one_too_large_row_before_decoding(tmp_
 
 def test_the_decoded_frame_size_and_the_sampled_total_are_capped() -> None:
     clip = (DATA / "decord_video_0.mov").read_bytes()
-    options = media.DecodeOptions("video", 10**9, 2.0, 8, 2, decoder_threads=0)
-    shape = media.decode(clip, options).frames.shape
+    options = DecodeOptions("video", 10**9, 2.0, 8, 2, decoder_threads=0)
+    shape = decode(clip, options).frames.shape
     frames, height, width = shape[0], shape[1], shape[2]
     limit = frames * height * width - 1
-    with pytest.raises(media.MediaError, match=rf"{frames} sampled frames of {width}x{height} = .* exceed video.max_total_pixels = {limit}"):
-        media.decode(clip, media.DecodeOptions("video", 10**9, 2.0, 8, 2, video_pixel_limit=limit))
+    with pytest.raises(MediaError, match=rf"{frames} sampled frames of {width}x{height} = .* exceed video.max_total_pixels = {limit}"):
+        decode(clip, DecodeOptions("video", 10**9, 2.0, 8, 2, video_pixel_limit=limit))
     lying = video_declaring(64, 64)  # the header understates; the decoded frame tells
-    with pytest.raises(media.MediaError, match=r"568x320 = 181760 pixels \(decoded\)"):
-        media.decode(lying, media.DecodeOptions("video", 10**9, 2.0, 8, 2, frame_pixel_limit=64 * 64))
+    with pytest.raises(MediaError, match=r"568x320 = 181760 pixels \(decoded\)"):
+        decode(lying, DecodeOptions("video", 10**9, 2.0, 8, 2, frame_pixel_limit=64 * 64))
 
 
 def test_matroska_headers_declare_their_frame_size() -> None:
     head = (DATA / "torchcodec_av1_video.mkv").read_bytes()[: 1 << 16]
-    assert media._matroska_frame_size(head) == (640, 360)
+    assert matroska_frame_size(head) == (640, 360)
 
 
 def test_an_oversized_remote_object_is_refused_from_its_size(tmp_path: Path) -> None:
@@ -397,9 +398,9 @@ def test_an_oversized_remote_object_is_refused_from_its_size(tmp_path: Path) -> 
 
     with fsspec.open("memory://hardening/big.bin", "wb") as f:
         f.write(b"x" * 5000)
-    with pytest.raises(media.MediaError, match="too_large: memory://hardening/big.bin: 5000 bytes"):
-        media.read_source("memory://hardening/big.bin", max_bytes=4096)
-    assert media.read_source("memory://hardening/big.bin", max_bytes=5000) == b"x" * 5000
+    with pytest.raises(MediaError, match="too_large: memory://hardening/big.bin: 5000 bytes"):
+        read_source("memory://hardening/big.bin", max_bytes=4096)
+    assert read_source("memory://hardening/big.bin", max_bytes=5000) == b"x" * 5000
 
 
 # ---------------------------------------------------------------- 8. dry-run scripts
@@ -452,9 +453,9 @@ def test_a_full_disk_is_exit_1_at_start_and_mid_run(
         assert run(small, tmp_path / "start", cache_dir) == 1
     assert "No space left on device" in one_line(capsys.readouterr().err)
 
-    import embedjob.runner
+    import embedjob.io.sink
 
-    real = embedjob.runner.write_part
+    real = embedjob.io.sink.write_part
     calls = []
 
     def full_after_one(*args, **kwargs):
@@ -463,7 +464,7 @@ def test_a_full_disk_is_exit_1_at_start_and_mid_run(
             full()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(embedjob.runner, "write_part", full_after_one)
+    monkeypatch.setattr(embedjob.io.sink, "write_part", full_after_one)
     assert run(small, tmp_path / "mid", cache_dir) == 1
     assert "No space left on device" in one_line(capsys.readouterr().err)
 
@@ -499,7 +500,7 @@ class _Payload:
 def test_decoded_pngs_are_writable_so_no_numpy_warning_reaches_the_log(tmp_path: Path, qwen_adapter) -> None:
     buffer = tmp_path / "rgb.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 60, 3), dtype=np.uint8)).save(buffer)
-    decoded = media.decode(buffer.read_bytes(), media.DecodeOptions("image", 10**9, 2.0, 8, 2))
+    decoded = decode(buffer.read_bytes(), DecodeOptions("image", 10**9, 2.0, 8, 2))
     assert decoded.pixels.flags.writeable
     with warnings.catch_warnings():
         warnings.simplefilter("error")

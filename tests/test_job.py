@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from embedjob.job import JobError, describe, job_from_dict, load_job
+from embedjob.config import JobError, describe, job_from_dict, load_job
 
 MINIMAL = {
     "input": {"path": "data/*.parquet", "media_column": "image"},

@@ -1,4 +1,4 @@
-"""Image decoding, sniffing, reading and the worker pool of embedjob.media.
+"""Image decoding, sniffing and reading of embedjob.decode, and the worker pool of embedjob.workers.pool.
 
 Repo-local media (tests/data, licences in tests/data/LICENSES.tsv) carry the essential
 coverage; the larger real corpus in ../shared/data is used when present and skipped
@@ -27,9 +27,13 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from embedjob import media, wire
+from embedjob.decode import DecodedImage, DecodedVideo, DecodeOptions, MediaError, decode, read_source, worker_preload
+from embedjob.decode import image as image_decode
+from embedjob.decode.sniff import sniff_format
 from embedjob.encoders import EncoderInput
-from embedjob.media import DecodedImage, DecodedVideo, DecodeOptions, DecodePool, MediaError
+from embedjob.workers import pool as worker_pool
+from embedjob.workers import wire
+from embedjob.workers.pool import IDLE, DecodePool
 
 LOCAL = Path(__file__).parent / "data"
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -68,7 +72,7 @@ IMAGE_FILES = [LOCAL / name for name in LOCAL_IMAGES] + shared_files("images")
 @pytest.mark.parametrize("path", IMAGE_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_real_images_decode_to_rgb_matching_pillow(path: Path) -> None:
     data = path.read_bytes()
-    result = media.decode(data, IMAGE)
+    result = decode(data, IMAGE)
     expected = reference_rgb(data)
     assert isinstance(result, DecodedImage)
     assert result.pixels.dtype == np.uint8 and result.pixels.flags.c_contiguous
@@ -133,7 +137,7 @@ SYNTHETIC = {
 @pytest.mark.parametrize("name", SYNTHETIC)
 def test_synthetic_images_become_rgb_with_orientation_and_colours(name: str) -> None:
     make, shape, first, second, tolerance = SYNTHETIC[name]
-    pixels = media.decode(make(), IMAGE).pixels
+    pixels = decode(make(), IMAGE).pixels
     assert pixels.dtype == np.uint8 and pixels.shape == (*shape, 3)
     height, width = shape
     # Orientation 6 turns the left half into the top half (90 degrees clockwise).
@@ -154,8 +158,8 @@ def test_torchvision_and_pillow_render_jpegs_alike(name: str) -> None:
     """JPEGs go through torchvision, with Pillow as the fallback for those it refuses:
     both must give the same picture, orientation included."""
     data = JPEGS[name]()
-    fast = media.decode(data, IMAGE).pixels
-    pillow = media._decode_with_pillow(Image.open(io.BytesIO(data)))
+    fast = decode(data, IMAGE).pixels
+    pillow = image_decode._decode_with_pillow(Image.open(io.BytesIO(data)))
     assert fast.shape == pillow.shape
     assert np.abs(fast.astype(int) - pillow).max() <= 2
 
@@ -174,22 +178,22 @@ def test_pixel_limit_is_checked_from_the_header_before_decoding(monkeypatch: pyt
     def must_not_decode(*args: object) -> None:
         raise AssertionError("pixels were decoded")
 
-    monkeypatch.setattr(media, "_decode_with_torchvision", must_not_decode)
-    monkeypatch.setattr(media, "_decode_with_pillow", must_not_decode)
+    monkeypatch.setattr(image_decode, "_decode_with_torchvision", must_not_decode)
+    monkeypatch.setattr(image_decode, "_decode_with_pillow", must_not_decode)
     small_limit = DecodeOptions("image", max_image_pixels=1000, fps=2.0, max_frames=32, frame_multiple=2)
     for data in (encode(Image.new("RGB", (40, 26)), "PNG"), encode(Image.new("RGB", (40, 26)), "GIF")):
         with pytest.raises(MediaError) as err:
-            media.decode(data, small_limit)
+            decode(data, small_limit)
         assert err.value.code == "too_large" and "1040" in err.value.message
     # A 100000 x 100000 header with no pixel data at all: only the header can say so.
     with pytest.raises(MediaError) as err:
-        media.decode(png_header_only(100_000, 100_000), IMAGE)
+        decode(png_header_only(100_000, 100_000), IMAGE)
     assert err.value.code == "too_large"
 
 
 def test_image_at_the_limit_decodes() -> None:
     exact = DecodeOptions("image", max_image_pixels=40 * 26, fps=2.0, max_frames=32, frame_multiple=2)
-    assert media.decode(encode(Image.new("RGB", (40, 26)), "PNG"), exact).pixels.shape == (26, 40, 3)
+    assert decode(encode(Image.new("RGB", (40, 26)), "PNG"), exact).pixels.shape == (26, 40, 3)
 
 
 def png_with_broken_idat() -> bytes:
@@ -224,7 +228,7 @@ BAD_IMAGES = {
 def test_bad_images_are_typed_errors(name: str) -> None:
     make, options, code = BAD_IMAGES[name]
     with pytest.raises(MediaError) as err:
-        media.decode(make(), options)
+        decode(make(), options)
     assert err.value.code == code, str(err.value)
     assert str(err.value) == f"{code}: {err.value.message}" and err.value.message
 
@@ -246,7 +250,7 @@ def test_shared_bad_files_give_precise_outcomes() -> None:
     for path in shared_files("bad"):
         for options in (AUTO, VIDEO, IMAGE):
             try:
-                result = media.decode(path.read_bytes(), options)
+                result = decode(path.read_bytes(), options)
                 outcome = "video" if isinstance(result, DecodedVideo) else "image"
             except MediaError as err:
                 outcome = err.code
@@ -254,6 +258,12 @@ def test_shared_bad_files_give_precise_outcomes() -> None:
 
 
 # ---------------------------------------------------------------- sniff
+
+def sniff(data: bytes) -> str | None:
+    """"image", "video" or None, decided from the bytes' magic numbers alone."""
+    found = sniff_format(data)
+    return found[0] if found else None
+
 
 SNIFF_EXPECTED = {
     "decord_corrupted.mp4": "video",
@@ -267,23 +277,23 @@ SNIFF_EXPECTED = {
 
 def test_sniff_decides_from_magic_numbers_only() -> None:
     for name in LOCAL_IMAGES:
-        assert media.sniff((LOCAL / name).read_bytes()) == "image", name
+        assert sniff((LOCAL / name).read_bytes()) == "image", name
     for name in LOCAL_VIDEOS:
-        assert media.sniff((LOCAL / name).read_bytes()) == "video", name
+        assert sniff((LOCAL / name).read_bytes()) == "video", name
     for fmt in ("GIF", "TIFF", "BMP", "WEBP", "ICO"):
-        assert media.sniff(encode(Image.new("RGB", (16, 16)), fmt)) == "image", fmt
-    assert media.sniff(b"RIFF\x00\x00\x00\x00AVI LIST") == "video"
-    assert media.sniff(b"") is None and media.sniff(b"hello world") is None
+        assert sniff(encode(Image.new("RGB", (16, 16)), fmt)) == "image", fmt
+    assert sniff(b"RIFF\x00\x00\x00\x00AVI LIST") == "video"
+    assert sniff(b"") is None and sniff(b"hello world") is None
 
 
 @needs_shared
 def test_sniff_on_every_shared_file() -> None:
     for path in shared_files("images"):
-        assert media.sniff(path.read_bytes()) == "image", path.name
+        assert sniff(path.read_bytes()) == "image", path.name
     for path in shared_files("videos"):
-        assert media.sniff(path.read_bytes()) == "video", path.name
+        assert sniff(path.read_bytes()) == "video", path.name
     for path in shared_files("bad"):
-        assert media.sniff(path.read_bytes()) == SNIFF_EXPECTED[path.name], path.name
+        assert sniff(path.read_bytes()) == SNIFF_EXPECTED[path.name], path.name
 
 
 # ---------------------------------------------------------------- read_source and options
@@ -291,8 +301,8 @@ def test_sniff_on_every_shared_file() -> None:
 
 def test_read_source_paths_uris_and_failures(tmp_path: Path) -> None:
     path = LOCAL / LOCAL_IMAGES[0]
-    assert media.read_source(str(path)) == path.read_bytes()
-    assert media.read_source(path.as_uri()) == path.read_bytes()
+    assert read_source(str(path)) == path.read_bytes()
+    assert read_source(path.as_uri()) == path.read_bytes()
     failures = {
         str(tmp_path / "missing.jpg"): "not_found",
         (tmp_path / "missing.jpg").as_uri(): "not_found",
@@ -301,14 +311,14 @@ def test_read_source_paths_uris_and_failures(tmp_path: Path) -> None:
     }
     for uri, code in failures.items():
         with pytest.raises(MediaError) as err:
-            media.read_source(uri)
+            read_source(uri)
         assert err.value.code == code, uri
 
 
 def test_mislabelled_file_is_judged_by_its_bytes(tmp_path: Path) -> None:
     named_jpg = tmp_path / "photo.jpg"
     named_jpg.write_bytes((LOCAL / "hfdatasets_test_video_66x50.mov").read_bytes())
-    assert isinstance(media.decode(media.read_source(str(named_jpg)), AUTO), DecodedVideo)
+    assert isinstance(decode(read_source(str(named_jpg)), AUTO), DecodedVideo)
 
 
 def test_invalid_options_are_rejected_at_construction() -> None:
@@ -326,6 +336,9 @@ def test_media_error_survives_pickling() -> None:
 
 
 # ---------------------------------------------------------------- DecodePool
+
+POOL = {"preload": worker_preload([]), "error": MediaError}
+"""What the job's pool is given (pipeline.WORKER_MODULES without the job's own modules)."""
 
 def pool_task(task: tuple[str, object]) -> object:
     """Module level so that worker processes can import it."""
@@ -411,7 +424,7 @@ MIXED_EXPECTED = [1, 0.3, "decode_timeout", 9, "decoder_crashed", "corrupt", "in
 
 @pytest.fixture(scope="module")
 def pool():
-    with DecodePool(pool_task, workers=2, timeout=1.5) as shared_pool:
+    with DecodePool(pool_task, workers=2, timeout=1.5, **POOL) as shared_pool:
         yield shared_pool
 
 
@@ -451,13 +464,13 @@ def test_a_stalled_input_still_delivers_what_was_taken_and_reports_idle(workers:
         release.wait(10)
         yield ("square", 5)
 
-    with DecodePool(pool_task, workers=workers, timeout=5.0) as stalled:
+    with DecodePool(pool_task, workers=workers, timeout=5.0, **POOL) as stalled:
         results = stalled.imap(stalling(), idle=0.2)
-        real = (r for r in results if r is not media.IDLE)  # workers may still be starting
+        real = (r for r in results if r is not IDLE)  # workers may still be starting
         assert [next(real), next(real)] == [9, 16]
-        assert next(results) is media.IDLE  # nothing more can come while the input waits
+        assert next(results) is IDLE  # nothing more can come while the input waits
         release.set()
-        assert [r for r in results if r is not media.IDLE] == [25]
+        assert [r for r in results if r is not IDLE] == [25]
 
 
 def test_decoding_starts_before_the_first_result_is_asked_for(pool: DecodePool) -> None:
@@ -520,7 +533,7 @@ def test_worker_stalling_in_the_middle_of_a_result_times_out_and_the_pool_goes_o
 def raw_pair(timeout: float) -> tuple[socket.socket, socket.socket]:
     """The parent's frame socket and a raw handle on the worker's end of a pool pipe."""
     parent, child = multiprocessing.Pipe(duplex=True)
-    sock = media._result_socket(parent, timeout)
+    sock = worker_pool._result_socket(parent, timeout)
     peer = socket.socket(fileno=os.dup(child.fileno()))
     parent.close()
     child.close()
@@ -531,7 +544,7 @@ def frame_of(seq: int, result: object) -> bytes:
     """The bytes a worker sends for `result` (small enough for a socket buffer)."""
     sender, receiver = socket.socketpair()
     with sender, receiver:
-        wire.send_frame(sender, seq, *media._pickle_result(result))
+        wire.send_frame(sender, seq, *worker_pool._pickle_result(result, MediaError))
         sender.close()
         return b"".join(iter(lambda: receiver.recv(1 << 16), b""))
 
@@ -541,10 +554,10 @@ def test_a_frame_arrives_whole() -> None:
     sock, peer = raw_pair(timeout=5.0)
     with sock, peer:
         peer.sendall(frame_of(4, item) + frame_of(5, MediaError("corrupt", "bad")))
-        seq, got = media._receive_frame(sock, timeout=5.0)
+        seq, got = worker_pool._receive_frame(sock, timeout=5.0, error=MediaError)
         assert seq == 4
         assert_same_item(got, item)
-        seq, got = media._receive_frame(sock, timeout=5.0)
+        seq, got = worker_pool._receive_frame(sock, timeout=5.0, error=MediaError)
         assert (seq, str(got)) == (5, "corrupt: bad")
 
 
@@ -557,7 +570,7 @@ def test_a_frame_cut_short_is_end_of_file_never_a_partial_item(where: str) -> No
         peer.sendall(frame[:cut])
         peer.close()
         with pytest.raises(EOFError, match="closed its end"):
-            media._receive_frame(sock, timeout=5.0)
+            worker_pool._receive_frame(sock, timeout=5.0, error=MediaError)
 
 
 def test_a_stalled_frame_gives_up_after_the_timeout() -> None:
@@ -567,7 +580,7 @@ def test_a_stalled_frame_gives_up_after_the_timeout() -> None:
         peer.sendall(frame[:-100])
         start = time.monotonic()
         with pytest.raises(TimeoutError):
-            media._receive_frame(sock, timeout=0.3)
+            worker_pool._receive_frame(sock, timeout=0.3, error=MediaError)
         assert 0.25 < time.monotonic() - start < 3.0
 
 
@@ -582,16 +595,16 @@ def with_chunk_offset_past_the_end(data: bytes) -> bytes:
 def test_pool_decodes_real_media_like_inline_decoding_and_survives_a_decord_crash() -> None:
     paths = [LOCAL / "decord_video_90.mov", LOCAL / "hfdatasets_test_image_rgba.png", LOCAL / "torchcodec_av1_video.mkv"]
     tasks = [p.read_bytes() for p in paths] + [b""]
-    fn = functools.partial(media.decode, options=AUTO)
+    fn = functools.partial(decode, options=AUTO)
     crashing = with_chunk_offset_past_the_end((LOCAL / "hfdatasets_test_video_66x50.mov").read_bytes())
-    with DecodePool(fn, workers=1, timeout=30) as workers, DecodePool(fn, workers=0, timeout=30) as inline:
+    with DecodePool(fn, workers=1, timeout=30, **POOL) as workers, DecodePool(fn, workers=0, timeout=30, **POOL) as inline:
         pooled = list(workers.imap(tasks[:2] + [crashing] + tasks[2:]))
         direct = list(inline.imap(tasks))
     assert isinstance(pooled[2], MediaError) and pooled[2].code == "decoder_crashed"
     del pooled[2]
     assert isinstance(pooled[0], DecodedVideo) and np.array_equal(pooled[0].frames, direct[0].frames)
     assert pooled[0].frames.shape[1:3] == (568, 320)
-    # A PNG after a video in the same worker: decord's zlib is loaded (see media._decord).
+    # A PNG after a video in the same worker: decord's zlib is loaded (see embedjob.decode.video._decord).
     assert isinstance(pooled[1], DecodedImage) and np.array_equal(pooled[1].pixels, direct[1].pixels)
     assert [str(r) for r in pooled[2:]] == [str(r) for r in direct[2:]]
     assert [r.code for r in pooled[2:]] == ["unsupported_codec", "empty"]
@@ -605,12 +618,12 @@ class ExitsWhenUnpickled:
 
 
 def test_pool_stops_when_workers_cannot_start() -> None:
-    with DecodePool(ExitsWhenUnpickled(), workers=1, timeout=1.0) as broken:
+    with DecodePool(ExitsWhenUnpickled(), workers=1, timeout=1.0, **POOL) as broken:
         with pytest.raises(RuntimeError, match="cannot start"):
             list(broken.imap([1, 2]))
 
 
 def test_inline_pool_maps_failures_to_errors_in_order() -> None:
     tasks = [("square", 2), ("media", "x"), ("bug", "y"), ("square", 4)]
-    with DecodePool(pool_task, workers=0, timeout=1.0) as inline:
+    with DecodePool(pool_task, workers=0, timeout=1.0, **POOL) as inline:
         assert [expected_outcome(r) for r in inline.imap(tasks)] == [4, "corrupt", "internal_error", 16]

@@ -9,18 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedjob.packer import (
+from embedjob.engine.packer import (
     POLICIES,
     Batch,
     BudgetPlan,
-    DualBatch,
-    DualPlan,
     generate_budgets,
     pack,
-    pack_dual,
     padding_waste,
     resolve_budgets,
-    resolve_dual_budgets,
+    resolve_path_budgets,
 )
 
 
@@ -379,30 +376,47 @@ def dual_cases(draw, max_frames=st.integers(0, 32)):
     return resolve_dual_budgets(global_plan, local_plan), global_tokens, local_tokens, frames
 
 
-def _check_dual(batches: list[DualBatch], plan: DualPlan, gtok, ltok, frames):
-    g_budgets = plan.global_plan.token_budgets
-    l_budgets = plan.local_plan.token_budgets
+def resolve_dual_budgets(global_plan: BudgetPlan, local_plan: BudgetPlan) -> tuple[BudgetPlan, ...]:
+    """The plans of a global and a local path."""
+    return resolve_path_budgets([global_plan, local_plan])
+
+
+def pack_dual(gtok, ltok, frames, plans, policy="greedy") -> list[Batch]:
+    """`pack` against a global and a local path."""
+    return pack([gtok, ltok], frames, plans, policy)
+
+
+def dual_batch(indices, global_budget, local_budget, global_tokens, local_tokens) -> Batch:
+    """A two-path batch of images (no frames)."""
+    return Batch(indices, global_budget, global_tokens, 0, ((local_budget, local_tokens),))
+
+
+def _check_dual(batches: list[Batch], plans: tuple[BudgetPlan, ...], gtok, ltok, frames):
+    g_budgets = plans[0].token_budgets
+    l_budgets = plans[1].token_budgets
+    limits = plans[0]
     seen = sorted(i for batch in batches for i in batch.indices)
     assert seen == list(range(len(gtok)))
     for batch in batches:
         g_sum = sum(gtok[i] for i in batch.indices)
         l_sum = sum(ltok[i] for i in batch.indices)
         f_sum = sum(frames[i] for i in batch.indices)
-        assert (batch.global_tokens, batch.local_tokens) == (g_sum, l_sum)
+        global_budget, local_budget = batch.budgets
+        assert batch.path_tokens == (g_sum, l_sum)
         if len(batch.indices) > 1:
-            assert len(batch.indices) <= plan.global_plan.max_items
+            assert len(batch.indices) <= limits.max_items
             assert g_sum <= g_budgets[-1] and l_sum <= l_budgets[-1]
-            assert f_sum <= plan.global_plan.max_frames
-        if f_sum > plan.global_plan.max_frames:
+            assert f_sum <= limits.max_frames
+        if f_sum > limits.max_frames:
             assert len(batch.indices) == 1
-            assert batch.global_budget is None and batch.local_budget is None
+            assert global_budget is None and local_budget is None
             continue
-        assert batch.global_budget == _smallest_fitting(g_budgets, g_sum)
-        assert batch.local_budget == _smallest_fitting(l_budgets, l_sum)
-        if batch.global_budget is None or batch.local_budget is None:
+        assert global_budget == _smallest_fitting(g_budgets, g_sum)
+        assert local_budget == _smallest_fitting(l_budgets, l_sum)
+        if global_budget is None or local_budget is None:
             assert len(batch.indices) == 1
         if l_sum == 0:
-            assert batch.local_budget == 0
+            assert local_budget == 0
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -424,38 +438,38 @@ def test_pack_dual_min_padding_never_wastes_more_than_greedy(case):
 
 def test_dual_items_without_tiles_use_local_budget_zero():
     plan = resolve_dual_budgets(BudgetPlan((64, 128), 4, 0), BudgetPlan((256, 512), 4, 0))
-    assert plan.local_plan.token_budgets == (0, 256, 512)
+    assert plan[1].token_budgets == (0, 256, 512)
     batches = pack_dual([64, 64, 64], [0, 0, 300], [0, 0, 0], plan)
-    assert DualBatch((0, 1), 128, 0, 128, 0) in batches
-    assert DualBatch((2,), 64, 512, 64, 300) in batches
+    assert dual_batch((0, 1), 128, 0, 128, 0) in batches
+    assert dual_batch((2,), 64, 512, 64, 300) in batches
 
 
 def test_dual_partial_eager_fallback():
     plan = resolve_dual_budgets(BudgetPlan((64, 128), 4, 0), BudgetPlan((256,), 4, 0))
     batches = pack_dual([10, 20, 30], [0, 1000, 0], [0, 0, 0], plan)
-    assert DualBatch((1,), 64, None, 20, 1000) in batches  # global replays, local eager
-    assert DualBatch((0, 2), 64, 0, 40, 0) in batches
+    assert dual_batch((1,), 64, None, 20, 1000) in batches  # global replays, local eager
+    assert dual_batch((0, 2), 64, 0, 40, 0) in batches
     global_miss = pack_dual([500], [100], [0], plan)
-    assert global_miss == [DualBatch((0,), None, 256, 500, 100)]
+    assert global_miss == [dual_batch((0,), None, 256, 500, 100)]
 
 
 def test_resolve_dual_budgets_takes_the_stricter_limits():
     plan = resolve_dual_budgets(BudgetPlan((64, 128), 8, 40), BudgetPlan((32, 64), 4, 100))
-    assert plan.global_plan == BudgetPlan((64, 128), 4, 40)
-    assert plan.local_plan == BudgetPlan((0, 32, 64), 4, 40)
+    assert plan[0] == BudgetPlan((64, 128), 4, 40)
+    assert plan[1] == BudgetPlan((0, 32, 64), 4, 40)
 
 
 def test_dual_plan_without_zero_local_budget_is_rejected():
     with pytest.raises(ValueError) as error:
-        DualPlan(BudgetPlan((64,), 4, 0), BudgetPlan((32, 64), 4, 0))
-    assert "(32, 64)" in str(error.value) and "resolve_dual_budgets" in str(error.value)
+        pack_dual([1], [0], [0], (BudgetPlan((64,), 4, 0), BudgetPlan((32, 64), 4, 0)))
+    assert "(32, 64)" in str(error.value) and "resolve_path_budgets" in str(error.value)
 
 
 def test_pack_dual_rejects_mismatched_lengths():
     plan = resolve_dual_budgets(BudgetPlan((64,), 4, 0), BudgetPlan((64,), 4, 0))
     with pytest.raises(ValueError) as error:
         pack_dual([1, 2], [0], [0, 0], plan)
-    assert "2 global" in str(error.value) and "1 local" in str(error.value)
+    assert "path 0 has 2" in str(error.value) and "path 1 has 1" in str(error.value)
 
 
 @pytest.mark.parametrize(

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_job, random_image, random_video
 from torch.overrides import TorchFunctionMode
 from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
 from embedjob.encoders import load_adapter
 from embedjob.encoders.qwen import FAMILIES, builtin_dir, load_model, smart_resize
-
-from conftest import make_job, random_image, random_video
 
 SIZES = [(224, 224), (300, 500), (641, 479), (57, 1000), (1400, 900), (30, 30)]
 

@@ -29,17 +29,24 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from embedjob.checkpoint import META, shard_lock, shard_progress, stats_name
-from embedjob.cli import main
-from embedjob.engines import RAY_MISSING, pick_engine, shards_to_run
-from embedjob.job import JobError, job_from_dict
-from embedjob.ray_engine import (
-    REACH, RayEngine, TaskContext, TaskShape, job_for_tasks, output_dir, probe_task, reach_token, task_shape,
-)
-
 from conftest import REPO
 from test_shards import assert_same_rows, job_args, read_output
+
+from embedjob.cli import main
+from embedjob.config import JobError, job_from_dict
+from embedjob.io.checkpoint import META, shard_lock, shard_progress, stats_name
+from embedjob.parallel.engines import RAY_MISSING, pick_engine, shards_to_run
+from embedjob.parallel.ray_engine import (
+    REACH,
+    RayEngine,
+    TaskContext,
+    TaskShape,
+    job_for_tasks,
+    output_dir,
+    probe_task,
+    reach_token,
+    task_shape,
+)
 
 SHARDS = 6
 ROWS_PER_SHARD = 4

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedjob.job import InputConfig, JobError
-from embedjob.reader import Fragment, InputRow, assign_shards, id_type, list_fragments, read_rows
+from embedjob.config import InputConfig, JobError
+from embedjob.io.reader import Fragment, InputRow, assign_shards, id_type, list_fragments, read_rows
 
 REAL = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "parquet"
 CATS = "hfhub_huggan-few-shot-cat_train-00000-of-00001.parquet"

@@ -24,19 +24,18 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from PIL import Image, ImageChops
-
-from embedjob import runner
-from embedjob.checkpoint import META, shard_lock
-from embedjob.cli import main
-from embedjob.files import write_json
-from embedjob.graphs import GraphStats
-from embedjob.runner import RankStats
-from embedjob.timeline import MAX_BUCKETS, Timeline
-
 from conftest import REPO
+from PIL import Image, ImageChops
 from test_shards import job_args, write_inputs
 from test_slurm import scontrol_records, stand_in_scontrol
+
+from embedjob.cli import main
+from embedjob.engine.defs import GraphStats
+from embedjob.io import sink
+from embedjob.io.checkpoint import META, shard_lock
+from embedjob.io.files import write_json
+from embedjob.stats import RankStats
+from embedjob.timeline import MAX_BUCKETS, Timeline
 
 DEMO = str(REPO / "jobs" / "demo.yaml")
 SHARDS = 4
@@ -121,7 +120,7 @@ def partial(tmp_path_factory: pytest.TempPathFactory, cache_dir: str) -> Path:
     ranks = ("--gpus", "2", "--set", "batching.window=2")
     assert main(["run", *job_args(inputs, out, cache_dir), "--shard", f"{GPUS_SHARD}/{SHARDS}", *ranks]) == 0
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner, "write_part", _disk_fills_after(1, runner.write_part))
+        patch.setattr(sink, "write_part", _disk_fills_after(1, sink.write_part))
         assert main(["run", *job_args(inputs, out, cache_dir), "--shard", f"{STOPPED_SHARD}/{SHARDS}"]) == 1
     record = {"num_shards": SHARDS, "submissions": [{"job_id": "7", "num_shards": SHARDS, "shards": list(range(SHARDS))}]}
     write_json(out / META / "slurm-job.json", record)

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
-from embedjob.checkpoint import output_files
-from embedjob.cli import main
-
 from conftest import REPO
 from test_shards import assert_same_rows, job_args, read_output, write_inputs
+
+from embedjob.cli import main
+from embedjob.io.checkpoint import output_files
 
 SEED = 20261129
 

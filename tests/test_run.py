@@ -9,11 +9,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from conftest import REPO
 
 from embedjob.cli import main
-from embedjob.checkpoint import output_files
-
-from conftest import REPO
+from embedjob.io.checkpoint import output_files
 
 DEMO = str(REPO / "jobs" / "demo.yaml")
 
@@ -123,12 +122,12 @@ def test_bad_jobs_stop_before_any_output_with_one_line(tmp_path: Path, cache_dir
 
 def test_an_empty_shard_finishes_without_loading_the_model(tmp_path: Path, cache_dir: str, monkeypatch) -> None:
     """Under SLURM an empty array task must not hold a GPU to load a model for nothing."""
-    import embedjob.runner
+    import embedjob.pipeline
 
     def no_model(*args, **kwargs):
         raise AssertionError("an empty shard loaded the model")
 
-    monkeypatch.setattr(embedjob.runner, "load_encoder_adapter", no_model)
+    monkeypatch.setattr(embedjob.pipeline, "load_encoder_adapter", no_model)
     assert run(tmp_path, cache_dir, "--shard", "3/4") == 0
     stats = json.loads((tmp_path / "_embedjob/stats-00003.json").read_text())
     assert (stats["rows"], stats["errors"], stats["graph_hits"]) == (0, 0, 0)
@@ -136,8 +135,8 @@ def test_an_empty_shard_finishes_without_loading_the_model(tmp_path: Path, cache
 
 
 def test_a_partial_slurm_array_must_name_its_shard(monkeypatch) -> None:
-    from embedjob.job import JobError
-    from embedjob.runner import Shard
+    from embedjob.config import JobError
+    from embedjob.slurm import Shard
 
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
@@ -149,7 +148,7 @@ def test_a_partial_slurm_array_must_name_its_shard(monkeypatch) -> None:
 
 
 def test_window_sizes_ramp_up_to_the_window() -> None:
-    from embedjob.runner import window_sizes
+    from embedjob.pipeline import window_sizes
 
     def first(window: int, count: int = 6) -> list[int]:
         sizes = window_sizes(window)
@@ -165,14 +164,14 @@ def test_the_first_windows_are_smaller_and_the_output_does_not_change(tmp_path: 
     share a window must not change any output row."""
     import pyarrow as pa
 
-    import embedjob.runner
+    import embedjob.pipeline
 
     demo = pq.read_table(REPO / "jobs" / "data" / "demo-images.parquet")
     rows = pa.concat_tables([demo] * 6).slice(0, 72)
     parquet = tmp_path / "rows.parquet"
     pq.write_table(rows, parquet)
     seen: dict[int, list[int]] = {64: [], 8: []}
-    enqueue = embedjob.runner.WindowEncoder.enqueue
+    enqueue = embedjob.pipeline.WindowEncoder.enqueue
     outputs = {}
     for window in (64, 8):
 
@@ -180,7 +179,7 @@ def test_the_first_windows_are_smaller_and_the_output_does_not_change(tmp_path: 
             seen[window].append(len(rows))
             return enqueue(self, rows)
 
-        monkeypatch.setattr(embedjob.runner.WindowEncoder, "enqueue", record)
+        monkeypatch.setattr(embedjob.pipeline.WindowEncoder, "enqueue", record)
         out = tmp_path / f"w{window}"
         sets = [f"input.path={parquet}", f"batching.window={window}", "runtime.workers=1"]
         assert run(out, cache_dir, *[a for s in sets for a in ("--set", s)]) == 0
@@ -199,7 +198,7 @@ def test_a_process_feeding_a_gpu_uses_a_few_cpu_threads_and_gets_its_setting_bac
     core slowed two-GPU runs by 9 %. A CPU run keeps every thread for its encoder."""
     import torch
 
-    from embedjob.runner import HOST_THREADS, host_threads
+    from embedjob.host import HOST_THREADS, host_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(HOST_THREADS + 2)
@@ -221,7 +220,7 @@ def test_a_run_hands_the_gil_over_quickly_and_gives_a_calling_process_its_interv
 
     import torch
 
-    from embedjob.runner import GIL_SWITCH_SECONDS, host_threads
+    from embedjob.host import GIL_SWITCH_SECONDS, host_threads
 
     before = sys.getswitchinterval()
     sys.setswitchinterval(0.004)

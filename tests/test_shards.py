@@ -13,12 +13,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import REPO
 
 from embedjob.cli import main
-from embedjob.job import InputConfig
-from embedjob.reader import list_fragments
-
-from conftest import REPO
+from embedjob.config import InputConfig
+from embedjob.io.reader import list_fragments
 
 DEMO = str(REPO / "jobs" / "demo.yaml")
 DATA = REPO / "tests" / "data"

@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_shards import assert_same_rows, job_args, read_output, write_inputs
 
-from embedjob.checkpoint import output_files
 from embedjob.cli import main
-from embedjob.job import JobError
+from embedjob.config import JobError
+from embedjob.io.checkpoint import output_files
 from embedjob.slurm import (
     SubmitOptions,
     TaskCommand,
@@ -36,8 +37,6 @@ from embedjob.slurm import (
     parse_array_spec,
     render_script,
 )
-
-from test_shards import assert_same_rows, job_args, read_output, write_inputs
 
 NASTY = (
     "output.path=/tmp/with space/out",

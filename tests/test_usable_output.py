@@ -16,14 +16,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import REPO
 
 import embedjob
-from embedjob.checkpoint import META, open_checkpoint
 from embedjob.cli import main
-from embedjob.job import JobError, describe, job_from_dict, keys
+from embedjob.config import JobError, describe, job_from_dict, keys
+from embedjob.io.checkpoint import META, open_checkpoint
 from embedjob.slurm import format_status, output_status
-
-from conftest import REPO
 
 DEMO = REPO / "jobs" / "demo.yaml"
 DEMO_CLIP = REPO / "jobs" / "demo-clip.yaml"
@@ -318,8 +317,8 @@ def test_the_bar_advances_per_batch_and_its_rate_is_the_summarys(
 ) -> None:
     import time
 
-    from embedjob import runner
     from embedjob.encoders.qwen import QwenAdapter
+    from embedjob.io import sink
 
     forward = QwenAdapter.forward
 
@@ -328,7 +327,7 @@ def test_the_bar_advances_per_batch_and_its_rate_is_the_summarys(
         return forward(self, inputs)
 
     monkeypatch.setattr(QwenAdapter, "forward", slow_forward)
-    monkeypatch.setattr(runner, "PROGRESS_INTERVAL", 0.02)
+    monkeypatch.setattr(sink, "PROGRESS_INTERVAL", 0.02)
     sets = ("--set", "runtime.progress=true", "--set", "batching.max_items_per_batch=1", "--set", "batching.cuda_graphs=false")
     assert run(DEMO, tmp_path / "out", cache_dir, *sets) == 0
     err = capsys.readouterr().err
@@ -389,12 +388,12 @@ def test_no_third_party_warning_reaches_the_output(tmp_path: Path, cache_dir: st
     -v shows it in the log."""
     script = (
         "import sys, warnings\n"
-        "import embedjob.runner as runner\n"
-        "load = runner.load_encoder_adapter\n"
+        "import embedjob.pipeline as pipeline\n"
+        "load = pipeline.load_encoder_adapter\n"
         "def noisy(*args):\n"
         "    warnings.warn('TypedStorage is deprecated', UserWarning)\n"
         "    return load(*args)\n"
-        "runner.load_encoder_adapter = noisy\n"
+        "pipeline.load_encoder_adapter = noisy\n"
         "from embedjob.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )

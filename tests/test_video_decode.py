@@ -1,4 +1,4 @@
-"""Video decoding of embedjob.media: frame sampling, orientation, streams, bad input.
+"""Video decoding of embedjob.decode: frame sampling, orientation, streams, bad input.
 
 Repo-local clips (tests/data, licences in tests/data/LICENSES.tsv) carry the essential
 coverage; ../shared/data/videos is used when present and skipped on a clean clone.
@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from embedjob import media
-from embedjob.media import DecodedVideo, DecodeOptions, MediaError, sample_frame_indices
+from embedjob.decode import DecodedVideo, DecodeOptions, MediaError, decode, sample_frame_indices
+from embedjob.decode.video import _decord
 
 LOCAL = Path(__file__).parent / "data"
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -32,20 +32,20 @@ def local(name: str) -> bytes:
 
 
 def decode_video(data: bytes, options: DecodeOptions = QWEN) -> DecodedVideo:
-    result = media.decode(data, options)
+    result = decode(data, options)
     assert isinstance(result, DecodedVideo)
     return result
 
 
 def error_code(data: bytes, options: DecodeOptions = QWEN) -> str:
     with pytest.raises(MediaError) as err:
-        media.decode(data, options)
+        decode(data, options)
     return err.value.code
 
 
 def decord_frames(data: bytes, indices: list[int]) -> np.ndarray:
     """Frames as decord itself returns them (it applies 90-degree rotations itself)."""
-    decord = media._decord()
+    decord = _decord()
     return decord.VideoReader(io.BytesIO(data)).get_batch(indices).asnumpy()
 
 
@@ -249,7 +249,7 @@ def test_variable_frame_rate_is_sampled_uniformly_in_time() -> None:
     data = (SHARED / "videos" / "mmaction2_demo_demo_skeleton.mp4").read_bytes()
     options = DecodeOptions("video", max_image_pixels=1, fps=10.0, max_frames=32, frame_multiple=1)
     video = decode_video(data, options)
-    times = media._decord().VideoReader(io.BytesIO(data)).get_frame_timestamp(range(video.source_frames))
+    times = _decord().VideoReader(io.BytesIO(data)).get_frame_timestamp(range(video.source_frames))
     starts = times[:, 0].astype(np.float64) - times[0, 0]
     duration = float(times[-1, 1]) - float(times[0, 0])
     count = len(video.timestamps)
@@ -353,14 +353,14 @@ def test_bad_videos_are_typed_errors(name: str, modality: str) -> None:
 
 def test_decoder_diagnostics_go_into_the_error_not_to_stderr(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(MediaError) as err:
-        media.decode(local("decord_corrupted.mp4"), QWEN)
+        decode(local("decord_corrupted.mp4"), QWEN)
     assert "Invalid NAL unit size" in err.value.message
     assert capfd.readouterr().err == ""
 
 
 def test_truncated_mkv_is_an_error_that_says_how_much_is_missing() -> None:
     with pytest.raises(MediaError) as err:
-        media.decode(local("derived_mkv_truncated.mkv"), QWEN)
+        decode(local("derived_mkv_truncated.mkv"), QWEN)
     assert err.value.code == "truncated"
     assert "declares 10.38s but only 5.00s" in err.value.message
 

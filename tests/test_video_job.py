@@ -21,13 +21,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-
-from embedjob import media, runner
-from embedjob.cli import main
-from embedjob.encoders.qwen import smart_resize
-from embedjob.graphs import GraphManager
-
 from conftest import REPO, SHARED_DATA
+
+from embedjob import pipeline
+from embedjob.cli import main
+from embedjob.decode import DecodedVideo, DecodeOptions, decode
+from embedjob.encoders.qwen import smart_resize
+from embedjob.engine.graphs import GraphManager
+from embedjob.rows import Decoded, decode_row
 
 LOCAL = REPO / "tests" / "data"
 VIDEO_SUFFIXES = (".mov", ".mp4", ".mkv", ".avi")
@@ -43,7 +44,7 @@ LOCAL_VIDEO_ERRORS = {
     "derived_mkv_truncated.mkv": {"video": "truncated", "auto": "truncated"},  # half of a clip
     "decord_corrupted.mp4": {"video": "corrupt", "auto": "corrupt"},  # H.264 units corrupt mid-stream
 }
-# ../shared/data/bad. The MP4 named .jpg is valid video by its bytes, as media.py decides
+# ../shared/data/bad. The MP4 named .jpg is valid video by its bytes, as the decoder decides
 # (modality comes from the bytes, never the name); under `modality: image` it is an error.
 SHARED_BAD = {
     "decord_corrupted.mp4": {"video": "corrupt", "auto": "corrupt"},
@@ -209,15 +210,15 @@ def test_video_rows_carry_sampled_frames_and_tokens_of_their_grid(acceptance: Ac
     resize of the clip's frame size."""
     processing = qwen_adapter.processing
     factor = processing.patch_size * processing.merge_size
-    options = media.DecodeOptions("video", max_image_pixels=1, fps=2.0, max_frames=MAX_FRAMES, frame_multiple=2)
+    options = DecodeOptions("video", max_image_pixels=1, fps=2.0, max_frames=MAX_FRAMES, frame_multiple=2)
     rows = acceptance.runs["video"].by_id()
     checked = 0
     for entry in acceptance.entries:
         row = rows[entry.id]
         if row["error"] is not None:
             continue
-        decoded = media.decode(entry.data, options)
-        assert isinstance(decoded, media.DecodedVideo)
+        decoded = decode(entry.data, options)
+        assert isinstance(decoded, DecodedVideo)
         frames, height, width = decoded.frames.shape[:3]
         assert row["frames"] == frames and frames % 2 == 0 and 2 <= frames <= MAX_FRAMES, entry.id
         h, w = smart_resize(height, width, factor, processing.video_min_pixels, processing.video_max_pixels)
@@ -379,22 +380,22 @@ def test_images_and_videos_share_batches_and_match_each_item_run_alone(
 HANGING_ID = "hangs"
 
 
-def decode_or_hang(row: Any, options: media.DecodeOptions, preprocess: Any) -> runner.Decoded:
-    """runner.decode_row, except that the row with id HANGING_ID never returns.
+def decode_or_hang(row: Any, options: DecodeOptions, preprocess: Any) -> Decoded:
+    """`decode_row`, except that the row with id HANGING_ID never returns.
 
     Module level so that the decode workers (forkserver: fresh processes) unpickle it by
     reference from this module: a monkeypatch alone would not reach them.
     """
     if row.id == HANGING_ID:
         time.sleep(3600)
-    return runner.decode_row(row, options, preprocess)
+    return decode_row(row, options, preprocess)
 
 
 def test_a_hanging_decoder_is_cut_off_and_its_worker_replaced(
     tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One worker: rows after the hanging one can only be decoded by its replacement."""
-    monkeypatch.setattr(runner, "decode_row", decode_or_hang)
+    monkeypatch.setattr(pipeline, "decode_row", decode_or_hang)
     names = {"first": "decord_video_0.mov", HANGING_ID: "torchcodec_h265_video.mp4",
              "after": "img2dataset_123_456.jpg", "last": "hfdatasets_test_video_66x50.mov"}
     entries = [Entry(key, (LOCAL / name).read_bytes(), {}) for key, name in names.items()]

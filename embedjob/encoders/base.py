@@ -3,7 +3,7 @@
 An adapter turns decoded media into `EncoderInput`s (on the CPU, in decode workers),
 and runs batches of them on the device, either eagerly at their exact size or through
 static, budget-sized buffers that a captured graph reads. Everything that differs
-between families lives in the subclasses; the graph manager and the runner only use
+between families lives in the subclasses; the graph manager and the pipeline only use
 the methods declared here.
 
 Invariants every adapter keeps:
@@ -28,15 +28,12 @@ import abc
 import logging
 import os
 import pickle
-import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Protocol
 
 import torch
-
-from embedjob.job import relative_note
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +72,8 @@ class EncoderInput:
 
         Decode workers send items to the parent as protocol-5 pickles whose buffers go
         over the socket without a copy on either side; torch's own tensor pickling moves
-        each tensor through a shared-memory segment and a file-descriptor handshake,
-        which measured 3x slower than bytes for our item sizes.
+        each tensor through a shared-memory segment and a file-descriptor handshake, a
+        round trip per tensor that costs more than the copy for items of these sizes.
         """
         packed = {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape), _raw(v, protocol)) for k, v in self.tensors.items()}
         return (_rebuild_input, (packed, self.tokens, self.frames, self.size, self.modality, self.grid, self.token_grid))
@@ -130,6 +127,20 @@ class Preprocessor(Protocol):
     def __call__(self, media: Any) -> EncoderInput: ...
 
 
+@dataclass(frozen=True)
+class PathSpec:
+    """One graph set an adapter's items run through, declared by the adapter.
+
+    `key` None means the whole item (an adapter with one path); otherwise it names the
+    item tensor this path encodes, which the adapter's `path_input` makes an ordinary
+    item of. The first path is the one every item has; a further path may have no
+    input from an item (an image without tiles). See ARCHITECTURE.md, row "graphs".
+    """
+
+    name: str
+    key: str | None = None
+
+
 @dataclass
 class StaticInputs:
     """The buffers a captured graph reads, plus the pad rule of each buffer.
@@ -145,6 +156,19 @@ class StaticInputs:
     constants: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where and how an adapter runs: its device and compute dtype, where its weights
+    came from (`model.path`), the most frames one video gives (the unit of the frame
+    budgets; 0 without video), and where compiled artefacts are cached."""
+
+    device: torch.device
+    dtype: torch.dtype
+    source: str
+    max_frames_per_video: int
+    cache_dir: Path
+
+
 class EncoderAdapter(abc.ABC):
     """Base class of encoder families. Subclasses set the attributes below that `__init__`
     does not (the embedding width, the budget range, ...)."""
@@ -157,19 +181,23 @@ class EncoderAdapter(abc.ABC):
     max_budget: int
     max_frames_per_video: int
     cache_dir: Path
+    # The graph sets an item runs through; several paths need `path_input` and `combine`.
+    paths: tuple[PathSpec, ...] = (PathSpec("global"),)
 
-    def __init__(self, spec: Any, processing: Any, device: torch.device, dtype: torch.dtype, source: str) -> None:
+    def __init__(self, spec: Any, processing: Any, placement: Placement) -> None:
         """What every family has: its spec (`spec.name` is the family), the preprocessing
-        its decode workers run, the device and dtype it runs in, and where it was loaded from."""
+        its decode workers run, and where and how it runs (`Placement`)."""
         self.family = spec.name
         self.spec = spec
         self.processing = processing
-        self.device = device
-        self.dtype = dtype
-        self.source = source
+        self.device = placement.device
+        self.dtype = placement.dtype
+        self.source = placement.source
+        self.max_frames_per_video = placement.max_frames_per_video
+        self.cache_dir = placement.cache_dir
         # Batches bound for a GPU are assembled in page-locked memory, so their copies
         # to the device are asynchronous.
-        self.pin_memory = device.type == "cuda"
+        self.pin_memory = self.device.type == "cuda"
 
     @abc.abstractmethod
     def preprocessor(self) -> Preprocessor:
@@ -230,92 +258,15 @@ class EncoderAdapter(abc.ABC):
         counts = self.row_counts(items)
         return list(output.split([*counts, output.shape[0] - sum(counts)])[: len(counts)])
 
+    def path_input(self, item: EncoderInput, key: str) -> EncoderInput | None:
+        """With several `paths`: the part of `item` the path of `key` encodes, as an
+        ordinary item, or None when the item has no input there."""
+        raise NotImplementedError(f"{type(self).__name__} declares one path; path_input serves several")
+
+    def combine(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """With several `paths`: one item's rows from each path (by key) -> its output rows."""
+        raise NotImplementedError(f"{type(self).__name__} declares one path; combine serves several")
+
     def describe(self) -> dict[str, Any]:
         """What identifies this encoder's outputs (for manifests and resume checks)."""
         return {"family": self.family, "dtype": str(self.dtype).removeprefix("torch."), "embed_dim": self.embed_dim}
-
-
-def cache_root(configured: str | None) -> Path:
-    """Where builtin models and compiled artefacts are kept.
-
-    The job key wins, then $EMBEDJOB_CACHE, then ~/.cache/embedjob, so cluster users can
-    point every task at one shared directory.
-    """
-    if configured:
-        return Path(configured).expanduser()
-    env = os.environ.get("EMBEDJOB_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "embedjob"
-
-
-def save_atomically(build: Any, target: Path) -> None:
-    """Run `build(tmpdir)` and rename the result to `target`.
-
-    Several SLURM tasks may create the same builtin model at once; the rename makes
-    exactly one of them win and the others find a complete directory.
-    """
-    if target.exists():
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    build(tmp)
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        if not target.exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The compute dtype: the job's choice on CUDA, float32 on CPU.
-
-    bfloat16/float16 matmuls on CPU are slow and not what anyone benchmarks, and CPU runs
-    exist for CI and small jobs, so CPU always computes in float32.
-    """
-    if device.type != "cuda":
-        if name != "float32":
-            logger.info("running on CPU: computing in float32 instead of %s", name)
-        return torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
-
-
-def resolve_checkpoint(
-    path: str,
-    family: str,
-    families: Iterable[str],
-    builtin: Callable[[], Path],
-    download: Callable[[str], Path],
-) -> Path:
-    """A local directory holding the checkpoint named by `model.path`.
-
-    `builtin:tiny-<family>` is made locally (`builtin`), an existing directory is used as
-    it is, anything else that does not look like a local path is a hub id (`download`).
-    A builtin model has random weights, which the log says: its vectors mean nothing.
-    """
-    if path.startswith("builtin:"):
-        name = path.removeprefix("builtin:")
-        named = name.removeprefix("tiny-")
-        known = list(families)
-        if not name.startswith("tiny-") or named not in known:
-            raise ValueError(f"unknown builtin model {path!r}; available: builtin:tiny-{', builtin:tiny-'.join(known)}")
-        if named != family:
-            raise ValueError(f"model.path {path!r} is a {named} model but model.family is {family!r}")
-        logger.warning(
-            "model.path %s is a tiny demo model with random weights (fixed seed), for demos and tests: "
-            "its vectors mean nothing; name a real checkpoint for real embeddings", path,
-        )
-        return builtin()
-    local = Path(path).expanduser()
-    if local.is_dir():
-        return local
-    if local.exists() or path.startswith(("/", "./", "../")):
-        raise ValueError(f"model.path {path!r} is not a checkpoint directory{relative_note(path)}")
-    try:
-        return download(path)
-    except (OSError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(
-            f"model.path {path!r} is neither a directory{relative_note(path)} nor a model the hub gives ({first})"
-        ) from None

@@ -10,7 +10,7 @@ What the numbers mean (the contract the packer, the graph manager and the writer
   for an image, its frames for a video, plus its tiles in the dual-path mode). It is what
   budgets count, what padding waste is measured in and what the `tokens` column reports.
 - `split` returns one row per view: a fixed-resolution encoder emits one pooled
-  embedding per image. An image gives 1 row; a video one row per frame, which the runner
+  embedding per image. An image gives 1 row; a video one row per frame, which the pipeline
   averages (`output.pooling: mean`).
 - Per-token output (`output.pooling: none`, `per_token`): one row per patch token of
   each view instead, row-major over the patch grid, views (frames) one after the other,
@@ -47,13 +47,13 @@ from typing import Any
 import torch
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.encoders.base import (
-    EncoderAdapter,
-    EncoderInput,
-    StaticInputs,
-    cache_root,
+from embedjob.encoders.base import EncoderAdapter, EncoderInput, PathSpec, Placement, StaticInputs
+from embedjob.encoders.loading import (
+    AdapterOptions,
+    builtin_model,
+    download_snapshot,
     resolve_checkpoint,
-    save_atomically,
+    transformers_class,
 )
 from embedjob.encoders.tiling import cut_tiles, select_grid
 
@@ -148,7 +148,7 @@ class FixedPreprocessor:
     @property
     def video_max_pixels(self) -> int:
         """Frame pixels the decoder needs: the model input with room for a 4:1 aspect
-        ratio. The runner lets decode shrink frames to 4x this, far above what the
+        ratio. The pipeline lets decode shrink frames to 4x this, far above what the
         resize keeps, so decoding full-size 4K frames is not paid for nothing."""
         return 4 * self.input_size[0] * self.input_size[1]
 
@@ -246,10 +246,11 @@ class FixedResAdapter(EncoderAdapter):
     """A CLIP, SigLIP or DINOv2 vision tower run on batches of fixed-size images.
 
     `views` lists the item tensors this adapter produces: the global views, plus the
-    local tiles in the dual-path mode (the dual-path encoder runs one graph set per key
-    through `path_input` and merges them with `combine`). `per_token` makes `forward`
-    return every view's patch tokens instead of its pooled vector (not with tiles, which
-    have no place in a view's token grid: the job refuses that combination).
+    local tiles with `tiling: anyres`, where `paths` declares a global and a local path
+    (the batch encoder runs one graph set per path's key through `path_input` and
+    merges them with `combine`). `per_token` makes `forward` return every view's patch
+    tokens instead of its pooled vector (not with tiles, which have no place in a view's
+    token grid: the job refuses that combination).
     """
 
     def __init__(
@@ -258,14 +259,12 @@ class FixedResAdapter(EncoderAdapter):
         tower: torch.nn.Module,
         projection: torch.nn.Module | None,
         processing: FixedPreprocessor,
-        device: torch.device,
-        dtype: torch.dtype,
-        source: str,
+        placement: Placement,
         pool: str,
         tile_combine: str,
         per_token: bool = False,
     ) -> None:
-        super().__init__(spec, processing, device, dtype, source)
+        super().__init__(spec, processing, placement)
         self.tower = tower
         self.projection = projection
         self.pool = pool
@@ -276,11 +275,12 @@ class FixedResAdapter(EncoderAdapter):
         self.feature_dim = int(projection.out_features if projection is not None else tower.config.hidden_size)
         tiled = processing.max_tiles > 0
         self.views = (GLOBAL_KEY, LOCAL_KEY) if tiled else (GLOBAL_KEY,)
+        if tiled:
+            self.paths = (PathSpec("global", GLOBAL_KEY), PathSpec("local", LOCAL_KEY))
         self.embed_dim = self.feature_dim * (2 if tiled and tile_combine == "concat" else 1)
         self.min_budget = self.tokens_per_image
         self.max_budget = self.tokens_per_image * MAX_IMAGES_PER_BATCH
-        self.max_frames_per_video = 0
-        self.pixel_scale = processing.pixel_scale(device)
+        self.pixel_scale = processing.pixel_scale(placement.device)
 
     def preprocessor(self) -> FixedPreprocessor:
         return self.processing
@@ -410,45 +410,30 @@ BUILTIN_PROCESSORS: dict[str, dict[str, Any]] = {
 }
 
 
-def _transformers(name: str) -> Any:
-    import transformers
-
-    return getattr(transformers, name)
-
-
 def _build_builtin(spec: FixedFamily) -> torch.nn.Module:
     """The tiny model: the full dual encoder where the family has one, so the demo loads
     through the same path as a user's CLIP or SigLIP checkpoint."""
     vision = BUILTIN_VISION[spec.name]
     if spec.name == "clip":
-        config = _transformers("CLIPConfig")(text_config=BUILTIN_TEXT, vision_config=vision, projection_dim=48)
+        config = transformers_class("CLIPConfig")(text_config=BUILTIN_TEXT, vision_config=vision, projection_dim=48)
     elif spec.name == "siglip":
-        config = _transformers("SiglipConfig")(text_config=BUILTIN_TEXT, vision_config=vision)
+        config = transformers_class("SiglipConfig")(text_config=BUILTIN_TEXT, vision_config=vision)
     else:
-        config = _transformers("Dinov2Config")(**vision)
-    cls = _transformers(spec.full_class or spec.vision_class)
+        config = transformers_class("Dinov2Config")(**vision)
+    cls = transformers_class(spec.full_class or spec.vision_class)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return cls._from_config(config, dtype=torch.float32)
 
 
-def builtin_dir(spec: FixedFamily, cache_dir: str | None) -> Path:
-    """Create the tiny builtin model once (fixed seed) with its image processor config."""
-    target = cache_root(cache_dir) / "builtin" / f"tiny-{spec.name}-v{BUILTIN_VERSION}"
+def builtin_dir(spec: FixedFamily, cache_dir: Path | str) -> Path:
+    """The tiny builtin model of `spec` with its image processor config."""
 
     def build(tmp: Path) -> None:
         _build_builtin(spec).save_pretrained(tmp)
-        _transformers(spec.processor_class)(**BUILTIN_PROCESSORS[spec.name]).save_pretrained(tmp)
-        logger.info("created builtin model %s in %s", spec.name, target)
+        transformers_class(spec.processor_class)(**BUILTIN_PROCESSORS[spec.name]).save_pretrained(tmp)
 
-    save_atomically(build, target)
-    return target
-
-
-def _download(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"]))
+    return builtin_model(cache_dir, spec.name, BUILTIN_VERSION, build)
 
 
 def load_model(spec: FixedFamily, directory: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module | None]:
@@ -461,15 +446,15 @@ def load_model(spec: FixedFamily, directory: Path, dtype: torch.dtype) -> tuple[
     config = json.loads((directory / "config.json").read_text())
     model_type = config.get("model_type")
     if spec.full_class is not None and model_type == spec.full_type:
-        full = _transformers(spec.full_class).from_pretrained(directory, dtype=dtype)
+        full = transformers_class(spec.full_class).from_pretrained(directory, dtype=dtype)
         return full.vision_model, getattr(full, "visual_projection", None)
     if model_type == spec.vision_type:
         if spec.projected_class is not None and spec.projected_class in (config.get("architectures") or []):
-            model = _transformers(spec.projected_class).from_pretrained(directory, dtype=dtype)
+            model = transformers_class(spec.projected_class).from_pretrained(directory, dtype=dtype)
             return model.vision_model, model.visual_projection
         if spec.projected_class is not None:
             logger.warning("%s has no visual projection: embeddings are the tower's pooled features", directory)
-        return _transformers(spec.vision_class).from_pretrained(directory, dtype=dtype), None
+        return transformers_class(spec.vision_class).from_pretrained(directory, dtype=dtype), None
     expected = " or ".join(repr(t) for t in (spec.full_type, spec.vision_type) if t)
     hint = next((f"; set model.family to {f.name!r}" for f in FAMILIES.values() if model_type in (f.full_type, f.vision_type)), "")
     raise ValueError(f"checkpoint {directory} has model_type {model_type!r}; model.family {spec.name!r} expects {expected}{hint}")
@@ -485,7 +470,7 @@ def _field(size: Any, name: str) -> Any:
 def _default_processor(spec: FixedFamily, image_size: int) -> Any:
     """The family's processor for a checkpoint saved without one: the model's own input
     size, and for DINOv2 its published 256 -> 224 crop with ImageNet statistics."""
-    cls = _transformers(spec.processor_class)
+    cls = transformers_class(spec.processor_class)
     if spec.name == "siglip":
         return cls(size={"height": image_size, "width": image_size})
     if spec.name == "dinov2":
@@ -503,7 +488,7 @@ def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_
     configured image size).
     """
     if (directory / "preprocessor_config.json").exists():
-        processor = _transformers("AutoImageProcessor").from_pretrained(directory)
+        processor = transformers_class("AutoImageProcessor").from_pretrained(directory)
     else:
         logger.warning("%s has no preprocessor_config.json; using %s defaults", directory, spec.processor_class)
         processor = _default_processor(spec, int(vision_config.image_size))
@@ -540,25 +525,22 @@ def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_
     )
 
 
-def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: dict[str, Any]) -> FixedResAdapter:
+def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: AdapterOptions) -> FixedResAdapter:
     """Load a fixed-resolution tower on `device` in `dtype`, with the job's pooling and tiling."""
     spec = FAMILIES[family]
     directory = resolve_checkpoint(
-        path, spec.name, FAMILIES, lambda: builtin_dir(spec, options.get("cache_dir")), _download
+        path, spec.name, FAMILIES, lambda: builtin_dir(spec, options.cache_dir), download_snapshot
     )
     tower, projection = load_model(spec, directory, dtype)
     tower = tower.to(device).eval().requires_grad_(False)
     if projection is not None:
         projection = projection.to(device).eval().requires_grad_(False)
-    pool = "patch_mean" if options.get("dinov2_pool") == "patch_mean" else "pooler"
+    pool = "patch_mean" if options.dinov2_pool == "patch_mean" else "pooler"
     if spec.name == "siglip" and not getattr(tower.config, "vision_use_head", True):
         raise ValueError(f"checkpoint {directory} has no SigLIP pooling head (vision_use_head=false), so no image embedding")
-    max_tiles = int(options.get("max_tiles", 0)) if options.get("tiling") == "anyres" else 0
+    max_tiles = options.max_tiles if options.tiling == "anyres" else 0
     processing = load_processing(spec, directory, tower.config, max_tiles)
-    adapter = FixedResAdapter(
-        spec, tower, projection, processing, device, dtype, path, pool, options.get("tile_combine", "concat"),
-        per_token=bool(options.get("per_token")),
+    return FixedResAdapter(
+        spec, tower, projection, processing, options.placement(device, dtype, path), pool, options.tile_combine,
+        per_token=options.per_token,
     )
-    adapter.max_frames_per_video = int(options.get("video_max_frames", 0))
-    adapter.cache_dir = cache_root(options.get("cache_dir"))
-    return adapter

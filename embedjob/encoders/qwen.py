@@ -30,15 +30,8 @@ import torch
 import torchvision.transforms.v2.functional as tvF
 
 from embedjob.encoders.attention import register as register_attention
-from embedjob.encoders.base import (
-    PAD_REPEAT_LAST,
-    EncoderAdapter,
-    EncoderInput,
-    StaticInputs,
-    cache_root,
-    resolve_checkpoint,
-    save_atomically,
-)
+from embedjob.encoders.base import PAD_REPEAT_LAST, EncoderAdapter, EncoderInput, Placement, StaticInputs
+from embedjob.encoders.loading import AdapterOptions, builtin_model, download_snapshot, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -246,11 +239,9 @@ class QwenAdapter(EncoderAdapter):
         family: QwenFamily,
         model: torch.nn.Module,
         processing: QwenPreprocessor,
-        device: torch.device,
-        dtype: torch.dtype,
-        source: str,
+        placement: Placement,
     ) -> None:
-        super().__init__(family, processing, device, dtype, source)
+        super().__init__(family, processing, placement)
         self.model = model
         config = model.config
         self.embed_dim = int(getattr(config, "out_hidden_size", None) or config.hidden_size)
@@ -258,9 +249,8 @@ class QwenAdapter(EncoderAdapter):
         self.patch_dim = 3 * processing.temporal_patch_size * processing.patch_size**2
         self.min_budget = 64
         self.max_budget = 16384
-        self.max_frames_per_video = 0
         self.max_frame_patches = max(processing.max_pixels, processing.video_max_pixels) // processing.patch_size**2
-        self.pixel_scale = processing.pixel_scale(device)
+        self.pixel_scale = processing.pixel_scale(placement.device)
         if family.windowed:
             self.window_patches = (processing.window_size // processing.patch_size) ** 2
 
@@ -499,13 +489,8 @@ def _config_class(spec: QwenFamily) -> type:
     return _transformers_class(spec).config_class
 
 
-def builtin_dir(spec: QwenFamily, cache_dir: str | None) -> Path:
-    """Create the tiny builtin tower once (fixed seed) and return its directory.
-
-    It is saved with `save_pretrained` and loaded back through `load_model`, the path a
-    user's checkpoint takes, so the demo exercises the real loading code.
-    """
-    target = cache_root(cache_dir) / "builtin" / f"tiny-{spec.name}-v{BUILTIN_VERSION}"
+def builtin_dir(spec: QwenFamily, cache_dir: Path | str) -> Path:
+    """The tiny builtin tower of `spec` with its image and video processor configs."""
 
     def build(tmp: Path) -> None:
         from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
@@ -523,22 +508,20 @@ def builtin_dir(spec: QwenFamily, cache_dir: str | None) -> Path:
             size={"shortest_edge": BUILTIN_PIXELS["video_min_pixels"], "longest_edge": BUILTIN_PIXELS["video_max_pixels"]},
             **common,
         ).save_pretrained(tmp)
-        logger.info("created builtin model %s in %s", spec.name, target)
 
-    save_atomically(build, target)
-    return target
+    return builtin_model(cache_dir, spec.name, BUILTIN_VERSION, build)
 
 
 def _download(repo_id: str) -> Path:
     """Fetch only what the vision tower needs from the hub (config, processor, visual shards)."""
-    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub import hf_hub_download
 
     config_file = Path(hf_hub_download(repo_id, "config.json"))
     root = config_file.parent
     try:
         index = Path(hf_hub_download(repo_id, "model.safetensors.index.json"))
     except Exception:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"]))
+        return download_snapshot(repo_id)
     shards = sorted({f for k, f in json.loads(index.read_text())["weight_map"].items() if "visual." in k})
     for name in shards + ["preprocessor_config.json", "video_preprocessor_config.json"]:
         try:
@@ -596,17 +579,17 @@ def _visual_prefix(key: str) -> str | None:
     return None
 
 
-def load_processing(spec: QwenFamily, directory: Path, model_config: Any, overrides: dict[str, Any]) -> QwenPreprocessor:
+def load_processing(spec: QwenFamily, directory: Path, model_config: Any, options: AdapterOptions) -> QwenPreprocessor:
     """Preprocessing parameters: the checkpoint's processor configs, then the job's overrides."""
     image = _read_json(directory / "preprocessor_config.json")
     video = _read_json(directory / "video_preprocessor_config.json")
     min_px, max_px = _pixel_bounds(image, 56 * 56, 28 * 28 * 1280)
     vmin_px, vmax_px = _pixel_bounds(video, 128 * 28 * 28, 28 * 28 * 768)
     values = dict(
-        min_pixels=overrides.get("min_pixels") or min_px,
-        max_pixels=overrides.get("max_pixels") or max_px,
-        video_min_pixels=overrides.get("video_min_pixels") or vmin_px,
-        video_max_pixels=overrides.get("video_max_pixels") or vmax_px,
+        min_pixels=options.min_pixels or min_px,
+        max_pixels=options.max_pixels or max_px,
+        video_min_pixels=options.video_min_pixels or vmin_px,
+        video_max_pixels=options.video_max_pixels or vmax_px,
     )
     return QwenPreprocessor(
         family=spec.name,
@@ -637,8 +620,8 @@ class LinearPatchEmbed(torch.nn.Module):
 
     The tower's Conv3d has kernel == stride over exactly one patch, so it is a matmul
     of each flattened patch (C, T, P, P order, as the processor flattens it) with the
-    reshaped kernel; cuDNN runs that Conv3d as a slow implicit GEMM (2-3 % of the 7B
-    tower's time), cuBLAS runs the matmul at full rate.
+    reshaped kernel; cuDNN runs that Conv3d as a slow implicit GEMM, cuBLAS runs the
+    matmul at full rate (benchmarks/RESULTS.md, the kernel table).
     """
 
     def __init__(self, conv: torch.nn.Conv3d) -> None:
@@ -658,8 +641,8 @@ def pad_mlp(mlp: torch.nn.Module, multiple: int) -> None:
     """Pad the MLP's hidden width to a multiple of `multiple` with zero channels.
 
     Qwen2.5-VL's 3420 is not a multiple of 8, so its rows are not 16-byte aligned and
-    cuBLAS falls back to Ampere kernels at a third of the Hopper rate (measured on the
-    7B tower: 68 % of the forward in those GEMMs). A zero channel has zero input weights
+    cuBLAS falls back to its slower pre-Hopper kernels (benchmarks/RESULTS.md, the kernel
+    table). A zero channel has zero input weights
     and bias, every activation here maps 0 to 0, and its output weights are zero, so the
     padded MLP computes the same function.
     """
@@ -700,19 +683,14 @@ def tune_for_cuda(model: torch.nn.Module) -> None:
             pad_mlp(block.mlp, 64)
 
 
-def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: dict[str, Any]) -> QwenAdapter:
+def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: AdapterOptions) -> QwenAdapter:
     """Load a Qwen-VL tower ready for packed, capturable execution on `device`."""
     spec = FAMILIES[family]
-    directory = resolve_checkpoint(
-        path, spec.name, FAMILIES, lambda: builtin_dir(spec, options.get("cache_dir")), _download
-    )
+    directory = resolve_checkpoint(path, spec.name, FAMILIES, lambda: builtin_dir(spec, options.cache_dir), _download)
     model = load_model(spec, directory, dtype).to(device).eval()
     if device.type == "cuda":
         tune_for_cuda(model)
     model.config._attn_implementation = register_attention()
     model.requires_grad_(False)
     processing = load_processing(spec, directory, model.config, options)
-    adapter = QwenAdapter(spec, model, processing, device, dtype, source=path)
-    adapter.max_frames_per_video = int(options.get("video_max_frames", 0))
-    adapter.cache_dir = cache_root(options.get("cache_dir"))
-    return adapter
+    return QwenAdapter(spec, model, processing, options.placement(device, dtype, path))

@@ -24,6 +24,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from embedjob.encoders.registry import FAMILIES, FIXED_RESOLUTION
+
 
 class JobError(ValueError):
     """A job spec that cannot run; the message says which key and what to change."""
@@ -69,7 +71,7 @@ class InputConfig:
 class ModelConfig:
     """Which encoder, from where, in which precision."""
 
-    family: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "clip", "siglip", "dinov2"] = key(
+    family: Literal[tuple(FAMILIES)] = key(  # type: ignore[valid-type]
         "qwen2_5_vl", "the encoder family of model.path"
     )
     # Required: a job without a model must not embed with random weights.
@@ -171,7 +173,6 @@ REQUIRED_HINTS = {
         "builtin:tiny-<family> is a tiny random-weight model for demos and tests"
     ),
 }
-FIXED_RESOLUTION = ("clip", "siglip", "dinov2")
 OUTPUT_COLUMNS = ("id", "row", "modality", "tokens", "frames", "grid", "embedding", "error")
 """The columns embedjob writes itself; `output.columns` may not reuse their names."""
 

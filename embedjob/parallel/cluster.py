@@ -3,7 +3,7 @@ in chunks, results put back in order by the one process that writes.
 
 One process per GPU ("rank"). `embedjob run --gpus N` makes the calling process rank 0
 and spawns ranks 1..N-1; under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) torchrun
-started every rank. Each rank runs the runner's per-rank pipeline on its own: it takes
+started every rank. Each rank runs its own pipeline (`pipeline.RankPipeline`): it takes
 a chunk of the shard's rows (`reader.Chunk`, a few dozen rows in row order) whenever
 it needs more, reads and decodes them with its own decode workers, packs, replays its
 own graphs and hands each finished chunk's rows back as a `RowBlock` (embeddings and
@@ -56,10 +56,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from embedjob import wire
-from embedjob.job import JobError
-from embedjob.reader import Chunk
-from embedjob.writer import RowBlock
+from embedjob.config import JobError
+from embedjob.io.reader import Chunk
+from embedjob.io.writer import RowBlock
+from embedjob.workers import wire
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ Paths in string media cells (and in the `path` field of Hugging Face image struc
 - With a media_root, a path that leaves it after normalisation (`..`, an absolute path
   elsewhere, a symlink pointing out, a URI under another prefix) becomes an error row
   `path_escape: ...`. A symlink swapped in after this check is caught where the file is
-  opened (`media.read_source` checks the opened file against `local_media_root`).
+  opened (`embedjob.decode.read_source` checks the opened file against `local_media_root`).
 
 A media cell of more than `input.max_item_bytes` bytes becomes an error row
 `too_large: ...` here, so it never reaches a decode worker.
@@ -71,8 +71,8 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-from embedjob.job import InputConfig, JobError, relative_note
-from embedjob.report import plural
+from embedjob.config import InputConfig, JobError, relative_note
+from embedjob.report.counts import plural
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def scan_input(cfg: InputConfig, columns: Sequence[str] = ()) -> InputListing:
     """Read every footer once and describe the input (see `list_fragments`, `id_type`).
 
     Footers of thousands of remote files are the expensive part of starting a shard,
-    so a runner asks for both answers from one scan. `columns` are the input columns
+    so the pipeline asks for both answers from one scan. `columns` are the input columns
     the job copies into its output: each must exist in every file (JobError listing
     the available ones) with one type across files.
     """

@@ -1,6 +1,6 @@
 """`embedjob report OUTPUT`: one self-contained HTML page about an output, finished or not.
 
-The page shows what `report_data` reads of the output: the shard table (rows, errors,
+The page shows what `report.data` reads of the output: the shard table (rows, errors,
 seconds, rows/s, state) and the slowest shards; rows per second over time per shard,
 and per rank; seconds per stage per shard; batches per budget, hit rate, padding and
 the eager fallbacks with their reasons; error codes with example rows; the job spec
@@ -23,12 +23,12 @@ from typing import Any
 
 import yaml
 
-from embedjob import figures
-from embedjob.checkpoint import META, OutputError, read_output_record
-from embedjob.files import write_bytes
-from embedjob.job import JobError
-from embedjob.report import codes_text, plural
-from embedjob.report_data import OutputView, ShardView, error_examples, read_output, shards_text
+from embedjob.config import JobError
+from embedjob.io.checkpoint import META, OutputError, flatten, read_output_record
+from embedjob.io.files import write_bytes
+from embedjob.report import figures
+from embedjob.report.counts import codes_text, plural
+from embedjob.report.data import OutputView, ShardView, error_examples, read_output, shards_text
 from embedjob.slurm import STATES, ShardStatus
 
 DEFAULT_NAME = f"{META}/report.html"
@@ -367,7 +367,7 @@ def _spec(view: OutputView) -> str:
 def spec_differences(specs: dict[int, dict[str, Any]]) -> list[str]:
     """`key: value (shards 0, 1); other (shard 2)` for each key on which the shards'
     job specs disagree (e.g. a runtime setting changed between runs)."""
-    flat = {shard: _flatten(spec) for shard, spec in specs.items()}
+    flat = {shard: flatten(spec) for shard, spec in specs.items()}
     keys = sorted({key for values in flat.values() for key in values})
     lines = []
     for key in keys:
@@ -377,16 +377,6 @@ def spec_differences(specs: dict[int, dict[str, Any]]) -> list[str]:
         if len(by_value) > 1:
             lines.append(f"{key}: " + "; ".join(f"{v} (shards {shards_text(s)})" for v, s in by_value.items()))
     return lines
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _versions(view: OutputView) -> str:

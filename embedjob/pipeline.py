@@ -1,16 +1,16 @@
 """Wires the stages of one shard: read -> decode -> pack -> encode -> write.
 
 Every GPU runs a whole pipeline (`RankPipeline`), alone or beside others (`--gpus N`,
-distributed.py): it takes chunks of the shard's rows in row order as it needs them,
+cluster.py): it takes chunks of the shard's rows in row order as it needs them,
 reads them, decodes them in its own worker processes, encodes windows of
 `batching.window` decoded items (packed and replayed through its own graphs) and hands
 every finished chunk's rows back as a columnar `RowBlock`. The process of rank 0 also
 writes: a `Coordinator` hands out the chunks and gives their rows, in chunk order, to
-the writer thread, which cuts them into the checkpoint's parts. So the output is in
+the writer thread (`io/sink.py`), which cuts them into the checkpoint's parts. So the output is in
 input order while no process holds more than a bounded number of chunks.
 
 Every input row becomes exactly one output row: decode and preprocess failures become
-error rows in the workers, encode failures become error rows here (after retrying the
+error rows in the workers (`rows.py`), encode failures become error rows here (after retrying the
 failed batch one item at a time), and rows already committed by an earlier run are
 skipped through the checkpoint.
 
@@ -18,26 +18,22 @@ The main thread of a rank only launches device work and moves whole windows: poo
 is one reduction per batch on the device (`graphs.pool_rows`), a window's results
 come to the host in one copy, and output rows are built with array operations; the
 per-item work (decode, resize, patching, metadata) is done by the decode workers.
+
+The statistics a rank keeps and the shard's statistics are in `stats.py`, the process
+settings in `host.py` (ARCHITECTURE.md, "Stage -> file").
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
-import importlib.metadata
 import logging
-import multiprocessing
-import os
-import platform
-import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +41,23 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from embedjob import distributed, media, reader
-from embedjob.checkpoint import Checkpoint, PartRecord, count_codes, job_fingerprint, open_checkpoint
-from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter
-from embedjob.graphs import BatchEncoder, DualPathEncoder, Encoded, GraphStats, build_encoder
-from embedjob.job import Job, JobError
-from embedjob.report import codes_text, count_errors, plural, route_warnings
+from embedjob.config import Job, JobError
+from embedjob.decode import DecodeOptions, MediaError
+from embedjob.encoders import EncoderAdapter, load_adapter
+from embedjob.engine.defs import Encoded, Encoder
+from embedjob.engine.encode import build_encoder
+from embedjob.host import device_name, host_threads, resolve_device, resolve_workers
+from embedjob.io import reader
+from embedjob.io.checkpoint import Checkpoint, job_fingerprint, open_checkpoint
+from embedjob.io.sink import ErrorRate, Progress, Writer
+from embedjob.io.writer import RowBlock, output_schema
+from embedjob.parallel.cluster import Cluster, Coordinator, resolve_layout
+from embedjob.report.counts import plural, route_warnings
+from embedjob.rows import WORKER_MODULES, Decoded, decode_options, decode_row
+from embedjob.slurm import Shard
+from embedjob.stats import BusyClock, RankStats, ShardRun, StageClock, shard_stats
 from embedjob.timeline import Timeline
-from embedjob.writer import ErrorRateExceeded, RowBlock, output_schema, part_name, write_part
+from embedjob.workers.pool import IDLE, DecodePool, start_worker_server
 
 logger = logging.getLogger(__name__)
 
@@ -60,97 +65,9 @@ CHUNK_ROWS = 64
 """Rows a rank takes at a time (fewer when `batching.window` is smaller). Small, so the
 ranks finish close together; a take is one short message, so small costs nothing."""
 
-WORKER_MODULES = (__name__, "embedjob.encoders.qwen", "embedjob.encoders.fixed")
-"""What decode workers import: this module (`decode_row`) and every family's preprocessing."""
-
 LINGER = 0.05
 """Seconds without a decoded item after which a rank encodes what it has: its input
 may be held back until rows it holds are written (see `Coordinator`)."""
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Shard `index` of `count` (0-based)."""
-
-    index: int = 0
-    count: int = 1
-
-    @classmethod
-    def parse(cls, text: str | None) -> "Shard":
-        """`I/N` from the CLI, else SLURM's array variables, else the whole input."""
-        if text is None:
-            task, count = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_ARRAY_TASK_COUNT")
-            if task is None or count is None:
-                return cls()
-            low, high = os.environ.get("SLURM_ARRAY_TASK_MIN", "0"), os.environ.get("SLURM_ARRAY_TASK_MAX")
-            if low != "0" or (high is not None and int(high) != int(count) - 1):
-                raise JobError(
-                    f"this SLURM array ({low}-{high}, {count} tasks) is not 0..N-1, so its task count is not the "
-                    "number of shards; pass --shard I/N (embedjob submit does)"
-                )
-            text = f"{task}/{count}"
-        try:
-            index, count = (int(p) for p in text.split("/"))
-        except ValueError:
-            raise JobError(f"--shard expects I/N with integers (e.g. 0/8), got {text!r}") from None
-        if count < 1 or not 0 <= index < count:
-            raise JobError(f"--shard {text}: need 0 <= I < N and N >= 1")
-        return cls(index, count)
-
-
-# --- decode (in the workers) --------------------------------------------------------
-
-
-@dataclass
-class Decoded:
-    """A row after the decode stage: a preprocessed item or an error, never both, the
-    seconds the worker spent on it, and the row's copied input columns (`extra`)."""
-
-    row: int
-    id: Any
-    modality: str | None
-    item: EncoderInput | None
-    error: str | None
-    seconds: float = 0.0
-    extra: tuple[Any, ...] = ()
-
-
-@functools.cache
-def _set_up_worker() -> None:
-    """Decode workers run one per core; torch's default of one thread per core inside each
-    of them would oversubscribe the machine many times over. A worker's stderr is the
-    job's: the libraries' warnings (torch, Pillow, decord) are not for the user there,
-    and embedjob itself reports through logging and error rows, never warnings."""
-    if multiprocessing.parent_process() is not None:
-        torch.set_num_threads(1)
-        warnings.simplefilter("ignore")
-
-
-def decode_row(row: reader.InputRow, options: media.DecodeOptions, preprocess: Any) -> Decoded:
-    """Worker function: bytes (or a path) -> decoded media -> EncoderInput, or an error row."""
-    _set_up_worker()
-    start = time.perf_counter()
-    decoded = _decode_row(row, options, preprocess)
-    decoded.seconds = time.perf_counter() - start
-    decoded.extra = row.extra
-    return decoded
-
-
-def _decode_row(row: reader.InputRow, options: media.DecodeOptions, preprocess: Any) -> Decoded:
-    fixed = None if options.modality == "auto" else options.modality
-    if row.error is not None:
-        return Decoded(row.row, row.id, fixed, None, row.error)
-    try:
-        data = row.data if row.data is not None else media.read_source(row.uri or "", options.media_root, options.max_item_bytes)
-        decoded = media.decode(data, options)
-    except media.MediaError as err:
-        return Decoded(row.row, row.id, fixed, None, str(err))
-    modality = "video" if isinstance(decoded, media.DecodedVideo) else "image"
-    try:
-        item = preprocess(decoded)
-    except Exception as exc:  # a preprocessing failure is one bad row, not a failed job
-        return Decoded(row.row, row.id, modality, None, f"preprocess_failed: {type(exc).__name__}: {exc}")
-    return Decoded(row.row, row.id, modality, item, None)
 
 
 FIRST_WINDOW = 32
@@ -174,55 +91,7 @@ def window_sizes(window: int) -> Iterator[int]:
         yield window
 
 
-# --- per process settings -----------------------------------------------------------
-
-
-def resolve_device(name: str) -> torch.device:
-    """The job's device, with its index on CUDA (statistics name the GPU each rank used)."""
-    if name == "cuda" and not torch.cuda.is_available():
-        raise JobError("runtime.device is 'cuda' but no CUDA device is visible; use runtime.device=cpu or auto")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
-
-
-def device_name(device: torch.device) -> str:
-    """The device as a report names it: the GPU's model, or the CPU's."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({_cpu_model() or platform.machine() or 'unknown'})"
-
-
-def _cpu_model() -> str | None:
-    """The CPU's model name from /proc/cpuinfo (Linux); None elsewhere."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
-
-
-VERSIONED = ("torch", "torchvision", "transformers", "pyarrow", "numpy")
-"""The libraries whose versions the statistics record: what the embeddings depend on."""
-
-
-def software_versions() -> dict[str, str]:
-    """embedjob's, Python's and VERSIONED's versions, so a report says what made an output."""
-    from embedjob import __version__
-
-    versions = {"embedjob": __version__, "python": platform.python_version()}
-    for name in VERSIONED:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
-
-
-def resolve_workers(value: str | int, world_size: int = 1) -> int:
-    """Decode workers of one rank. "auto": this rank's share of the cores the process
-    may run on (under SLURM, the task's allocation, not the whole node)."""
-    return distributed.cpu_share(world_size) if value == "auto" else int(value)
+# --- the model --------------------------------------------------------------------
 
 
 def load_encoder_adapter(job: Job, device: torch.device) -> EncoderAdapter:
@@ -257,110 +126,6 @@ def _import_compiler() -> None:
 
 def output_dtype(job: Job) -> torch.dtype:
     return torch.float16 if job.output.dtype == "float16" else torch.float32
-
-
-def decode_options(job: Job, adapter: EncoderAdapter) -> media.DecodeOptions:
-    """What the decode workers need from the job and the model's preprocessing."""
-    preprocess = adapter.preprocessor()
-    if job.video.max_frames < preprocess.frame_multiple:
-        raise JobError(
-            f"video.max_frames = {job.video.max_frames} is below the model's temporal patch size "
-            f"{preprocess.frame_multiple}; set video.max_frames to at least {preprocess.frame_multiple}"
-        )
-    frame_pixels = getattr(preprocess, "video_max_pixels", None)
-    return media.DecodeOptions(
-        modality=job.input.modality,
-        max_image_pixels=job.preprocess.max_image_pixels,
-        fps=job.video.fps,
-        max_frames=job.video.max_frames,
-        frame_multiple=preprocess.frame_multiple,
-        max_frame_pixels=4 * frame_pixels if frame_pixels else None,
-        frame_pixel_limit=job.video.max_pixels_per_frame,
-        video_pixel_limit=job.video.max_total_pixels,
-        media_root=reader.local_media_root(job.input),
-        max_item_bytes=job.input.max_item_bytes,
-    )
-
-
-HOST_THREADS = 4
-"""The most torch CPU threads a process that feeds a GPU uses (see `host_threads`)."""
-
-
-GIL_SWITCH_SECONDS = 0.0005
-"""CPython's GIL switch interval while a pipeline runs (its default is 0.005 s)."""
-
-
-@contextlib.contextmanager
-def host_threads(device: torch.device) -> Iterator[None]:
-    """Settle this process's threads for the pipeline, and restore them after.
-
-    - torch's CPU threads are limited while it feeds a GPU: its own CPU work is copying
-      items into batches. The decode workers already run one per core, and torch's
-      default of one OpenMP thread per core, which spin between parallel regions, takes
-      cores from them and from the other ranks (benchmarks/RESULTS.md measured it). On
-      a CPU the encoder itself needs the threads.
-    - The GIL is handed over sooner. The decode pool's service thread releases it at
-      every send, receive and wait, several times per item, and each time must get it
-      back from whichever thread runs Python meanwhile (the main thread packing, the
-      writer, the chunk reader): at the default interval that is up to 5 ms per
-      hand-over, which bounds the whole pipeline's decode rate
-      (`benchmarks/decode_pool.py`).
-    """
-    before, interval = torch.get_num_threads(), sys.getswitchinterval()
-    if device.type == "cuda":
-        torch.set_num_threads(min(before, HOST_THREADS))
-    sys.setswitchinterval(min(interval, GIL_SWITCH_SECONDS))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-        sys.setswitchinterval(interval)
-
-
-# --- timing -------------------------------------------------------------------------
-
-
-@dataclass
-class StageClock:
-    """Seconds per stage of one thread, so the statistics say where its time went."""
-
-    seconds: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
-
-    def add(self, stage: str, since: float) -> float:
-        now = time.perf_counter()
-        self.seconds[stage] += now - since
-        return now
-
-
-
-class BusyClock:
-    """How long one window occupied its device, from construction to `stop`.
-
-    On a GPU it is the time between two events on the stream, so a window whose work
-    queued behind the previous window's is not counted twice and the host never waits
-    to measure it; on a CPU the encode is synchronous and wall seconds are the same.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._start = time.perf_counter()
-        self._seconds = 0.0
-        if device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-
-    def stop(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        else:
-            self._seconds = time.perf_counter() - self._start
-
-    def seconds(self) -> float:
-        """The measured seconds; on a GPU, waits until the window's work is done."""
-        if self._events is None:
-            return self._seconds
-        self._events[1].synchronize()
-        return self._events[0].elapsed_time(self._events[1]) / 1000.0
 
 
 # --- one window on the device -------------------------------------------------------
@@ -505,64 +270,6 @@ class ChunkAssembler:
 # --- one rank's pipeline ------------------------------------------------------------
 
 
-@dataclass
-class RankStats:
-    """What one rank did, for the shard's statistics (sent to rank 0 by the others)."""
-
-    rank: int
-    device: str
-    device_name: str = ""
-    rows: int = 0
-    items: int = 0
-    load: int = 0
-    chunks: int = 0
-    busy_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    setup: dict[str, float] = field(default_factory=dict)
-    stages: dict[str, float] = field(default_factory=dict)
-    waits: dict[str, float] = field(default_factory=dict)
-    started_at: float | None = None
-    ready_at: float | None = None
-    graphs: GraphStats | None = None
-    plan: dict[str, Any] = field(default_factory=dict)
-    timeline: Timeline = field(default_factory=Timeline)
-
-    @property
-    def launch_seconds(self) -> float:
-        """Main-thread seconds inside graph replays and eager forwards: a launch blocks
-        once the GPU's queue is full, so on a GPU this is mostly the device's time; on a
-        CPU it is the encoder's compute."""
-        return (self.graphs or GraphStats()).host_seconds.get("launch", 0.0)
-
-    def to_dict(self) -> dict[str, Any]:
-        graphs = self.graphs or GraphStats()
-        return {
-            "rank": self.rank,
-            "device": self.device,
-            "device_name": self.device_name,
-            "rows": self.rows,
-            "items": self.items,
-            "load": self.load,
-            "chunks": self.chunks,
-            "busy_seconds": round(self.busy_seconds, 3),
-            "decode_seconds": round(self.decode_seconds, 3),
-            "host_seconds": round(self.stages.get("host", 0.0) - self.launch_seconds, 3),
-            "launch_seconds": round(self.launch_seconds, 3),
-            "host_cpu_seconds": round(self.stages.get("host cpu", 0.0), 3),
-            "encode_host_seconds": {k: round(v, 3) for k, v in sorted(graphs.host_seconds.items())},
-            "setup_seconds": round(self.ready_at - self.started_at, 3) if self.ready_at and self.started_at else 0.0,
-            "setup": {k: round(v, 3) for k, v in self.setup.items()},
-            "waits": {k: round(v, 3) for k, v in self.waits.items()},
-            "graph_hits": graphs.hits,
-            "graph_misses": graphs.misses,
-            "hit_rate": round(graphs.hit_rate, 6),
-            "padding_waste": graphs.padding_waste,
-            "started_at": round(self.started_at, 3) if self.started_at else None,
-            "ready_at": round(self.ready_at, 3) if self.ready_at else None,
-            "timeline": self.timeline.to_dict(),
-        }
-
-
 class RankPipeline:
     """One rank's whole pipeline over the chunks it takes (see the module docstring).
 
@@ -593,7 +300,7 @@ class RankPipeline:
         self.clock = StageClock()
         self.reading = StageClock()
         self.encoder: Any = None
-        self.options: media.DecodeOptions | None = None
+        self.options: DecodeOptions | None = None
         self.preprocess: Any = None
         self._unencoded = 0
         self._device_free = 0.0
@@ -603,7 +310,7 @@ class RankPipeline:
         checkpoint, budgets the model cannot take) stops here, before any row is read."""
         since = time.perf_counter()
         self.stats.started_at = time.time()
-        media.start_worker_server(WORKER_MODULES)
+        start_worker_server(WORKER_MODULES)
         if self.job.batching.compile and self.device.type == "cuda":
             threading.Thread(target=_import_compiler, name="embedjob-import", daemon=True).start()
         adapter = load_encoder_adapter(self.job, self.device)
@@ -634,16 +341,16 @@ class RankPipeline:
         self.encoder.clear()
         return self.stats
 
-    def _start_decoding_while_capturing(self, rows: Iterator[reader.InputRow]) -> tuple[media.DecodePool, Iterator[Any]]:
+    def _start_decoding_while_capturing(self, rows: Iterator[reader.InputRow]) -> tuple[DecodePool, Iterator[Any]]:
         """Start the decode workers (and their first rows) on a thread while this one
         compiles and captures the graphs: the two take seconds each and need nothing of
         each other (the workers' thread makes no CUDA call, which capture forbids)."""
         fn = functools.partial(decode_row, options=self.options, preprocess=self.preprocess)
         in_flight = 2 * self.job.batching.window
 
-        def start() -> tuple[media.DecodePool, Iterator[Any]]:
+        def start() -> tuple[DecodePool, Iterator[Any]]:
             since = time.perf_counter()
-            pool = media.DecodePool(fn, self.workers, self.job.runtime.decode_timeout, in_flight, WORKER_MODULES)
+            pool = DecodePool(fn, self.workers, self.job.runtime.decode_timeout, in_flight, WORKER_MODULES, error=MediaError)
             try:
                 stream = pool.imap(rows, idle=LINGER)
             except BaseException:
@@ -708,7 +415,7 @@ class RankPipeline:
         window: list[Decoded] = []
         since = time.perf_counter()
         for result in stream:
-            if result is media.IDLE:
+            if result is IDLE:
                 self.clock.add("waiting for decode", since)
                 if window:
                     yield window
@@ -718,7 +425,7 @@ class RankPipeline:
                 since = time.perf_counter()
                 continue
             row = submitted.popleft()
-            if isinstance(result, media.MediaError):
+            if isinstance(result, MediaError):
                 result = Decoded(row.row, row.id, None, None, str(result), extra=row.extra)
             window.append(result)
             if len(window) >= size:
@@ -811,214 +518,10 @@ class RankPipeline:
         self._sample()
 
 
-def _items_encoded(encoder: BatchEncoder | DualPathEncoder) -> int:
-    """Items an encoder has run so far (hits and misses are counted per batch run)."""
-    counts = encoder.counts if isinstance(encoder, DualPathEncoder) else encoder.graph_stats()
+def _items_encoded(encoder: Encoder) -> int:
+    """Items an encoder has run so far (hits and misses are counted per item)."""
+    counts = encoder.graph_stats()
     return counts.hits + counts.misses
-
-
-# --- the writer (rank 0) ------------------------------------------------------------
-
-
-class PartSink:
-    """Cuts the ordered stream of row blocks into the checkpoint's parts and commits each.
-
-    Blocks must arrive in row order from the checkpoint's resume row on; a part is
-    written as soon as its last row has arrived, so at most one part's rows are held.
-    """
-
-    def __init__(self, checkpoint: Checkpoint, schema: Any) -> None:
-        self.checkpoint = checkpoint
-        self.schema = schema
-        self.buffer: list[RowBlock] = []
-        self.held = 0
-
-    def add(self, block: RowBlock) -> None:
-        self.buffer.append(block)
-        self.held += len(block)
-        while self.buffer:
-            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
-            if self.held < end - first:
-                return
-            joined = RowBlock.concat(self.buffer)
-            self._commit(joined.slice(0, end - first), first, end)
-            rest = joined.slice(end - first, len(joined))
-            self.buffer, self.held = ([rest] if len(rest) else []), len(rest)
-
-    def close(self) -> None:
-        """Write the last, shorter part; it must end at the shard's last row."""
-        if self.buffer:
-            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
-            self._commit(RowBlock.concat(self.buffer), first, end)
-            self.buffer, self.held = [], 0
-
-    def _commit(self, block: RowBlock, first: int, end: int) -> None:
-        if block.first_row != first or block.end_row != end:
-            raise RuntimeError(f"part rows {block.first_row}..{block.end_row - 1} do not match [{first}, {end})")
-        part = self.checkpoint.next_part
-        name = part_name(self.checkpoint.shard, part)
-        write_part(self.checkpoint.directory, name, block, self.schema)
-        codes = count_errors(block.errors)
-        self.checkpoint.commit(PartRecord(part, name, first, end, sum(codes.values()), error_codes=codes))
-
-
-class ErrorRate:
-    """The shard's error rate as rows are written, against `runtime.max_error_rate`.
-
-    It counts the rows committed by earlier runs too (a rerun after a stop stops again
-    unless the job changed), and applies once `runtime.error_rate_min_rows` rows are in:
-    a few broken rows at the start say nothing about the input.
-    """
-
-    def __init__(self, job: Job, shard: Shard, checkpoint: Checkpoint) -> None:
-        self.limit = job.runtime.max_error_rate
-        self.min_rows = job.runtime.error_rate_min_rows
-        self.shard = shard
-        self.rows = checkpoint.resume_row - checkpoint.first_row
-        self.codes: collections.Counter[str] = collections.Counter(count_codes(p.error_codes for p in checkpoint.parts))
-
-    @property
-    def errors(self) -> int:
-        return sum(self.codes.values())
-
-    def add(self, block: RowBlock) -> None:
-        """Count a written block; ErrorRateExceeded once the rate is above the limit."""
-        self.rows += len(block)
-        self.codes.update(count_errors(block.errors))
-        if self.limit is None or self.rows < self.min_rows or self.errors <= self.limit * self.rows:
-            return
-        raise ErrorRateExceeded(
-            f"shard {self.shard.index}/{self.shard.count} stopped: {self.errors} of {self.rows} rows are errors "
-            f"({self.errors / self.rows:.1%}), above runtime.max_error_rate = {self.limit:g} "
-            f"(most frequent: {codes_text(dict(self.codes))}); committed parts are kept: fix the input or the job "
-            "and run again (it resumes), or raise runtime.max_error_rate"
-        )
-
-
-PROGRESS_INTERVAL = 0.5
-"""Seconds between updates of the progress bar: often enough to follow the batches,
-rarely enough to cost nothing."""
-
-
-class Progress:
-    """The progress bar of a shard: rows done, their rate and the time left.
-
-    Rank 0's own rows count as its batches run (`own`, read every PROGRESS_INTERVAL
-    seconds by a thread of the bar's own, so neither the encoding thread nor the writer
-    waits for the terminal); other ranks are other processes, whose rows reach this one
-    only as written chunks, so they count then (`others_written`). The rate and the ETA
-    run from `start`, the moment rank 0 is ready to encode: the statistics' pipeline
-    seconds start there too, so the bar's rate is the summary's, setup left out. The
-    writer keeps `errors` (the shard's error rows written so far) for the bar to show.
-    """
-
-    def __init__(self, bar: tqdm, own: Callable[[], int]) -> None:
-        self.bar = bar
-        self.own = own
-        self.others = 0
-        self.errors = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Start counting (and timing) from now."""
-        if self.bar.disable or self._thread is not None:
-            return
-        self.bar.reset(total=self.bar.total)
-        self._thread = threading.Thread(target=self._follow, name="embedjob-progress", daemon=True)
-        self._thread.start()
-
-    def others_written(self, rows: int) -> None:
-        self.others += rows
-
-    def close(self, rows: int) -> None:
-        """Stop following, showing `rows` done (every row this run wrote)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.bar.set_postfix(errors=self.errors, refresh=False)
-        self.bar.update(max(0, rows - self.bar.n))
-        self.bar.refresh()
-
-    def _follow(self) -> None:
-        while not self._stop.wait(PROGRESS_INTERVAL):
-            done = min(self.own() + self.others, self.bar.total)
-            if done > self.bar.n:  # drawn only when it moved: a batch log gets no idle lines
-                self.bar.set_postfix(errors=self.errors, refresh=False)
-                self.bar.update(done - self.bar.n)
-
-
-class Writer:
-    """Rank 0's writer thread: the coordinator's results, in order, into the parts.
-
-    The schema comes from the job and the input listing, so the writer needs no model.
-    `own` holds the first rows of the chunks rank 0 encoded (their rows are already on
-    the progress bar). A failure (a full disk, the error rate above its limit) stops the
-    coordinator, so no rank waits for rows that will never be written, and is re-raised
-    by `join`. The writer sees every row of the shard as it is written, whichever rank
-    encoded it, so the shard's time series (rows and errors written) is kept here, with
-    the seconds spent writing parts.
-    """
-
-    def __init__(
-        self,
-        coordinator: distributed.Coordinator,
-        checkpoint: Checkpoint,
-        schema: Any,
-        rate: ErrorRate,
-        progress: Progress,
-        own: set[int],
-        timeline: Timeline,
-    ) -> None:
-        self.coordinator = coordinator
-        self.checkpoint = checkpoint
-        self.schema = schema
-        self.rate = rate
-        self.progress = progress
-        self.own = own
-        self.timeline = timeline
-        self.rows = 0
-        self.error_rows = 0
-        self.seconds = 0.0
-        self.finished_at: float | None = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="embedjob-writer", daemon=True)
-        self._thread.start()
-
-    def join(self) -> None:
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-
-    def stop(self, error: BaseException) -> None:
-        """Stop writing because the job failed; a part being written is finished first."""
-        self.coordinator.fail(error)
-        self._thread.join()
-
-    def _run(self) -> None:
-        try:
-            sink = PartSink(self.checkpoint, self.schema)
-            for block in self.coordinator.results():
-                # Before the block is written: a shard whose rows fail too often stops
-                # without committing more of them.
-                self.rate.add(block)
-                self._timed(sink.add, block)
-                self.rows += len(block)
-                self.error_rows += sum(e is not None for e in block.errors)
-                self.timeline.advance(time.time(), {"rows": self.rows, "errors": self.error_rows})
-                self.progress.errors = self.rate.errors
-                if block.first_row not in self.own:
-                    self.progress.others_written(len(block))
-            self._timed(sink.close)
-            self.finished_at = time.time()
-        except BaseException as exc:
-            self.error = exc
-            self.coordinator.fail(exc)
-
-    def _timed(self, write: Callable[..., None], *args: Any) -> None:
-        since = time.perf_counter()
-        write(*args)
-        self.seconds += time.perf_counter() - since
 
 
 # --- a shard ------------------------------------------------------------------------
@@ -1029,7 +532,7 @@ class Runner:
     process is its rank 0), on every rank of it."""
 
     def __init__(
-        self, job: Job, shard: Shard = Shard(), overwrite: bool = False, cluster: distributed.Cluster | None = None
+        self, job: Job, shard: Shard = Shard(), overwrite: bool = False, cluster: Cluster | None = None
     ) -> None:
         self.job = job
         self.shard = shard
@@ -1040,7 +543,7 @@ class Runner:
     def run(self) -> dict[str, Any]:
         """Run (or resume) the shard; returns its statistics. Raises JobError if it cannot run."""
         device = self.cluster.device if self.cluster else resolve_device(self.job.runtime.device)
-        coordinator = distributed.Coordinator(self.world_size, self._lookahead(), self._head_start())
+        coordinator = Coordinator(self.world_size, self._lookahead(), self._head_start())
         if self.cluster is not None:
             self.cluster.hub.serve(coordinator)
         try:
@@ -1066,7 +569,7 @@ class Runner:
     def _chunk_rows(self) -> int:
         return min(CHUNK_ROWS, self.job.batching.window)
 
-    def _run(self, device: torch.device, coordinator: distributed.Coordinator) -> dict[str, Any]:
+    def _run(self, device: torch.device, coordinator: Coordinator) -> dict[str, Any]:
         start, started = time.perf_counter(), time.time()
         listing = reader.scan_input(self.job.input, self.job.output.columns)
         fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
@@ -1108,7 +611,7 @@ class Runner:
     def _encode(
         self,
         device: torch.device,
-        coordinator: distributed.Coordinator,
+        coordinator: Coordinator,
         checkpoint: Checkpoint,
         chunks: list[reader.Chunk],
         schema: Any,
@@ -1154,7 +657,8 @@ class Runner:
             finally:
                 progress.close(writer.rows)
             others = self.cluster.hub.wait_done() if self.cluster is not None else []
-        stats = self._stats(checkpoint, [own_stats, *others], writer, started, time.perf_counter() - start, resumed)
+        run = ShardRun([own_stats, *others], writer.rows, writer.seconds, writer.timeline, started, resumed)
+        stats = shard_stats(self.job, self.shard, checkpoint, time.perf_counter() - start, run)
         checkpoint.finish(stats)
         return stats
 
@@ -1162,33 +666,9 @@ class Runner:
         """An empty shard, or one whose rows are all committed but whose success marker
         was not written: there is nothing to encode, so no model is loaded (under SLURM
         an empty array task would otherwise hold a GPU to load one)."""
-        codes = count_codes(p.error_codes for p in checkpoint.parts)
-        stats = {
-            "shard": self.shard.index,
-            "num_shards": self.shard.count,
-            "rows": checkpoint.end_row - checkpoint.first_row,
-            "rows_this_run": 0,
-            "errors": sum(p.errors for p in checkpoint.parts),
-            "error_codes": codes,
-            "seconds": round(seconds, 3),
-            "setup_seconds": round(seconds, 3),
-            "pipeline_seconds": 0.0,
-            "items_per_second": 0.0,
-            "graph_hits": 0,
-            "graph_misses": 0,
-            "hit_rate": 0.0,
-            "num_graphs": 0,
-            "token_budgets": [],
-            "padding_waste": 0,
-            **self._provenance(),
-        }
+        stats = shard_stats(self.job, self.shard, checkpoint, seconds)
         checkpoint.finish(stats)
         return stats
-
-    def _provenance(self) -> dict[str, Any]:
-        """What made the output: the job as this run read it (defaults filled in) and
-        the software versions; the report shows them."""
-        return {"job": self.job.to_dict(), "versions": software_versions()}
 
     def _row_range(self, fragments: list[reader.Fragment]) -> tuple[int, int]:
         if fragments:
@@ -1224,87 +704,23 @@ class Runner:
             miniters=1,
         )
 
-    def _stats(
-        self, checkpoint: Checkpoint, ranks: list[RankStats], writer: Writer, started: float, seconds: float, resumed: int
-    ) -> dict[str, Any]:
-        ready = [r.ready_at for r in ranks if r.ready_at is not None]
-        setup = max(ready) - started if ready else seconds
-        pipeline = max(seconds - setup, 1e-9)
-        stats: dict[str, Any] = {
-            "shard": self.shard.index,
-            "num_shards": self.shard.count,
-            "rows": checkpoint.end_row - checkpoint.first_row,
-            "rows_this_run": writer.rows,
-            "resumed_from_row": resumed,
-            "errors": sum(p.errors for p in checkpoint.parts),
-            "error_codes": count_codes(p.error_codes for p in checkpoint.parts),
-            "device": ranks[0].device,
-            "model": self.job.model.path,
-            "seconds": round(seconds, 3),
-            "setup_seconds": round(setup, 3),
-            "pipeline_seconds": round(pipeline, 3),
-            "items_per_second": round(writer.rows / pipeline, 3),
-            "stage_seconds": {k: round(v, 3) for k, v in ranks[0].stages.items()},
-            "write_seconds": round(writer.seconds, 3),
-            "started_at": round(started, 3),
-            "timeline": writer.timeline.to_dict(),
-            "device_name": ranks[0].device_name,
-            **self._provenance(),
-        }
-        stats.update(_plan(ranks))
-        stats.update(_merged_graphs(ranks).to_dict())
-        stats.update(_ledger(ranks))
-        return stats
-
-
-def _plan(ranks: list[RankStats]) -> dict[str, Any]:
-    """The budgets and limits every rank captured (the same plan on each)."""
-    return next((r.plan for r in ranks if r.plan), {"num_graphs": 0, "token_budgets": []})
-
-
-def _merged_graphs(ranks: list[RankStats]) -> GraphStats:
-    """Every rank's graph statistics summed; ranks capture at once, so capture time is the longest."""
-    total = GraphStats()
-    graphs = [r.graphs for r in ranks if r.graphs is not None]
-    for stats in graphs:
-        total.merge(stats)
-    total.capture_seconds = max((s.capture_seconds for s in graphs), default=0.0)
-    total.pool_bytes = sum(s.pool_bytes for s in graphs)
-    return total
-
-
-def _ledger(ranks: list[RankStats]) -> dict[str, Any]:
-    """Per-rank statistics and how evenly the work was spread: the largest rank's input
-    size (and device seconds) over the mean, 1.0 for a perfect spread."""
-
-    def ratio(values: list[float]) -> float | None:
-        mean = sum(values) / len(values)
-        return round(max(values) / mean, 4) if mean else None
-
-    return {
-        "world_size": len(ranks),
-        "balance_ratio": ratio([r.load for r in ranks]),
-        "busy_ratio": ratio([r.busy_seconds for r in ranks]),
-        "ranks": [r.to_dict() for r in ranks],
-    }
-
 
 def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[str, Any]:
     """Run one shard of `job` on `runtime.gpus` ranks; the statistics it wrote.
 
     Ranks other than 0 (under torchrun) return an empty dict: rank 0 writes everything.
     """
-    layout = distributed.resolve_layout(job.runtime.gpus, resolve_device(job.runtime.device))
+    layout = resolve_layout(job.runtime.gpus, resolve_device(job.runtime.device))
     if layout.world_size == 1:
         return Runner(job, shard, overwrite).run()
-    with distributed.Cluster.start(layout, serve_rank, (job,)) as cluster:
+    with Cluster.start(layout, serve_rank, (job,)) as cluster:
         if cluster.rank == 0:
             return Runner(job, shard, overwrite, cluster).run()
         serve_rank(cluster, job)
         return {}
 
 
-def serve_rank(cluster: distributed.Cluster, job: Job) -> None:
+def serve_rank(cluster: Cluster, job: Job) -> None:
     """A rank other than 0: its own pipeline over the chunks it takes from rank 0."""
     # A rank's stderr is the job's too (a rank started by the command has not been
     # through its logging setup; one under torchrun has, and this changes nothing).

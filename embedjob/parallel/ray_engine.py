@@ -1,7 +1,7 @@
 """The Ray engine: the shards of a job as tasks on a Ray cluster (`embedjob run --engine ray`).
 
 Each shard is one plain Ray task that runs exactly `embedjob run --shard I/N`
-(`runner.run_job`), so the output is what every other way of running the shards
+(`pipeline.run_job`), so the output is what every other way of running the shards
 writes: the same parts, manifests, statistics, `_SUCCESS` markers and resume. Why tasks
 over shards rather than Ray Data (`read_parquet` -> `map_batches` on an actor pool):
 a shard is a contiguous run of row groups whose rows a task commits in order, part by
@@ -52,12 +52,13 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
 
-from embedjob import reader
-from embedjob.checkpoint import (
+from embedjob.config import Job, JobError
+from embedjob.io import reader
+from embedjob.io.checkpoint import (
     OutputError,
     OutputRecord,
     claim_output,
@@ -65,12 +66,8 @@ from embedjob.checkpoint import (
     shard_progress,
     success_name,
 )
-from embedjob.engines import ShardOutcome
-from embedjob.job import Job, JobError
-from embedjob.slurm import shard_ranges
-
-if TYPE_CHECKING:
-    from embedjob.runner import Shard
+from embedjob.parallel.engines import ShardOutcome
+from embedjob.slurm import Shard, shard_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +149,7 @@ class RayEngine:
     def _run(
         self, ray: Any, job: Job, todo: list[Shard], output: Path, rows: list[tuple[int, int]], overwrite: bool
     ) -> dict[int, ShardOutcome]:
-        from embedjob.distributed import RankFailure
+        from embedjob.parallel.cluster import RankFailure
 
         nodes = ray.nodes()
         shape = task_shape(job, nodes, self.cpus_per_task)
@@ -337,7 +334,7 @@ def run_shard_task(job: Job, shard: Shard, context: TaskContext, board: Any, ove
     with driver_cwd(context.cwd):
         check_reach(job, context)
         _quiet_transformers()
-        from embedjob.runner import run_job
+        from embedjob.pipeline import run_job
 
         return run_job(job, shard, overwrite=overwrite and attempt == 1)
 

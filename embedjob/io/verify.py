@@ -29,7 +29,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from embedjob.checkpoint import (
+from embedjob.config import JobError
+from embedjob.io.checkpoint import (
     JOB_RECORD,
     META,
     READY,
@@ -48,8 +49,7 @@ from embedjob.checkpoint import (
     stats_name,
     success_name,
 )
-from embedjob.job import JobError
-from embedjob.report import plural
+from embedjob.report.counts import plural
 
 
 @dataclass

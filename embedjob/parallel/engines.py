@@ -1,7 +1,7 @@
 """Engines: what runs the shards of a job.
 
 An engine takes a job and the shards to run and runs each with exactly the per-shard
-pipeline (`runner.run_job`: the same parts, manifest, statistics, `_SUCCESS` and
+pipeline (`pipeline.run_job`: the same parts, manifest, statistics, `_SUCCESS` and
 resume), returning one `ShardOutcome` per shard. The command line picks one engine,
 once, at the top (`embedjob run --engine`); nothing below it knows which one runs:
 
@@ -20,13 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from embedjob.checkpoint import read_output_record
-from embedjob.job import Job, JobError
-
-if TYPE_CHECKING:
-    from embedjob.runner import Shard
+from embedjob.config import Job, JobError
+from embedjob.io.checkpoint import read_output_record
+from embedjob.slurm import Shard
 
 ENGINES = ("local", "ray")
 RAY_MISSING = "--engine ray needs Ray, which is not installed here: pip install 'embedjob[ray]'"
@@ -49,7 +47,7 @@ class Engine(Protocol):
 
 def local_engine(job: Job, shards: list[Shard], overwrite: bool = False) -> list[ShardOutcome]:
     """Each shard in this process, in shard order; a failure raises (exit codes as for one shard)."""
-    from embedjob.runner import run_job
+    from embedjob.pipeline import run_job
 
     return [ShardOutcome(shard, run_job(job, shard, overwrite), attempts=1) for shard in shards]
 
@@ -71,7 +69,7 @@ def pick_engine(
         import ray  # noqa: F401
     except ImportError:
         raise JobError(RAY_MISSING) from None
-    from embedjob.ray_engine import RayEngine
+    from embedjob.parallel.ray_engine import RayEngine
 
     return RayEngine(address, 3 if max_retries is None else max_retries, cpus_per_task)
 
@@ -80,8 +78,6 @@ def shards_to_run(job: Job, shard: str | None, num_shards: int | None, engine: s
     """The shards a run covers: `--shard I/N` alone, or all N of `--shards N`. Without
     either, the local engine runs `Shard.parse(None)` (SLURM's array variables, else the
     whole input as one shard) and the Ray engine every shard the output records."""
-    from embedjob.runner import Shard
-
     if shard is not None and num_shards is not None:
         raise JobError("--shard I/N runs one shard and --shards N all of them; give one of the two")
     if num_shards is not None:

@@ -16,7 +16,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from embedjob.writer import TMP_MARK
+from embedjob.io.writer import TMP_MARK
 
 _CHUNK = 1 << 20
 

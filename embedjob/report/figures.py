@@ -20,7 +20,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from embedjob.report import plural
+from embedjob.report.counts import plural
 from embedjob.timeline import Timeline
 
 LEGEND_MAX = 12

@@ -54,19 +54,19 @@ import json
 import logging
 import os
 import re
-import time
 import socket
 import stat
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from embedjob import reader
-from embedjob.files import file_digest, write_json
-from embedjob.job import Job, JobError
-from embedjob.writer import TMP_MARK
+from embedjob.config import Job, JobError
+from embedjob.io import reader
+from embedjob.io.files import file_digest, write_json
+from embedjob.io.writer import TMP_MARK
 
 logger = logging.getLogger(__name__)
 
@@ -567,15 +567,16 @@ def _file_changes(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[
 def _leaf_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Fingerprint keys named down to the leaf (`model.path`, `pooling`), so the user
     sees which setting changed rather than a whole section."""
-    a, b = _flatten(_plain(old)), _flatten(_plain(new))
+    a, b = flatten(_plain(old)), flatten(_plain(new))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested settings as one level of dotted keys (`batching.window`), as the job spec names them."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

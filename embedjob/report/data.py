@@ -24,8 +24,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from embedjob.checkpoint import load_manifest, stats_name
-from embedjob.report import error_code, plural
+from embedjob.io.checkpoint import load_manifest, stats_name
+from embedjob.report.counts import error_code, plural
 from embedjob.slurm import OutputStatus, ShardStatus, output_status
 
 logger = logging.getLogger(__name__)

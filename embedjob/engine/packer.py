@@ -1,7 +1,7 @@
 """Budget packing: which items share one encoder call, and which captured graph runs it.
 
 Pure functions over plain integers (no torch, no numpy) so that the graph manager, the
-runner and the benchmarks share one definition of a batch.
+pipeline and the benchmarks share one definition of a batch.
 
 Vocabulary:
 
@@ -14,13 +14,18 @@ Vocabulary:
 - *miss*: an item that no graph can hold (tokens above the largest budget, or frames
   above ``max_frames``). It runs eagerly, alone, with budget ``None``.
 
-Invariants of every ``pack``/``pack_dual`` result (tests/test_packer.py checks them):
+Paths: an encoder may run an item through several graph sets (a global view plus local
+tiles), each with its own budgets; ``pack`` packs against all of them at once. The first
+path is the one every item has (tokens >= 1); a further path may get 0 tokens from an
+item (no tiles), so its budgets start with 0 and a batch without input there skips it.
+
+Invariants of every ``pack`` result (tests/test_packer.py checks them):
 
 - every input index appears in exactly one batch;
-- a graph batch (budget not ``None``) has tokens <= the largest budget, at most
-  ``max_items`` items and at most ``max_frames`` frames, and its budget is the smallest
-  one >= its tokens;
-- a batch with budget ``None`` holds exactly one item, a miss;
+- a graph batch (no path's budget ``None``) has, on every path, tokens <= the largest
+  budget, and at most ``max_items`` items and at most ``max_frames`` frames; each
+  path's budget is the smallest one >= that path's tokens;
+- a batch with a budget ``None`` on any path holds exactly one item, a miss;
 - the output depends only on the input values (deterministic order).
 
 Policies (both see the same sorted order and the same misses, which are set aside
@@ -89,9 +94,9 @@ class BudgetPlan:
     """The budgets one graph set is captured for, and the per-batch item and frame limits.
 
     Invariants (checked on construction): ``token_budgets`` is non-empty, strictly
-    increasing, of ints >= 0 with a positive largest one (0 is allowed only so that the
-    local path of a ``DualPlan`` can express "no tiles"); ``max_items >= 1``;
-    ``max_frames >= 0``. ``resolve_budgets`` additionally guarantees
+    increasing, of ints >= 0 with a positive largest one (0 is allowed only so that a
+    further path, see ``resolve_path_budgets``, can express "no input here");
+    ``max_items >= 1``; ``max_frames >= 0``. ``resolve_budgets`` additionally guarantees
     ``max_items <= token_budgets[0]`` so that each captured dummy item has >= 1 token.
     """
 
@@ -228,92 +233,71 @@ def _resolve_frames(
 class Batch:
     """Items that run together: graph replay of ``budget``, or eager when ``budget`` is None.
 
-    ``indices`` are original item positions, in packing order (ascending tokens).
+    ``indices`` are original item positions, in packing order (ascending total tokens).
+    ``budget`` and ``tokens`` are the first path's; ``others`` holds ``(budget, tokens)``
+    of every further path (empty for a one-path plan), where budget 0 means the batch
+    has no input on that path and ``None`` that the path runs this single item eagerly.
     """
 
     indices: tuple[int, ...]
     budget: int | None
     tokens: int
     frames: int
+    others: tuple[tuple[int | None, int], ...] = ()
+
+    @property
+    def budgets(self) -> tuple[int | None, ...]:
+        """Every path's budget, in path order."""
+        return (self.budget, *(budget for budget, _ in self.others))
+
+    @property
+    def path_tokens(self) -> tuple[int, ...]:
+        """Every path's real tokens, in path order."""
+        return (self.tokens, *(tokens for _, tokens in self.others))
 
     @property
     def padding(self) -> int:
-        """Padded tokens the graph computes for nothing (0 for an eager batch)."""
-        return 0 if self.budget is None else self.budget - self.tokens
+        """Padded tokens over the paths that replay a graph (0 for an eager path)."""
+        return sum(b - t for b, t in zip(self.budgets, self.path_tokens) if b is not None)
 
 
-@dataclass(frozen=True)
-class DualPlan:
-    """Budgets of a two-graph-set encoder: a global view plus optional local tiles.
+def resolve_path_budgets(plans: Sequence[BudgetPlan]) -> tuple[BudgetPlan, ...]:
+    """The plans of a several-path encoder from each path's resolved plan.
 
-    Invariants: ``local_plan.token_budgets[0] == 0`` (a batch without tiles skips the
-    local graph), and both plans share ``max_items`` and ``max_frames`` because one
-    batch feeds both graphs. Build it with ``resolve_dual_budgets``.
+    Every path after the first gets a 0 budget (a batch without input there skips its
+    graph set), and all paths take the smallest item and frame limits, since one batch
+    must fit the captured buffers of every path. One plan comes back unchanged.
     """
+    if len(plans) == 1:
+        return (plans[0],)
+    items = min(plan.max_items for plan in plans)
+    frames = min(plan.max_frames for plan in plans)
+    first = BudgetPlan(plans[0].token_budgets, items, frames)
+    return (first, *(BudgetPlan(tuple(sorted({0, *p.token_budgets})), items, frames) for p in plans[1:]))
 
-    global_plan: BudgetPlan
-    local_plan: BudgetPlan
 
-    def __post_init__(self) -> None:
-        if self.global_plan.token_budgets[0] <= 0:
+def _check_plans(plans: Sequence[BudgetPlan]) -> None:
+    """The invariants ``resolve_path_budgets`` gives several plans (one plan has none to keep)."""
+    if len(plans) == 1:
+        return
+    first = plans[0]
+    if first.token_budgets[0] <= 0:
+        raise ValueError(f"first path budgets {first.token_budgets} must all be positive")
+    for path, plan in enumerate(plans[1:], start=1):
+        if plan.token_budgets[0] != 0:
             raise ValueError(
-                f"global budgets {self.global_plan.token_budgets} must all be positive"
+                f"path {path} budgets {plan.token_budgets} must start with 0 (batches without "
+                "input on that path); build the plans with resolve_path_budgets"
             )
-        if self.local_plan.token_budgets[0] != 0:
+        if (plan.max_items, plan.max_frames) != (first.max_items, first.max_frames):
             raise ValueError(
-                f"local budgets {self.local_plan.token_budgets} must start with 0 "
-                "(batches without tiles); build the plan with resolve_dual_budgets"
-            )
-        g, loc = self.global_plan, self.local_plan
-        if (g.max_items, g.max_frames) != (loc.max_items, loc.max_frames):
-            raise ValueError(
-                f"global (max_items={g.max_items}, max_frames={g.max_frames}) and local "
-                f"(max_items={loc.max_items}, max_frames={loc.max_frames}) limits differ; "
-                "build the plan with resolve_dual_budgets"
+                f"path 0 (max_items={first.max_items}, max_frames={first.max_frames}) and path "
+                f"{path} (max_items={plan.max_items}, max_frames={plan.max_frames}) limits differ; "
+                "build the plans with resolve_path_budgets"
             )
 
 
-def resolve_dual_budgets(global_plan: BudgetPlan, local_plan: BudgetPlan) -> DualPlan:
-    """Combine two resolved plans (e.g. from ``resolve_budgets`` with each path's range).
-
-    Adds the 0 local budget and uses the smaller of the two item and frame limits, since
-    a batch must fit the captured buffers of both graph sets.
-    """
-    items = min(global_plan.max_items, local_plan.max_items)
-    frames = min(global_plan.max_frames, local_plan.max_frames)
-    local_budgets = tuple(sorted({0, *local_plan.token_budgets}))
-    return DualPlan(
-        BudgetPlan(global_plan.token_budgets, items, frames),
-        BudgetPlan(local_budgets, items, frames),
-    )
-
-
-@dataclass(frozen=True)
-class DualBatch:
-    """One batch of a dual-path encoder; each path replays its budget or runs eagerly.
-
-    A path's budget is ``None`` only for a single miss item that path cannot hold (the
-    other path may still replay); ``local_budget == 0`` means the batch has no tiles.
-    """
-
-    indices: tuple[int, ...]
-    global_budget: int | None
-    local_budget: int | None
-    global_tokens: int
-    local_tokens: int
-
-    @property
-    def padding(self) -> int:
-        """Padded tokens over the paths that replay a graph."""
-        total = 0
-        if self.global_budget is not None:
-            total += self.global_budget - self.global_tokens
-        if self.local_budget is not None:
-            total += self.local_budget - self.local_tokens
-        return total
-
-
-def padding_waste(batches: Iterable[Batch | DualBatch]) -> int:
+def padding_waste(batches: Iterable[Batch]) -> int:
     """Total padded tokens over graph batches (eager batches pay no padding)."""
     return sum(batch.padding for batch in batches)
 
@@ -322,8 +306,8 @@ def padding_waste(batches: Iterable[Batch | DualBatch]) -> int:
 class _Problem:
     """The path-generic packing input: tokens per path per item, frames per item.
 
-    ``pack`` is the one-path case and ``pack_dual`` the two-path case of the same
-    algorithms, so their limits cannot drift apart.
+    One-path and several-path plans run the same algorithms, so their limits cannot
+    drift apart.
     """
 
     tokens: tuple[list[int], ...]
@@ -344,60 +328,50 @@ Group = list[int]
 
 
 def pack(
-    tokens: Sequence[int], frames: Sequence[int], plan: BudgetPlan, policy: str = "greedy"
+    tokens: Sequence[int] | Sequence[Sequence[int]],
+    frames: Sequence[int],
+    plan: BudgetPlan | Sequence[BudgetPlan],
+    policy: str = "greedy",
 ) -> list[Batch]:
     """Split items into batches under ``plan``; see the module docstring for invariants.
 
-    Items must have tokens >= 1 (an item that yields no tokens is a preprocessing bug;
-    it raises ``ValueError`` naming the index rather than silently occupying a slot).
-    Returned order: graph batches ordered by their first item, items inside a batch in
-    ascending tokens (ties by index); then the misses, each alone, in the same order.
+    ``plan`` is one path's plan with ``tokens`` one count per item, or one plan per path
+    (from ``resolve_path_budgets``) with ``tokens`` one sequence of counts per path.
+    First-path tokens must be >= 1 (an item that yields no tokens is a preprocessing
+    bug; it raises ``ValueError`` naming the index rather than silently occupying a
+    slot), further paths' >= 0. Several paths sort by the item's total tokens, as in
+    vLLM: the work it brings, whichever path carries it.
+
+    A miss on one path (its tokens above that path's largest budget) is placed alone and
+    gets ``None`` on that path only; a frame miss gets ``None`` on every path, since no
+    graph's per-frame buffers can hold it. Returned order: graph batches ordered by
+    their first item, items inside a batch in ascending tokens (ties by index); then
+    the misses, each alone, in the same order.
     """
+    plans = (plan,) if isinstance(plan, BudgetPlan) else tuple(plan)
+    columns = (tokens,) if isinstance(plan, BudgetPlan) else tuple(tokens)
+    _check_plans(plans)
+    if len(columns) != len(plans):
+        raise ValueError(f"got token counts for {len(columns)} paths but plans for {len(plans)}")
+    count = len(columns[0])
+    for path, column in enumerate(columns[1:], start=1):
+        if len(column) != count:
+            raise ValueError(f"path 0 has {count} token counts but path {path} has {len(column)}")
     problem = _Problem(
-        (_check_tokens(tokens, "tokens", minimum=1),),
-        _check_frames(frames, len(tokens)),
-        (plan.token_budgets,),
-        plan.max_items,
-        plan.max_frames,
-    )
-    groups = _pack_groups(problem, policy)
-    return [_make_batch(group, problem) for group in groups]
-
-
-def pack_dual(
-    global_tokens: Sequence[int],
-    local_tokens: Sequence[int],
-    frames: Sequence[int],
-    plan: DualPlan,
-    policy: str = "greedy",
-) -> list[DualBatch]:
-    """Split items into batches that fit both the global and the local graph sets.
-
-    The sort key is the item's total output tokens (global + local), as in vLLM: it
-    orders items by the work they bring, whichever path carries it. Global tokens must
-    be >= 1 (every item has a global view), local tokens >= 0 (0 = no tiles).
-
-    A miss on one path (its tokens above that path's largest budget) is placed alone
-    and gets ``None`` for that path only; a frame miss gets ``None`` for both, since
-    neither graph's per-frame buffers can hold it. Order as in ``pack``.
-    """
-    count = len(global_tokens)
-    if len(local_tokens) != count:
-        raise ValueError(
-            f"got {count} global token counts but {len(local_tokens)} local token counts"
-        )
-    problem = _Problem(
-        (
-            _check_tokens(global_tokens, "global_tokens", minimum=1),
-            _check_tokens(local_tokens, "local_tokens", minimum=0),
+        tuple(
+            _check_tokens(column, _tokens_name(path), minimum=0 if path else 1)
+            for path, column in enumerate(columns)
         ),
         _check_frames(frames, count),
-        (plan.global_plan.token_budgets, plan.local_plan.token_budgets),
-        plan.global_plan.max_items,
-        plan.global_plan.max_frames,
+        tuple(p.token_budgets for p in plans),
+        plans[0].max_items,
+        plans[0].max_frames,
     )
-    groups = _pack_groups(problem, policy)
-    return [_make_dual_batch(group, problem) for group in groups]
+    return [_make_batch(group, problem) for group in _pack_groups(problem, policy)]
+
+
+def _tokens_name(path: int) -> str:
+    return "tokens" if path == 0 else f"path {path} tokens"
 
 
 def _check_tokens(values: Sequence[int], name: str, minimum: int) -> list[int]:
@@ -519,8 +493,8 @@ def _best_fit_groups(order: list[int], problem: _Problem) -> list[Group]:
     smallest fitting budget like any batch. Big items leave gaps that the small items
     arriving last fill, which the sorted-order split cannot do: when items are close to
     the budget sizes, consecutive runs cannot land near a budget. Cost: O(items x open
-    bins) at worst, when the frame limit rejects many bins (about 0.15 s for 4096
-    videos that each fill half the frame budget).
+    bins) at worst, when the frame limit rejects many bins (`benchmarks/packing.py`
+    times it).
     """
     limits = [b[-1] for b in problem.budgets]
     position = {item: k for k, item in enumerate(order)}
@@ -687,18 +661,11 @@ def _path_budget(budgets: tuple[int, ...], total: int) -> int | None:
 
 
 def _make_batch(group: list[int], problem: _Problem) -> Batch:
-    tokens = sum(problem.tokens[0][i] for i in group)
+    tokens = [sum(column[i] for i in group) for column in problem.tokens]
     frames = sum(problem.frames[i] for i in group)
-    budget = None if frames > problem.max_frames else _path_budget(problem.budgets[0], tokens)
-    return Batch(tuple(group), budget, tokens, frames)
-
-
-def _make_dual_batch(group: list[int], problem: _Problem) -> DualBatch:
-    global_tokens = sum(problem.tokens[0][i] for i in group)
-    local_tokens = sum(problem.tokens[1][i] for i in group)
-    if sum(problem.frames[i] for i in group) > problem.max_frames:
-        global_budget = local_budget = None
+    if frames > problem.max_frames:
+        budgets: list[int | None] = [None] * len(tokens)
     else:
-        global_budget = _path_budget(problem.budgets[0], global_tokens)
-        local_budget = _path_budget(problem.budgets[1], local_tokens)
-    return DualBatch(tuple(group), global_budget, local_budget, global_tokens, local_tokens)
+        budgets = [_path_budget(b, t) for b, t in zip(problem.budgets, tokens)]
+    others = tuple(zip(budgets[1:], tokens[1:]))
+    return Batch(tuple(group), budgets[0], tokens[0], frames, others)

@@ -1,0 +1,242 @@
+"""Container facts read from the bytes before decord opens them: MP4/MOV boxes and Matroska elements.
+
+decord (FFmpeg 4.1) exposes neither a frame size before decoding nor the display matrix's
+mirroring, and it decodes every video track it is given. So the few facts the video
+decoder needs are read here, from our own walk of the container:
+
+- MP4/MOV: the first video track's codec and frame size (`stsd`), its display matrix
+  composed with the movie's (`tkhd`, `mvhd`), patches that leave decord only that track
+  with an identity matrix (other video `trak` boxes renamed `free`: same size, so no
+  offset moves), and whether a top-level box runs past the end.
+- Matroska: the first video track's `PixelWidth`/`PixelHeight` and the segment's declared
+  duration, from the file's first `MATROSKA_HEAD` bytes.
+
+Every parser stops at a header that does not fit or makes no sense: a damaged container
+yields fewer facts, never an exception. See ARCHITECTURE.md, "decode".
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+Matrix = tuple[tuple[int, int], tuple[int, int]]
+_IDENTITY: Matrix = ((1, 0), (0, 1))
+_IDENTITY_MATRIX_BYTES = struct.pack(">9i", 0x10000, 0, 0, 0, 0x10000, 0, 0, 0, 0x40000000)
+
+
+@dataclass
+class Mp4Facts:
+    """What we need from an MP4/MOV before decord sees it.
+
+    `matrix`: the 2x2 display transform of the first video track composed with the
+    movie's, in ISO 14496-12's row-vector convention (displayed [x y] = [x y] @ matrix),
+    entries in {-1, 0, 1}; identity when absent or not a multiple of 90 degrees.
+    `patches`: (offset, bytes) writes that leave decord only the first video track,
+    with an identity display matrix. `truncated`: a top-level box runs past the end.
+    `frame_size`: (width, height) of the first video track's sample entry, None if absent.
+    """
+
+    video_codecs: list[str] = field(default_factory=list)
+    matrix: Matrix = _IDENTITY
+    patches: list[tuple[int, bytes]] = field(default_factory=list)
+    truncated: bool = False
+    frame_size: tuple[int, int] | None = None
+
+
+def _boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+    """(type, payload start, declared end) of each box in data[start:end]. The declared
+    end may lie past the data (truncated file); walking stops at a header that does
+    not fit or makes no sense."""
+    end = min(end, len(data))
+    pos = start
+    while pos + 8 <= end:
+        size, kind = struct.unpack_from(">I4s", data, pos)
+        header = 8
+        if size == 1:
+            if pos + 16 > end:
+                return
+            size = struct.unpack_from(">Q", data, pos + 8)[0]
+            header = 16
+        elif size == 0:
+            size = end - pos
+        if size < header:
+            return
+        yield kind, pos + header, pos + size
+        pos += size
+
+
+def mp4_facts(data: bytes) -> Mp4Facts:
+    """The facts of an MP4/MOV; a damaged one yields what its readable boxes hold."""
+    facts = Mp4Facts()
+    for kind, start, end in _boxes(data, 0, len(data)):
+        facts.truncated = facts.truncated or end > len(data)
+        if kind == b"moov":
+            _read_moov(data, start, end, facts)
+    return facts
+
+
+def _read_moov(data: bytes, start: int, end: int, facts: Mp4Facts) -> None:
+    movie_matrix = _IDENTITY
+    for kind, box_start, box_end in _boxes(data, start, end):
+        if kind == b"mvhd" and box_start < len(data):
+            offset = box_start + (48 if data[box_start] == 1 else 36)
+            movie_matrix = _read_matrix(data, offset)
+            if movie_matrix != _IDENTITY:
+                facts.patches.append((offset, _IDENTITY_MATRIX_BYTES))
+        elif kind == b"trak":
+            _read_trak(data, box_start, box_end, box_start - 8, facts)
+    facts.matrix = _matmul(facts.matrix, movie_matrix)
+
+
+def _read_trak(data: bytes, start: int, end: int, box_offset: int, facts: Mp4Facts) -> None:
+    tkhd = _child(data, start, end, b"tkhd")
+    mdia = _child(data, start, end, b"mdia")
+    # Only mdia's own hdlr names the track type; QuickTime also puts a data-handler
+    # hdlr inside minf.
+    hdlr = _child(data, *mdia, b"hdlr") if mdia else None
+    if not hdlr or data[hdlr[0] + 8 : hdlr[0] + 12] != b"vide":
+        return
+    minf = _child(data, *mdia, b"minf")
+    stbl = _child(data, *minf, b"stbl") if minf else None
+    stsd = _child(data, *stbl, b"stsd") if stbl else None
+    codec = data[stsd[0] + 12 : stsd[0] + 16].decode("latin-1") if stsd else ""
+    facts.video_codecs.append(codec or "?")
+    if len(facts.video_codecs) > 1:
+        # Hide later video tracks from FFmpeg: same size, unknown to the demuxer, skipped.
+        facts.patches.append((box_offset + 4, b"free"))
+        return
+    if stsd:
+        facts.frame_size = _sample_entry_size(data, stsd[0])
+    if tkhd and tkhd[0] < len(data):
+        offset = tkhd[0] + (52 if data[tkhd[0]] == 1 else 40)
+        facts.matrix = _read_matrix(data, offset)
+        if facts.matrix != _IDENTITY:
+            facts.patches.append((offset, _IDENTITY_MATRIX_BYTES))
+
+
+def _sample_entry_size(data: bytes, stsd: int) -> tuple[int, int] | None:
+    """(width, height) of the first VisualSampleEntry of an `stsd` payload (ISO 14496-12:
+    version/flags, entry count, then the entry's 8-byte header and 24 bytes before them)."""
+    offset = stsd + 8 + 32
+    if offset + 4 > len(data):
+        return None
+    width, height = struct.unpack_from(">HH", data, offset)
+    return (width, height) if width and height else None
+
+
+def _child(data: bytes, start: int, end: int, kind: bytes) -> tuple[int, int] | None:
+    """(payload start, declared end) of the first child box of this type, or None."""
+    for found, box_start, box_end in _boxes(data, start, end):
+        if found == kind:
+            return box_start, box_end
+    return None
+
+
+def _read_matrix(data: bytes, offset: int) -> Matrix:
+    """The 2x2 part of a 16.16 display matrix, snapped to {-1, 0, 1}; identity unless it
+    is a rotation and/or mirror by multiples of 90 degrees (no scale, no shear)."""
+    if offset + 36 > len(data):
+        return _IDENTITY
+    a, b, _, c, d = (round(v / 0x10000) for v in struct.unpack_from(">5i", data, offset))
+    keeps_axes = a in (-1, 1) and d in (-1, 1) and b == 0 and c == 0
+    swaps_axes = b in (-1, 1) and c in (-1, 1) and a == 0 and d == 0
+    return ((a, b), (c, d)) if keeps_axes or swaps_axes else _IDENTITY
+
+
+def _matmul(left: Matrix, right: Matrix) -> Matrix:
+    (a, b), (c, d) = left
+    (e, f), (g, h) = right
+    return ((a * e + b * g, a * f + b * h), (c * e + d * g, c * f + d * h))
+
+
+MATROSKA_HEAD = 1 << 16
+"""Bytes of a Matroska file searched for its header elements (Segment > Info, Tracks)."""
+_EBML_SEGMENT, _EBML_INFO, _EBML_SCALE, _EBML_DURATION = 0x18538067, 0x1549A966, 0x2AD7B1, 0x4489
+_EBML_TRACKS, _EBML_TRACK_ENTRY, _EBML_TRACK_TYPE, _EBML_VIDEO = 0x1654AE6B, 0xAE, 0x83, 0xE0
+_EBML_PIXEL_WIDTH, _EBML_PIXEL_HEIGHT = 0xB0, 0xBA
+_MATROSKA_VIDEO_TRACK = 1
+
+
+def matroska_frame_size(head: bytes) -> tuple[int, int] | None:
+    """(PixelWidth, PixelHeight) of the first video track in Segment > Tracks, None when
+    the file's start does not hold it."""
+    segment = _ebml_child(head, 0, len(head), _EBML_SEGMENT)
+    tracks = segment and _ebml_child(head, *segment, _EBML_TRACKS)
+    if not tracks:
+        return None
+    for ident, start, stop in _ebml_elements(head, *tracks):
+        kind = _ebml_child(head, start, stop, _EBML_TRACK_TYPE) if ident == _EBML_TRACK_ENTRY else None
+        if kind and int.from_bytes(head[kind[0] : kind[1]], "big") == _MATROSKA_VIDEO_TRACK:
+            video = _ebml_child(head, start, stop, _EBML_VIDEO)
+            width = video and _ebml_child(head, *video, _EBML_PIXEL_WIDTH)
+            height = video and _ebml_child(head, *video, _EBML_PIXEL_HEIGHT)
+            if not (width and height):
+                return None
+            size = (int.from_bytes(head[width[0] : width[1]], "big"), int.from_bytes(head[height[0] : height[1]], "big"))
+            return size if all(size) else None
+    return None
+
+
+def matroska_duration(head: bytes) -> float | None:
+    """Segment > Info > Duration (seconds, scaled by TimecodeScale) from the file's start."""
+    segment = _ebml_child(head, 0, len(head), _EBML_SEGMENT)
+    info = segment and _ebml_child(head, *segment, _EBML_INFO)
+    if not info:
+        return None
+    duration = _ebml_child(head, *info, _EBML_DURATION)
+    if not duration or duration[1] - duration[0] not in (4, 8):
+        return None
+    raw = head[duration[0] : duration[1]]
+    value = struct.unpack(">f" if len(raw) == 4 else ">d", raw)[0]
+    scale = _ebml_child(head, *info, _EBML_SCALE)
+    nanoseconds = int.from_bytes(head[scale[0] : scale[1]], "big") if scale else 1_000_000
+    return value * nanoseconds / 1e9
+
+
+def _ebml_child(data: bytes, start: int, end: int, wanted: int) -> tuple[int, int] | None:
+    """(payload start, payload end) of the first element `wanted` in data[start:end]."""
+    for ident, payload, stop in _ebml_elements(data, start, end):
+        if ident == wanted:
+            return payload, stop
+    return None
+
+
+def _ebml_elements(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """(id, payload start, payload end) of each element in data[start:end]; an unknown
+    or overlong size runs to `end`; walking stops at a header that cannot be read."""
+    pos = start
+    while pos < end:
+        ident, pos = _ebml_vint(data, pos, keep_marker=True)
+        size, pos = _ebml_vint(data, pos, keep_marker=False)
+        if ident is None or size is None:
+            return
+        stop = min(end, pos + size) if size >= 0 else end
+        yield ident, pos, stop
+        pos = stop
+
+
+def _ebml_vint(data: bytes, pos: int, keep_marker: bool) -> tuple[int | None, int]:
+    """An EBML variable-length integer at `pos`; -1 for the reserved "unknown size"."""
+    if pos >= len(data) or data[pos] == 0:
+        return None, pos
+    length = 8 - data[pos].bit_length() + 1
+    if pos + length > len(data):
+        return None, pos
+    value = int.from_bytes(data[pos : pos + length], "big")
+    if keep_marker:
+        return value, pos + length
+    value &= (1 << (7 * length)) - 1
+    return (-1 if value == (1 << (7 * length)) - 1 else value), pos + length
+
+
+def patched(data: bytes, patches: list[tuple[int, bytes]]) -> bytes | bytearray:
+    """`data` with each (offset, bytes) written over it; the bytes themselves when there
+    is nothing to write (no copy)."""
+    if not patches:
+        return data
+    out = bytearray(data)
+    for offset, value in patches:
+        out[offset : offset + len(value)] = value
+    return out

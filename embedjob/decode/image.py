@@ -1,0 +1,163 @@
+"""Image decode: bytes to `(H, W, 3)` uint8 RGB, C-contiguous, EXIF orientation applied.
+
+- JPEG goes through `torchvision.io.decode_image` (libjpeg-turbo, faster than Pillow),
+  everything else through Pillow. PNG is NOT given to torchvision: 0.29.1's libpng error
+  path kills the process (SIGSEGV) on a corrupt PNG such as one with an IDAT CRC error,
+  where Pillow raises a clean error. A JPEG gives the same pixels on either path (Pillow
+  is the fallback for JPEGs torchvision refuses).
+- Transparency is composited on WHITE (never dropped): pixels under alpha 0 hold
+  undefined colour (often black), and a black-on-transparent logo must not become an
+  all-black square.
+- 16-bit samples are scaled to 8 bits with rounding (v * 255 / 65535); grayscale,
+  palette and CMYK are expanded to RGB.
+- The pixel count is checked from the header before any pixel is decoded (`too_large`).
+
+See ARCHITECTURE.md, "decode".
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import struct
+import warnings
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from embedjob.decode.types import DecodedImage, DecodeOptions, MediaError, last_line
+
+logger = logging.getLogger(__name__)
+
+_TORCHVISION_FORMATS = {"JPEG", "MPO"}
+_TRUNCATION_WORDS = ("truncat", "premature end", "incomplete", "not enough data", "unexpected end")
+_EXIF_ORIENTATION = 0x0112
+_EXIF_TRANSPOSE = {
+    2: [Image.Transpose.FLIP_LEFT_RIGHT],
+    3: [Image.Transpose.ROTATE_180],
+    4: [Image.Transpose.FLIP_TOP_BOTTOM],
+    5: [Image.Transpose.TRANSPOSE],
+    6: [Image.Transpose.ROTATE_270],
+    7: [Image.Transpose.TRANSVERSE],
+    8: [Image.Transpose.ROTATE_90],
+}
+
+
+def decode_image(data: bytes, options: DecodeOptions, fmt: str | None) -> DecodedImage:
+    """`fmt` is the sniffed format name (None: unknown); it only words the errors, Pillow decides."""
+    img = _open_image(data, fmt)
+    width, height = img.size
+    if width * height > options.max_image_pixels:
+        raise MediaError(
+            "too_large",
+            f"{img.format} image of {width}x{height} = {width * height} pixels exceeds max_image_pixels={options.max_image_pixels}",
+        )
+    if img.format in _TORCHVISION_FORMATS:
+        pixels = _decode_with_torchvision(data, img)
+    else:
+        pixels = _decode_with_pillow(img)
+    return DecodedImage(pixels=np.ascontiguousarray(pixels))
+
+
+def _open_image(data: bytes, fmt: str | None) -> Image.Image:
+    """Pillow's lazy open: reads the header only (format, size, mode), no pixels."""
+    try:
+        with warnings.catch_warnings():
+            # Our own limit (max_image_pixels) decides; Pillow's warning would only add noise.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise MediaError("too_large", str(exc)) from None
+    except UnidentifiedImageError:
+        if fmt is None:
+            raise MediaError("unknown_format", f"not a recognised image format ({len(data)} bytes)") from None
+        Image.init()
+        if fmt not in Image.OPEN:
+            raise MediaError("unsupported_format", f"{fmt} images cannot be decoded (no Pillow plugin installed)") from None
+        raise MediaError("corrupt", f"{fmt} signature but the header cannot be read") from None
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
+        raise MediaError(_image_error_code(exc), f"{fmt or 'image'} header: {exc}") from None
+
+
+def _image_error_code(exc: BaseException) -> str:
+    text = str(exc).lower()
+    if isinstance(exc, EOFError) or any(word in text for word in _TRUNCATION_WORDS):
+        return "truncated"
+    if "not supported" in text or "unsupported" in text:
+        return "unsupported_format"
+    return "corrupt"
+
+
+def _has_alpha(img: Image.Image) -> bool:
+    return any(band in ("A", "a") for band in img.getbands()) or "transparency" in img.info
+
+
+def _decode_with_torchvision(data: bytes, img: Image.Image) -> np.ndarray:
+    """A JPEG through libjpeg-turbo via torchvision (grayscale and CMYK converted to
+    RGB, EXIF orientation applied by torchvision; JPEG has no alpha).
+
+    A failure other than truncation falls back to Pillow (which reads some JPEG
+    variants torchvision refuses); a truncated file is an error on either path,
+    never a half-grey image.
+    """
+    import torch  # imported here: video-only workers need no torch
+    from torchvision.io import ImageReadMode, decode_image
+
+    try:
+        tensor = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB, apply_exif_orientation=True)
+    except RuntimeError as exc:
+        if _image_error_code(exc) == "truncated":
+            raise MediaError("truncated", f"{img.format}: {_torchvision_message(exc)}") from None
+        logger.debug("torchvision could not decode a %s (%s); trying Pillow", img.format, _torchvision_message(exc))
+        return _decode_with_pillow(img)
+    return tensor.permute(1, 2, 0).numpy()
+
+
+def _decode_with_pillow(img: Image.Image) -> np.ndarray:
+    try:
+        img.load()
+        img = _exif_transposed(img)
+        return _pillow_to_rgb(img)
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
+        raise MediaError(_image_error_code(exc), f"{img.format or 'image'}: {exc}") from None
+
+
+def _exif_transposed(img: Image.Image) -> Image.Image:
+    """The image as displayed. An unreadable EXIF block is ignored (the pixels are fine)."""
+    try:
+        orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+    except Exception as exc:  # Pillow raises many types on malformed EXIF
+        logger.debug("ignoring unreadable EXIF: %s", exc)
+        return img
+    for method in _EXIF_TRANSPOSE.get(orientation, []):
+        img = img.transpose(method)
+    return img
+
+
+def _pillow_to_rgb(img: Image.Image) -> np.ndarray:
+    if img.mode in ("I", "I;16", "I;16L", "I;16B", "I;16N"):
+        gray = _scale_16bit(np.clip(np.asarray(img, dtype=np.int64), 0, 65535))
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    if _has_alpha(img):
+        return _composite_on_white(np.asarray(img.convert("RGBA")))
+    # np.array, not asarray: Pillow hands numpy read-only memory, and the encoder's
+    # torch.from_numpy would warn about it for every image.
+    return np.array(img.convert("RGB"))
+
+
+def _scale_16bit(values: np.ndarray) -> np.ndarray:
+    """0..65535 -> 0..255 with rounding (Pillow itself would clip at 255)."""
+    return ((values.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+
+
+def _composite_on_white(rgba: np.ndarray) -> np.ndarray:
+    """(H, W, 4) uint8 -> (H, W, 3) uint8 over a white background, rounded."""
+    rgb = rgba[:, :, :3].astype(np.uint32)
+    alpha = rgba[:, :, 3:].astype(np.uint32)
+    return ((rgb * alpha + 255 * (255 - alpha) + 127) // 255).astype(np.uint8)
+
+
+def _torchvision_message(exc: BaseException) -> str:
+    """torchvision's message without its 'decode_jpeg, /path/file.cpp:171, ' prefix."""
+    return re.sub(r"^\w+, \S+:\d+, ", "", last_line(exc))

@@ -1,0 +1,185 @@
+"""Finding and loading an encoder's checkpoint, for every family (see ARCHITECTURE.md).
+
+`load_adapter` reads what an adapter needs from the job into `AdapterOptions` and calls
+the `build_adapter` of the family's module (`registry.FAMILIES`). The pieces every
+family's loader shares live here: where builtin models and compiled artefacts are kept,
+the atomic creation of a builtin model, the dtype on a device, and the resolution of
+`model.path` (a builtin name, a local directory or a hub id).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from embedjob.config import Job, relative_note
+from embedjob.encoders.base import EncoderAdapter, Placement
+from embedjob.encoders.registry import FAMILIES
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdapterOptions:
+    """What of the job an adapter is built with; adapters never read a job."""
+
+    cache_dir: Path
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    video_min_pixels: int | None = None
+    video_max_pixels: int | None = None
+    video_max_frames: int = 0
+    tiling: str = "none"
+    max_tiles: int = 0
+    tile_combine: str = "concat"
+    dinov2_pool: str = "cls"
+    per_token: bool = False
+
+    def placement(self, device: torch.device, dtype: torch.dtype, source: str) -> Placement:
+        return Placement(device, dtype, source, self.video_max_frames, self.cache_dir)
+
+    @classmethod
+    def from_job(cls, job: Job) -> AdapterOptions:
+        return cls(
+            cache_dir=cache_root(job.runtime.cache_dir),
+            min_pixels=job.preprocess.min_pixels,
+            max_pixels=job.preprocess.max_pixels,
+            video_min_pixels=job.video.min_pixels,
+            video_max_pixels=job.video.max_pixels,
+            video_max_frames=job.video.max_frames,
+            tiling=job.preprocess.tiling,
+            max_tiles=job.preprocess.max_tiles,
+            tile_combine=job.preprocess.tile_combine,
+            dinov2_pool=job.model.dinov2_pool,
+            per_token=job.output.pooling == "none",
+        )
+
+
+def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
+    """Build the adapter the job asks for, on `device`, in the job's dtype (float32 on CPU)."""
+    family = FAMILIES.get(job.model.family)
+    if family is None:
+        raise ValueError(f"model.family {job.model.family!r} has no adapter")
+    module = importlib.import_module(family.adapter)
+    dtype = resolve_dtype(job.model.dtype, device)
+    return module.build_adapter(job.model.family, job.model.path, dtype, device, AdapterOptions.from_job(job))
+
+
+def builtin_model(cache_dir: Path | str, family: str, version: int, build: Callable[[Path], None]) -> Path:
+    """The directory of the tiny builtin model of `family`, made once by `build(tmpdir)`
+    (a fixed seed, `save_pretrained`): a user's checkpoint takes the same loading path."""
+    target = Path(cache_dir) / "builtin" / f"tiny-{family}-v{version}"
+
+    def made(tmp: Path) -> None:
+        build(tmp)
+        logger.info("created builtin model %s in %s", family, target)
+
+    save_atomically(made, target)
+    return target
+
+
+def download_snapshot(repo_id: str) -> Path:
+    """A hub checkpoint's configs and safetensors weights (nothing else it may hold)."""
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"]))
+
+
+def transformers_class(name: str) -> Any:
+    """A transformers class by name, imported when a model is loaded, not before."""
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def cache_root(configured: str | None) -> Path:
+    """Where builtin models and compiled artefacts are kept.
+
+    The job key wins, then $EMBEDJOB_CACHE, then ~/.cache/embedjob, so cluster users can
+    point every task at one shared directory.
+    """
+    if configured:
+        return Path(configured).expanduser()
+    env = os.environ.get("EMBEDJOB_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "embedjob"
+
+
+def save_atomically(build: Any, target: Path) -> None:
+    """Run `build(tmpdir)` and rename the result to `target`.
+
+    Several SLURM tasks may create the same builtin model at once; the rename makes
+    exactly one of them win and the others find a complete directory.
+    """
+    if target.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    build(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not target.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype: the job's choice on CUDA, float32 on CPU.
+
+    bfloat16/float16 matmuls on CPU are slow and not what anyone benchmarks, and CPU runs
+    exist for CI and small jobs, so CPU always computes in float32.
+    """
+    if device.type != "cuda":
+        if name != "float32":
+            logger.info("running on CPU: computing in float32 instead of %s", name)
+        return torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def resolve_checkpoint(
+    path: str,
+    family: str,
+    families: Iterable[str],
+    builtin: Callable[[], Path],
+    download: Callable[[str], Path],
+) -> Path:
+    """A local directory holding the checkpoint named by `model.path`.
+
+    `builtin:tiny-<family>` is made locally (`builtin`), an existing directory is used as
+    it is, anything else that does not look like a local path is a hub id (`download`).
+    A builtin model has random weights, which the log says: its vectors mean nothing.
+    """
+    if path.startswith("builtin:"):
+        name = path.removeprefix("builtin:")
+        named = name.removeprefix("tiny-")
+        known = list(families)
+        if not name.startswith("tiny-") or named not in known:
+            raise ValueError(f"unknown builtin model {path!r}; available: builtin:tiny-{', builtin:tiny-'.join(known)}")
+        if named != family:
+            raise ValueError(f"model.path {path!r} is a {named} model but model.family is {family!r}")
+        logger.warning(
+            "model.path %s is a tiny demo model with random weights (fixed seed), for demos and tests: "
+            "its vectors mean nothing; name a real checkpoint for real embeddings", path,
+        )
+        return builtin()
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists() or path.startswith(("/", "./", "../")):
+        raise ValueError(f"model.path {path!r} is not a checkpoint directory{relative_note(path)}")
+    try:
+        return download(path)
+    except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(
+            f"model.path {path!r} is neither a directory{relative_note(path)} nor a model the hub gives ({first})"
+        ) from None

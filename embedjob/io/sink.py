@@ -1,0 +1,231 @@
+"""Rank 0's output side: the ordered stream of row blocks into committed parts.
+
+The `Writer` thread takes every rank's row blocks from the `Coordinator` in chunk
+order, checks the shard's error rate (`ErrorRate`), and hands the blocks to a
+`PartSink`, which cuts them into the checkpoint's parts and commits each as soon as it
+is whole; it also keeps the progress bar (`Progress`) and the shard's time series of
+rows written. Only rank 0 commits, and only in order, so a killed run leaves a prefix
+of parts (ARCHITECTURE.md, "output" and "checkpoint").
+
+Separate from `writer.py`, which is the part format itself (`RowBlock`, the schema, the
+atomic write): the checkpoint builds on that module, and this one on the checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tqdm import tqdm
+
+from embedjob.config import Job
+from embedjob.io.checkpoint import Checkpoint, PartRecord, count_codes
+from embedjob.io.writer import ErrorRateExceeded, RowBlock, part_name, write_part
+from embedjob.parallel.cluster import Coordinator
+from embedjob.report.counts import codes_text, count_errors
+from embedjob.slurm import Shard
+from embedjob.timeline import Timeline
+
+
+class PartSink:
+    """Cuts the ordered stream of row blocks into the checkpoint's parts and commits each.
+
+    Blocks must arrive in row order from the checkpoint's resume row on; a part is
+    written as soon as its last row has arrived, so at most one part's rows are held.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, schema: Any) -> None:
+        self.checkpoint = checkpoint
+        self.schema = schema
+        self.buffer: list[RowBlock] = []
+        self.held = 0
+
+    def add(self, block: RowBlock) -> None:
+        self.buffer.append(block)
+        self.held += len(block)
+        while self.buffer:
+            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
+            if self.held < end - first:
+                return
+            joined = RowBlock.concat(self.buffer)
+            self._commit(joined.slice(0, end - first), first, end)
+            rest = joined.slice(end - first, len(joined))
+            self.buffer, self.held = ([rest] if len(rest) else []), len(rest)
+
+    def close(self) -> None:
+        """Write the last, shorter part; it must end at the shard's last row."""
+        if self.buffer:
+            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
+            self._commit(RowBlock.concat(self.buffer), first, end)
+            self.buffer, self.held = [], 0
+
+    def _commit(self, block: RowBlock, first: int, end: int) -> None:
+        if block.first_row != first or block.end_row != end:
+            raise RuntimeError(f"part rows {block.first_row}..{block.end_row - 1} do not match [{first}, {end})")
+        part = self.checkpoint.next_part
+        name = part_name(self.checkpoint.shard, part)
+        write_part(self.checkpoint.directory, name, block, self.schema)
+        codes = count_errors(block.errors)
+        self.checkpoint.commit(PartRecord(part, name, first, end, sum(codes.values()), error_codes=codes))
+
+
+class ErrorRate:
+    """The shard's error rate as rows are written, against `runtime.max_error_rate`.
+
+    It counts the rows committed by earlier runs too (a rerun after a stop stops again
+    unless the job changed), and applies once `runtime.error_rate_min_rows` rows are in:
+    a few broken rows at the start say nothing about the input.
+    """
+
+    def __init__(self, job: Job, shard: Shard, checkpoint: Checkpoint) -> None:
+        self.limit = job.runtime.max_error_rate
+        self.min_rows = job.runtime.error_rate_min_rows
+        self.shard = shard
+        self.rows = checkpoint.resume_row - checkpoint.first_row
+        self.codes: collections.Counter[str] = collections.Counter(count_codes(p.error_codes for p in checkpoint.parts))
+
+    @property
+    def errors(self) -> int:
+        return sum(self.codes.values())
+
+    def add(self, block: RowBlock) -> None:
+        """Count a written block; ErrorRateExceeded once the rate is above the limit."""
+        self.rows += len(block)
+        self.codes.update(count_errors(block.errors))
+        if self.limit is None or self.rows < self.min_rows or self.errors <= self.limit * self.rows:
+            return
+        raise ErrorRateExceeded(
+            f"shard {self.shard.index}/{self.shard.count} stopped: {self.errors} of {self.rows} rows are errors "
+            f"({self.errors / self.rows:.1%}), above runtime.max_error_rate = {self.limit:g} "
+            f"(most frequent: {codes_text(dict(self.codes))}); committed parts are kept: fix the input or the job "
+            "and run again (it resumes), or raise runtime.max_error_rate"
+        )
+
+
+PROGRESS_INTERVAL = 0.5
+"""Seconds between updates of the progress bar: often enough to follow the batches,
+rarely enough to cost nothing."""
+
+
+class Progress:
+    """The progress bar of a shard: rows done, their rate and the time left.
+
+    Rank 0's own rows count as its batches run (`own`, read every PROGRESS_INTERVAL
+    seconds by a thread of the bar's own, so neither the encoding thread nor the writer
+    waits for the terminal); other ranks are other processes, whose rows reach this one
+    only as written chunks, so they count then (`others_written`). The rate and the ETA
+    run from `start`, the moment rank 0 is ready to encode: the statistics' pipeline
+    seconds start there too, so the bar's rate is the summary's, setup left out. The
+    writer keeps `errors` (the shard's error rows written so far) for the bar to show.
+    """
+
+    def __init__(self, bar: tqdm, own: Callable[[], int]) -> None:
+        self.bar = bar
+        self.own = own
+        self.others = 0
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start counting (and timing) from now."""
+        if self.bar.disable or self._thread is not None:
+            return
+        self.bar.reset(total=self.bar.total)
+        self._thread = threading.Thread(target=self._follow, name="embedjob-progress", daemon=True)
+        self._thread.start()
+
+    def others_written(self, rows: int) -> None:
+        self.others += rows
+
+    def close(self, rows: int) -> None:
+        """Stop following, showing `rows` done (every row this run wrote)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.bar.set_postfix(errors=self.errors, refresh=False)
+        self.bar.update(max(0, rows - self.bar.n))
+        self.bar.refresh()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(PROGRESS_INTERVAL):
+            done = min(self.own() + self.others, self.bar.total)
+            if done > self.bar.n:  # drawn only when it moved: a batch log gets no idle lines
+                self.bar.set_postfix(errors=self.errors, refresh=False)
+                self.bar.update(done - self.bar.n)
+
+
+class Writer:
+    """Rank 0's writer thread: the coordinator's results, in order, into the parts.
+
+    The schema comes from the job and the input listing, so the writer needs no model.
+    `own` holds the first rows of the chunks rank 0 encoded (their rows are already on
+    the progress bar). A failure (a full disk, the error rate above its limit) stops the
+    coordinator, so no rank waits for rows that will never be written, and is re-raised
+    by `join`. The writer sees every row of the shard as it is written, whichever rank
+    encoded it, so the shard's time series (rows and errors written) is kept here, with
+    the seconds spent writing parts.
+    """
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        checkpoint: Checkpoint,
+        schema: Any,
+        rate: ErrorRate,
+        progress: Progress,
+        own: set[int],
+        timeline: Timeline,
+    ) -> None:
+        self.coordinator = coordinator
+        self.checkpoint = checkpoint
+        self.schema = schema
+        self.rate = rate
+        self.progress = progress
+        self.own = own
+        self.timeline = timeline
+        self.rows = 0
+        self.error_rows = 0
+        self.seconds = 0.0
+        self.finished_at: float | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="embedjob-writer", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def stop(self, error: BaseException) -> None:
+        """Stop writing because the job failed; a part being written is finished first."""
+        self.coordinator.fail(error)
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            sink = PartSink(self.checkpoint, self.schema)
+            for block in self.coordinator.results():
+                # Before the block is written: a shard whose rows fail too often stops
+                # without committing more of them.
+                self.rate.add(block)
+                self._timed(sink.add, block)
+                self.rows += len(block)
+                self.error_rows += sum(e is not None for e in block.errors)
+                self.timeline.advance(time.time(), {"rows": self.rows, "errors": self.error_rows})
+                self.progress.errors = self.rate.errors
+                if block.first_row not in self.own:
+                    self.progress.others_written(len(block))
+            self._timed(sink.close)
+            self.finished_at = time.time()
+        except BaseException as exc:
+            self.error = exc
+            self.coordinator.fail(exc)
+
+    def _timed(self, write: Callable[..., None], *args: Any) -> None:
+        since = time.perf_counter()
+        write(*args)
+        self.seconds += time.perf_counter() - since

@@ -148,3 +148,22 @@ def test_pooling_per_batch_equals_each_item_pooled_alone(qwen_adapter, items) ->
         assert torch.equal(pooled[i], rows[offset : offset + count].mean(0))
     kept, kept_counts = pool_rows(rows, counts, "none")
     assert kept is rows and kept_counts == counts
+
+
+def test_thumbnails_replay_instead_of_running_eagerly(qwen_adapter) -> None:
+    """32x32 images are 4 tokens and one attention window each, so a batch of them holds
+    far more windows per token than photos do; budgets must carry a window slot per
+    item, or every such batch falls back to eager (a 0 % hit rate was measured)."""
+    plan = BudgetPlan(token_budgets=(64, 128, 256), max_items=64, max_frames=128)
+    graphs = GraphManager(qwen_adapter, plan, "replay")
+    graphs.capture()
+    items = [qwen_adapter.preprocessor()(random_image(32, 32, seed)) for seed in range(300)]
+    assert {item.tokens for item in items} == {4}
+    encoded = one_path_encoder(graphs, "min_padding").encode(items, "mean", torch.float32)
+    stats = graphs.stats
+    assert all(failure is None for failure in encoded.failures)
+    assert stats.capacity_fallbacks == 0
+    assert stats.hits == len(items) and stats.hit_rate >= 0.95
+    for index in (0, 137, 299):
+        (alone,) = graphs.run([items[index]], None, lambda rows: rows.mean(0))
+        assert torch.allclose(encoded.item(index)[0], alone, rtol=1e-4, atol=1e-5)

@@ -278,9 +278,11 @@ class QwenAdapter(EncoderAdapter):
         Segment slots are bounded so the attention kernel's grid (slots x blocks of the
         length bound x heads) stays close to the real work: full-attention slots hold
         every image plus the temporal groups of videos up to budget/32, and pad rows in
-        segments of FULL_PAD_SEGMENT; window slots hold budget/8 windows (real images
-        average 1/16 of a window per token) plus pad windows of PAD_SEGMENT. A batch that
-        needs more slots runs eagerly (`fits`), so a bound costs speed, never correctness.
+        segments of FULL_PAD_SEGMENT; window slots hold one window per item (an image
+        smaller than a window, a thumbnail, is a window of its own, so `max_items` of them
+        fill the smallest budgets) plus budget/8 (large images average 1/16 of a window
+        per token) plus pad windows of PAD_SEGMENT. A batch that needs more slots runs
+        eagerly (`fits`), so a bound costs speed, never correctness.
         """
         patches = budget * self.merge_unit
         groups = min(max_frames // self.processing.temporal_patch_size, budget // 32)
@@ -293,7 +295,7 @@ class QwenAdapter(EncoderAdapter):
         pad = {"cu_seqlens": PAD_REPEAT_LAST}
         constants = {"max_seqlen": min(patches, self.max_frame_patches), "budget": budget}
         if self.spec.windowed:
-            window_slots = budget // 8 + math.ceil(patches / PAD_SEGMENT) + 1
+            window_slots = max_items + budget // 8 + math.ceil(patches / PAD_SEGMENT) + 1
             tensors["window_index"] = torch.arange(budget, dtype=torch.int64)
             tensors["cu_window_seqlens"] = torch.from_numpy(_pad_offsets(_START, patches, window_slots, PAD_SEGMENT))
             pad["cu_window_seqlens"] = PAD_REPEAT_LAST

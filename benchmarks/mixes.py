@@ -103,7 +103,7 @@ TOWERS = {
 def save_tower(tower: Tower, root: Path, smoke: bool) -> Path:
     """The tower's checkpoint directory under `root`, built on the first call (atomically:
     a killed build leaves no half checkpoint behind)."""
-    from embedjob.encoders.base import save_atomically
+    from embedjob.encoders.loading import save_atomically
 
     target = root / (f"{tower.key}-tiny" if smoke else tower.key)
     builders = {"qwen2_5_vl": _save_qwen, "siglip": _save_siglip, "clip": _save_clip}

@@ -657,7 +657,10 @@ class Runner:
             finally:
                 progress.close(writer.rows)
             others = self.cluster.hub.wait_done() if self.cluster is not None else []
-        run = ShardRun([own_stats, *others], writer.rows, writer.seconds, writer.timeline, started, resumed)
+        run = ShardRun(
+            [own_stats, *others], writer.rows, writer.seconds, writer.timeline, started, resumed,
+            coordinator.rows_before_ready,
+        )
         stats = shard_stats(self.job, self.shard, checkpoint, time.perf_counter() - start, run)
         checkpoint.finish(stats)
         return stats

@@ -129,7 +129,8 @@ class RankStats:
 class ShardRun:
     """What a run that encoded rows adds to its shard's statistics: every rank's
     statistics (rank 0's first) and what rank 0's writer saw. `started` is the run's
-    wall-clock start, `resumed` the row it started at."""
+    wall-clock start, `resumed` the row it started at, `rows_during_setup` the rows that
+    ranks ready first encoded before the last rank was ready (not in the rate)."""
 
     ranks: list[RankStats]
     rows: int
@@ -137,6 +138,7 @@ class ShardRun:
     timeline: Timeline
     started: float
     resumed: int
+    rows_during_setup: int = 0
 
     def setup_seconds(self, seconds: float) -> float:
         """From the start until the last rank was ready to encode; all of `seconds`
@@ -157,6 +159,7 @@ def shard_stats(
     have are computed the same way (its setup is all of `seconds`, its rate 0).
     """
     rows = run.rows if run is not None else 0
+    early = run.rows_during_setup if run is not None else 0
     setup = run.setup_seconds(seconds) if run is not None else seconds
     pipeline = max(seconds - setup, 1e-9)
     stats: dict[str, Any] = {
@@ -169,7 +172,8 @@ def shard_stats(
         "seconds": round(seconds, 3),
         "setup_seconds": round(setup, 3),
         "pipeline_seconds": round(pipeline, 3),
-        "items_per_second": round(rows / pipeline, 3),
+        "rows_during_setup": early,
+        "items_per_second": round((rows - early) / pipeline, 3),
         **_provenance(job),
     }
     stats.update(_encoded(job, run) if run is not None else _nothing_encoded())

@@ -115,6 +115,24 @@ def test_a_rank_setting_up_holds_back_only_its_head_start(head_start: int) -> No
     assert later == [2 * head_start]
 
 
+def test_rows_returned_before_every_rank_is_ready_are_counted_apart() -> None:
+    """A rank ready first encodes its head start while the others set up; counted in the
+    rate after setup, those rows overstated two-GPU runs of a few thousand rows by a third."""
+    coordinator = Coordinator(2, lookahead=8, head_start=2)
+    coordinator.open([Chunk(i, 3 * i, 3 * i + 3, ()) for i in range(6)])
+    early = [coordinator.take(0), coordinator.take(0)]
+    coordinator.ready(0)
+    for chunk in early:
+        coordinator.put(chunk.index, _block(chunk))
+    assert coordinator.rows_before_ready == 6
+    late = coordinator.take(1)
+    coordinator.ready(1)
+    coordinator.put(late.index, _block(late))
+    after = coordinator.take(0)
+    coordinator.put(after.index, _block(after))
+    assert coordinator.rows_before_ready == 6
+
+
 def test_head_starts_that_the_lookahead_cannot_hold_are_refused() -> None:
     with pytest.raises(ValueError, match="head_start"):
         Coordinator(2, lookahead=5, head_start=3)
@@ -277,6 +295,11 @@ def test_ranks_give_the_single_process_output_row_for_row(
     assert all({"waiting for decode", "waiting for a chunk"} <= set(r["waits"]) for r in busy)
     printed = re.search(r"(\d+) ranks, balance ratio ([\d.]+)", capsys.readouterr().err)
     assert printed and int(printed[1]) == ranks and float(printed[2]) == pytest.approx(stats["balance_ratio"], abs=1e-3)
+    # The rate after setup leaves out what ranks ready first encoded during the others' setup.
+    early = stats["rows_during_setup"]
+    assert 0 <= early <= stats["rows_this_run"]
+    rate = (stats["rows_this_run"] - early) / stats["pipeline_seconds"]
+    assert stats["items_per_second"] == pytest.approx(rate, rel=1e-3, abs=1e-3)
 
 
 def test_a_dying_rank_stops_the_job_with_one_line_and_a_rerun_resumes(

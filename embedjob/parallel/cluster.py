@@ -184,6 +184,7 @@ class Coordinator:
         self._ready: set[int] = set()
         self._written = 0
         self._results: dict[int, RowBlock] = {}
+        self._rows_before_ready = 0
         self._holders: dict[int, int] = {}
         self._error: BaseException | None = None
 
@@ -228,7 +229,17 @@ class Coordinator:
     def put(self, index: int, block: RowBlock) -> None:
         with self._cond:
             self._results[index] = block
+            if not self._all_ready():
+                self._rows_before_ready += len(block)
             self._cond.notify_all()
+
+    @property
+    def rows_before_ready(self) -> int:
+        """Rows returned before every rank was ready: a rank that is ready first encodes
+        its head start while the others still set up, and a rate over the time after
+        setup must not count those rows."""
+        with self._cond:
+            return self._rows_before_ready
 
     def fail(self, error: BaseException) -> None:
         """Stop every take and the writer with `error` (the first failure wins)."""

@@ -48,9 +48,10 @@ Table columns (one row per mix and GPU count, plus the mix's encoder-only row):
 - rows: rows of the input (every run embeds all of them).
 - seconds: the run's `pipeline_seconds` (decode, encode and write; model load, compile
   and capture are setup), median over the repeats. Encoder-only row: the median pass.
-- images/s: rows / seconds; per GPU: divided by N.
+- images/s: rows encoded after setup / seconds (a rank ready first encodes its head start
+  while the others set up: `rows_during_setup`, left out); per GPU: divided by N.
 - scaling eff.: images/s at N / (N x images/s at 1 GPU).
-- MFU: encoder FLOPs of the mix's items (real tokens only; `embedjob.bench.encoder_flops`
+- MFU: encoder FLOPs of the mix's items encoded after setup (real tokens only; `embedjob.bench.encoder_flops`
   for Qwen, `mixes.fixed_flops` for CLIP and SigLIP) / seconds / (N x the bf16 matmul
   FLOP/s measured with `embedjob.bench.matmul_peak` in the process that ran the mix).
 - per GPU / enc.-only: images/s per GPU over the encoder-only images/s (at 1 GPU, how
@@ -442,10 +443,14 @@ def rank0(stats: dict[str, Any]) -> dict[str, Any]:
     return (stats.get("ranks") or [{}])[0]
 
 
+def timed_rows(stats: dict[str, Any]) -> int:
+    """Rows encoded after setup: ranks ready first encode their head start while the others
+    still set up (`rows_during_setup`, absent from statistics older than that key)."""
+    return stats["rows"] - stats.get("rows_during_setup", 0)
+
+
 def run_rate(run: Run) -> float | None:
-    seconds = median_of(run.stats, lambda s: s["pipeline_seconds"])
-    rows = median_of(run.stats, lambda s: s["rows"])
-    return rows / seconds if seconds and rows else None
+    return median_of(run.stats, lambda s: timed_rows(s) / s["pipeline_seconds"] if s["pipeline_seconds"] else None)
 
 
 COLUMNS = [
@@ -512,6 +517,7 @@ def _mix_rows(result: MixResult, peak: float | None, smoke: bool) -> list[list[s
             continue
         rate = run_rate(run)
         seconds = median_of(run.stats, lambda s: s["pipeline_seconds"])
+        timed = median_of(run.stats, lambda s: timed_rows(s) / s["rows"])
         c = run.comparison
         rows.append([
             result.mix.name,
@@ -521,7 +527,7 @@ def _mix_rows(result: MixResult, peak: float | None, smoke: bool) -> list[list[s
             fmt(rate, ".1f"),
             fmt(rate / run.gpus if rate else None, ".1f"),
             fmt(rate / (run.gpus * base) if rate and base else None, ".2f"),
-            fmt(flops / seconds / (run.gpus * peak) if flops and seconds and peak else None, ".1%"),
+            fmt(flops * timed / seconds / (run.gpus * peak) if flops and timed and seconds and peak else None, ".1%"),
             fmt(rate / run.gpus / enc_rate if rate and enc_rate else None, ".0%"),
             fmt(min((s["setup_seconds"] for s in run.stats if "setup_seconds" in s), default=None), ".1f"),
             fmt(median_of(run.stats, lambda s: rank0(s)["host_seconds"] / rank0(s)["rows"] * 1000), ".2f"),

@@ -32,9 +32,8 @@ from embedjob.bench import cuda_passes
 from embedjob.config import Job
 from embedjob.decode import DecodeOptions, MediaError, decode
 from embedjob.encoders import EncoderInput, load_adapter
-from embedjob.encoders.fixed import FixedResAdapter
 from embedjob.engine import packer
-from embedjob.engine.encode import budget_plan, whole_image_plan
+from embedjob.engine.encode import budget_plan
 from embedjob.engine.graphs import GraphManager, pool_rows
 
 
@@ -102,10 +101,8 @@ def _timed(
 ) -> EncoderOnly:
     flops = items_flops(adapter, items)
     plan = budget_plan(job, adapter)
-    if isinstance(adapter, FixedResAdapter):
-        if len(adapter.paths) > 1:
-            return _not_measured(items, failed, flops, seconds, "the dual-path (tiled) encoder is not measured here")
-        plan = whole_image_plan(plan, adapter.tokens_per_image)
+    if len(adapter.paths) > 1:
+        return _not_measured(items, failed, flops, seconds, "the dual-path (tiled) encoder is not measured here")
     backend = None if not job.batching.cuda_graphs else ("cuda" if device.type == "cuda" else "replay")
     capture_start = time.perf_counter()
     manager = GraphManager(adapter, plan, backend)

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedjob.config import job_from_dict  # noqa: E402
 from embedjob.encoders import EncoderAdapter, EncoderInput, load_adapter  # noqa: E402
-from embedjob.engine.encode import budget_plan, whole_image_plan  # noqa: E402
+from embedjob.engine.encode import budget_plan  # noqa: E402
 from embedjob.engine.packer import pack  # noqa: E402
 
 FAMILIES = ("qwen2_5_vl", "clip")
@@ -63,9 +63,7 @@ def load(family: str, cache: Path, device: torch.device) -> tuple[EncoderAdapter
         }
     )
     adapter = load_adapter(job, device)
-    plan = budget_plan(job, adapter)
-    tokens_per_image = getattr(adapter, "tokens_per_image", None)
-    return adapter, whole_image_plan(plan, tokens_per_image) if tokens_per_image else plan
+    return adapter, budget_plan(job, adapter)
 
 
 def mixes() -> dict[str, list[SimpleNamespace]]:

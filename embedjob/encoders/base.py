@@ -181,6 +181,9 @@ class EncoderAdapter(abc.ABC):
     max_budget: int
     max_frames_per_video: int
     cache_dir: Path
+    # Budgets are rounded down to multiples of this: the tokens of one item where every
+    # item costs the same (a fixed-resolution view), so no budget holds an unusable rest.
+    budget_unit: int = 1
     # The graph sets an item runs through; several paths need `path_input` and `combine`.
     paths: tuple[PathSpec, ...] = (PathSpec("global"),)
 

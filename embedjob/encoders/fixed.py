@@ -271,7 +271,7 @@ class FixedResAdapter(EncoderAdapter):
         self.tile_combine = tile_combine
         self.per_token = per_token
         self.rows_per_view = processing.patch_grid[0] * processing.patch_grid[1] if per_token else 1
-        self.tokens_per_image = processing.tokens_per_image
+        self.tokens_per_image = self.budget_unit = processing.tokens_per_image
         self.feature_dim = int(projection.out_features if projection is not None else tower.config.hidden_size)
         tiled = processing.max_tiles > 0
         self.views = (GLOBAL_KEY, LOCAL_KEY) if tiled else (GLOBAL_KEY,)

@@ -20,7 +20,6 @@ import torch
 
 from embedjob.config import Job, JobError
 from embedjob.encoders.base import EncoderAdapter, EncoderInput
-from embedjob.encoders.fixed import FixedResAdapter
 from embedjob.engine import packer
 from embedjob.engine.defs import Encoded, GraphStats, ItemCounts, hit_rate, lap
 from embedjob.engine.graphs import GraphManager, pool_rows
@@ -255,10 +254,12 @@ class BatchEncoder:
 
 
 def budget_plan(job: Job, adapter: EncoderAdapter) -> BudgetPlan:
-    """The packer's plan from the job's batching keys and the adapter's budget range."""
+    """The packer's plan from the job's batching keys and the adapter's budget range,
+    its budgets rounded down to whole items where every item costs the same
+    (`EncoderAdapter.budget_unit`)."""
     b = job.batching
     try:
-        return packer.resolve_budgets(
+        plan = packer.resolve_budgets(
             _auto(b.token_budgets),
             _auto(b.max_items_per_batch),
             _auto(b.max_frames_per_batch),
@@ -269,6 +270,7 @@ def budget_plan(job: Job, adapter: EncoderAdapter) -> BudgetPlan:
         )
     except ValueError as exc:
         raise JobError(f"batching: {exc}") from None
+    return _whole_image_plan(plan, adapter.budget_unit) if adapter.budget_unit > 1 else plan
 
 
 def _auto(value: Any) -> Any:
@@ -283,7 +285,7 @@ def _backend(job: Job, device: torch.device) -> str | None:
     return "cuda" if device.type == "cuda" else "replay"
 
 
-def whole_image_plan(plan: BudgetPlan, tokens_per_image: int) -> BudgetPlan:
+def _whole_image_plan(plan: BudgetPlan, tokens_per_image: int) -> BudgetPlan:
     """A fixed-resolution encoder's plan: budgets rounded down to whole images.
 
     A budget's buffers hold budget // tokens_per_image images, so the rest of a budget
@@ -306,10 +308,7 @@ def build_encoder(job: Job, adapter: EncoderAdapter, device: torch.device) -> Ba
 
     The backend is real CUDA graphs on a GPU, the replay backend on a CPU (same packing
     and padding, so results and statistics match), or none when graphs are turned off.
-    Every path the adapter declares shares the job's budgets (a further path adds 0);
-    a fixed-resolution adapter's budgets are rounded down to whole images first.
+    Every path the adapter declares shares the job's budgets (a further path adds 0).
     """
     plan = budget_plan(job, adapter)
-    if isinstance(adapter, FixedResAdapter):
-        plan = whole_image_plan(plan, adapter.tokens_per_image)
     return BatchEncoder(adapter, graph_paths(adapter, plan, _backend(job, device)), job.batching.policy)

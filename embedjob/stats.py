@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from embedjob.config import Job
-from embedjob.engine.defs import GraphStats
+from embedjob.engine.defs import GraphStats, lap
 from embedjob.host import software_versions
 from embedjob.io.checkpoint import Checkpoint, count_codes
 from embedjob.slurm import Shard
@@ -32,9 +32,7 @@ class StageClock:
     seconds: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
 
     def add(self, stage: str, since: float) -> float:
-        now = time.perf_counter()
-        self.seconds[stage] += now - since
-        return now
+        return lap(self.seconds, stage, since)
 
 
 class BusyClock:

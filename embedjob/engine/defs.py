@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,7 +18,7 @@ import torch
 from embedjob.encoders.base import EncoderInput
 
 
-def lap(seconds: Counter, stage: str, since: float) -> float:
+def lap(seconds: MutableMapping[str, float], stage: str, since: float) -> float:
     """Add the wall seconds since `since` to `seconds[stage]`; the time now."""
     now = time.perf_counter()
     seconds[stage] += now - since
@@ -121,13 +122,14 @@ class ItemCounts:
     misses: int = 0
     partial: int = 0
 
-    def count(self, replayed: list[bool]) -> None:
-        """Record one item from whether each path it used replayed."""
+    def count(self, replayed: list[bool], items: int = 1) -> None:
+        """Record `items` items that share whether each path they used replayed (a
+        batch's items on one path do: counted once per batch, not per item)."""
         if all(replayed):
-            self.hits += 1
+            self.hits += items
             return
-        self.misses += 1
-        self.partial += int(any(replayed))
+        self.misses += items
+        self.partial += items * int(any(replayed))
 
 
 class Encoder(Protocol):

@@ -226,9 +226,7 @@ class BatchEncoder:
         manager = self.paths[0].manager
         hits = manager.stats.hits
         rows = manager.run_batch(chosen, budget)
-        replayed = manager.stats.hits > hits
-        for _ in chosen:
-            self.items.count([replayed])
+        self.items.count([manager.stats.hits > hits], len(chosen))
         return rows, self.adapter.row_counts(chosen)
 
     def _run_combined(

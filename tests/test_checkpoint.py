@@ -11,10 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import REPO
 
 from embedjob.config import JobError
+from embedjob.io import sink
 from embedjob.io.checkpoint import (
     JOB_RECORD,
     Checkpoint,
@@ -27,7 +31,7 @@ from embedjob.io.checkpoint import (
     stats_name,
     success_name,
 )
-from embedjob.io.writer import TMP_MARK, part_name
+from embedjob.io.writer import TMP_MARK, RowBlock, output_schema, part_name
 
 FINGERPRINT = {"model": {"family": "qwen2_5_vl", "path": "builtin:tiny-qwen2_5_vl"}, "pooling": "mean"}
 
@@ -225,3 +229,54 @@ def test_the_lock_of_a_killed_process_is_free_and_its_debris_is_removed(tmp_path
             time.sleep(0.05)
     assert cp.resume_row == 100
     assert names(tmp_path) == {JOB_RECORD, manifest_name(0), lock_name(0)}
+
+
+def _rows(first: int, n: int, dim: int = 8, errors: tuple[int, ...] = ()) -> RowBlock:
+    """`n` output rows from `first`: row r's vector is all r, rows in `errors` failed."""
+    failed = [first + i in errors for i in range(n)]
+    vectors = np.array([[first + i] * dim for i in range(n) if not failed[i]], dtype=np.float16).reshape(-1, dim)
+    return RowBlock(first, list(range(first, first + n)), ["image"] * n, [4] * n, [1] * n,
+                    ["truncated: cut short" if f else None for f in failed], np.array([0 if f else 1 for f in failed]),
+                    vectors)
+
+
+def test_a_part_is_written_a_row_group_at_a_time_and_appears_only_when_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows are written as they arrive (a shard's end then waits for one row group, not
+    a whole part), yet a reader never sees a part before its last row is in."""
+    monkeypatch.setattr(sink, "ROW_GROUP_BYTES", 3 * 8 * 2)  # three rows of 8 float16
+    cp = start(tmp_path, first=100, end=110, per_part=8)
+    schema = output_schema(pa.int64(), "mean", "float16")
+    parts = sink.PartSink(cp, schema)
+    for first in range(100, 106, 2):
+        parts.add(_rows(first, 2, errors=(103,)))
+    assert not (tmp_path / part_name(0, 0)).exists() and cp.resume_row == 100
+    assert any(TMP_MARK in name for name in names(tmp_path))  # rows 100-103 (3 vectors) are on disk already
+    assert len(parts.buffer) == 1  # rows 104-105 wait for the next row group
+    parts.add(_rows(106, 4))  # the part's last two rows, then the last part's two
+    assert cp.resume_row == 110 and cp.parts[0].errors == 1 and cp.parts[0].error_codes == {"truncated": 1}
+    table = pq.read_table(tmp_path / part_name(0, 0))
+    assert table.column("row").to_pylist() == list(range(100, 108))
+    assert [v and v[0] for v in table.column("embedding").to_pylist()] == [100, 101, 102, None, 104, 105, 106, 107]
+    assert pq.ParquetFile(tmp_path / part_name(0, 0)).metadata.num_row_groups == 2  # 100-103, 104-107
+    parts.close()  # nothing left: the last part was committed when its last row came
+    assert pq.read_table(tmp_path / part_name(0, 1)).column("row").to_pylist() == [108, 109]
+    assert not any(TMP_MARK in name for name in names(tmp_path))
+
+
+def test_a_failing_run_drops_the_part_it_was_writing_and_keeps_the_committed(tmp_path: Path) -> None:
+    cp = start(tmp_path, first=0, end=8, per_part=4)
+    parts = sink.PartSink(cp, output_schema(pa.int64(), "mean", "float16"))
+    parts.add(_rows(0, 6))
+    parts.abandon()
+    assert cp.resume_row == 4 and names(tmp_path) == {JOB_RECORD, manifest_name(0), part_name(0, 0), lock_name(0)}
+
+
+def test_a_stream_that_ends_short_of_the_shard_is_an_error_not_a_short_part(tmp_path: Path) -> None:
+    cp = start(tmp_path, first=0, end=8, per_part=4)
+    parts = sink.PartSink(cp, output_schema(pa.int64(), "mean", "float16"))
+    parts.add(_rows(0, 6))
+    with pytest.raises(RuntimeError, match=r"part \[4, 8\) ends at row 5: rows are missing"):
+        parts.close()
+    assert cp.resume_row == 4

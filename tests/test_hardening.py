@@ -453,9 +453,9 @@ def test_a_full_disk_is_exit_1_at_start_and_mid_run(
         assert run(small, tmp_path / "start", cache_dir) == 1
     assert "No space left on device" in one_line(capsys.readouterr().err)
 
-    import embedjob.io.sink
+    from embedjob.io.writer import TMP_MARK, PartFile
 
-    real = embedjob.io.sink.write_part
+    real = PartFile.write
     calls = []
 
     def full_after_one(*args, **kwargs):
@@ -464,9 +464,10 @@ def test_a_full_disk_is_exit_1_at_start_and_mid_run(
             full()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(embedjob.io.sink, "write_part", full_after_one)
+    monkeypatch.setattr(PartFile, "write", full_after_one)
     assert run(small, tmp_path / "mid", cache_dir) == 1
     assert "No space left on device" in one_line(capsys.readouterr().err)
+    assert not [p for p in (tmp_path / "mid").rglob("*") if TMP_MARK in p.name]  # the part it was writing is gone
 
 
 def test_a_checkpoint_torch_refuses_to_unpickle_is_one_line_exit_2(

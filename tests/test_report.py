@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import subprocess
+from collections.abc import Callable
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -31,9 +32,9 @@ from test_slurm import scontrol_records, stand_in_scontrol
 
 from embedjob.cli import main
 from embedjob.engine.defs import GraphStats
-from embedjob.io import sink
 from embedjob.io.checkpoint import META, shard_lock
 from embedjob.io.files import write_json
+from embedjob.io.writer import PartFile
 from embedjob.stats import RankStats
 from embedjob.timeline import MAX_BUCKETS, Timeline
 
@@ -116,18 +117,19 @@ def partial(tmp_path_factory: pytest.TempPathFactory, cache_dir: str) -> Path:
     out = tmp_path_factory.mktemp("partial")
     for shard in (0, 2):
         assert main(["run", *job_args(inputs, out, cache_dir), "--shard", f"{shard}/{SHARDS}"]) == 0
-    # Chunks of 2 rows, so that both ranks take some of the shard's 6 rows.
-    ranks = ("--gpus", "2", "--set", "batching.window=2")
+    # Chunks of 1 row: a rank ready first takes at most 4 (`Runner._head_start`), so the
+    # other takes some of the shard's 6 rows.
+    ranks = ("--gpus", "2", "--set", "batching.window=1")
     assert main(["run", *job_args(inputs, out, cache_dir), "--shard", f"{GPUS_SHARD}/{SHARDS}", *ranks]) == 0
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sink, "write_part", _disk_fills_after(1, sink.write_part))
+        patch.setattr(PartFile, "write", _disk_fills_after(1, PartFile.write))  # a small part is one row group
         assert main(["run", *job_args(inputs, out, cache_dir), "--shard", f"{STOPPED_SHARD}/{SHARDS}"]) == 1
     record = {"num_shards": SHARDS, "submissions": [{"job_id": "7", "num_shards": SHARDS, "shards": list(range(SHARDS))}]}
     write_json(out / META / "slurm-job.json", record)
     return out
 
 
-def _disk_fills_after(parts: int, write_part):
+def _disk_fills_after(parts: int, write_part: Callable[..., None]) -> Callable[..., None]:
     calls = []
 
     def write(*args, **kwargs):

@@ -23,53 +23,81 @@ from tqdm import tqdm
 
 from embedjob.config import Job
 from embedjob.io.checkpoint import Checkpoint, PartRecord, count_codes
-from embedjob.io.writer import ErrorRateExceeded, RowBlock, part_name, write_part
+from embedjob.io.writer import ErrorRateExceeded, PartFile, RowBlock, part_name
 from embedjob.parallel.cluster import Coordinator
-from embedjob.report.counts import codes_text, count_errors
+from embedjob.report.counts import codes_text, count_errors, error_code
 from embedjob.slurm import Shard
 from embedjob.timeline import Timeline
+
+ROW_GROUP_BYTES = 8 << 20
+"""Vector bytes per row group of a part: the most rows held before they are written,
+and the most left to write when the last row arrives (8 MB: about 0.15 s)."""
 
 
 class PartSink:
     """Cuts the ordered stream of row blocks into the checkpoint's parts and commits each.
 
-    Blocks must arrive in row order from the checkpoint's resume row on; a part is
-    written as soon as its last row has arrived, so at most one part's rows are held.
+    Blocks must arrive in row order from the checkpoint's resume row on. A part's rows
+    are written as row groups of about ROW_GROUP_BYTES as they arrive, and the part is
+    committed as soon as its last row is written, so at most one row group's rows are
+    held and the end of a shard waits for one row group, not a whole part.
     """
 
     def __init__(self, checkpoint: Checkpoint, schema: Any) -> None:
         self.checkpoint = checkpoint
         self.schema = schema
         self.buffer: list[RowBlock] = []
-        self.held = 0
+        self.held_bytes = 0
+        self.rows = 0
+        """Rows of the part being written that arrived (written or buffered)."""
+        self.codes: collections.Counter[str] = collections.Counter()
+        self._file: PartFile | None = None
 
     def add(self, block: RowBlock) -> None:
-        self.buffer.append(block)
-        self.held += len(block)
-        while self.buffer:
+        while len(block):
             first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
-            if self.held < end - first:
-                return
-            joined = RowBlock.concat(self.buffer)
-            self._commit(joined.slice(0, end - first), first, end)
-            rest = joined.slice(end - first, len(joined))
-            self.buffer, self.held = ([rest] if len(rest) else []), len(rest)
+            if block.first_row != first + self.rows:
+                raise RuntimeError(f"row {block.first_row} arrived where part [{first}, {end}) needs row {first + self.rows}")
+            take = min(len(block), end - block.first_row)
+            self._hold(block.slice(0, take) if take < len(block) else block)
+            block = block.slice(take, len(block))
+            if first + self.rows == end:
+                self._write()
+                self._commit(first, end)
+            elif self.held_bytes >= ROW_GROUP_BYTES:
+                self._write()
 
     def close(self) -> None:
-        """Write the last, shorter part; it must end at the shard's last row."""
-        if self.buffer:
+        """Check that the last part was committed: it ends at the shard's last row."""
+        if self.rows:
             first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
-            self._commit(RowBlock.concat(self.buffer), first, end)
-            self.buffer, self.held = [], 0
+            raise RuntimeError(f"part [{first}, {end}) ends at row {first + self.rows - 1}: rows are missing")
 
-    def _commit(self, block: RowBlock, first: int, end: int) -> None:
-        if block.first_row != first or block.end_row != end:
-            raise RuntimeError(f"part rows {block.first_row}..{block.end_row - 1} do not match [{first}, {end})")
+    def abandon(self) -> None:
+        """Drop the part being written (the run failed; committed parts stay)."""
+        if self._file is not None:
+            self._file.abandon()
+            self._file = None
+
+    def _hold(self, block: RowBlock) -> None:
+        self.buffer.append(block)
+        self.held_bytes += block.vectors.nbytes
+        self.rows += len(block)
+        self.codes.update(error_code(e) for e in block.errors if e is not None)
+
+    def _write(self) -> None:
+        if self._file is None:
+            name = part_name(self.checkpoint.shard, self.checkpoint.next_part)
+            self._file = PartFile(self.checkpoint.directory, name, self.schema)
+        self._file.write(RowBlock.concat(self.buffer))
+        self.buffer, self.held_bytes = [], 0
+
+    def _commit(self, first: int, end: int) -> None:
+        self._file.commit()
         part = self.checkpoint.next_part
-        name = part_name(self.checkpoint.shard, part)
-        write_part(self.checkpoint.directory, name, block, self.schema)
-        codes = count_errors(block.errors)
-        self.checkpoint.commit(PartRecord(part, name, first, end, sum(codes.values()), error_codes=codes))
+        codes = dict(self.codes.most_common())  # as `count_errors` over the part's rows
+        self.checkpoint.commit(PartRecord(part, self._file.target.name, first, end, sum(codes.values()), error_codes=codes))
+        self._file, self.rows, self.codes = None, 0, collections.Counter()
 
 
 class ErrorRate:
@@ -206,8 +234,8 @@ class Writer:
         self._thread.join()
 
     def _run(self) -> None:
+        sink = PartSink(self.checkpoint, self.schema)
         try:
-            sink = PartSink(self.checkpoint, self.schema)
             for block in self.coordinator.results():
                 # Before the block is written: a shard whose rows fail too often stops
                 # without committing more of them.
@@ -224,6 +252,7 @@ class Writer:
         except BaseException as exc:
             self.error = exc
             self.coordinator.fail(exc)
+            sink.abandon()
 
     def _timed(self, write: Callable[..., None], *args: Any) -> None:
         since = time.perf_counter()

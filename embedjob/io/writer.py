@@ -1,5 +1,10 @@
 """Ordered Parquet output: parts written under a temporary name, renamed when complete.
 
+A part is written as it arrives, a row group at a time (`PartFile`), so the rows held
+in memory are one row group's, not one part's, and finishing a shard writes only its
+last row group: a part of 100,000 rows of 3,584-wide vectors is 700 MB, seconds to
+encode.
+
 Output contract (ARCHITECTURE.md): every input row of a shard appears exactly once, in input
 order, with an embedding or a non-null `error`. Columns: `id`, `row`, `modality`,
 `tokens`, `frames`, `grid` (per-token output only), `embedding`, `error`, then the
@@ -177,14 +182,32 @@ def _grid_array(block: RowBlock) -> pa.Array:
     return pa.array([g if c else None for g, c in zip(grids, block.counts)], type=pa.list_(pa.int32()))
 
 
-def write_part(directory: Path, name: str, block: RowBlock, schema: pa.Schema) -> Path:
-    """Write a block to `directory/name` atomically: temp file, fsync, rename."""
-    target = directory / name
-    tmp = directory / f".{name}{TMP_MARK}{os.getpid()}"
-    pq.write_table(block_to_table(block, schema), tmp, **PARQUET_OPTIONS)
-    _fsync(tmp)
-    os.replace(tmp, target)
-    return target
+class PartFile:
+    """One part being written: row groups appended to a hidden temporary file, which
+    becomes `directory/name` only at `commit` (closed, fsynced, renamed), so a part under
+    its name is always whole. A run killed before that leaves the temporary file, which
+    the checkpoint removes when the shard is run again."""
+
+    def __init__(self, directory: Path, name: str, schema: pa.Schema) -> None:
+        self.target = directory / name
+        self.tmp = directory / f".{name}{TMP_MARK}{os.getpid()}"
+        self.schema = schema
+        self._writer = pq.ParquetWriter(self.tmp, schema, **PARQUET_OPTIONS)
+
+    def write(self, block: RowBlock) -> None:
+        """Append the block's rows as one row group."""
+        self._writer.write_table(block_to_table(block, self.schema))
+
+    def commit(self) -> Path:
+        self._writer.close()
+        _fsync(self.tmp)
+        os.replace(self.tmp, self.target)
+        return self.target
+
+    def abandon(self) -> None:
+        """Close and remove the unfinished file (a failing run; nothing is committed)."""
+        self._writer.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 def _fsync(path: Path) -> None:

@@ -603,9 +603,15 @@ def _run_details(run: Run, smoke: bool) -> list[str]:
             f"items {fmt(rank.get('items'))}, busy {fmt(rank.get('busy_seconds'), '.2f')} s, "
             f"decode {fmt(rank.get('decode_seconds'), '.2f')} s, host {fmt(rank.get('host_seconds'), '.2f')} s, "
             f"in launches {fmt(rank.get('launch_seconds'), '.2f')} s, main-thread steps {rank.get('encode_host_seconds')}, "
-            f"setup {fmt(rank.get('setup_seconds'), '.1f')} s, waits s: {wait_text}"
+            f"setup {fmt(rank.get('setup_seconds'), '.1f')} s ({_setup_text(rank)}), waits s: {wait_text}"
         )
     return lines
+
+
+def _setup_text(rank: dict[str, Any]) -> str:
+    """A rank's setup stages; `spawn` and `join` (a spawned rank's start) come before
+    its `setup_seconds` and are in the shard's."""
+    return ", ".join(f"{k} {v:.1f}" for k, v in (rank.get("setup") or {}).items()) or "-"
 
 
 def _version(name: str) -> str:

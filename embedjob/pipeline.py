@@ -30,6 +30,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -69,6 +70,10 @@ LINGER = 0.05
 """Seconds without a decoded item after which a rank encodes what it has: its input
 may be held back until rows it holds are written (see `Coordinator`)."""
 
+ENCODE_AHEAD = 2
+"""Windows of rows a rank ready first encodes while the others set up. Its head start
+(`Runner._head_start`) is twice that, so it waits for them with as much decoded as its
+workers hold in flight (`batching.window` * 2)."""
 
 FIRST_WINDOW = 32
 """The smallest first window that ramps up (see `window_sizes`)."""
@@ -274,10 +279,16 @@ class RankPipeline:
     """One rank's whole pipeline over the chunks it takes (see the module docstring).
 
     `take` gives the next chunk (None: no more), `deliver(index, block)` takes a
-    finished chunk's rows. The model is loaded only once a first chunk is in hand, so a
-    rank with nothing to do (a finished or empty shard) never loads one. The decode
-    workers start reading and decoding before the graphs are captured, so capture and
-    the first decode overlap.
+    finished chunk's rows, `ready()` says this rank has captured its graphs and
+    `all_ready(timeout)` whether every rank has (waiting up to `timeout`, None: until
+    they have). The model is loaded only once a first chunk is in hand, so a rank with
+    nothing to do (a finished or empty shard) never loads one. The decode workers start
+    reading and decoding before the graphs are captured, so capture and the first
+    decode overlap.
+
+    A rank ready before the others encodes at most ENCODE_AHEAD windows' rows, then
+    waits for them with the next windows decoded: had it encoded everything it may
+    take, its device would start the run after setup with nothing decoded.
     """
 
     def __init__(
@@ -289,9 +300,11 @@ class RankPipeline:
         take: Callable[[], reader.Chunk | None],
         deliver: Callable[[int, RowBlock], None],
         ready: Callable[[], None],
+        all_ready: Callable[[float | None], bool],
     ) -> None:
         self.job = job
         self.ready = ready
+        self.all_ready = all_ready
         self.device = device
         self.workers = workers
         self.take = take
@@ -336,7 +349,7 @@ class RankPipeline:
             self.stats.timeline.skip_to(self.stats.ready_at)
             self.ready()
             windows = WindowEncoder(self.encoder, self.job, self.device)
-            self._pipeline(self._windows(stream, submitted), windows, ChunkAssembler(taken, self.deliver))
+            self._pipeline(self._gated(self._windows(stream, submitted)), windows, ChunkAssembler(taken, self.deliver))
         self._finish()
         self.encoder.clear()
         return self.stats
@@ -435,6 +448,23 @@ class RankPipeline:
                 since = time.perf_counter()
         self.clock.add("waiting for decode", since)
         if window:
+            yield window
+
+    def _gated(self, windows: Iterator[list[Decoded] | None]) -> Iterator[list[Decoded] | None]:
+        """`windows`, holding back the first that would take this rank past
+        ENCODE_AHEAD windows' rows until every rank is ready (a None first, so what is
+        on the device is handed over while it waits)."""
+        ahead = ENCODE_AHEAD * self.job.batching.window
+        rows = 0
+        for window in windows:
+            if window is not None and rows + len(window) > ahead:
+                if not self.all_ready(0):
+                    yield None
+                    since = time.perf_counter()
+                    self.all_ready(None)
+                    self.clock.add("waiting for every rank", since)
+                ahead = math.inf
+            rows += len(window or ())
             yield window
 
     def _pipeline(self, windows: Iterator[list[Decoded] | None], encoder: WindowEncoder, chunks: ChunkAssembler) -> None:
@@ -559,9 +589,10 @@ class Runner:
         return self.world_size * (4 * self._chunks_per_window() + 2)
 
     def _head_start(self) -> int:
-        """Chunks a rank takes before every rank is ready: what its decode workers hold
-        in flight (two windows), so its first windows are decoded when capture ends."""
-        return 2 * self._chunks_per_window()
+        """Chunks a rank takes before every rank is ready: the windows a rank ready
+        first encodes meanwhile and the two its decode workers hold in flight, so every
+        rank's first windows are decoded when the last is ready."""
+        return (ENCODE_AHEAD + 2) * self._chunks_per_window()
 
     def _chunks_per_window(self) -> int:
         return -(-self.job.batching.window // self._chunk_rows())
@@ -634,7 +665,7 @@ class Runner:
 
         pipeline = RankPipeline(
             self.job, device, 0, resolve_workers(self.job.runtime.workers, self.world_size),
-            functools.partial(coordinator.take, 0), deliver, ready,
+            functools.partial(coordinator.take, 0), deliver, ready, coordinator.all_ready,
         )
         pipeline.prepare()
         resumed = checkpoint.resume_row
@@ -731,11 +762,26 @@ def serve_rank(cluster: Cluster, job: Job) -> None:
     link = cluster.link
     with host_threads(cluster.device):
         workers = resolve_workers(job.runtime.workers, cluster.world_size)
-        pipeline = RankPipeline(job, cluster.device, cluster.rank, workers, link.take, link.put, link.ready)
+        pipeline = RankPipeline(
+            job, cluster.device, cluster.rank, workers, link.take, link.put, link.ready, link.all_ready
+        )
         try:
             stats = pipeline.run()
         except BaseException as exc:
             link.fail(f"{type(exc).__name__}: {exc}")
             raise
+        _add_start(stats, cluster.started)
         link.finish(stats)
+
+
+def _add_start(stats: RankStats, started: tuple[float, float] | None) -> None:
+    """A spawned rank's start in its setup: `spawn` from rank 0 starting the process to
+    this code running (interpreter, imports, unpickling the job), `join` from there to
+    its first chunk (device, link to rank 0). Neither is in the rank's own
+    `setup_seconds`, which begins with its first chunk; the shard's includes them."""
+    if started is None or stats.started_at is None:
+        return
+    spawned_at, entered_at = started
+    stats.setup["spawn"] = entered_at - spawned_at
+    stats.setup["join"] = stats.started_at - entered_at
 

@@ -259,7 +259,9 @@ def test_gpus_2_equals_the_plain_run(tmp_path: Path, cache_dir: str) -> None:
     from embedjob.cli import main
 
     demo = REPO / "jobs" / "demo.yaml"
-    common = ["runtime.device=cuda", f"runtime.cache_dir={cache_dir}", "batching.window=4"]
+    # Chunks of 1 row: the rank ready first takes at most 4 (`Runner._head_start`)
+    # before the other is, so both take some of the demo's 12 rows.
+    common = ["runtime.device=cuda", f"runtime.cache_dir={cache_dir}", "batching.window=1"]
 
     def cli(name: str, *extra: str) -> tuple[list[dict], dict]:
         sets = [arg for key in (f"output.path={tmp_path / name}", *common) for arg in ("--set", key)]
@@ -269,7 +271,8 @@ def test_gpus_2_equals_the_plain_run(tmp_path: Path, cache_dir: str) -> None:
 
     (plain, _), (two, stats) = cli("plain", "--gpus", "1"), cli("two", "--gpus", "2")
     assert stats["world_size"] == 2 and {r["device"] for r in stats["ranks"]} == {"cuda:0", "cuda:1"}
-    assert all(r["rows"] > 0 and r["busy_seconds"] > 0 for r in stats["ranks"]) and stats["hit_rate"] == 1.0
+    assert all(r["rows"] > 0 for r in stats["ranks"]) and stats["hit_rate"] == 1.0
+    assert all(r["busy_seconds"] > 0 for r in stats["ranks"] if r["items"])  # not a rank of error rows only
     for a, b in zip(plain, two, strict=True):
         assert {k: v for k, v in a.items() if k != "embedding"} == {k: v for k, v in b.items() if k != "embedding"}
         if a["error"] is None:

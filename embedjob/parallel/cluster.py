@@ -21,9 +21,11 @@ Links. Rank 0 listens on 127.0.0.1 only (an ephemeral port) and each other rank
 connects once and proves it belongs to the run with a random token, which spawned
 ranks get in their arguments and torchrun's ranks through torchrun's store. A link
 carries `wire` frames: TAKE (a rank asks for a chunk), CHUNK (the answer; None when
-there are no more), READY (the rank has captured its graphs), ROWS (a finished chunk),
-DONE (the rank's statistics, its last message) and FAILED (its error). On rank 0 one thread per link reads and another
-answers TAKEs, so a rank that waits for a chunk never holds up the rows it sends.
+there are no more), READY (the rank has captured its graphs), GO (rank 0 to every rank:
+all are ready), ROWS (a finished chunk), DONE (the rank's statistics, its last message)
+and FAILED (its error). On rank 0 one thread per link reads and another answers TAKEs,
+so a rank that waits for a chunk never holds up the rows it sends; on the other ranks
+one thread reads, so a wait for GO and a wait for a chunk can overlap.
 
 Failures. A rank that dies closes its link: rank 0 stops the job with a `RankFailure`
 naming the rank and its exit code (or its own error message), never a hang; spawned
@@ -80,7 +82,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 RESUME_HINT = "committed parts are kept; rerun the same command to resume"
 HOST = "127.0.0.1"
 
-HELLO, TAKE, CHUNK, ROWS, READY, DONE, FAILED = range(7)
+HELLO, TAKE, CHUNK, ROWS, READY, DONE, FAILED, GO = range(8)
 
 
 class RankFailure(RuntimeError):
@@ -162,11 +164,13 @@ class Coordinator:
     Start: a rank's first `head_start` takes are answered at once (it decodes those
     chunks while it loads and captures, so its GPU has work the moment it is ready, and
     learns whether it has anything to do before loading a model); its next ones wait
-    until every rank is `ready` (or had nothing to take). Otherwise a rank still
-    setting up would hold its chunks while the others ran ahead to the lookahead and
-    then waited for them, and the fast ranks' full-speed decoding would slow the
-    others' setup. `world_size * head_start <= lookahead`, so no head start waits on
-    the lookahead.
+    until every rank is `ready` (or had nothing to take), which `all_ready` tells.
+    Otherwise a rank still setting up would hold its chunks while the others ran ahead
+    to the lookahead and then waited for them with nothing decoded, and the fast ranks'
+    full-speed decoding would slow the others' setup. A rank ready first encodes only
+    part of its head start before every rank is ready (`RankPipeline`), so it waits
+    with the rest decoded. `world_size * head_start <= lookahead`, so no head start
+    waits on the lookahead.
     """
 
     def __init__(self, world_size: int, lookahead: int, head_start: int = 1) -> None:
@@ -225,6 +229,20 @@ class Coordinator:
 
     def _all_ready(self) -> bool:
         return len(self._ready) == self.world_size
+
+    def all_ready(self, timeout: float | None = None) -> bool:
+        """Whether every rank is ready, waiting up to `timeout` seconds for it (None:
+        until it is). Raises the job's failure instead of waiting on through it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._raise_if_failed()
+                if self._all_ready():
+                    return True
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
 
     def put(self, index: int, block: RowBlock) -> None:
         with self._cond:
@@ -308,6 +326,7 @@ class Hub:
         self._stats: dict[int, Any] = {}
         self._ended: dict[int, str] = {}
         self._socks: list[socket.socket] = []
+        self._links: dict[int, tuple[socket.socket, threading.Lock]] = {}
         self._closed = False
         threading.Thread(target=self._accept, name="embedjob-hub", daemon=True).start()
 
@@ -316,9 +335,24 @@ class Hub:
         return self.listener.getsockname()[1]
 
     def serve(self, coordinator: Coordinator) -> None:
-        """Answer the ranks' TAKEs from `coordinator` (they wait until this is called)."""
+        """Answer the ranks' TAKEs from `coordinator` (they wait until this is called),
+        and send every rank GO once all are ready."""
         self._coordinator = coordinator
         self._served.set()
+        threading.Thread(target=self._go, name="embedjob-go", daemon=True).start()
+
+    def _go(self) -> None:
+        try:
+            self._coordinator.all_ready()
+        except BaseException:
+            return  # the job is failing; the ranks learn it when rank 0 ends
+        # Every other rank said READY (or took nothing) over its link, so all have joined.
+        for sock, lock in list(self._links.values()):
+            try:
+                with lock:
+                    wire.send(sock, GO, None)
+            except OSError:
+                pass  # that rank's reader thread reports it
 
     def wait_done(self) -> list[Any]:
         """Every other rank's statistics (their DONE), in rank order. Raises RankFailure
@@ -365,6 +399,7 @@ class Hub:
             joined.add(rank)
             self._socks.append(sock)
             lock = threading.Lock()
+            self._links[rank] = (sock, lock)
             takes: queue.SimpleQueue[bool] = queue.SimpleQueue()
             threading.Thread(target=self._read, args=(rank, sock, takes), name=f"embedjob-link{rank}", daemon=True).start()
             threading.Thread(target=self._answer, args=(rank, sock, lock, takes), name=f"embedjob-take{rank}", daemon=True).start()
@@ -450,8 +485,9 @@ class Link:
     """A rank's connection to rank 0: `take` chunks, `put` their rows, `finish`.
 
     Rows go out on a sender thread through a short queue, so the pipeline does not wait
-    for the socket; only `take`'s caller (the thread that reads the rank's input) ever
-    reads from the link.
+    for the socket. A reader thread receives: CHUNK answers go to `take`'s caller (the
+    thread that reads the rank's input, the only one that takes, one take at a time),
+    GO sets the event `all_ready` waits on.
     """
 
     QUEUE = 8
@@ -465,21 +501,51 @@ class Link:
         self._error: BaseException | None = None
         self._sender = threading.Thread(target=self._send_queued, name="embedjob-send", daemon=True)
         self._sender.start()
+        self._answers: queue.SimpleQueue[Chunk | None | RankFailure] = queue.SimpleQueue()
+        self._go = threading.Event()
+        self._everyone_ready = False
+        self._closed: RankFailure | None = None
+        threading.Thread(target=self._receive, name="embedjob-receive", daemon=True).start()
         self._taken = 0
 
     def take(self) -> Chunk | None:
         with self._lock:
             wire.send(self.sock, TAKE, None)
-        try:
-            kind, chunk = wire.receive(self.sock)
-        except (EOFError, OSError) as exc:
-            raise RankFailure(f"rank {self.rank}: rank 0 closed the link ({exc})") from None
-        if kind != CHUNK:
-            raise RankFailure(f"rank {self.rank}: unexpected message {kind} from rank 0")
+        chunk = self._answers.get()
+        if isinstance(chunk, RankFailure):
+            raise chunk
         if chunk is not None:
             _maybe_fail(self.rank, self._taken)
             self._taken += 1
         return chunk
+
+    def all_ready(self, timeout: float | None = None) -> bool:
+        """Whether rank 0 said every rank is ready (GO), waiting up to `timeout` seconds
+        for it (None: until it does). Raises if the link closed first."""
+        self._go.wait(timeout)
+        if self._everyone_ready:
+            return True
+        if self._closed is not None:
+            raise self._closed
+        return False
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                kind, body = wire.receive(self.sock)
+                if kind == CHUNK:
+                    self._answers.put(body)
+                elif kind == GO:
+                    self._everyone_ready = True
+                    self._go.set()
+                else:
+                    raise RankFailure(f"rank {self.rank}: unexpected message {kind} from rank 0")
+        except (EOFError, OSError) as exc:
+            self._closed = RankFailure(f"rank {self.rank}: rank 0 closed the link ({exc})")
+        except RankFailure as exc:
+            self._closed = exc
+        self._answers.put(self._closed)
+        self._go.set()
 
     def put(self, index: int, block: RowBlock) -> None:
         self._raise_if_failed()
@@ -556,6 +622,7 @@ class _Member:
     device: str
     log_level: int
     threads: int
+    spawned_at: float
 
 
 @dataclass
@@ -588,13 +655,23 @@ class Cluster:
     for rows that will never be handed out.
     """
 
-    def __init__(self, layout: Layout, spawned: list[_Spawned], hub: Hub | None = None, link: Link | None = None) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        spawned: list[_Spawned],
+        hub: Hub | None = None,
+        link: Link | None = None,
+        started: tuple[float, float] | None = None,
+    ) -> None:
         self.layout = layout
         self.spawned = spawned
         self.hub = hub
         self.link = link
         self._stopping = threading.Event()
         self._closed = False
+        self.started = started
+        """(when rank 0 started this process, when its code began to run), wall-clock:
+        given on spawned ranks only, whose statistics then say what their start cost."""
         if spawned:
             threading.Thread(target=self._watch, name="embedjob-rank-watchdog", daemon=True).start()
 
@@ -685,7 +762,7 @@ def _spawn(layout: Layout, port: int, token: str, target: Callable[..., None], a
     try:
         for rank in range(1, layout.world_size):
             device = str(_rank_device(layout.device, rank))
-            member = _Member(port, token, layout.world_size, rank, device, level, threads)
+            member = _Member(port, token, layout.world_size, rank, device, level, threads, time.time())
             receive, send = context.Pipe(duplex=False)
             process = context.Process(
                 target=_member_main, args=(member, target, args, send), name=f"embedjob-rank{rank}"
@@ -723,6 +800,7 @@ def _member_main(
     member: _Member, target: Callable[..., None], args: tuple[Any, ...], report: multiprocessing.connection.Connection
 ) -> None:
     """Entry point of a spawned rank: connect, run `target`, report any failure to rank 0."""
+    entered_at = time.time()
     logging.basicConfig(
         level=logging.WARNING, format=f"%(asctime)s %(levelname)s %(name)s [rank {member.rank}]: %(message)s"
     )
@@ -737,7 +815,8 @@ def _member_main(
         else:
             torch.set_num_threads(member.threads)
         link = Link(member.port, member.token, member.rank)
-        target(Cluster(Layout(member.world_size, member.rank, device), [], link=link), *args)
+        layout = Layout(member.world_size, member.rank, device)
+        target(Cluster(layout, [], link=link, started=(member.spawned_at, entered_at)), *args)
     except BaseException as exc:
         message = f"{type(exc).__name__}: {exc}"
         logger.error("rank %d failed: %s", member.rank, message)

@@ -117,6 +117,9 @@ class BatchingConfig:
     max_frames_per_batch: Auto | int = key("auto", "the most video frames in one batch")
     cuda_graphs: bool = key(True, "replay captured graphs (false: every batch runs eagerly at its exact size)")
     policy: Literal["greedy", "min_padding"] = key("min_padding", "how items are packed into batches")
+    refine_budgets: bool = key(
+        True, "add a budget (and capture its graph) when a window's batches pay over 5% of their tokens in padding"
+    )
     window: int = key(256, "decoded items packed together (the first windows are smaller)")
     compile: bool = key(False, "compile the encoder's blocks with torch.compile (CUDA only)")
     min_budget: int | None = key(None, "the smallest automatic budget; null: the model's")

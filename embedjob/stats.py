@@ -209,8 +209,13 @@ def _nothing_encoded() -> dict[str, Any]:
 
 
 def _plan(ranks: list[RankStats]) -> dict[str, Any]:
-    """The budgets and limits every rank captured (the same plan on each)."""
-    return next((r.plan for r in ranks if r.plan), {"num_graphs": 0, "token_budgets": []})
+    """The budgets and limits every rank started with (the same plan on each), and the
+    budgets any rank added for its windows (`added_budgets`; ranks see other windows)."""
+    plan = dict(next((r.plan for r in ranks if r.plan), {"num_graphs": 0, "token_budgets": []}))
+    added = sorted({b for r in ranks for b in r.plan.get("added_budgets", [])})
+    if added:
+        plan["added_budgets"] = added
+    return plan
 
 
 def _merged_graphs(ranks: list[RankStats]) -> GraphStats:

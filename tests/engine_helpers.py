@@ -5,6 +5,7 @@ over an existing manager. Built on the engine's public methods only."""
 from __future__ import annotations
 
 import torch
+from conftest import random_image
 
 from embedjob.encoders.base import EncoderInput
 from embedjob.engine.encode import BatchEncoder, GraphPath, graph_paths
@@ -22,6 +23,21 @@ def padded_eager(manager: GraphManager, items: list[EncoderInput], budget: int) 
 def one_path_encoder(manager: GraphManager, policy: str) -> BatchEncoder:
     """The batch encoder over one existing manager (its adapter's single path)."""
     return BatchEncoder(manager.adapter, [GraphPath("global", None, manager.plan, manager)], policy)
+
+
+def one_path_encoder_on(adapter, plan: BudgetPlan, backend: str, refine: bool) -> BatchEncoder:
+    """A captured one-path encoder over a new manager of `plan` (min_padding)."""
+    manager = GraphManager(adapter, plan, backend)
+    manager.capture()
+    return BatchEncoder(adapter, [GraphPath("global", None, plan, manager)], "min_padding", refine=refine)
+
+
+def same_size_items(adapter, count: int) -> list[EncoderInput]:
+    """`count` distinct 196x224 images: 56 tokens each in the tiny Qwen tower, which a
+    doubling ladder fits badly (8 of them are 448 tokens in a 512 budget)."""
+    items = [adapter.preprocessor()(random_image(196, 224, seed)) for seed in range(count)]
+    assert {item.tokens for item in items} == {56}
+    return items
 
 
 def paths_encoder(adapter, plan: BudgetPlan, backend: str | None, policy: str) -> BatchEncoder:

@@ -13,7 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import REPO, make_job, random_image, random_video
-from engine_helpers import batches, padded_eager, paths_encoder, run, run_padded_eager
+from engine_helpers import (
+    batches,
+    one_path_encoder_on,
+    padded_eager,
+    paths_encoder,
+    run,
+    run_padded_eager,
+    same_size_items,
+)
 
 from embedjob.encoders import load_adapter
 from embedjob.encoders.attention import _segmented_sdpa, varlen_attention
@@ -278,3 +286,24 @@ def test_gpus_2_equals_the_plain_run(tmp_path: Path, cache_dir: str) -> None:
         if a["error"] is None:
             ea, eb = (torch.tensor(r["embedding"], dtype=torch.float32) for r in (a, b))
             assert torch.allclose(ea, eb, rtol=1e-3, atol=1e-3), (a["row"], float((ea - eb).abs().max()))
+
+
+def test_a_budget_added_mid_run_is_captured_into_the_pool_and_replays_like_eager(cuda_adapter) -> None:
+    """Equal items that fill the ladder badly add a budget between windows: its graph is
+    captured into the shared pool after the others and replays the padded batch bit for
+    bit; the other graphs still replay after it; no real row is NaN."""
+    encoder = one_path_encoder_on(cuda_adapter, PLAN, "cuda", refine=True)
+    manager = encoder.paths[0].manager
+    items = same_size_items(cuda_adapter, 40)
+    encoded = encoder.encode(items, "mean", torch.float32)
+    assert encoder.added and manager.num_graphs == len(PLAN.token_budgets) + len(encoder.added)
+    assert manager.stats.padding_waste < 0.05 * manager.stats.real_tokens and manager.stats.hits == len(items)
+    assert torch.isfinite(encoded.rows).all()
+    budget = encoder.added[-1]
+    chosen = items[: budget // 56]
+    replayed = torch.cat(manager.run(chosen, budget))
+    assert torch.equal(replayed, padded_eager(manager, chosen, budget)[: replayed.shape[0]])
+    for other in (64, 1024):  # graphs captured before the added one are intact
+        first = items[:1]
+        assert torch.equal(torch.cat(manager.run(first, other)), padded_eager(manager, first, other)[:56])
+    manager.clear()

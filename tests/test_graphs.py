@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_image, random_video
-from engine_helpers import one_path_encoder, padded_eager
+from engine_helpers import one_path_encoder, one_path_encoder_on, padded_eager, same_size_items
 
 from embedjob.engine.graphs import GraphManager
 from embedjob.engine.packer import BudgetPlan, pack
@@ -167,3 +167,29 @@ def test_thumbnails_replay_instead_of_running_eagerly(qwen_adapter) -> None:
     for index in (0, 137, 299):
         (alone,) = graphs.run([items[index]], None, lambda rows: rows.mean(0))
         assert torch.allclose(encoded.item(index)[0], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_items_of_one_size_get_a_budget_of_their_own_and_the_same_embeddings(qwen_adapter) -> None:
+    """A window of equal items that fill the doubling ladder badly (56 tokens: 8 of them
+    are 448 in a 512 budget, 14 % padding) adds a 448 budget, replays it without padding,
+    and each item's embedding is the one it gets alone; a later window adds nothing."""
+    encoder = one_path_encoder_on(qwen_adapter, PLAN, "replay", refine=True)
+    graphs = encoder.paths[0].manager
+    items = same_size_items(qwen_adapter, 24)
+    encoded = encoder.encode(items, "mean", torch.float32)
+    assert encoder.added == [448] and 448 in graphs.plan.token_budgets and graphs.num_graphs == 5
+    assert graphs.stats.budget_batches == {448: 3} and graphs.stats.padding_waste == 0 and graphs.stats.hits == 24
+    for index in (0, 11, 23):
+        (alone,) = graphs.run([items[index]], None, lambda rows: rows.mean(0))
+        assert torch.allclose(encoded.item(index)[0], alone, rtol=1e-4, atol=1e-5)
+    encoder.encode(items[:16], "mean", torch.float32)
+    assert encoder.added == [448]
+    plan = encoder.plan_stats()
+    assert plan["added_budgets"] == [448] and plan["token_budgets"] == list(PLAN.token_budgets)
+
+
+def test_without_refine_the_budgets_stay_the_ladder(qwen_adapter) -> None:
+    encoder = one_path_encoder_on(qwen_adapter, PLAN, "replay", refine=False)
+    graphs = encoder.paths[0].manager
+    encoder.encode(same_size_items(qwen_adapter, 24), "mean", torch.float32)
+    assert encoder.added == [] and graphs.plan == PLAN and graphs.stats.padding_waste > 0.1 * graphs.stats.real_tokens

@@ -10,12 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from embedjob.engine.packer import (
+    MAX_ADDED_BUDGETS,
     POLICIES,
     Batch,
     BudgetPlan,
     generate_budgets,
     pack,
     padding_waste,
+    refined_budgets,
     resolve_budgets,
     resolve_path_budgets,
 )
@@ -481,3 +483,49 @@ def test_budget_plan_rejects_broken_invariants(budgets, items, frames, named):
     with pytest.raises(ValueError) as error:
         BudgetPlan(budgets, items, frames)
     assert named in str(error.value)
+
+
+# --- budgets added for repeated sizes -------------------------------------------------
+
+
+@given(plans(max_frames=st.just(64)), items(count=st.integers(0, 80)), st.integers(0, 20), st.sampled_from([0.0, 0.05, 0.3]))
+def test_refined_budgets_are_new_whole_multiples_inside_the_ladder(plan, data, room, threshold) -> None:
+    tokens, frames = data
+    batches = pack(tokens, frames, plan, "min_padding")
+    added = refined_budgets(batches, plan.token_budgets, room, threshold)
+    budgets = plan.token_budgets
+    assert added == sorted(set(added)) and len(added) <= room
+    assert all(b not in budgets and b % budgets[0] == 0 and budgets[0] < b < budgets[-1] for b in added)
+    graph = [b for b in batches if b.budget is not None]
+    if sum(b.tokens for b in graph) < budgets[-1] or padding_waste(graph) <= threshold * sum(b.tokens for b in graph):
+        assert added == []  # a short window, or one that pays little, adds nothing
+    if added:
+        # The same batches fit smaller budgets now; greedy, whose batches do not depend on
+        # the budgets, pays less; min_padding may trade padding for fewer batches.
+        refined = BudgetPlan(tuple(sorted({*budgets, *added})), plan.max_items, plan.max_frames)
+        assert sum(_smallest_fitting(refined.token_budgets, b.tokens) - b.tokens for b in graph) < padding_waste(graph)
+        for policy in POLICIES:
+            _check_invariants(pack(tokens, frames, refined, policy), tokens, frames, refined)
+        greedy = [pack(tokens, frames, p, "greedy") for p in (plan, refined)]
+        assert padding_waste(greedy[1]) <= padding_waste(greedy[0])
+
+
+def test_clips_of_one_video_pay_little_padding_once_their_budget_is_added() -> None:
+    """256 clips of one 7-s 1080p video (4,320 tokens each) paid 26 % of their tokens in
+    padding in the doubling ladder; one added budget fits three of them."""
+    plan = resolve_budgets(None, None, None, 64, 16384, 32, True)
+    tokens, frames = [4320] * 256, [14] * 256
+    before = pack(tokens, frames, plan, "min_padding")
+    assert padding_waste(before) / sum(tokens) > 0.25
+    added = refined_budgets(before, plan.token_budgets, MAX_ADDED_BUDGETS)
+    assert 12992 in added  # three clips, 12,960 tokens, rounded up to a multiple of 64
+    refined = BudgetPlan(tuple(sorted({*plan.token_budgets, *added})), plan.max_items, plan.max_frames)
+    after = pack(tokens, frames, refined, "min_padding")
+    assert padding_waste(after) / sum(tokens) <= 0.08
+    assert refined_budgets(after, refined.token_budgets, MAX_ADDED_BUDGETS) == []  # settled: nothing more to add
+
+
+def test_a_ladder_that_fits_its_items_adds_nothing() -> None:
+    plan = resolve_budgets(None, None, None, 64, 16384, 32, False)
+    tokens = [64] * 256  # 224 px images in the Qwen tower: 64 tokens, batches fill the budgets exactly
+    assert refined_budgets(pack(tokens, [0] * 256, plan, "min_padding"), plan.token_budgets, MAX_ADDED_BUDGETS) == []

@@ -101,16 +101,23 @@ class BatchEncoder:
     the failed attempt's per-path counts stay (that work was done), the per-item counts
     record only the attempt that finished.
 
+    With `refine` (one path, graphs on), a window whose batches pay more than
+    `packer.REFINE_PADDING` of their tokens in padding adds the budgets that fit them
+    (`packer.refined_budgets`, at most `packer.MAX_ADDED_BUDGETS` over the run), whose
+    graphs are captured before the window is packed again; `added` lists them.
+
     Statistics: each path's manager counts its own batches, hits and misses; `items`
     counts items over all paths (a hit only when every path it used replayed), which
     is what `graph_stats` reports as hits and misses. With one path the two agree.
     """
 
-    def __init__(self, adapter: EncoderAdapter, paths: list[GraphPath], policy: str) -> None:
+    def __init__(self, adapter: EncoderAdapter, paths: list[GraphPath], policy: str, refine: bool = False) -> None:
         self.adapter = adapter
         self.paths = paths
         self.plans = tuple(path.plan for path in paths)
         self.policy = policy
+        self.refine = refine and len(paths) == 1 and paths[0].manager.backend is not None
+        self.added: list[int] = []
         self.items = ItemCounts()
         self.host_seconds: Counter = Counter()
 
@@ -144,7 +151,8 @@ class BatchEncoder:
         first = self.paths[0]
         stats: dict[str, Any] = {
             "num_graphs": sum(path.manager.num_graphs for path in self.paths),
-            "token_budgets": list(first.plan.token_budgets),
+            "token_budgets": [b for b in first.plan.token_budgets if b not in self.added],
+            "added_budgets": list(self.added),
             "max_items_per_batch": first.plan.max_items,
             "max_frames_per_batch": first.plan.max_frames,
             "graph_backend": first.manager.backend,
@@ -165,7 +173,10 @@ class BatchEncoder:
         out = _Collector(len(items), self.adapter.embed_dim, pooling, dtype, self.adapter.device)
         since = time.perf_counter()
         inputs = self.path_inputs(items)
-        batches = self.pack(inputs, [item.frames for item in items])
+        frames = [item.frames for item in items]
+        batches = self.pack(inputs, frames)
+        if self.refine and self._add_budgets(batches):
+            batches = self.pack(inputs, frames)
         lap(self.host_seconds, "pack", since)
         for batch in batches:
             self._encode_batch(inputs, list(batch.indices), batch.budgets, out)
@@ -173,6 +184,22 @@ class BatchEncoder:
         result = out.result()
         lap(self.host_seconds, "collect", since)
         return result
+
+    def _add_budgets(self, batches: list[Batch]) -> bool:
+        """Add the budgets these batches ask for (see the class docstring); whether any were."""
+        path = self.paths[0]
+        budgets = packer.refined_budgets(batches, path.plan.token_budgets, packer.MAX_ADDED_BUDGETS - len(self.added))
+        if not budgets:
+            return False
+        before = padding_share(batches)
+        path.manager.add_budgets(budgets)
+        path.plan = path.manager.plan
+        self.plans = (path.plan,)
+        self.added = sorted([*self.added, *budgets])
+        logger.info(
+            "added token budgets %s: this window's batches paid %.0f%% of their tokens in padding", budgets, 100 * before
+        )
+        return True
 
     def path_inputs(self, items: list[EncoderInput]) -> PathInputs:
         """Per path, per item: the item's input on that path (a path without a key takes
@@ -251,6 +278,13 @@ class BatchEncoder:
             return torch.cat(combined), [rows.shape[0] for rows in combined]
 
 
+def padding_share(batches: list[Batch]) -> float:
+    """Padded tokens over real tokens of the graph batches (0 with none)."""
+    graph = [batch for batch in batches if batch.budget is not None]
+    real = sum(batch.tokens for batch in graph)
+    return packer.padding_waste(graph) / real if real else 0.0
+
+
 def budget_plan(job: Job, adapter: EncoderAdapter) -> BudgetPlan:
     """The packer's plan from the job's batching keys and the adapter's budget range,
     its budgets rounded down to whole items where every item costs the same
@@ -309,4 +343,5 @@ def build_encoder(job: Job, adapter: EncoderAdapter, device: torch.device) -> Ba
     Every path the adapter declares shares the job's budgets (a further path adds 0).
     """
     plan = budget_plan(job, adapter)
-    return BatchEncoder(adapter, graph_paths(adapter, plan, _backend(job, device)), job.batching.policy)
+    paths = graph_paths(adapter, plan, _backend(job, device))
+    return BatchEncoder(adapter, paths, job.batching.policy, refine=job.batching.refine_budgets)

@@ -162,6 +162,28 @@ class GraphManager:
             self.stats.capture_seconds,
         )
 
+    def add_budgets(self, budgets: Sequence[int]) -> None:
+        """Add budgets to the plan; once graphs are captured, capture theirs now into the
+        same pool (largest first, as `capture`), so the next batch can replay them.
+
+        Called between batches on the thread that replays: capture waits for the device
+        to finish what is queued, a pause paid once per added budget.
+        """
+        new = sorted(set(budgets) - set(self.plan.token_budgets), reverse=True)
+        if not new:
+            return
+        self.plan = BudgetPlan(tuple(sorted({*self.plan.token_budgets, *new})), self.plan.max_items, self.plan.max_frames)
+        if self.backend != "cuda" or not self._captured:
+            return  # the replay backend makes a budget's entry on its first use
+        start = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.adapter.device)
+        with torch.inference_mode():
+            for budget in new:
+                self._graphs[budget] = self._make_entry(budget)
+        torch.cuda.synchronize(self.adapter.device)
+        self.stats.pool_bytes += torch.cuda.memory_reserved(self.adapter.device) - before
+        self.stats.capture_seconds += time.perf_counter() - start
+
     def _make_entry(self, budget: int) -> _Entry:
         static = self.adapter.static_inputs(budget, self.plan.max_items, self.plan.max_frames)
 

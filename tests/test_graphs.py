@@ -193,3 +193,20 @@ def test_without_refine_the_budgets_stay_the_ladder(qwen_adapter) -> None:
     graphs = encoder.paths[0].manager
     encoder.encode(same_size_items(qwen_adapter, 24), "mean", torch.float32)
     assert encoder.added == [] and graphs.plan == PLAN and graphs.stats.padding_waste > 0.1 * graphs.stats.real_tokens
+
+
+def test_a_budget_whose_graph_cannot_be_captured_leaves_the_ladder_serving(qwen_adapter, caplog) -> None:
+    """Capturing mid-run may fail (e.g. out of memory): the window still encodes on the
+    ladder, with a warning, and the encoder stops adding budgets."""
+    encoder = one_path_encoder_on(qwen_adapter, PLAN, "replay", refine=True)
+    graphs = encoder.paths[0].manager
+
+    def no_memory(budgets):
+        raise RuntimeError("CUDA out of memory")
+
+    graphs.add_budgets = no_memory
+    items = same_size_items(qwen_adapter, 24)
+    encoded = encoder.encode(items, "mean", torch.float32)
+    assert all(failure is None for failure in encoded.failures) and graphs.stats.hits == 24
+    assert encoder.added == [] and not encoder.refine and graphs.plan == PLAN
+    assert "could not capture the graphs of added budgets [448] (CUDA out of memory)" in caplog.text

@@ -192,12 +192,21 @@ class BatchEncoder:
         if not budgets:
             return False
         before = padding_share(batches)
-        path.manager.add_budgets(budgets)
+        try:
+            path.manager.add_budgets(budgets)
+        except Exception as exc:  # the ladder still serves every batch: go on without
+            logger.warning(
+                "could not capture the graphs of added budgets %s (%s); keeping %s",
+                budgets, exc, list(self.plans[0].token_budgets),
+            )
+            self.refine = False
+            return False
         path.plan = path.manager.plan
         self.plans = (path.plan,)
         self.added = sorted([*self.added, *budgets])
         logger.info(
-            "added token budgets %s: this window's batches paid %.0f%% of their tokens in padding", budgets, 100 * before
+            "added token budgets %s: this window's batches paid %.0f%% of their tokens in padding",
+            budgets, 100 * before,
         )
         return True
 

@@ -172,15 +172,26 @@ class GraphManager:
         new = sorted(set(budgets) - set(self.plan.token_budgets), reverse=True)
         if not new:
             return
-        self.plan = BudgetPlan(tuple(sorted({*self.plan.token_budgets, *new})), self.plan.max_items, self.plan.max_frames)
-        if self.backend != "cuda" or not self._captured:
-            return  # the replay backend makes a budget's entry on its first use
+        if self.backend == "cuda" and self._captured:
+            self._capture_more(new)
+        # Only now: a budget in the plan must have its graph (the replay backend makes
+        # a budget's entry on its first use).
+        plan = self.plan
+        self.plan = BudgetPlan(tuple(sorted({*plan.token_budgets, *new})), plan.max_items, plan.max_frames)
+
+    def _capture_more(self, budgets: list[int]) -> None:
+        """Capture `budgets` into the pool; if one fails, none of them is kept."""
         start = time.perf_counter()
         before = torch.cuda.memory_reserved(self.adapter.device)
-        with torch.inference_mode():
-            for budget in new:
-                self._graphs[budget] = self._make_entry(budget)
-        torch.cuda.synchronize(self.adapter.device)
+        try:
+            with torch.inference_mode():
+                for budget in budgets:
+                    self._graphs[budget] = self._make_entry(budget)
+            torch.cuda.synchronize(self.adapter.device)
+        except BaseException:
+            for budget in budgets:
+                self._graphs.pop(budget, None)
+            raise
         self.stats.pool_bytes += torch.cuda.memory_reserved(self.adapter.device) - before
         self.stats.capture_seconds += time.perf_counter() - start
 

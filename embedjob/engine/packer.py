@@ -310,7 +310,9 @@ MAX_ADDED_BUDGETS = 16
 and buffers to hold."""
 
 
-def refined_budgets(batches: Sequence[Batch], budgets: Sequence[int], room: int, threshold: float = REFINE_PADDING) -> list[int]:
+def refined_budgets(
+    batches: Sequence[Batch], budgets: Sequence[int], room: int, threshold: float = REFINE_PADDING
+) -> list[int]:
     """Budgets to add to a one-path plan so that batches like these replay with little padding.
 
     Doubling budgets bounds padding below half a budget, but items of one size (the

@@ -72,8 +72,8 @@ may be held back until rows it holds are written (see `Coordinator`)."""
 
 ENCODE_AHEAD = 2
 """Windows of rows a rank ready first encodes while the others set up. Its head start
-(`Runner._head_start`) is twice that, so it waits for them with as much decoded as its
-workers hold in flight (`batching.window` * 2)."""
+(`Runner._head_start`) is that and the two windows its workers hold in flight, so it
+waits for the others with those decoded."""
 
 FIRST_WINDOW = 32
 """The smallest first window that ramps up (see `window_sizes`)."""

@@ -509,6 +509,8 @@ class Link:
         self._taken = 0
 
     def take(self) -> Chunk | None:
+        if self._closed is not None:
+            raise self._closed  # its one queued answer went to an earlier take
         with self._lock:
             wire.send(self.sock, TAKE, None)
         chunk = self._answers.get()

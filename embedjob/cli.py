@@ -216,10 +216,17 @@ def _summary(job: Job, stats: dict[str, Any]) -> str:
     return (
         f"{where}: {plural(stats['rows'], 'row')}, {errors}; this run: {plural(stats['rows_this_run'], 'row')}{since} "
         f"in {stats['pipeline_seconds']:.1f} s after {stats['setup_seconds']:.1f} s of setup, "
-        f"{stats['items_per_second']:.1f} rows/s; {plural(stats['num_graphs'], 'graph')}, hit rate {stats['hit_rate']:.0%}, "
+        f"{stats['items_per_second']:.1f} rows/s; {plural(stats['num_graphs'], 'graph')}{_added(stats)}, "
+        f"hit rate {stats['hit_rate']:.0%}, "
         f"padding {plural(stats['padding_waste'], 'token')};{_ranks(stats)} output in {job.output.path}; "
         f"report: embedjob report {shlex.quote(job.output.path)}"
     )
+
+
+def _added(stats: dict[str, Any]) -> str:
+    """The budgets added during the run (`batching.refine_budgets`), if any."""
+    added = stats.get("added_budgets") or []
+    return f" ({len(added)} added for items of one size: {added})" if added else ""
 
 
 def _ranks(stats: dict[str, Any]) -> str:

@@ -230,3 +230,43 @@ def test_a_run_hands_the_gil_over_quickly_and_gives_a_calling_process_its_interv
         assert sys.getswitchinterval() == 0.004
     finally:
         sys.setswitchinterval(before)
+
+
+def test_photos_of_one_size_get_a_budget_of_their_own_and_the_same_rows(tmp_path: Path, cache_dir: str, capsys) -> None:
+    """A dataset of one image size (crops of the demo's photos, 196x224: 56 tokens, which
+    budgets of 64..512 fit with 14 % padding) adds a 448 budget in the first window; the
+    rows are those of a run that keeps the ladder, and the summary line says why it has
+    more graphs."""
+    import io
+
+    import pyarrow as pa
+    from PIL import Image
+
+    photos = pq.read_table(REPO / "jobs" / "data" / "demo-images.parquet").column("image").to_pylist()
+    crops = []
+    for index in range(40):
+        try:
+            photo = Image.open(io.BytesIO(photos[index % len(photos)])).convert("RGB")
+        except OSError:
+            continue  # the demo's broken rows
+        left, top = (7 * index) % max(1, photo.width - 224), (5 * index) % max(1, photo.height - 196)
+        crop = photo.resize((max(224, photo.width), max(196, photo.height))).crop((left, top, left + 224, top + 196))
+        buffer = io.BytesIO()
+        crop.save(buffer, "JPEG", quality=90)
+        crops.append(buffer.getvalue())
+    parquet = tmp_path / "crops.parquet"
+    pq.write_table(pa.table({"id": [f"crop-{i}" for i in range(len(crops))], "image": pa.array(crops, type=pa.binary())}), parquet)
+    outputs, stats = {}, {}
+    for refine in ("true", "false"):
+        out = tmp_path / f"refine-{refine}"
+        sets = [f"input.path={parquet}", "batching.max_budget=512", f"batching.refine_budgets={refine}"]
+        assert run(out, cache_dir, *[a for s in sets for a in ("--set", s)]) == 0
+        outputs[refine] = read(out)
+        stats[refine] = json.loads(next(out.glob("_embedjob/stats-*.json")).read_text())
+    assert stats["true"]["added_budgets"] == [448] and stats["true"]["num_graphs"] == stats["false"]["num_graphs"] + 1
+    assert stats["true"]["padding_waste"] < 0.05 * stats["true"]["real_tokens"] < stats["false"]["padding_waste"]
+    assert "added_budgets" not in stats["false"] or stats["false"]["added_budgets"] == []
+    assert "1 added for items of one size" in capsys.readouterr().err
+    for a, b in zip(outputs["true"], outputs["false"], strict=True):
+        assert {k: v for k, v in a.items() if k != "embedding"} == {k: v for k, v in b.items() if k != "embedding"}
+        assert np.allclose(np.array(a["embedding"], dtype=np.float32), np.array(b["embedding"], dtype=np.float32), atol=1e-5)

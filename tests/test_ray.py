@@ -35,6 +35,7 @@ from test_shards import assert_same_rows, job_args, read_output
 from embedjob.cli import main
 from embedjob.config import JobError, job_from_dict
 from embedjob.io.checkpoint import META, shard_lock, shard_progress, stats_name
+from embedjob.parallel import ray_engine
 from embedjob.parallel.engines import RAY_MISSING, pick_engine, shards_to_run
 from embedjob.parallel.ray_engine import (
     REACH,
@@ -170,6 +171,32 @@ def test_pick_engine_names_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(JobError, match="--max-retries must be >= 0"):
         pick_engine("ray", max_retries=-1)
     assert isinstance(pick_engine("ray", "auto", 2, 4), RayEngine)
+
+
+def test_a_ray_client_connection_is_tried_again_and_then_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray Client's server may answer a loaded head's first connection with an
+    initialization failure: the driver tries again, and names the address if it never
+    connects. A local address is tried once."""
+    calls: list[str | None] = []
+    fake = types.ModuleType("ray")
+    fake.is_initialized = lambda: False
+    fake.shutdown = lambda: None
+
+    def init(address, **_):
+        calls.append(address)
+        if len(calls) < 2 or address == "auto":
+            raise ConnectionError("Initialization failure from server:")
+
+    fake.init = init
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(ray_engine.time, "sleep", lambda seconds: None)
+    with ray_engine.connect("ray://127.0.0.1:10001"):
+        assert calls == ["ray://127.0.0.1:10001"] * 2
+    calls.clear()
+    with pytest.raises(RuntimeError, match=r"cannot connect to the Ray cluster at auto: ConnectionError: Initialization"):
+        with ray_engine.connect("auto"):
+            pass
+    assert calls == ["auto"]
 
 
 # ---------------------------------------------------------------- a local Ray cluster

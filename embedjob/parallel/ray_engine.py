@@ -49,6 +49,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -430,12 +431,28 @@ def connect(address: str | None) -> Iterator[Any]:
     if ray.is_initialized():
         yield ray
         return
-    try:
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
-    except ConnectionError as exc:
-        where = address or "RAY_ADDRESS / this machine"
-        raise RuntimeError(f"cannot connect to the Ray cluster at {where}: {_reason(exc)}") from None
+    _init(ray, address)
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+CLIENT_ATTEMPTS = 3
+"""Tries of a Ray Client connection (`ray://`): its server starts a process per client
+and, on a loaded head, may answer the first try with an initialization failure."""
+
+
+def _init(ray: Any, address: str | None) -> None:
+    attempts = CLIENT_ATTEMPTS if (address or "").startswith("ray://") else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+            return
+        except ConnectionError as exc:
+            if attempt == attempts:
+                where = address or "RAY_ADDRESS / this machine"
+                raise RuntimeError(f"cannot connect to the Ray cluster at {where}: {_reason(exc)}") from None
+            logger.warning("connecting to %s failed (%s); trying again", address, _reason(exc))
+            ray.shutdown()
+            time.sleep(2.0 * attempt)

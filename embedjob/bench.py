@@ -104,8 +104,9 @@ def matmul_peak(size: int = 8192, repeats: int = 10) -> float:
     return 2 * size**3 / seconds
 
 
-def build_tower(device: torch.device) -> QwenAdapter:
-    """The 7B-size Qwen2.5-VL tower, random bf16 weights (fixed seed), as an adapter."""
+def build_tower(device: torch.device, video_max_pixels: int = 448 * 448) -> QwenAdapter:
+    """The 7B-size Qwen2.5-VL tower, random bf16 weights (fixed seed), as an adapter;
+    its video frames are resized to at most `video_max_pixels`."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
         Qwen2_5_VisionTransformerPretrainedModel,
         Qwen2_5_VLVisionConfig,
@@ -127,7 +128,7 @@ def build_tower(device: torch.device) -> QwenAdapter:
         min_pixels=56 * 56,
         max_pixels=MAX_PIXELS,
         video_min_pixels=56 * 56,
-        video_max_pixels=448 * 448,
+        video_max_pixels=video_max_pixels,
         mean=spec.mean,
         std=spec.std,
         window_size=112,

@@ -12,7 +12,8 @@ Qwen2.5-VL-7B-size tower's processor with the model's video `max_pixels` (768 * 
 a 1080p clip is 4,320 tokens, the case of the issue. For each size and each setting of
 `refine`, a fresh `BatchEncoder` over the automatic ladder captures its graphs, encodes
 the clips in windows of `--window` items as a run does (the first pass adds the budgets),
-then encodes them again: the second pass, CUDA-event timed, is the steady rate. The last
+then encodes them again: the median of REPEATS more passes, CUDA-event timed, is the
+steady rate. The last
 thing printed is the table: padding over real tokens, budgets added, capture seconds
 (ladder, then added), graph pool GiB and items per second.
 """
@@ -33,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.mixes import builtin_sources, collect_photos  # noqa: E402
+from embedjob.bench import cuda_time  # noqa: E402
 from embedjob.encoders.base import EncoderInput  # noqa: E402
 from embedjob.engine import packer  # noqa: E402
 from embedjob.engine.encode import BatchEncoder, GraphPath  # noqa: E402
@@ -40,6 +42,7 @@ from embedjob.engine.graphs import GraphManager  # noqa: E402
 
 VIDEO_MAX_PIXELS = 768 * 28 * 28
 FRAMES = 12
+REPEATS = 3
 SIZES = {"1080p": (1080, 1920), "480p": (480, 854)}
 SMOKE_SIZES = {"196x224": (196, 224), "140x252": (140, 252)}
 
@@ -83,17 +86,14 @@ def encode_all(encoder: BatchEncoder, items: list[EncoderInput], window: int) ->
         encoder.encode(items[start : start + window], "mean", torch.float16)
 
 
-def timed(fn, device: torch.device) -> float:
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of `fn` (CUDA events on a GPU, `embedjob.bench.cuda_time`); the
+    caller's first pass was the warm-up."""
+    if device.type == "cuda":
+        return cuda_time(fn, repeats, warmup=0)
+    start = time.perf_counter()
     fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1000.0
+    return time.perf_counter() - start
 
 
 def measure(adapter, items: list[EncoderInput], refine: bool, window: int, backend: str) -> dict:
@@ -105,7 +105,7 @@ def measure(adapter, items: list[EncoderInput], refine: bool, window: int, backe
     encode_all(encoder, items, window)  # the first pass: budgets are added here
     stats = manager.stats
     padding = stats.padding_waste / max(stats.real_tokens, 1)
-    seconds = timed(lambda: encode_all(encoder, items, window), adapter.device)
+    seconds = timed(lambda: encode_all(encoder, items, window), adapter.device, REPEATS)
     result = {
         "padding": padding,
         "added": list(encoder.added),

@@ -114,12 +114,16 @@ class BatchEncoder:
     def __init__(self, adapter: EncoderAdapter, paths: list[GraphPath], policy: str, refine: bool = False) -> None:
         self.adapter = adapter
         self.paths = paths
-        self.plans = tuple(path.plan for path in paths)
         self.policy = policy
         self.refine = refine and len(paths) == 1 and paths[0].manager.backend is not None
         self.added: list[int] = []
         self.items = ItemCounts()
         self.host_seconds: Counter = Counter()
+
+    @property
+    def plans(self) -> tuple[BudgetPlan, ...]:
+        """Every path's plan, as the packer takes them (a path's grows with added budgets)."""
+        return tuple(path.plan for path in self.paths)
 
     def capture(self) -> None:
         for path in self.paths:
@@ -191,7 +195,7 @@ class BatchEncoder:
         budgets = packer.refined_budgets(batches, path.plan.token_budgets, packer.MAX_ADDED_BUDGETS - len(self.added))
         if not budgets:
             return False
-        before = padding_share(batches)
+        before = packer.padding_share(batches)
         try:
             path.manager.add_budgets(budgets)
         except Exception as exc:  # the ladder still serves every batch: go on without
@@ -202,7 +206,6 @@ class BatchEncoder:
             self.refine = False
             return False
         path.plan = path.manager.plan
-        self.plans = (path.plan,)
         self.added = sorted([*self.added, *budgets])
         logger.info(
             "added token budgets %s: this window's batches paid %.0f%% of their tokens in padding",
@@ -285,13 +288,6 @@ class BatchEncoder:
             self.items.count(item_replayed)
         with torch.inference_mode():
             return torch.cat(combined), [rows.shape[0] for rows in combined]
-
-
-def padding_share(batches: list[Batch]) -> float:
-    """Padded tokens over real tokens of the graph batches (0 with none)."""
-    graph = [batch for batch in batches if batch.budget is not None]
-    real = sum(batch.tokens for batch in graph)
-    return packer.padding_waste(graph) / real if real else 0.0
 
 
 def budget_plan(job: Job, adapter: EncoderAdapter) -> BudgetPlan:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -139,21 +139,14 @@ class GraphManager:
         return self.plan.token_budgets
 
     def capture(self) -> None:
-        """Capture every budget, largest first so smaller graphs reuse the shared pool's blocks."""
+        """Capture every budget into one new shared pool (see `_capture`)."""
         if self.backend is None or self._captured:
             return
-        start = time.perf_counter()
-        before = torch.cuda.memory_reserved(self.adapter.device) if self.backend == "cuda" else 0
+        self.stats.capture_seconds, self.stats.pool_bytes = 0.0, 0
         if self.backend == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
-        if self.backend == "cuda":
-            with torch.inference_mode():
-                for budget in sorted(self.plan.token_budgets, reverse=True):
-                    self._graphs[budget] = self._make_entry(budget)
-            torch.cuda.synchronize(self.adapter.device)
-            self.stats.pool_bytes = torch.cuda.memory_reserved(self.adapter.device) - before
+            self._capture(self.plan.token_budgets)
         self._captured = True
-        self.stats.capture_seconds = time.perf_counter() - start
         logger.info(
             "captured %d graphs (%s backend) for budgets %s in %.1f s",
             self.num_graphs,
@@ -164,32 +157,35 @@ class GraphManager:
 
     def add_budgets(self, budgets: Sequence[int]) -> None:
         """Add budgets to the plan; once graphs are captured, capture theirs now into the
-        same pool (largest first, as `capture`), so the next batch can replay them.
+        same pool, so the next batch can replay them.
 
         Called between batches on the thread that replays: capture waits for the device
         to finish what is queued, a pause paid once per added budget.
         """
-        new = sorted(set(budgets) - set(self.plan.token_budgets), reverse=True)
+        new = set(budgets) - set(self.plan.token_budgets)
         if not new:
             return
         if self.backend == "cuda" and self._captured:
-            self._capture_more(new)
+            self._capture(new)
         # Only now: a budget in the plan must have its graph (the replay backend makes
         # a budget's entry on its first use).
         plan = self.plan
         self.plan = BudgetPlan(tuple(sorted({*plan.token_budgets, *new})), plan.max_items, plan.max_frames)
 
-    def _capture_more(self, budgets: list[int]) -> None:
-        """Capture `budgets` into the pool; if one fails, none of them is kept."""
+    def _capture(self, budgets: Iterable[int]) -> None:
+        """Capture `budgets` into the shared pool, largest first so smaller graphs reuse
+        its blocks, adding their seconds and the pool's growth to the statistics; if one
+        fails, none of them is kept."""
+        order = sorted(budgets, reverse=True)
         start = time.perf_counter()
         before = torch.cuda.memory_reserved(self.adapter.device)
         try:
             with torch.inference_mode():
-                for budget in budgets:
+                for budget in order:
                     self._graphs[budget] = self._make_entry(budget)
             torch.cuda.synchronize(self.adapter.device)
         except BaseException:
-            for budget in budgets:
+            for budget in order:
                 self._graphs.pop(budget, None)
             raise
         self.stats.pool_bytes += torch.cuda.memory_reserved(self.adapter.device) - before

@@ -302,6 +302,13 @@ def padding_waste(batches: Iterable[Batch]) -> int:
     return sum(batch.padding for batch in batches)
 
 
+def padding_share(batches: Iterable[Batch]) -> float:
+    """Padded over real tokens of the graph batches of a one-path plan (0 with none)."""
+    graph = [batch for batch in batches if batch.budget is not None]
+    real = sum(batch.tokens for batch in graph)
+    return padding_waste(graph) / real if real else 0.0
+
+
 REFINE_PADDING = 0.05
 """The share of a window's real tokens above which its padding earns budgets of its own."""
 

@@ -25,7 +25,7 @@ from embedjob.config import Job
 from embedjob.io.checkpoint import Checkpoint, PartRecord, count_codes
 from embedjob.io.writer import ErrorRateExceeded, PartFile, RowBlock, part_name
 from embedjob.parallel.cluster import Coordinator
-from embedjob.report.counts import codes_text, count_errors, error_code
+from embedjob.report.counts import codes_text, count_errors
 from embedjob.slurm import Shard
 from embedjob.timeline import Timeline
 
@@ -48,10 +48,15 @@ class PartSink:
         self.schema = schema
         self.buffer: list[RowBlock] = []
         self.held_bytes = 0
-        self.rows = 0
-        """Rows of the part being written that arrived (written or buffered)."""
-        self.codes: collections.Counter[str] = collections.Counter()
+        self.errors: list[str | None] = []
+        """The `error` of every row of the part being written that arrived (written or
+        buffered), for the part's record."""
         self._file: PartFile | None = None
+
+    @property
+    def rows(self) -> int:
+        """Rows of the part being written that arrived."""
+        return len(self.errors)
 
     def add(self, block: RowBlock) -> None:
         while len(block):
@@ -82,8 +87,7 @@ class PartSink:
     def _hold(self, block: RowBlock) -> None:
         self.buffer.append(block)
         self.held_bytes += block.vectors.nbytes
-        self.rows += len(block)
-        self.codes.update(error_code(e) for e in block.errors if e is not None)
+        self.errors += block.errors
 
     def _write(self) -> None:
         if self._file is None:
@@ -95,9 +99,9 @@ class PartSink:
     def _commit(self, first: int, end: int) -> None:
         self._file.commit()
         part = self.checkpoint.next_part
-        codes = dict(self.codes.most_common())  # as `count_errors` over the part's rows
+        codes = count_errors(self.errors)
         self.checkpoint.commit(PartRecord(part, self._file.target.name, first, end, sum(codes.values()), error_codes=codes))
-        self._file, self.rows, self.codes = None, 0, collections.Counter()
+        self._file, self.errors = None, []
 
 
 class ErrorRate:

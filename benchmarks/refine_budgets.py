@@ -60,17 +60,26 @@ def photos(sources: list[Path]) -> list[Image.Image]:
     return images
 
 
-def clip(images: list[Image.Image], index: int, size: tuple[int, int]) -> np.ndarray:
+def bases(images: list[Image.Image], size: tuple[int, int]) -> list[Image.Image]:
+    """Each photo resized once to cover (height, width) with room for crops (a fifth
+    more), so that a clip's frames are crops, not resizes, of it."""
+    height, width = size
+    out = []
+    for image in images:
+        scale = 1.2 * max(height / image.height, width / image.width)
+        out.append(image.resize((max(width, round(image.width * scale)), max(height, round(image.height * scale)))))
+    return out
+
+
+def clip(bases: list[Image.Image], index: int, size: tuple[int, int]) -> np.ndarray:
     """Clip `index`: FRAMES frames of (height, width), each a different crop of a photo."""
     height, width = size
     frames = []
     for frame in range(FRAMES):
-        image = images[(index * FRAMES + frame) % len(images)]
-        scale = max(height / image.height, width / image.width) * (1.0 + 0.02 * frame)
-        resized = image.resize((max(width, round(image.width * scale)), max(height, round(image.height * scale))))
-        left = (7 * index + 13 * frame) % (resized.width - width + 1)
-        top = (5 * index + 11 * frame) % (resized.height - height + 1)
-        frames.append(np.asarray(resized.crop((left, top, left + width, top + height))))
+        base = bases[(index * FRAMES + frame) % len(bases)]
+        left = (7 * index + 13 * frame) % (base.width - width + 1)
+        top = (5 * index + 11 * frame) % (base.height - height + 1)
+        frames.append(np.asarray(base.crop((left, top, left + width, top + height))))
     return np.stack(frames)
 
 
@@ -78,7 +87,8 @@ def clips(adapter, images: list[Image.Image], size: tuple[int, int], count: int)
     from types import SimpleNamespace
 
     processing = adapter.preprocessor()
-    return [processing(SimpleNamespace(frames=clip(images, i, size))) for i in range(count)]
+    resized = bases(images, size)
+    return [processing(SimpleNamespace(frames=clip(resized, i, size))) for i in range(count)]
 
 
 def encode_all(encoder: BatchEncoder, items: list[EncoderInput], window: int) -> None:
@@ -149,6 +159,7 @@ def main() -> int:
     for name, size in sizes.items():
         items = clips(adapter, images, size, count)
         tokens = sorted({item.tokens for item in items})
+        print(f"{name}: {count} clips of {tokens} tokens", file=sys.stderr, flush=True)
         for refine in (False, True):
             rows.append((name, tokens, refine, measure(adapter, items, refine, args.window, backend)))
     print(f"\n{count} clips per size, {FRAMES} frames each, windows of {args.window}; device {adapter.device}")

@@ -26,11 +26,13 @@ from embedjob.io.checkpoint import (
     lock_name,
     manifest_name,
     open_checkpoint,
+    part_problem,
     shard_progress,
     shards_in,
     stats_name,
     success_name,
 )
+from embedjob.io.files import file_digest
 from embedjob.io.writer import TMP_MARK, RowBlock, output_schema, part_name
 
 FINGERPRINT = {"model": {"family": "qwen2_5_vl", "path": "builtin:tiny-qwen2_5_vl"}, "pooling": "mean"}
@@ -263,6 +265,9 @@ def test_a_part_is_written_a_row_group_at_a_time_and_appears_only_when_whole(
     parts.close()  # nothing left: the last part was committed when its last row came
     assert pq.read_table(tmp_path / part_name(0, 1)).column("row").to_pylist() == [108, 109]
     assert not any(TMP_MARK in name for name in names(tmp_path))
+    for record in cp.parts:  # sealed as written, without reading the part back: the file's own
+        assert (record.size, record.sha256) == file_digest(tmp_path / record.name)
+        assert part_problem(tmp_path, record) is None
 
 
 def test_a_failing_run_drops_the_part_it_was_writing_and_keeps_the_committed(tmp_path: Path) -> None:

@@ -292,18 +292,18 @@ def test_a_budget_added_mid_run_is_captured_into_the_pool_and_replays_like_eager
     """Equal items that fill the ladder badly add a budget between windows: its graph is
     captured into the shared pool after the others and replays the padded batch bit for
     bit; the other graphs still replay after it; no real row is NaN."""
-    encoder = one_path_encoder_on(cuda_adapter, PLAN, "cuda", refine=True)
+    plan = BudgetPlan(token_budgets=(64, 128, 256, 512), max_items=8, max_frames=16)  # 8 x 56 = 448 of 512
+    encoder = one_path_encoder_on(cuda_adapter, plan, "cuda", refine=True)
     manager = encoder.paths[0].manager
-    items = same_size_items(cuda_adapter, 40)
+    items = same_size_items(cuda_adapter, 24)
     encoded = encoder.encode(items, "mean", torch.float32)
-    assert encoder.added and manager.num_graphs == len(PLAN.token_budgets) + len(encoder.added)
-    assert manager.stats.padding_waste < 0.05 * manager.stats.real_tokens and manager.stats.hits == len(items)
+    assert encoder.added == [448] and manager.num_graphs == len(plan.token_budgets) + 1
+    assert manager.stats.padding_waste == 0 and manager.stats.hits == len(items)
     assert torch.isfinite(encoded.rows).all()
-    budget = encoder.added[-1]
-    chosen = items[: budget // 56]
-    replayed = torch.cat(manager.run(chosen, budget))
-    assert torch.equal(replayed, padded_eager(manager, chosen, budget)[: replayed.shape[0]])
-    for other in (64, 1024):  # graphs captured before the added one are intact
+    chosen = items[:8]
+    replayed = torch.cat(manager.run(chosen, 448))
+    assert torch.equal(replayed, padded_eager(manager, chosen, 448)[: replayed.shape[0]])
+    for other in (64, 512):  # graphs captured before the added one are intact
         first = items[:1]
         assert torch.equal(torch.cat(manager.run(first, other)), padded_eager(manager, first, other)[:56])
     manager.clear()

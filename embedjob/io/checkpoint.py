@@ -638,12 +638,16 @@ class Checkpoint:
         return stats
 
     def commit(self, record: PartRecord) -> None:
-        """Record a part whose file is already renamed into place, sealing it with the
-        file's row count, size and checksum as it is now."""
+        """Record a part whose file is already renamed into place, sealing it with its
+        row count, size and checksum: those of the record when its writer kept them as
+        it wrote the file (`PartFile`), else read from the file as it is now."""
         expected = self.part_bounds(self.next_part)
         if (record.part, record.first_row, record.end_row) != (self.next_part, *expected):
             raise ValueError(f"part {record.part} rows [{record.first_row}, {record.end_row}) out of order; expected {expected}")
-        size, sha256 = file_digest(self.directory / record.name)
+        if record.size is None or record.sha256 is None:
+            size, sha256 = file_digest(self.directory / record.name)
+        else:
+            size, sha256 = record.size, record.sha256
         self.parts.append(dataclasses.replace(record, rows=record.end_row - record.first_row, size=size, sha256=sha256))
         self._count_attempt(record.end_row - record.first_row)
         self._save()

@@ -97,10 +97,13 @@ class PartSink:
         self.buffer, self.held_bytes = [], 0
 
     def _commit(self, first: int, end: int) -> None:
-        self._file.commit()
+        sealed = self._file.commit()
         part = self.checkpoint.next_part
         codes = count_errors(self.errors)
-        self.checkpoint.commit(PartRecord(part, self._file.target.name, first, end, sum(codes.values()), error_codes=codes))
+        record = PartRecord(
+            part, sealed.path.name, first, end, sum(codes.values()), size=sealed.size, sha256=sealed.sha256, error_codes=codes
+        )
+        self.checkpoint.commit(record)
         self._file, self.errors = None, []
 
 

@@ -23,6 +23,8 @@ the Parquet file they are plain lists, whatever reads them.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import os
 from dataclasses import dataclass, field
@@ -182,6 +184,34 @@ def _grid_array(block: RowBlock) -> pa.Array:
     return pa.array([g if c else None for g, c in zip(grids, block.counts)], type=pa.list_(pa.int32()))
 
 
+class _DigestingFile(io.FileIO):
+    """A file opened for writing that keeps the sha256 and size of what went into it.
+
+    The Parquet writer only appends, so these are the file's own digest and size when
+    it is closed: the part is sealed without reading it back, which at the end of a
+    shard was a read of the whole part after the last row group."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, "wb")
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        written = super().write(data)
+        self.sha256.update(memoryview(data)[:written])
+        self.size += written
+        return written
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A committed part file: where it is, its size in bytes and its sha256."""
+
+    path: Path
+    size: int
+    sha256: str
+
+
 class PartFile:
     """One part being written: row groups appended to a hidden temporary file, which
     becomes `directory/name` only at `commit` (closed, fsynced, renamed), so a part under
@@ -192,27 +222,23 @@ class PartFile:
         self.target = directory / name
         self.tmp = directory / f".{name}{TMP_MARK}{os.getpid()}"
         self.schema = schema
-        self._writer = pq.ParquetWriter(self.tmp, schema, **PARQUET_OPTIONS)
+        self._file = _DigestingFile(self.tmp)
+        self._writer = pq.ParquetWriter(self._file, schema, **PARQUET_OPTIONS)
 
     def write(self, block: RowBlock) -> None:
         """Append the block's rows as one row group."""
         self._writer.write_table(block_to_table(block, self.schema))
 
-    def commit(self) -> Path:
+    def commit(self) -> Sealed:
         self._writer.close()
-        _fsync(self.tmp)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
         os.replace(self.tmp, self.target)
-        return self.target
+        return Sealed(self.target, self._file.size, self._file.sha256.hexdigest())
 
     def abandon(self) -> None:
         """Close and remove the unfinished file (a failing run; nothing is committed)."""
         self._writer.close()
+        self._file.close()
         self.tmp.unlink(missing_ok=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

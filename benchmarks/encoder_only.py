@@ -59,19 +59,29 @@ class EncoderOnly:
         return self.items / self.seconds
 
 
-def measure(job: Job, device: torch.device, workers: int, repeats: int) -> EncoderOnly:
-    """Load, preprocess, capture, then time every batch of the job's input (see the module docstring)."""
+def measure(
+    job: Job,
+    device: torch.device,
+    workers: int,
+    repeats: int,
+    prepared: tuple[list[EncoderInput], int] | None = None,
+    outputs: list[torch.Tensor] | None = None,
+) -> EncoderOnly:
+    """Load, preprocess, capture, then time every batch of the job's input (see the module
+    docstring). `prepared`: the items (and the count of rows that did not decode) of an
+    earlier `preprocess_rows` of the same input and preprocessing, to compare variants
+    of one model on the same items; `outputs`: see `_timed`."""
     start = time.perf_counter()
     adapter = load_adapter(job, device)
     if job.batching.compile and device.type == "cuda":
         torch._dynamo.reset()
         adapter.compile(dynamic=True)
     loaded = time.perf_counter()
-    items, failed = preprocess_rows(job, adapter, workers)
+    items, failed = prepared if prepared is not None else preprocess_rows(job, adapter, workers)
     preprocessed = time.perf_counter()
     try:
         with _host_threads(device):
-            return _timed(job, adapter, items, failed, device, repeats, (loaded - start, preprocessed - loaded))
+            return _timed(job, adapter, items, failed, device, repeats, (loaded - start, preprocessed - loaded), outputs)
     finally:
         del adapter, items
         if device.type == "cuda":  # give the GPU back to the runs that follow
@@ -98,7 +108,10 @@ def _timed(
     device: torch.device,
     repeats: int,
     seconds: tuple[float, float],
+    outputs: list[torch.Tensor] | None = None,
 ) -> EncoderOnly:
+    """`outputs`, when given, receives each item's pooled vector (float32, on the host,
+    in item order) from a first pass, before the timed ones."""
     flops = items_flops(adapter, items)
     plan = budget_plan(job, adapter)
     if len(adapter.paths) > 1:
@@ -118,6 +131,8 @@ def _timed(
             with torch.inference_mode():
                 pool_rows(rows, adapter.row_counts(batch_items), job.output.pooling)
 
+    if outputs is not None:
+        outputs.extend(_pooled(job, adapter, manager, batches, chosen, len(items)))
     passes = cuda_passes(one_pass, repeats) if device.type == "cuda" else _wall_passes(one_pass, repeats)
     real = sum(i.tokens for i in items)
     manager.clear()
@@ -134,6 +149,19 @@ def _timed(
         setup_seconds=seconds[0] + capture,
         preprocess_seconds=seconds[1],
     )
+
+
+def _pooled(job: Job, adapter: Any, manager: GraphManager, batches: list[Any], chosen: list[list[Any]], count: int) -> list[torch.Tensor]:
+    """Each item's pooled output as the timed passes compute it, in item order."""
+    out: list[torch.Tensor | None] = [None] * count
+    for batch, batch_items in zip(batches, chosen):
+        rows = manager.run_batch(batch_items, batch.budget)
+        with torch.inference_mode():
+            pooled, counts = pool_rows(rows, adapter.row_counts(batch_items), job.output.pooling)
+            pooled = pooled.float().cpu()
+        for index, row in zip(batch.indices, pooled.split(1) if job.output.pooling == "mean" else pooled.split(counts)):
+            out[index] = row
+    return [t for t in out if t is not None]
 
 
 def _not_measured(items: list[EncoderInput], failed: int, flops: float, seconds: tuple[float, float], note: str) -> EncoderOnly:

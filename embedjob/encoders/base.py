@@ -186,6 +186,8 @@ class EncoderAdapter(abc.ABC):
     budget_unit: int = 1
     # The graph sets an item runs through; several paths need `path_input` and `combine`.
     paths: tuple[PathSpec, ...] = (PathSpec("global"),)
+    # The linear layers `use_fp8` converted, by name within a block: how many of each.
+    fp8_layers: dict[str, int] = {}
 
     def __init__(self, spec: Any, processing: Any, placement: Placement) -> None:
         """What every family has: its spec (`spec.name` is the family), the preprocessing
@@ -231,6 +233,21 @@ class EncoderAdapter(abc.ABC):
         """The repeated modules worth compiling (e.g. transformer blocks); none by default."""
         return []
 
+    def use_fp8(self) -> None:
+        """Run the linear layers of `compile_units` (the transformer blocks) in row-wise
+        FP8 (`encoders.fp8`); a JobError, before any change, where the device cannot.
+        Before `compile`, so the compiler fuses each activation's quantisation."""
+        from embedjob.encoders.fp8 import check_fp8, convert_blocks
+
+        check_fp8(self.device, self.dtype)
+        self.fp8_layers = dict(convert_blocks(self.compile_units()))
+        blocks = len(self.compile_units())
+        logger.info(
+            "model.precision fp8: %d linear layers of %d blocks in row-wise FP8 (%s); the patch embedding, norms, "
+            "attention and the layers outside the blocks in %s",
+            sum(self.fp8_layers.values()), blocks, ", ".join(sorted(self.fp8_layers)), str(self.dtype).removeprefix("torch."),
+        )
+
     def compile(self, dynamic: bool) -> None:
         """Compile `compile_units` in place with torch.compile.
 
@@ -272,4 +289,7 @@ class EncoderAdapter(abc.ABC):
 
     def describe(self) -> dict[str, Any]:
         """What identifies this encoder's outputs (for manifests and resume checks)."""
-        return {"family": self.family, "dtype": str(self.dtype).removeprefix("torch."), "embed_dim": self.embed_dim}
+        info = {"family": self.family, "dtype": str(self.dtype).removeprefix("torch."), "embed_dim": self.embed_dim}
+        if self.fp8_layers:
+            info["precision"] = "fp8"
+        return info

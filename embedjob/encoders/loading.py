@@ -69,7 +69,10 @@ def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
         raise ValueError(f"model.family {job.model.family!r} has no adapter")
     module = importlib.import_module(family.adapter)
     dtype = resolve_dtype(job.model.dtype, device)
-    return module.build_adapter(job.model.family, job.model.path, dtype, device, AdapterOptions.from_job(job))
+    adapter = module.build_adapter(job.model.family, job.model.path, dtype, device, AdapterOptions.from_job(job))
+    if job.model.precision == "fp8":
+        adapter.use_fp8()
+    return adapter
 
 
 def builtin_model(cache_dir: Path | str, family: str, version: int, build: Callable[[Path], None]) -> Path:

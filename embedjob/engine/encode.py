@@ -160,7 +160,10 @@ class BatchEncoder:
             "max_items_per_batch": first.plan.max_items,
             "max_frames_per_batch": first.plan.max_frames,
             "graph_backend": first.manager.backend,
+            "precision": "fp8" if self.adapter.fp8_layers else "bf16",
         }
+        if self.adapter.fp8_layers:
+            stats["fp8_layers"] = dict(self.adapter.fp8_layers)
         if len(self.paths) > 1:
             stats["partial_fallbacks"] = self.items.partial
             stats["paths"] = {

@@ -104,8 +104,10 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
     """
     listing = listing if listing is not None else reader.scan_input(job.input)
     keys = ("path", "media_column", "id_column", "modality", "media_root", "max_item_bytes")
+    # The default precision is left out: output written before the key existed resumes.
+    model = {k: v for k, v in vars(job.model).items() if (k, v) != ("precision", "bf16")}
     return {
-        "model": vars(job.model),
+        "model": model,
         "preprocessing": {"preprocess": vars(job.preprocess), "video": vars(job.video)},
         "pooling": job.output.pooling,
         "output_dtype": job.output.dtype,

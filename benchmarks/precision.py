@@ -1,0 +1,184 @@
+"""`model.precision: fp8` against bf16: encoder-only speed and per-item fidelity (issue #19, items 3 and 4).
+
+On the GPU machine, from the repository root:
+
+    PYTHONPATH=. python3 benchmarks/precision.py --photos bench-data [--mixes qwen-mixed siglip]
+
+For each mix of `benchmarks/mixes.py` (distinct JPEGs cut from real photos, the tower of
+the published size with random weights saved with `save_pretrained`, the job a user
+would write; `benchmarks/scaling.py` builds the same), the rows are decoded and
+preprocessed once, then encoded encoder-only (`encoder_only.measure`: compiled blocks,
+one graph per budget, the median of `--repeats` CUDA-event-timed passes after a warm-up)
+in bf16 and in fp8, each variant's pooled vectors kept. The reference is the same
+checkpoint in float32, eager, TF32 off, on the first `--reference` items.
+
+The table at the end: images/s, MFU against a bf16 matmul timed in the same process,
+the speed-up of fp8; per item, the cosine of fp8 to bf16 (every item), and the cosine
+and relative error (|v - ref| / |ref|) of each path to the float32 reference, min or
+max and median. `--smoke` runs it all on the CPU with tiny towers and 24 images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.encoder_only import EncoderOnly, measure, preprocess_rows  # noqa: E402
+from benchmarks.mixes import MIXES, builtin_sources, collect_photos, jpeg_dataset, save_tower  # noqa: E402
+from benchmarks.scaling import write_job  # noqa: E402
+from embedjob.config import load_job  # noqa: E402
+from embedjob.encoders import load_adapter  # noqa: E402
+
+SMOKE_IMAGES = 24
+DEFAULT_IMAGES = {"qwen-mixed": 768, "qwen-224": 2048, "siglip": 2048, "clip": 2048}
+REFERENCE = ["model.dtype=float32", "batching.compile=false", "batching.cuda_graphs=false"]
+
+
+def log(message: str) -> None:
+    print(f"precision: {message}", file=sys.stderr, flush=True)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+
+def variant(job_path: Path, overrides: list[str], device: torch.device, prepared, repeats: int) -> tuple[EncoderOnly, np.ndarray]:
+    """One precision of the mix's job on the prepared items: its timing and pooled vectors."""
+    outputs: list[torch.Tensor] = []
+    result = measure(load_job(job_path, overrides), device, 1, repeats, prepared, outputs)
+    free(device)
+    return result, torch.cat(outputs).numpy()
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+
+
+def relative_error(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    return np.linalg.norm(a - ref, axis=1) / np.maximum(np.linalg.norm(ref, axis=1), 1e-30)
+
+
+def bench_mix(name: str, args: argparse.Namespace, photos, device: torch.device, peak: float | None) -> dict:
+    mix = MIXES[name]
+    count = SMOKE_IMAGES if args.smoke else args.images.get(name, DEFAULT_IMAGES[name])
+    workdir = Path(args.workdir).resolve()
+    dataset = jpeg_dataset(mix, count, args.seed, photos, workdir / "data", len(os.sched_getaffinity(0)))
+    tower = save_tower(mix.tower, workdir / "towers", args.smoke)
+    job_path = write_job(workdir / name, mix, tower, dataset.path, workdir / "cache", args.smoke)
+    base = load_job(job_path)
+    adapter = load_adapter(base, device)
+    prepared = preprocess_rows(base, adapter, len(os.sched_getaffinity(0)))
+    del adapter
+    free(device)
+    log(f"[{name}] {len(prepared[0])} items ({prepared[1]} did not decode)")
+    results, vectors = {}, {}
+    for precision in ("bf16", "fp8"):
+        log(f"[{name}] {precision}")
+        results[precision], vectors[precision] = variant(job_path, [f"model.precision={precision}"], device, prepared, args.repeats)
+    reference_items = (prepared[0][: args.reference], 0)
+    log(f"[{name}] float32 reference on {len(reference_items[0])} items")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    _, reference = variant(job_path, REFERENCE, device, reference_items, 1)
+    n = len(reference)
+    return {
+        "mix": name,
+        "items": len(prepared[0]),
+        "tower": mix.tower.describe(args.smoke),
+        "results": results,
+        "fp8_to_bf16": cosine(vectors["fp8"], vectors["bf16"]),
+        "to_reference": {p: (cosine(vectors[p][:n], reference), relative_error(vectors[p][:n], reference)) for p in results},
+        "reference_items": n,
+        "peak": peak,
+    }
+
+
+def render(rows: list[dict], args: argparse.Namespace, wall: float) -> str:
+    peak = rows[0]["peak"] if rows else None
+    lines = [
+        f"# model.precision: bf16 against fp8, encoder only — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        f"- command: `{' '.join(sys.argv)}` ({wall / 60:.1f} min)",
+        f"- device: {torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else 'cpu'}; "
+        f"torch {torch.__version__}; bf16 matmul {peak / 1e12:.0f} TFLOP/s" if peak else "- device: cpu (--smoke)",
+        f"- passes: median of {args.repeats} after a warm-up (CUDA events); reference: float32, eager, TF32 off",
+        "",
+        "| mix | precision | items | seconds | images/s | MFU | speed-up | cos to bf16 min / median "
+        "| cos to fp32 min / median | rel. err to fp32 median / max |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
+    ]
+    for row in rows:
+        bf16 = row["results"]["bf16"]
+        for precision, result in row["results"].items():
+            cos_ref, err = row["to_reference"][precision]
+            mfu = f"{100 * result.flops / result.seconds / peak:.1f}%" if peak else "-"
+            to_bf16 = row["fp8_to_bf16"] if precision == "fp8" else None
+            lines.append(
+                f"| {row['mix']} | {precision} | {result.items} | {result.seconds:.3f} | {result.rate:.1f} | {mfu} "
+                f"| {bf16.seconds / result.seconds:.2f}x "
+                f"| {'-' if to_bf16 is None else f'{to_bf16.min():.5f} / {np.median(to_bf16):.5f}'} "
+                f"| {cos_ref.min():.5f} / {np.median(cos_ref):.5f} | {np.median(err):.2e} / {err.max():.2e} |"
+            )
+    lines.append("")
+    for row in rows:
+        (_, err_bf16), (_, err_fp8) = row["to_reference"]["bf16"], row["to_reference"]["fp8"]
+        lines.append(
+            f"- **{row['mix']}**: {row['tower']}; {row['items']} items, float32 reference on the first "
+            f"{row['reference_items']}; fp8's error to float32 over bf16's: median {np.median(err_fp8) / np.median(err_bf16):.2f}x, "
+            f"max {err_fp8.max() / err_bf16.max():.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def parse_images(values: list[str]) -> dict[str, int]:
+    counts = {}
+    for value in values:
+        name, _, number = value.partition("=")
+        if name not in MIXES or not number.isdigit():
+            raise SystemExit(f"--images: expected NAME=COUNT with NAME one of {', '.join(MIXES)}, got {value!r}")
+        counts[name] = int(number)
+    return counts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--photos", nargs="+", type=Path, default=[])
+    parser.add_argument("--mixes", nargs="+", default=["qwen-mixed", "siglip"], choices=list(MIXES))
+    parser.add_argument("--images", nargs="+", default=[], metavar="NAME=COUNT")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--reference", type=int, default=64, help="items encoded by the float32 reference")
+    parser.add_argument("--workdir", default="precision-work")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny towers, 24 images per mix, no compile")
+    args = parser.parse_args()
+    args.images = parse_images(args.images)
+    started = time.perf_counter()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    photos = collect_photos([*builtin_sources(), *args.photos])
+    peak = None
+    if not args.smoke:
+        from embedjob.bench import matmul_peak
+
+        peak = matmul_peak()
+        free(device)
+    rows = [bench_mix(name, args, photos, device, peak) for name in args.mixes]
+    print(render(rows, args, time.perf_counter() - started))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

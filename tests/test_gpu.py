@@ -134,6 +134,30 @@ def test_demo_job_on_cuda_matches_the_cpu_run(tmp_path: Path, cache_dir: str) ->
             assert float((a - b).norm() / a.norm()) < 3e-2
 
 
+def test_a_float32_job_on_cuda_runs_eagerly_and_matches_the_cpu_run(tmp_path: Path, cache_dir: str, caplog) -> None:
+    """The flash kernels take half precision only: float32 attention runs per segment,
+    which graphs cannot capture, so the job says so and runs every batch eagerly."""
+    from embedjob.config import load_job
+    from embedjob.pipeline import run_job
+
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        job = load_job(
+            REPO / "jobs" / "demo.yaml",
+            [f"output.path={tmp_path / device}", f"runtime.device={device}", f"runtime.cache_dir={cache_dir}",
+             "runtime.workers=0", "model.dtype=float32"],
+        )
+        stats = run_job(job)
+        outputs[device] = pq.read_table(sorted((tmp_path / device).glob("part-*.parquet"))).to_pylist()
+    assert stats["graph_backend"] is None and stats["graph_misses"] == 10
+    assert "cannot be captured in CUDA graphs" in caplog.text
+    for cpu_row, gpu_row in zip(outputs["cpu"], outputs["cuda"], strict=True):
+        assert (cpu_row["row"], cpu_row["error"]) == (gpu_row["row"], gpu_row["error"])
+        if cpu_row["error"] is None:
+            a, b = torch.tensor(cpu_row["embedding"]), torch.tensor(gpu_row["embedding"])
+            assert float((a - b).norm() / a.norm()) < 5e-3  # float16 output of float32 vectors
+
+
 # Fixed-resolution encoders (CLIP, SigLIP, DINOv2) and the dual path (global view + tiles).
 
 FIXED_MEDIA = [random_image(300, 500, 11), random_image(40, 60, 12), random_image(640, 480, 13), random_video(3, 120, 200, 14)]

@@ -3,9 +3,11 @@
 transformers splits packed sequences with `.tolist()` (a host sync that cannot be
 captured in a CUDA graph) unless the attention implementation's name contains
 "flash"; then it passes `cu_seq_lens_*` and `max_length_*` straight through. We
-register such a function: on CUDA it calls `torch.nn.attention.varlen.varlen_attn`
-(no host sync, capturable), on CPU it runs scaled-dot-product attention per segment,
-which is exact and fine for tests and small jobs.
+register such a function: on CUDA in half precision it calls
+`torch.nn.attention.varlen.varlen_attn` (no host sync, capturable); otherwise (a CPU,
+or float32 on CUDA, which the flash kernels do not take) it runs scaled-dot-product
+attention per segment, which is exact but reads the segments on the host, so a CUDA
+graph cannot capture it (`EncoderAdapter.capturable`).
 
 Zero-length segments (cumulative offsets that repeat, as static graph buffers are
 padded) are allowed on both paths and contribute nothing.
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_NAME = "flash_embedjob_varlen"
+HALF = (torch.float16, torch.bfloat16)
 
 
 def varlen_attention(
@@ -38,7 +41,7 @@ def varlen_attention(
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError("varlen attention needs cu_seq_lens_q and max_length_q; pass precomputed cu_seqlens")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    if q.is_cuda:
+    if q.is_cuda and q.dtype in HALF:
         out = _cuda_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
     else:
         out = _segmented_sdpa(q, k, v, cu_seq_lens_q, scaling)

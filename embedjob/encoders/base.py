@@ -233,6 +233,11 @@ class EncoderAdapter(abc.ABC):
         """The repeated modules worth compiling (e.g. transformer blocks); none by default."""
         return []
 
+    @property
+    def capturable(self) -> bool:
+        """Whether `forward` can be captured in a CUDA graph on this adapter's device."""
+        return True
+
     def use_fp8(self) -> None:
         """Run the linear layers of `compile_units` (the transformer blocks) in row-wise
         FP8 (`encoders.fp8`); a JobError, before any change, where the device cannot.

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torchvision.transforms.v2.functional as tvF
 
+from embedjob.encoders.attention import HALF
 from embedjob.encoders.attention import register as register_attention
 from embedjob.encoders.base import PAD_REPEAT_LAST, EncoderAdapter, EncoderInput, Placement, StaticInputs
 from embedjob.encoders.loading import AdapterOptions, builtin_model, download_snapshot, resolve_checkpoint
@@ -259,6 +260,11 @@ class QwenAdapter(EncoderAdapter):
 
     def compile_units(self) -> list[torch.nn.Module]:
         return list(self.model.blocks)
+
+    @property
+    def capturable(self) -> bool:
+        """Not in float32 on CUDA: its attention then runs per segment (`attention`)."""
+        return self.device.type != "cuda" or self.dtype in HALF
 
     def describe(self) -> dict[str, Any]:
         info = super().describe()

@@ -318,11 +318,20 @@ def _auto(value: Any) -> Any:
     return None if value == "auto" else value
 
 
-def _backend(job: Job, device: torch.device) -> str | None:
-    """Real CUDA graphs on a GPU, the replay backend on a CPU, none when graphs are off."""
+def _backend(job: Job, device: torch.device, adapter: EncoderAdapter) -> str | None:
+    """Real CUDA graphs on a GPU, the replay backend on a CPU, none when graphs are off
+    or the adapter cannot be captured on its device (then said once)."""
     if not job.batching.cuda_graphs:
         return None
-    return "cuda" if device.type == "cuda" else "replay"
+    if device.type != "cuda":
+        return "replay"
+    if not adapter.capturable:
+        logger.warning(
+            "model.dtype %s: this model's attention cannot be captured in CUDA graphs on the GPU in that dtype, "
+            "so every batch runs eagerly (slower); use bfloat16 for speed", job.model.dtype,
+        )
+        return None
+    return "cuda"
 
 
 def _whole_image_plan(plan: BudgetPlan, tokens_per_image: int) -> BudgetPlan:
@@ -351,5 +360,5 @@ def build_encoder(job: Job, adapter: EncoderAdapter, device: torch.device) -> Ba
     Every path the adapter declares shares the job's budgets (a further path adds 0).
     """
     plan = budget_plan(job, adapter)
-    paths = graph_paths(adapter, plan, _backend(job, device))
+    paths = graph_paths(adapter, plan, _backend(job, device, adapter))
     return BatchEncoder(adapter, paths, job.batching.policy, refine=job.batching.refine_budgets)

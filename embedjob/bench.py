@@ -9,6 +9,8 @@ same packed batches of each mix:
   (c) ours_eager   embedjob's adapter, eager: metadata precomputed per item on the CPU
   (d) ours_graphs  embedjob's graph manager: one CUDA graph per budget
   (e) ours_graphs_compiled  (d) with each block compiled (when --compile is on)
+  (f) ours_graphs_tuned_compiled_fp8  (e) with the blocks' linear layers in row-wise
+                   FP8 (`model.precision: fp8`; --no-fp8 skips it)
 
 and an end-to-end `embedjob run` over a Parquet file of real JPEGs (decode included)
 against the encoder-only rate of the same images. Times are CUDA-event medians after a
@@ -314,7 +316,7 @@ def bench_mix(name: str, adapter: QwenAdapter, plan: packer.BudgetPlan, managers
     return rows
 
 
-def kernel_table(adapter: QwenAdapter, plan: packer.BudgetPlan, workdir: Path, rows: int = 20) -> None:
+def kernel_table(adapter: QwenAdapter, plan: packer.BudgetPlan, workdir: Path, rows: int = 20, name: str = "kernels.txt") -> None:
     """The CUDA kernels of one compiled eager forward of the largest budget, by device time:
     where the time goes when MFU stays below the matmul rate."""
     from torch.profiler import ProfilerActivity, profile
@@ -331,7 +333,7 @@ def kernel_table(adapter: QwenAdapter, plan: packer.BudgetPlan, workdir: Path, r
             adapter.forward(inputs)
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
-    (workdir / "kernels.txt").write_text(table)
+    (workdir / name).write_text(table)
     logger.info("kernel table of a %d-token batch:\n%s", batch.tokens, table)
 
 
@@ -415,6 +417,36 @@ def _profiled(fn: Callable[[], Any], path: Path, rows: int = 30) -> Any:
     return result
 
 
+def fp8_rows(
+    adapter: QwenAdapter, plan: packer.BudgetPlan, workdir: Path, args: argparse.Namespace, peak: float, fidelity: Any,
+    notes: dict[str, Any],
+) -> list[Row]:
+    """Variant (f): the tuned tower with its blocks in row-wise FP8, compiled (dynamic),
+    one graph per budget. Last, since the conversion is in place."""
+    from embedjob.config import JobError
+
+    try:
+        adapter.use_fp8()
+    except JobError as exc:
+        notes["fp8"] = str(exc)
+        return []
+    start = time.perf_counter()
+    torch._dynamo.reset()
+    adapter.compile(dynamic=True)
+    manager = GraphManager(adapter, plan, "cuda")
+    manager.capture()
+    notes["fp8 compile+capture_s"] = round(time.perf_counter() - start, 1)
+    fidelity.graphs("embedjob graphs tuned compiled fp8", manager)
+    only_ours = argparse.Namespace(**{**vars(args), "skip": {"hf_sdpa", "hf_varlen"}})
+    rows: list[Row] = []
+    for mix in args.mixes:
+        rows += bench_mix(mix, adapter, plan, {"ours_graphs_tuned_compiled_fp8": manager}, only_ours, peak)
+    manager.clear()
+    if args.profile:
+        kernel_table(adapter, plan, workdir, name="kernels-fp8.txt")
+    return rows
+
+
 def render(rows: list[Row], header: dict[str, Any]) -> str:
     lines = [f"# embedjob bench — {header['date']}", ""]
     lines += [f"- {k}: {v}" for k, v in header.items() if k != "date"]
@@ -470,6 +502,8 @@ def main(args: argparse.Namespace) -> int:
             kernel_table(adapter, plan, workdir)
     if checkpoint is not None:
         rows += end_to_end(adapter, checkpoint, workdir, args, peak, compiled="dynamic" in args.compile_modes)
+    if args.fp8:
+        rows += fp8_rows(adapter, plan, workdir, args, peak, fidelity, notes)
     header = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": torch.cuda.get_device_name(),

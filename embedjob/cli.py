@@ -124,6 +124,9 @@ def _bench_command(sub: Any) -> None:
         help="compiled variants: dynamic sequence length (all mixes), static shapes per budget (first mix)",
     )
     bench.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True, help="kernel table of a compiled forward")
+    bench.add_argument(
+        "--fp8", action=argparse.BooleanOptionalAction, default=True, help="the compiled graphs again with model.precision fp8"
+    )
     bench.add_argument("--e2e-images", type=int, default=768, help="rows of the real-JPEG Parquet file (0: skip)")
     bench.add_argument("--e2e-profile", action="store_true", help="profile the end-to-end run (cProfile)")
     bench.add_argument("--workdir", default="bench-work")

@@ -12,7 +12,7 @@ one graph per budget, the median of `--repeats` CUDA-event-timed passes after a 
 in bf16 and in fp8, each variant's pooled vectors kept. The reference is the same
 checkpoint in float32, eager, TF32 off, on the first `--reference` items.
 
-The table at the end: images/s, MFU against a bf16 matmul timed in the same process,
+The table, printed again after each mix: images/s, MFU against a bf16 matmul timed in the same process,
 the speed-up of fp8; per item, the cosine of fp8 to bf16 (every item), and the cosine
 and relative error (|v - ref| / |ref|) of each path to the float32 reference, min or
 max and median. `--smoke` runs it all on the CPU with tiny towers and 24 images.
@@ -175,8 +175,10 @@ def main() -> int:
 
         peak = matmul_peak()
         free(device)
-    rows = [bench_mix(name, args, photos, device, peak) for name in args.mixes]
-    print(render(rows, args, time.perf_counter() - started))
+    rows = []
+    for name in args.mixes:  # the table so far after each mix: a run cut short keeps what it measured
+        rows.append(bench_mix(name, args, photos, device, peak))
+        print(render(rows, args, time.perf_counter() - started), flush=True)
     return 0
 
 

@@ -79,8 +79,8 @@ class ModelConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = key("bfloat16", "the compute precision on a GPU (a CPU computes in float32)")
     precision: Literal["bf16", "fp8"] = key(
         "bf16",
-        "the transformer blocks' linear layers: bf16 (in model.dtype) or fp8 (row-wise FP8, about 1.3x faster; "
-        "GPUs of compute capability 9.0 or newer with model.dtype bfloat16)",
+        "the transformer blocks' linear layers: bf16 (in model.dtype) or fp8 (row-wise FP8; GPUs of compute "
+        "capability 9.0 or newer, model.dtype bfloat16; see README for when it pays)",
     )
     # DINOv2's image embedding: its CLS token (the model's pooled output) or the mean of
     # its patch tokens; CLIP and SigLIP have one fixed pooled output.

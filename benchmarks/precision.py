@@ -16,6 +16,8 @@ The table, printed again after each mix: images/s, MFU against a bf16 matmul tim
 the speed-up of fp8; per item, the cosine of fp8 to bf16 (every item), and the cosine
 and relative error (|v - ref| / |ref|) of each path to the float32 reference, min or
 max and median. `--smoke` runs it all on the CPU with tiny towers and 24 images.
+`--kernels` also prints, per mix and precision, the CUDA kernels of one compiled eager
+forward of the mix's largest batch by device time (where the time goes).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from benchmarks.mixes import MIXES, builtin_sources, collect_photos, jpeg_datase
 from benchmarks.scaling import write_job  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
 from embedjob.encoders import load_adapter  # noqa: E402
+from embedjob.engine import packer  # noqa: E402
+from embedjob.engine.encode import budget_plan  # noqa: E402
 
 SMOKE_IMAGES = 24
 DEFAULT_IMAGES = {"qwen-mixed": 768, "qwen-224": 2048, "siglip": 2048, "clip": 2048}
@@ -61,6 +65,30 @@ def variant(job_path: Path, overrides: list[str], device: torch.device, prepared
     result = measure(load_job(job_path, overrides), device, 1, repeats, prepared, outputs)
     free(device)
     return result, torch.cat(outputs).numpy()
+
+
+def kernel_table(job_path: Path, precision: str, device: torch.device, items: list, rows: int = 15) -> str:
+    """The CUDA kernels of one compiled eager forward of the largest packed batch of
+    `items` in `precision`, by total device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    job = load_job(job_path, [f"model.precision={precision}"])
+    adapter = load_adapter(job, device)
+    adapter.compile(dynamic=True)
+    plan = budget_plan(job, adapter)
+    batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, job.batching.policy)
+    largest = max(batches, key=lambda b: b.tokens)
+    inputs = adapter.eager_inputs([items[i] for i in largest.indices])
+    with torch.inference_mode():
+        adapter.forward(inputs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            adapter.forward(inputs)
+            torch.cuda.synchronize()
+    del adapter, inputs
+    free(device)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+    return f"{precision}, one batch of {largest.tokens} tokens ({len(largest.indices)} items):\n{table}"
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -95,6 +123,9 @@ def bench_mix(name: str, args: argparse.Namespace, photos, device: torch.device,
         torch.backends.cudnn.allow_tf32 = False
     _, reference = variant(job_path, REFERENCE, device, reference_items, 1)
     n = len(reference)
+    if args.kernels and device.type == "cuda":
+        for precision in ("bf16", "fp8"):
+            log(f"[{name}] kernels, {precision}:\n" + kernel_table(job_path, precision, device, prepared[0]))
     return {
         "mix": name,
         "items": len(prepared[0]),
@@ -164,6 +195,7 @@ def main() -> int:
     parser.add_argument("--workdir", default="precision-work")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny towers, 24 images per mix, no compile")
+    parser.add_argument("--kernels", action="store_true", help="also the kernel table of one batch per precision (GPU)")
     args = parser.parse_args()
     args.images = parse_images(args.images)
     started = time.perf_counter()

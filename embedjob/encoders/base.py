@@ -245,12 +245,12 @@ class EncoderAdapter(abc.ABC):
         from embedjob.encoders.fp8 import check_fp8, convert_blocks
 
         check_fp8(self.device, self.dtype)
-        self.fp8_layers = dict(convert_blocks(self.compile_units()))
-        blocks = len(self.compile_units())
+        blocks = self.compile_units()
+        self.fp8_layers = dict(convert_blocks(blocks))
         logger.info(
             "model.precision fp8: %d linear layers of %d blocks in row-wise FP8 (%s); the patch embedding, norms, "
             "attention and the layers outside the blocks in %s",
-            sum(self.fp8_layers.values()), blocks, ", ".join(sorted(self.fp8_layers)), str(self.dtype).removeprefix("torch."),
+            sum(self.fp8_layers.values()), len(blocks), ", ".join(sorted(self.fp8_layers)), str(self.dtype).removeprefix("torch."),
         )
 
     def compile(self, dynamic: bool) -> None:

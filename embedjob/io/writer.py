@@ -197,8 +197,13 @@ class _DigestingFile(io.FileIO):
         self.size = 0
 
     def write(self, data: Any) -> int:
-        written = super().write(data)
-        self.sha256.update(memoryview(data)[:written])
+        """All of `data` (a raw file may take part of it per call; the Parquet writer
+        does not come back for the rest)."""
+        view = memoryview(data).cast("B")
+        written = 0
+        while written < len(view):
+            written += super().write(view[written:])
+        self.sha256.update(view)
         self.size += written
         return written
 

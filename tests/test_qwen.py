@@ -155,6 +155,28 @@ def test_batch_assembly_equals_transformers_precomputes_for_the_whole_batch(cach
         assert torch.equal(padded["window_index"][real:], torch.arange(real, budget))
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_items_of_one_grid_share_their_metadata_and_batches_of_them_stay_exact(cache_dir: str, family: str) -> None:
+    """A worker computes a grid's metadata once; batches of many such items, assembled
+    twice, still equal transformers' precomputes, and assembling them writes nothing
+    into the shared tensors."""
+    adapter = load_adapter(make_job(cache_dir, model={"family": family, "path": f"builtin:tiny-{family}"}), torch.device("cpu"))
+    items = [adapter.preprocessor()(random_image(224, 168, seed)) for seed in range(3)] + [
+        adapter.preprocessor()(random_image(112, 224, 9))
+    ]
+    shared = [k for k in items[0].tensors if k not in ("pixel_values", "grid_thw")]
+    assert shared and all(items[0].tensors[k] is items[2].tensors[k] for k in shared)
+    assert all(items[0].tensors[k] is not items[3].tensors[k] for k in shared)  # another grid, its own
+    before = {k: items[0].tensors[k].clone() for k in shared}
+    ref = _batch_reference(adapter, items)
+    static = adapter.static_inputs(1024, max_items=8, max_frames=8)
+    for _ in range(2):
+        eager, padded = adapter.eager_inputs(items).tensors, adapter.batch_values(items, static)
+        for key in ref:
+            assert torch.equal(eager[key], ref[key]) and torch.equal(padded[key][: ref[key].shape[0]], ref[key]), key
+    assert all(torch.equal(items[0].tensors[k], before[k]) for k in shared)
+
+
 class TorchCalls(TorchFunctionMode):
     """Counts torch function calls (attribute reads such as `.shape` excluded)."""
 

@@ -1,0 +1,90 @@
+"""Decode and preprocessing per core: what one decode worker does per row of a job.
+
+    PYTHONPATH=. python3 benchmarks/decode_rate.py JOB.yaml [JOB.yaml ...] [--rows 1000] [--repeats 3]
+
+For each job, the first `--rows` rows of its input go through `rows.decode_row` (read,
+decode, the model's preprocessing: exactly a worker's work, without the hand-over to
+the rank) in this one process with one torch thread, after a warm-up of 20 rows; the
+best of `--repeats` passes is reported as items/s per core and ms per item, with the
+share of the time spent in the decode step (`embedjob.decode.decode`). Cores a GPU
+needs for a mix = its encoder-only rate / the per-core rate printed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from embedjob import rows as worker  # noqa: E402
+from embedjob.config import load_job  # noqa: E402
+from embedjob.encoders import load_adapter  # noqa: E402
+from embedjob.io import reader  # noqa: E402
+
+WARMUP = 20
+
+
+class DecodeClock:
+    """Wraps `rows.decode` to add up the seconds spent decoding."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._decode = worker.decode
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self._decode(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def measure(job_path: str, rows: int, repeats: int) -> str:
+    job = load_job(job_path, ["runtime.device=cpu"])
+    adapter = load_adapter(job, torch.device("cpu"))
+    options, preprocess = worker.decode_options(job, adapter), adapter.preprocessor()
+    listing = reader.scan_input(job.input, [])
+    end = min(rows, sum(f.num_rows for f in listing.fragments))
+    inputs = list(reader.read_rows(job.input, listing.fragments, 0, end, []))
+    for row in inputs[:WARMUP]:
+        worker.decode_row(row, options, preprocess)
+    clock = DecodeClock()
+    worker.decode = clock
+    best, errors, decode_share = float("inf"), 0, 0.0
+    try:
+        for _ in range(repeats):
+            clock.seconds = 0.0
+            start = time.perf_counter()
+            errors = sum(worker.decode_row(row, options, preprocess).error is not None for row in inputs)
+            seconds = time.perf_counter() - start
+            if seconds < best:
+                best, decode_share = seconds, clock.seconds / seconds
+    finally:
+        worker.decode = clock._decode
+    return (
+        f"| {Path(job_path).parent.name}/{Path(job_path).name} | {job.model.family} | {len(inputs)} | {errors} "
+        f"| {len(inputs) / best:.0f} | {1000 * best / len(inputs):.3f} | {100 * decode_share:.0f}% |"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("jobs", nargs="+")
+    parser.add_argument("--rows", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    lines = [measure(job, args.rows, args.repeats) for job in args.jobs]
+    print("| job | family | rows | error rows | items/s per core | ms per item | decode share |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -209,9 +209,11 @@ class QwenPreprocessor:
             frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
         num, channels, height, width = frames.shape
         t, h, w = num // copies, height // p, width // p
-        patches = frames.reshape(t, copies, channels, h // m, m, p, w // m, m, p)
-        patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return patches.reshape(t * h * w, channels, copies, p * p).contiguous(), (t, h, w)
+        # numpy's strided copy moves these 9-d blocks (rows of 14 bytes) in two thirds
+        # of torch's time; the bytes are the same.
+        patches = frames.numpy().reshape(t, copies, channels, h // m, m, p, w // m, m, p)
+        patches = np.ascontiguousarray(patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8))
+        return torch.from_numpy(patches.reshape(t * h * w, channels, copies, p * p)), (t, h, w)
 
     def item_metadata(self, grid: tuple[int, int, int]) -> dict[str, torch.Tensor]:
         """Per-item precomputes, offsets starting at 0; batch assembly shifts them (into

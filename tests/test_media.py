@@ -233,6 +233,48 @@ def test_bad_images_are_typed_errors(name: str) -> None:
     assert str(err.value) == f"{code}: {err.value.message}" and err.value.message
 
 
+def _outcome(data: bytes, options: DecodeOptions) -> tuple:
+    try:
+        return ("pixels", decode(data, options).pixels.tobytes())
+    except MediaError as exc:
+        return ("error", str(exc))
+
+
+PARITY_JPEGS = {
+    **{name: make for name, make in JPEGS.items()},
+    **{name: make for name, (make, _, _) in BAD_IMAGES.items() if "jpeg" in name},
+    "progressive": lambda: encode(halves(RED, BLUE, "RGB"), "JPEG", progressive=True),
+    "orientation_8": lambda: encode(halves(RED, BLUE, "RGB"), "JPEG", exif=exif_orientation(8)),
+    "frame_header_cut": lambda: local_jpeg()[: local_jpeg().index(b"\xff\xc0") + 6],
+    "zero_width": lambda: (lambda d: d[: d.index(b"\xff\xc0") + 7] + b"\x00\x00" + d[d.index(b"\xff\xc0") + 9 :])(local_jpeg()),
+    "segment_past_the_end": lambda: b"\xff\xd8\xff\xe0\xff\xff" + b"\x00" * 20,
+    "scan_before_frame": lambda: b"\xff\xd8\xff\xda\x00\x08" + b"\x00" * 40,
+    **{f"shared/{p.name}": p.read_bytes for p in shared_files("images") + shared_files("bad") if p.suffix == ".jpg"},
+}
+
+
+@pytest.mark.parametrize("name", PARITY_JPEGS)
+def test_jpegs_read_without_pillow_give_what_pillows_path_gives(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A JPEG goes to torchvision on its frame header's size alone; every picture and
+    every error row (code and message) must be the ones of the path through Pillow."""
+    data = PARITY_JPEGS[name]()
+    small = DecodeOptions(modality="image", max_image_pixels=1000, fps=2.0, max_frames=32, frame_multiple=2)
+    fast = [_outcome(data, IMAGE), _outcome(data, small)]
+    monkeypatch.setattr(image_decode, "_plain_jpeg", lambda data, options: None)
+    assert fast == [_outcome(data, IMAGE), _outcome(data, small)]
+
+
+def test_the_frame_size_is_pillows_size_for_every_good_jpeg() -> None:
+    """Good JPEGs (so the fast path takes them), and none of the bad ones unread by Pillow."""
+    good = {**JPEGS, "progressive": PARITY_JPEGS["progressive"], "orientation_8": PARITY_JPEGS["orientation_8"]}
+    good.update({f"shared/{p.name}": p.read_bytes for p in shared_files("images") if p.suffix == ".jpg"})
+    for name, make in good.items():
+        data = make()
+        assert image_decode.jpeg_frame_size(data) == Image.open(io.BytesIO(data)).size, name
+    for name in ("frame_header_cut", "zero_width", "segment_past_the_end", "scan_before_frame"):
+        assert image_decode.jpeg_frame_size(PARITY_JPEGS[name]()) is None, name
+
+
 # What each file of ../shared/data/bad/ gives, per modality (a DecodedVideo = "video").
 SHARED_BAD = {
     "decord_corrupted.mp4": {"auto": "corrupt", "video": "corrupt", "image": "not_an_image"},

@@ -49,7 +49,9 @@ def decode_image(data: bytes, options: DecodeOptions, fmt: str | None) -> Decode
 
     A JPEG whose frame header is plain to read goes straight to torchvision (`_plain_jpeg`);
     anything else, and every JPEG that fails there, takes Pillow's path from the start,
-    which words every error, so the fast path changes no error row."""
+    which words every error. So an error row is Pillow's path's, and a JPEG that decodes
+    is its picture; only a file whose markers Pillow's parser refuses but libjpeg-turbo
+    decodes whole now gets its picture instead of a corrupt row."""
     if fmt == "JPEG" and (pixels := _plain_jpeg(data, options)) is not None:
         return DecodedImage(pixels=np.ascontiguousarray(pixels))
     img = _open_image(data, fmt)

@@ -109,7 +109,7 @@ def _plain_jpeg(data: bytes, options: DecodeOptions) -> np.ndarray | None:
     """The pixels of a JPEG read without Pillow: its size from the frame header (the
     limits checked as Pillow's path checks them), then torchvision, as that path decodes
     a JPEG. None when either step has anything to say: Pillow's path then runs and words it.
-    Pillow's header parse was a fifth of a 224 px image's decode and preprocessing."""
+    Pillow's header parse was a tenth of a 224 px image's decode and preprocessing."""
     size = jpeg_frame_size(data)
     if size is None:
         return None

@@ -38,9 +38,9 @@ sys.path.insert(0, str(REPO))
 from benchmarks.encoder_only import EncoderOnly, measure, preprocess_rows  # noqa: E402
 from benchmarks.mixes import MIXES, builtin_sources, collect_photos, jpeg_dataset, save_tower  # noqa: E402
 from benchmarks.scaling import write_job  # noqa: E402
+from embedjob.bench import largest_batch_kernels  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
 from embedjob.encoders import load_adapter  # noqa: E402
-from embedjob.engine import packer  # noqa: E402
 from embedjob.engine.encode import budget_plan  # noqa: E402
 
 SMOKE_IMAGES = 24
@@ -69,26 +69,14 @@ def variant(job_path: Path, overrides: list[str], device: torch.device, prepared
 
 def kernel_table(job_path: Path, precision: str, device: torch.device, items: list, rows: int = 15) -> str:
     """The CUDA kernels of one compiled eager forward of the largest packed batch of
-    `items` in `precision`, by total device time."""
-    from torch.profiler import ProfilerActivity, profile
-
+    `items` in `precision`, by total device time (`bench.largest_batch_kernels`)."""
     job = load_job(job_path, [f"model.precision={precision}"])
     adapter = load_adapter(job, device)
     adapter.compile(dynamic=True)
-    plan = budget_plan(job, adapter)
-    batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, job.batching.policy)
-    largest = max(batches, key=lambda b: b.tokens)
-    inputs = adapter.eager_inputs([items[i] for i in largest.indices])
-    with torch.inference_mode():
-        adapter.forward(inputs)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            adapter.forward(inputs)
-            torch.cuda.synchronize()
-    del adapter, inputs
+    batch, table = largest_batch_kernels(adapter, items, budget_plan(job, adapter), job.batching.policy, rows)
+    del adapter
     free(device)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
-    return f"{precision}, one batch of {largest.tokens} tokens ({len(largest.indices)} items):\n{table}"
+    return f"{precision}, one batch of {batch.tokens} tokens ({len(batch.indices)} items):\n{table}"
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:

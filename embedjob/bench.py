@@ -319,22 +319,29 @@ def bench_mix(name: str, adapter: QwenAdapter, plan: packer.BudgetPlan, managers
 def kernel_table(adapter: QwenAdapter, plan: packer.BudgetPlan, workdir: Path, rows: int = 20, name: str = "kernels.txt") -> None:
     """The CUDA kernels of one compiled eager forward of the largest budget, by device time:
     where the time goes when MFU stays below the matmul rate."""
+    items = make_mix("mixed", adapter.preprocessor())
+    batch, table = largest_batch_kernels(adapter, items, plan, "min_padding", rows)
+    (workdir / name).write_text(table)
+    logger.info("kernel table of a %d-token batch:\n%s", batch.tokens, table)
+
+
+def largest_batch_kernels(
+    adapter: Any, items: list[EncoderInput], plan: packer.BudgetPlan, policy: str, rows: int
+) -> tuple[packer.Batch, str]:
+    """The largest batch `items` pack into, and the CUDA kernels of one eager forward of
+    it after a warm-up one (compiled where the adapter is), by total device time."""
     from torch.profiler import ProfilerActivity, profile
 
-    items = make_mix("mixed", adapter.preprocessor())
-    batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")
+    batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, policy)
     batch = max(batches, key=lambda b: b.tokens)
-    chosen = [items[i] for i in batch.indices]
-    inputs = adapter.eager_inputs(chosen)
+    inputs = adapter.eager_inputs([items[i] for i in batch.indices])
     with torch.inference_mode():
         adapter.forward(inputs)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             adapter.forward(inputs)
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
-    (workdir / name).write_text(table)
-    logger.info("kernel table of a %d-token batch:\n%s", batch.tokens, table)
+    return batch, prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
 
 
 def make_jpeg_parquet(path: Path, count: int, seed: int = 0) -> None:

@@ -97,6 +97,9 @@ class PreprocessConfig:
     tiling: Literal["none", "anyres"] = key("none", "CLIP/SigLIP/DINOv2: anyres adds local tiles to the global view")
     max_tiles: int = key(6, "the most local tiles per image with tiling: anyres")
     tile_combine: Literal["concat", "mean"] = key("concat", "how the global and tile vectors merge: [global ; tiles] or their mean")
+    decoder: Literal["cpu", "gpu", "auto"] = key(
+        "cpu", "where JPEGs are decoded: cpu (the decode workers), gpu (nvjpeg on the rank's GPU), auto (gpu where the workers are too few)"
+    )
 
 
 @dataclass
@@ -416,6 +419,12 @@ def _check_model(job: Job, errors: list[str]) -> None:
         )
     if job.model.dinov2_pool != "cls" and job.model.family != "dinov2":
         errors.append(f"model.dinov2_pool applies to model.family 'dinov2' only, not {job.model.family!r}; remove it")
+    if pp.decoder == "gpu" and pp.tiling == "anyres":
+        errors.append("preprocess.decoder = 'gpu' cannot cut anyres tiles (they are cut on the CPU); use decoder: cpu or tiling: none")
+    if pp.decoder == "gpu" and job.runtime.device == "cpu":
+        errors.append("preprocess.decoder = 'gpu' decodes on the rank's GPU but runtime.device is 'cpu'; use decoder: cpu")
+    if pp.decoder == "gpu" and job.input.modality == "video":
+        errors.append("preprocess.decoder = 'gpu' decodes JPEG images and input.modality is 'video'; remove preprocess.decoder")
     if pp.min_pixels is not None and pp.max_pixels is not None and pp.min_pixels > pp.max_pixels:
         errors.append(
             f"preprocess.min_pixels = {pp.min_pixels} is larger than preprocess.max_pixels = {pp.max_pixels}; "

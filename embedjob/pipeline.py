@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from embedjob.config import Job, JobError
 from embedjob.decode import DecodeOptions, MediaError
+from embedjob.decode.device import nvjpeg_problem
 from embedjob.encoders import EncoderAdapter, load_adapter
 from embedjob.engine.defs import Encoded, Encoder
 from embedjob.engine.encode import build_encoder
@@ -55,7 +56,7 @@ from embedjob.io.sink import ErrorRate, Progress, Writer
 from embedjob.io.writer import RowBlock, output_schema
 from embedjob.parallel.cluster import Cluster, Coordinator, resolve_layout
 from embedjob.report.counts import plural, route_warnings
-from embedjob.rows import WORKER_MODULES, Decoded, decode_options, decode_row
+from embedjob.rows import WORKER_MODULES, Decoded, decode_on_device, decode_options, decode_row, decode_task
 from embedjob.slurm import Shard
 from embedjob.stats import BusyClock, RankStats, ShardRun, StageClock, shard_stats
 from embedjob.timeline import Timeline
@@ -78,6 +79,12 @@ waits for the others with those decoded."""
 
 FIRST_WINDOW = 32
 """The smallest first window that ramps up (see `window_sizes`)."""
+
+
+AUTO_ROWS = 64
+"""Items a rank encodes before `preprocess.decoder: auto` compares decode and device rates."""
+AUTO_MARGIN = 1.2
+"""How much faster than the device the workers must decode for auto to keep them."""
 
 
 def window_sizes(window: int) -> Iterator[int]:
@@ -134,6 +141,24 @@ def _warm_imports(compiler: bool) -> None:
         import torch._dynamo  # noqa: F401
         import torch._inductor.codecache  # noqa: F401
     pa.array([0])
+
+
+def jpeg_decoder(job: Job, device: torch.device) -> str:
+    """Where this rank decodes JPEGs: "cpu", "gpu", or "auto" (starts on the CPU, see
+    `RankPipeline._choose_decoder`). `gpu` on a device that cannot is a job error before
+    any work; `auto` there (or in a job with nothing for it: tiles, video only) is "cpu"."""
+    setting = job.preprocess.decoder
+    if setting == "cpu":
+        return "cpu"
+    if setting == "auto" and (job.preprocess.tiling == "anyres" or job.input.modality == "video"):
+        return "cpu"
+    problem = nvjpeg_problem(device)
+    if problem is None:
+        return setting
+    if setting == "gpu":
+        raise JobError(f"preprocess.decoder = 'gpu' cannot run here: {problem}; use decoder: cpu, or a CUDA build of torchvision")
+    logger.info("preprocess.decoder auto: JPEGs decode in the workers (%s)", problem)
+    return "cpu"
 
 
 def output_dtype(job: Job) -> torch.dtype:
@@ -324,6 +349,10 @@ class RankPipeline:
         self.preprocess: Any = None
         self._unencoded = 0
         self._device_free = 0.0
+        self.decoder = "cpu"
+        # Read by the decode pool's task thread: whether the rows it submits now leave
+        # their JPEGs for this rank's GPU.
+        self.defer = False
 
     def prepare(self) -> None:
         """Load the model and build the encoder; a job the model cannot serve (a bad
@@ -337,6 +366,9 @@ class RankPipeline:
         since = self._setup("load", since)
         compile_if_asked(self.job, adapter)
         self.options = decode_options(self.job, adapter)
+        self.decoder = jpeg_decoder(self.job, self.device)
+        self.defer = self.decoder == "gpu"
+        self.stats.decoder = "gpu" if self.defer else "cpu"
         self.preprocess = adapter.preprocessor()
         self.encoder = build_encoder(self.job, adapter, self.device)
         self._setup("plan", since)
@@ -365,7 +397,12 @@ class RankPipeline:
         """Start the decode workers (and their first rows) on a thread while this one
         compiles and captures the graphs: the two take seconds each and need nothing of
         each other (the workers' thread makes no CUDA call, which capture forbids)."""
-        fn = functools.partial(decode_row, options=self.options, preprocess=self.preprocess)
+        if self.decoder == "auto":
+            fn: Callable[[Any], Decoded] = functools.partial(decode_task, options=self.options, preprocess=self.preprocess)
+            rows = ((row, self.defer) for row in rows)
+        else:
+            options = dataclasses.replace(self.options, defer_jpeg=self.defer)
+            fn = functools.partial(decode_row, options=options, preprocess=self.preprocess)
         in_flight = 2 * self.job.batching.window
 
         def start() -> tuple[DecodePool, Iterator[Any]]:
@@ -481,6 +518,9 @@ class RankPipeline:
             current = None
             if window is not None:
                 since, cpu = time.perf_counter(), time.thread_time()
+                if self.decoder != "cpu":
+                    self.stats.device_decoded += decode_on_device(window, self.options, self.preprocess, self.device)
+                    self.clock.add("host gpu decode", since)
                 self._unencoded += sum(d.item is None for d in window)
                 current = encoder.enqueue(window)
                 self.clock.add("host", since)
@@ -507,6 +547,29 @@ class RankPipeline:
         self.stats.items += sum(d.item is not None for d in window)
         self.stats.load += sum(d.item.size for d in window if d.item is not None)
         self._sample(self._device_span(pending.started_at, busy))
+        if self.decoder == "auto":
+            self._choose_decoder()
+
+    def _choose_decoder(self) -> None:
+        """`preprocess.decoder: auto`: once AUTO_ROWS items are encoded, compare what the
+        workers decode per second (workers / their mean seconds per row) with what the
+        device encodes per second of its busy time; when the workers would hold the
+        device back (under AUTO_MARGIN times its rate), the rows submitted from then on
+        leave their JPEGs for the GPU. Decided once: the rows in flight keep theirs."""
+        stats = self.stats
+        if stats.items < AUTO_ROWS or stats.busy_seconds <= 0 or stats.decode_seconds <= 0:
+            return
+        self.decoder = "gpu"
+        decode_rate = max(self.workers, 1) * stats.rows / stats.decode_seconds
+        device_rate = stats.items / stats.busy_seconds
+        self.defer = decode_rate < AUTO_MARGIN * device_rate
+        if not self.defer:
+            self.decoder = "cpu"
+        stats.decoder = self.decoder
+        logger.info(
+            "preprocess.decoder auto: %d decode workers make %.0f rows/s, the device encodes %.0f items/s: JPEGs decode on the %s",
+            self.workers, decode_rate, device_rate, "GPU from here on" if self.defer else "CPU",
+        )
 
     def _device_span(self, launched: float, busy: float) -> tuple[float, float]:
         """When (wall clock) a window ran on the device, as the time series counts it:

@@ -9,6 +9,7 @@ the workers are given; the workers import `WORKER_MODULES` before their first ro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing
 import time
@@ -19,8 +20,10 @@ from typing import Any
 import torch
 
 from embedjob.config import Job, JobError
-from embedjob.decode import DecodedVideo, DecodeOptions, MediaError, decode, read_source, worker_preload
+from embedjob.decode import DecodedVideo, DecodeOptions, DeferredImage, MediaError, decode, read_source, worker_preload
+from embedjob.decode.device import decode_jpegs, pixel_groups
 from embedjob.encoders import EncoderAdapter, EncoderInput
+from embedjob.encoders.base import JPEG_KEY, JPEG_SIZE_KEY
 from embedjob.encoders.registry import ADAPTER_MODULES
 from embedjob.io import reader
 
@@ -64,6 +67,13 @@ def decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any) ->
     return decoded
 
 
+def decode_task(task: tuple[reader.InputRow, bool], options: DecodeOptions, preprocess: Any) -> Decoded:
+    """`decode_row` of a (row, defer) task: with `preprocess.decoder: auto` the rank
+    decides as it goes whether the JPEGs of the rows it submits are left for its GPU."""
+    row, defer = task
+    return decode_row(row, dataclasses.replace(options, defer_jpeg=True) if defer else options, preprocess)
+
+
 def _decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -> Decoded:
     fixed = None if options.modality == "auto" else options.modality
     if row.error is not None:
@@ -73,16 +83,65 @@ def _decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -
         decoded = decode(data, options)
     except MediaError as err:
         return Decoded(row.row, row.id, fixed, None, str(err))
+    return _preprocessed(row.row, row.id, decoded, preprocess)
+
+
+def _preprocessed(row: int, id: Any, decoded: Any, preprocess: Any) -> Decoded:
+    """The row of decoded media: its item, or a preprocess_failed error row."""
     modality = "video" if isinstance(decoded, DecodedVideo) else "image"
     try:
-        item = preprocess(decoded)
+        if isinstance(decoded, DeferredImage):
+            data = torch.frombuffer(bytearray(decoded.data), dtype=torch.uint8)
+            item = preprocess.deferred(data, decoded.height, decoded.width)
+        else:
+            item = preprocess(decoded)
     except Exception as exc:  # a preprocessing failure is one bad row, not a failed job
-        return Decoded(row.row, row.id, modality, None, f"preprocess_failed: {type(exc).__name__}: {exc}")
-    return Decoded(row.row, row.id, modality, item, None)
+        return Decoded(row, id, modality, None, f"preprocess_failed: {type(exc).__name__}: {exc}")
+    return Decoded(row, id, modality, item, None)
 
 
-def decode_options(job: Job, adapter: EncoderAdapter) -> DecodeOptions:
-    """What the decode workers need from the job and the model's preprocessing."""
+def decode_on_device(window: list[Decoded], options: DecodeOptions, preprocess: Any, device: torch.device) -> int:
+    """Decode, on `device`, the JPEGs the workers left undecoded in `window`, in place:
+    each such row gets its item with pixels on the device, or, for a JPEG nvjpeg
+    refuses, what the CPU path makes of it (its item or its error row, as a worker would
+    have). Returns how many rows the device decoded.
+
+    Runs on the rank's main thread, a window at a time: a constant number of nvjpeg calls
+    per window (`pixel_groups` bounds the full-size pictures held at once), then the
+    family's resize per picture on the device, whose kernels queue behind the window
+    the device is still encoding."""
+    waiting = [k for k, d in enumerate(window) if d.item is not None and JPEG_KEY in d.item.tensors]
+    pixels = [int(window[k].item.tensors[JPEG_SIZE_KEY].prod()) for k in waiting]
+    done = 0
+    for group in pixel_groups(pixels):
+        rows = [waiting[g] for g in group]
+        images = decode_jpegs([window[k].item.tensors[JPEG_KEY] for k in rows], device)
+        for k, image in zip(rows, images):
+            window[k] = _finished(window[k], image, options, preprocess)
+            done += image is not None
+    return done
+
+
+def _finished(decoded: Decoded, image: torch.Tensor | None, options: DecodeOptions, preprocess: Any) -> Decoded:
+    """A deferred row once its picture is decoded (`image`), or through the CPU path
+    where nvjpeg refused it (`image` None)."""
+    item = decoded.item
+    if image is None:
+        data = item.tensors[JPEG_KEY].numpy().tobytes()
+        try:
+            media = decode(data, dataclasses.replace(options, defer_jpeg=False))
+        except MediaError as err:
+            return dataclasses.replace(decoded, item=None, error=str(err))
+        return dataclasses.replace(_preprocessed(decoded.row, decoded.id, media, preprocess), seconds=decoded.seconds, extra=decoded.extra)
+    try:
+        return dataclasses.replace(decoded, item=preprocess.on_device(item, image))
+    except Exception as exc:
+        return dataclasses.replace(decoded, item=None, error=f"preprocess_failed: {type(exc).__name__}: {exc}")
+
+
+def decode_options(job: Job, adapter: EncoderAdapter, defer_jpeg: bool = False) -> DecodeOptions:
+    """What the decode workers need from the job and the model's preprocessing;
+    `defer_jpeg` leaves plain JPEGs for the rank's GPU (`preprocess.decoder`)."""
     preprocess = adapter.preprocessor()
     if job.video.max_frames < preprocess.frame_multiple:
         raise JobError(
@@ -101,4 +160,5 @@ def decode_options(job: Job, adapter: EncoderAdapter) -> DecodeOptions:
         video_pixel_limit=job.video.max_total_pixels,
         media_root=reader.local_media_root(job.input),
         max_item_bytes=job.input.max_item_bytes,
+        defer_jpeg=defer_jpeg,
     )

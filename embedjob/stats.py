@@ -78,6 +78,10 @@ class RankStats:
     chunks: int = 0
     busy_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # Where its JPEGs were decoded at the end ("cpu" or "gpu", `preprocess.decoder`) and
+    # how many rows its GPU decoded.
+    decoder: str = "cpu"
+    device_decoded: int = 0
     setup: dict[str, float] = field(default_factory=dict)
     stages: dict[str, float] = field(default_factory=dict)
     waits: dict[str, float] = field(default_factory=dict)
@@ -106,6 +110,8 @@ class RankStats:
             "chunks": self.chunks,
             "busy_seconds": round(self.busy_seconds, 3),
             "decode_seconds": round(self.decode_seconds, 3),
+            "decoder": self.decoder,
+            "device_decoded": self.device_decoded,
             "host_seconds": round(self.stages.get("host", 0.0) - self.launch_seconds, 3),
             "launch_seconds": round(self.launch_seconds, 3),
             "host_cpu_seconds": round(self.stages.get("host cpu", 0.0), 3),
@@ -195,6 +201,7 @@ def _encoded(job: Job, run: ShardRun) -> dict[str, Any]:
         "model": job.model.path,
         "stage_seconds": {k: round(v, 3) for k, v in first.stages.items()},
         "write_seconds": round(run.write_seconds, 3),
+        "device_decoded": sum(r.device_decoded for r in run.ranks),
         "started_at": round(run.started, 3),
         "timeline": run.timeline.to_dict(),
         **_plan(run.ranks),

@@ -6,6 +6,7 @@ encoder work done: `python -m pytest tests/test_gpu.py -q`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -362,3 +363,63 @@ def test_fp8_compiled_graphs_replay_like_eager_and_stay_close_to_bf16(cache_dir:
         cos = torch.nn.functional.cosine_similarity(replayed.float(), full.float(), dim=-1)
         assert cos.min() > 0.98, float(cos.min())
     manager.clear()
+
+
+# JPEG decode on the GPU (`preprocess.decoder: gpu`).
+
+GPU_JPEGS = [p for p in sorted((REPO.parent / "shared" / "data").glob("*/*.jpg"))] + sorted((REPO / "tests" / "data").glob("*.jpg"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "siglip", "clip"])
+def test_a_window_decoded_by_nvjpeg_is_the_cpu_window_up_to_the_decoders_rounding(cache_dir: str, family: str) -> None:
+    """Every deferred JPEG (baseline, progressive, gray) decodes on the GPU; the items
+    keep the CPU path's tokens and grids, their pixels stay on the device and differ from
+    libjpeg-turbo's by rounding only; every file that is an error row on the CPU (a
+    truncated JPEG, a video named .jpg) is the same error row."""
+    from test_device_decode import ALL_JPEGS
+
+    from embedjob import rows as worker
+    from embedjob.decode import DecodeOptions
+    from embedjob.encoders.base import JPEG_KEY
+    from embedjob.io.reader import InputRow
+
+    model = {"family": family, "path": f"builtin:tiny-{family}", "dtype": "bfloat16"}
+    preprocess = load_adapter(make_job(cache_dir, model=model), torch.device("cuda")).preprocessor()
+    options = DecodeOptions(modality="image", max_image_pixels=50_000_000, fps=2.0, max_frames=32, frame_multiple=2)
+    media = [p.read_bytes() for p in GPU_JPEGS] + [ALL_JPEGS[n]() for n in ("progressive", "gray", "orientation_6", "cmyk")]
+    rows = [InputRow(k, k, data, None, None) for k, data in enumerate(media)]
+    cpu = [worker.decode_row(row, options, preprocess) for row in rows]
+    window = [worker.decode_row(row, dataclasses.replace(options, defer_jpeg=True), preprocess) for row in rows]
+    waiting = sum(d.item is not None and JPEG_KEY in d.item.tensors for d in window)
+    assert waiting >= 12
+    assert worker.decode_on_device(window, options, preprocess, torch.device("cuda")) == waiting
+    key = "pixel_values"
+    for got, want in zip(window, cpu, strict=True):
+        assert (got.error, got.modality) == (want.error, want.modality)
+        if want.item is None:
+            continue
+        assert (got.item.tokens, got.item.grid, got.item.token_grid) == (want.item.tokens, want.item.grid, want.item.token_grid)
+        a, b = got.item.tensors[key], want.item.tensors[key]
+        assert a.shape == b.shape
+        diff = (a.to("cpu", torch.int16) - b.to(torch.int16)).abs().float()
+        assert float(diff.mean()) < 2.0, got.id
+
+
+@pytest.mark.parametrize("job_file", ["demo.yaml", "demo-clip.yaml"])
+def test_a_gpu_decoder_job_gives_the_cpu_decoder_jobs_rows(tmp_path: Path, cache_dir: str, job_file: str) -> None:
+    from embedjob.config import load_job
+    from embedjob.pipeline import run_job
+
+    outputs, stats = {}, {}
+    for decoder in ("cpu", "gpu"):
+        overrides = [f"output.path={tmp_path / decoder}", "runtime.device=cuda", f"runtime.cache_dir={cache_dir}",
+                     "runtime.workers=2", "runtime.gpus=1", f"preprocess.decoder={decoder}"]
+        stats[decoder] = run_job(load_job(REPO / "jobs" / job_file, overrides))
+        outputs[decoder] = pq.read_table(sorted((tmp_path / decoder).glob("part-*.parquet"))).to_pylist()
+    assert stats["cpu"]["device_decoded"] == 0 and stats["gpu"]["device_decoded"] == 9
+    assert stats["gpu"]["ranks"][0]["decoder"] == "gpu" and stats["gpu"]["hit_rate"] == 1.0
+    for cpu_row, gpu_row in zip(outputs["cpu"], outputs["gpu"], strict=True):
+        assert (cpu_row["id"], cpu_row["error"], cpu_row["tokens"]) == (gpu_row["id"], gpu_row["error"], gpu_row["tokens"])
+        if cpu_row["error"] is None:
+            a, b = torch.tensor(cpu_row["embedding"]), torch.tensor(gpu_row["embedding"])
+            assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) > 0.99

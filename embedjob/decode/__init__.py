@@ -5,13 +5,14 @@
 
 from embedjob.decode.dispatch import decode
 from embedjob.decode.source import read_source
-from embedjob.decode.types import DecodedImage, DecodedVideo, DecodeOptions, MediaError
+from embedjob.decode.types import DecodedImage, DecodedVideo, DecodeOptions, DeferredImage, MediaError
 from embedjob.decode.video import sample_frame_indices, worker_preload
 
 __all__ = [
     "DecodeOptions",
     "DecodedImage",
     "DecodedVideo",
+    "DeferredImage",
     "MediaError",
     "decode",
     "read_source",

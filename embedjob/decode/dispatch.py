@@ -1,6 +1,7 @@
 """`decode(data, options)`: the one entry to the decoders, and its contract with the pipeline.
 
-- It returns a `DecodedImage` or a `DecodedVideo`, or raises `MediaError`; no other
+- It returns a `DecodedImage` or a `DecodedVideo` (or, with `options.defer_jpeg`, a
+  `DeferredImage` for a plain JPEG the device decodes), or raises `MediaError`; no other
   exception escapes it. A `MediaError` becomes one error row ("code: message"), so a bad
   item never stops the job.
 - The bytes decide the decoder (`sniff.sniff_format`); `options.modality` only refuses
@@ -21,13 +22,13 @@ import logging
 
 from embedjob.decode.image import decode_image
 from embedjob.decode.sniff import sniff_format
-from embedjob.decode.types import DecodedImage, DecodedVideo, DecodeOptions, MediaError
+from embedjob.decode.types import DecodedImage, DecodedVideo, DecodeOptions, DeferredImage, MediaError
 from embedjob.decode.video import decode_video
 
 logger = logging.getLogger(__name__)
 
 
-def decode(data: bytes, options: DecodeOptions) -> DecodedImage | DecodedVideo:
+def decode(data: bytes, options: DecodeOptions) -> DecodedImage | DecodedVideo | DeferredImage:
     """Decode one item; raises only MediaError (unexpected failures: "internal_error",
     with the traceback logged, so a decoder bug costs one row, not the job)."""
     try:
@@ -41,7 +42,7 @@ def decode(data: bytes, options: DecodeOptions) -> DecodedImage | DecodedVideo:
         raise MediaError("internal_error", f"{type(exc).__name__}: {exc}") from None
 
 
-def _decode(data: bytes, options: DecodeOptions) -> DecodedImage | DecodedVideo:
+def _decode(data: bytes, options: DecodeOptions) -> DecodedImage | DecodedVideo | DeferredImage:
     if not data:
         raise MediaError("empty", "0 bytes")
     found = sniff_format(data)

@@ -22,11 +22,12 @@ import logging
 import re
 import struct
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from embedjob.decode.types import DecodedImage, DecodeOptions, MediaError, last_line
+from embedjob.decode.types import DecodedImage, DecodeOptions, DeferredImage, MediaError, last_line
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +45,17 @@ _EXIF_TRANSPOSE = {
 }
 
 
-def decode_image(data: bytes, options: DecodeOptions, fmt: str | None) -> DecodedImage:
+def decode_image(data: bytes, options: DecodeOptions, fmt: str | None) -> DecodedImage | DeferredImage:
     """`fmt` is the sniffed format name (None: unknown); it only words the errors, Pillow decides.
 
     A JPEG whose frame header is plain to read goes straight to torchvision (`_plain_jpeg`);
     anything else, and every JPEG that fails there, takes Pillow's path from the start,
     which words every error. So an error row is Pillow's path's, and a JPEG that decodes
     is its picture; only a file whose markers Pillow's parser refuses but libjpeg-turbo
-    decodes whole now gets its picture instead of a corrupt row."""
+    decodes whole now gets its picture instead of a corrupt row. With `options.defer_jpeg`
+    a plain JPEG is not decoded here at all (`deferred_jpeg`)."""
+    if fmt == "JPEG" and options.defer_jpeg and (deferred := deferred_jpeg(data, options)) is not None:
+        return deferred
     if fmt == "JPEG" and (pixels := _plain_jpeg(data, options)) is not None:
         return DecodedImage(pixels=np.ascontiguousarray(pixels))
     img = _open_image(data, fmt)
@@ -71,15 +75,34 @@ def decode_image(data: bytes, options: DecodeOptions, fmt: str | None) -> Decode
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 """JPEG frame headers (baseline, progressive, lossless, arithmetic): they carry the size.
 0xC4, 0xC8 and 0xCC in that range are tables and a reserved marker."""
+_DEVICE_SOF = frozenset({0xC0, 0xC1, 0xC2})
+"""Huffman-coded baseline, extended and progressive frames: what nvjpeg decodes."""
+_APP1, _APP14 = 0xE1, 0xEE
 
 
-def jpeg_frame_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) of a JPEG's frame header, found by skipping its marker segments;
+@dataclass(frozen=True)
+class JpegHeader:
+    """What a JPEG's segments before its first scan say: the frame header's size, sample
+    components and marker, the EXIF orientation (None: no EXIF block, 0: one that could
+    not be read) and whether an Adobe segment (colour transform flags) is present."""
+
+    width: int
+    height: int
+    components: int
+    sof: int
+    orientation: int | None
+    adobe: bool
+
+
+def jpeg_header(data: bytes) -> JpegHeader | None:
+    """The header of a JPEG, read by skipping its marker segments up to the frame header;
     None for anything unexpected before it (no start of image, a scan before the frame
     header, a segment running past the end, a zero size)."""
     if not data.startswith(b"\xff\xd8"):
         return None
     pos, end = 2, len(data)
+    orientation: int | None = None
+    adobe = False
     while pos + 4 <= end:
         if data[pos] != 0xFF:
             return None
@@ -95,14 +118,67 @@ def jpeg_frame_size(data: bytes) -> tuple[int, int] | None:
         length = int.from_bytes(data[pos + 2 : pos + 4], "big")
         if length < 2 or pos + 2 + length > end:
             return None
+        body = data[pos + 4 : pos + 2 + length]
         if marker in _SOF_MARKERS:
             if length < 8:
                 return None
-            height = int.from_bytes(data[pos + 5 : pos + 7], "big")
-            width = int.from_bytes(data[pos + 7 : pos + 9], "big")
-            return (width, height) if width and height else None
+            height = int.from_bytes(body[1:3], "big")
+            width = int.from_bytes(body[3:5], "big")
+            if not (width and height):
+                return None
+            return JpegHeader(width, height, body[5], marker, orientation, adobe)
+        if marker == _APP1 and body.startswith(b"Exif\x00\x00") and orientation is None:
+            orientation = exif_orientation(body[6:])
+        adobe = adobe or (marker == _APP14 and body.startswith(b"Adobe"))
         pos += 2 + length
     return None
+
+
+def jpeg_frame_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) of a JPEG's frame header (see `jpeg_header`)."""
+    header = jpeg_header(data)
+    return None if header is None else (header.width, header.height)
+
+
+def exif_orientation(tiff: bytes) -> int:
+    """The orientation tag (1-8) of IFD0 of an EXIF block's TIFF structure; 1 where the
+    tag is absent, 0 where the structure cannot be read."""
+    order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
+    if order is None or len(tiff) < 8:
+        return 0
+    ifd = int.from_bytes(tiff[4:8], order)
+    if ifd + 2 > len(tiff):
+        return 0
+    count = int.from_bytes(tiff[ifd : ifd + 2], order)
+    for entry in range(ifd + 2, ifd + 2 + 12 * count, 12):
+        if entry + 12 > len(tiff):
+            return 0
+        if int.from_bytes(tiff[entry : entry + 2], order) == _EXIF_ORIENTATION:
+            value = int.from_bytes(tiff[entry + 8 : entry + 10], order)
+            return value if 1 <= value <= 8 else 0
+    return 1
+
+
+def deferred_jpeg(data: bytes, options: DecodeOptions) -> DeferredImage | None:
+    """A JPEG left for the device's decoder (`preprocess.decoder: gpu`): one whose header
+    is plain (Huffman frame, gray or three components without an Adobe colour transform,
+    no EXIF rotation to apply, whole up to its end-of-image marker) and within the pixel
+    limits. None sends it down the CPU path, which words every error, so a file that is
+    an error row there stays one; the device's decoder gets only what it can decode as
+    the CPU would, and the rank falls back to the CPU path for any it refuses."""
+    header = jpeg_header(data)
+    if header is None or header.sof not in _DEVICE_SOF or header.components not in (1, 3) or header.adobe:
+        return None
+    if header.orientation not in (None, 1) or not data.rstrip(b"\x00").endswith(b"\xff\xd9"):
+        return None
+    if not _within_limits(header.width * header.height, options):
+        return None
+    return DeferredImage(data, header.width, header.height)
+
+
+def _within_limits(pixels: int, options: DecodeOptions) -> bool:
+    """Whether Pillow's path would open an image of `pixels` without an error."""
+    return pixels <= options.max_image_pixels and (Image.MAX_IMAGE_PIXELS is None or pixels <= 2 * Image.MAX_IMAGE_PIXELS)
 
 
 def _plain_jpeg(data: bytes, options: DecodeOptions) -> np.ndarray | None:
@@ -111,10 +187,7 @@ def _plain_jpeg(data: bytes, options: DecodeOptions) -> np.ndarray | None:
     a JPEG. None when either step has anything to say: Pillow's path then runs and words it.
     Pillow's header parse was a tenth of a 224 px image's decode and preprocessing."""
     size = jpeg_frame_size(data)
-    if size is None:
-        return None
-    pixels = size[0] * size[1]
-    if pixels > options.max_image_pixels or (Image.MAX_IMAGE_PIXELS is not None and pixels > 2 * Image.MAX_IMAGE_PIXELS):
+    if size is None or not _within_limits(size[0] * size[1], options):
         return None
     import torch
     from torchvision.io import ImageReadMode, decode_image

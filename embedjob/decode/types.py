@@ -42,7 +42,8 @@ class DecodeOptions:
     video whose frames are larger (`video.max_pixels_per_frame`), and
     `video_pixel_limit` one whose sampled frames hold more pixels together
     (`video.max_total_pixels`): None means no limit. `media_root` (a real path) and
-    `max_item_bytes` are what the worker hands to `read_source`.
+    `max_item_bytes` are what the worker hands to `read_source`. `defer_jpeg` leaves
+    plain JPEGs undecoded (`DeferredImage`) for the device's decoder.
     """
 
     modality: str
@@ -56,6 +57,7 @@ class DecodeOptions:
     video_pixel_limit: int | None = DEFAULT_MAX_VIDEO_PIXELS
     media_root: str | None = None
     max_item_bytes: int | None = DEFAULT_MAX_ITEM_BYTES
+    defer_jpeg: bool = False
 
     def __post_init__(self) -> None:
         if self.modality not in ("image", "video", "auto"):
@@ -84,6 +86,17 @@ class DecodedImage:
     """`pixels`: (H, W, 3) uint8 RGB, C-contiguous, EXIF orientation applied."""
 
     pixels: np.ndarray
+
+
+@dataclass
+class DeferredImage:
+    """A JPEG left undecoded for the device's decoder: its bytes and its frame header's
+    size. Only a JPEG the CPU path would decode without a word gets here (see
+    `image.deferred_jpeg`)."""
+
+    data: bytes
+    width: int
+    height: int
 
 
 @dataclass

@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 PAD_ZERO = "zero"
 PAD_REPEAT_LAST = "repeat_last"
+JPEG_KEY = "jpeg"
+"""An item tensor of a JPEG's bytes (1-d uint8) that the rank decodes on its GPU
+(`preprocess.decoder: gpu`); `Preprocessor.on_device` replaces it by the item's pixels."""
+JPEG_SIZE_KEY = "jpeg_size"
+"""The (height, width) of that JPEG, from its frame header."""
 
 
 @dataclass
@@ -120,11 +125,21 @@ def _rebuild_input(
 
 
 class Preprocessor(Protocol):
-    """Picklable callable run in decode workers: decoded media -> EncoderInput."""
+    """Picklable callable run in decode workers: decoded media -> EncoderInput.
+
+    With `preprocess.decoder: gpu` the workers leave plain JPEGs undecoded: `deferred`
+    makes the item of one from its header alone (everything but its pixels, under
+    `JPEG_KEY`), and the rank's `on_device` fills in the pixels from the picture its
+    GPU decoded, by the same steps as `__call__`, so the item differs from the CPU
+    path's only by the two decoders' rounding."""
 
     frame_multiple: int
 
     def __call__(self, media: Any) -> EncoderInput: ...
+
+    def deferred(self, data: torch.Tensor, height: int, width: int) -> EncoderInput: ...
+
+    def on_device(self, item: EncoderInput, image: torch.Tensor) -> EncoderInput: ...
 
 
 @dataclass(frozen=True)

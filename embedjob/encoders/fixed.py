@@ -40,14 +40,22 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.encoders.base import EncoderAdapter, EncoderInput, PathSpec, Placement, StaticInputs
+from embedjob.encoders.base import (
+    JPEG_KEY,
+    JPEG_SIZE_KEY,
+    EncoderAdapter,
+    EncoderInput,
+    PathSpec,
+    Placement,
+    StaticInputs,
+)
 from embedjob.encoders.loading import (
     AdapterOptions,
     builtin_model,
@@ -170,6 +178,20 @@ class FixedPreprocessor:
         tokens = count * self.tokens_per_image
         token_grid = (views.shape[0], *self.patch_grid)
         return EncoderInput(tensors, tokens=tokens, frames=num_frames, size=tokens, modality=modality, token_grid=token_grid)
+
+    def deferred(self, data: torch.Tensor, height: int, width: int) -> EncoderInput:
+        """A JPEG the rank decodes on its GPU: every image costs `tokens_per_image`,
+        whatever its size. Tiles are cut from the decoded picture on the CPU, so a tiled
+        job never defers (the job spec refuses `decoder: gpu` with tiles)."""
+        if self.max_tiles:
+            raise ValueError("anyres tiles are cut on the CPU; a tiled job decodes its JPEGs there")
+        tokens = self.tokens_per_image
+        tensors = {JPEG_KEY: data, JPEG_SIZE_KEY: torch.tensor([height, width])}
+        return EncoderInput(tensors, tokens=tokens, frames=0, size=tokens, modality="image", token_grid=(1, *self.patch_grid))
+
+    def on_device(self, item: EncoderInput, image: torch.Tensor) -> EncoderInput:
+        """`deferred`'s item with its view made from the decoded (3, H, W) uint8 picture."""
+        return replace(item, tensors={GLOBAL_KEY: self.process(image.unsqueeze(0))})
 
     def process(self, images: torch.Tensor) -> torch.Tensor:
         """(N, 3, H, W) uint8 -> (N, 3, h, w) uint8 views, h x w = `input_size`.
@@ -382,9 +404,12 @@ class FixedResAdapter(EncoderAdapter):
 
     def _joined(self, items: list[EncoderInput]) -> torch.Tensor:
         """All items' views in one new uint8 tensor, joined by one `cat`, page-locked
-        when it feeds a GPU so the copy to the device is asynchronous."""
+        when it feeds a GPU so the copy to the device is asynchronous. Views the GPU
+        decoded are already there: then the batch is joined on the device."""
         parts = [item.tensors[GLOBAL_KEY] for item in items]
         views = sum(self._views(items))
+        if any(part.device.type != "cpu" for part in parts):
+            return torch.cat([part.to(self.device, non_blocking=True) for part in parts])
         out = torch.empty((views, 3, *self.processing.input_size), dtype=torch.uint8, pin_memory=self.pin_memory)
         return torch.cat(parts, out=out)
 

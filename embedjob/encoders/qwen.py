@@ -22,7 +22,7 @@ import importlib
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,15 @@ import torchvision.transforms.v2.functional as tvF
 
 from embedjob.encoders.attention import HALF
 from embedjob.encoders.attention import register as register_attention
-from embedjob.encoders.base import PAD_REPEAT_LAST, EncoderAdapter, EncoderInput, Placement, StaticInputs
+from embedjob.encoders.base import (
+    JPEG_KEY,
+    JPEG_SIZE_KEY,
+    PAD_REPEAT_LAST,
+    EncoderAdapter,
+    EncoderInput,
+    Placement,
+    StaticInputs,
+)
 from embedjob.encoders.loading import AdapterOptions, builtin_model, download_snapshot, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -152,21 +160,39 @@ class QwenPreprocessor:
             bounds = (self.video_min_pixels, self.video_max_pixels)
             modality, num_frames = "video", int(frames.shape[0])
         pixels, grid = self.patchify(self.resize(video, *bounds), image=frames is None)
-        tensors = {"pixel_values": pixels, "grid_thw": torch.tensor(grid, dtype=torch.int64)}
-        tensors.update(self.item_metadata(grid))
+        return self._item({"pixel_values": pixels}, grid, modality, num_frames)
+
+    def deferred(self, data: torch.Tensor, height: int, width: int) -> EncoderInput:
+        """A JPEG the rank decodes on its GPU: its grid (so its tokens and metadata)
+        follows from its header's size alone."""
+        resized = self._resized(height, width, self.min_pixels, self.max_pixels)
+        grid = (1, resized[0] // self.patch_size, resized[1] // self.patch_size)
+        tensors = {JPEG_KEY: data, JPEG_SIZE_KEY: torch.tensor([height, width])}
+        return self._item(tensors, grid, "image", 0)
+
+    def on_device(self, item: EncoderInput, image: torch.Tensor) -> EncoderInput:
+        """`deferred`'s item with its patches made from the decoded (3, H, W) uint8 picture."""
+        pixels, grid = self.patchify(self.resize(image.unsqueeze(0), self.min_pixels, self.max_pixels), image=True)
+        if grid != item.grid:
+            raise ValueError(f"the decoded picture gives the grid {grid}, its header {item.grid}")
+        tensors = {k: v for k, v in item.tensors.items() if k not in (JPEG_KEY, JPEG_SIZE_KEY)}
+        return replace(item, tensors={"pixel_values": pixels, **tensors})
+
+    def _item(self, tensors: dict[str, torch.Tensor], grid: tuple[int, int, int], modality: str, frames: int) -> EncoderInput:
+        """The item of `grid` with `tensors` and the grid's metadata."""
+        tensors = {**tensors, "grid_thw": torch.tensor(grid, dtype=torch.int64), **self.item_metadata(grid)}
         t, h, w = grid
         tokens = t * h * w // (self.merge_size**2)
         merged = (t, h // self.merge_size, w // self.merge_size)
-        return EncoderInput(
-            tensors, tokens=tokens, frames=num_frames, size=t * h * w, modality=modality, grid=grid, token_grid=merged
-        )
+        return EncoderInput(tensors, tokens=tokens, frames=frames, size=t * h * w, modality=modality, grid=grid, token_grid=merged)
 
     def resize(self, frames: torch.Tensor, min_pixels: int, max_pixels: int) -> torch.Tensor:
         """(T, 3, H, W) uint8 -> (T, 3, H', W') uint8 at the `smart_resize` size."""
-        height, width = frames.shape[-2:]
-        factor = self.patch_size * self.merge_size
-        size = smart_resize(height, width, factor, min_pixels, max_pixels)
+        size = self._resized(*frames.shape[-2:], min_pixels, max_pixels)
         return tvF.resize(frames, list(size), interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+
+    def _resized(self, height: int, width: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+        return smart_resize(height, width, self.patch_size * self.merge_size, min_pixels, max_pixels)
 
     def pixel_scale(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and std times 255 (float32, computed on the CPU), shaped to broadcast over
@@ -209,10 +235,14 @@ class QwenPreprocessor:
             frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
         num, channels, height, width = frames.shape
         t, h, w = num // copies, height // p, width // p
+        blocks = (t, copies, channels, h // m, m, p, w // m, m, p)
+        order = (0, 3, 6, 4, 7, 2, 1, 5, 8)
+        if frames.device.type != "cpu":  # decoded on the GPU (`on_device`): the pixels stay there
+            patches = frames.reshape(blocks).permute(order).contiguous()
+            return patches.reshape(t * h * w, channels, copies, p * p), (t, h, w)
         # numpy's strided copy moves these 9-d blocks (rows of 14 bytes) in two thirds
         # of torch's time; the bytes are the same.
-        patches = frames.numpy().reshape(t, copies, channels, h // m, m, p, w // m, m, p)
-        patches = np.ascontiguousarray(patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8))
+        patches = np.ascontiguousarray(frames.numpy().reshape(blocks).transpose(order))
         return torch.from_numpy(patches.reshape(t * h * w, channels, copies, p * p)), (t, h, w)
 
     def item_metadata(self, grid: tuple[int, int, int]) -> dict[str, torch.Tensor]:
@@ -401,10 +431,16 @@ class QwenAdapter(EncoderAdapter):
         item, all in one call (`_foreach_copy_`, the list form of `copy_` that torch's
         optimizers use; on the CPU it loops in C++): an image's one temporal copy fills
         every temporal slot of its rows, a video's rows copy as they are, and each byte
-        is written once."""
+        is written once. Patches the GPU decoded are already there: then the batch is
+        assembled on the device (a CPU item among them is copied up by its `copy_`)."""
         tp = self.processing.temporal_patch_size
-        out = torch.empty((sum(rows), 3, tp, self.patch_dim // (3 * tp)), dtype=torch.uint8, pin_memory=self.pin_memory)
-        torch._foreach_copy_(out.split(rows), [i.tensors["pixel_values"] for i in items])
+        parts = [i.tensors["pixel_values"] for i in items]
+        shape = (sum(rows), 3, tp, self.patch_dim // (3 * tp))
+        if any(part.device.type != "cpu" for part in parts):
+            out = torch.empty(shape, dtype=torch.uint8, device=self.device)
+        else:
+            out = torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+        torch._foreach_copy_(out.split(rows), parts)
         return out.view(-1, self.patch_dim)
 
     def _window_index(self, items: list[EncoderInput], length: int) -> torch.Tensor:

@@ -104,11 +104,12 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
     """
     listing = listing if listing is not None else reader.scan_input(job.input)
     keys = ("path", "media_column", "id_column", "modality", "media_root", "max_item_bytes")
-    # The default precision is left out: output written before the key existed resumes.
+    # Defaults of keys added later are left out: output written before they existed resumes.
     model = {k: v for k, v in vars(job.model).items() if (k, v) != ("precision", "bf16")}
+    preprocess = {k: v for k, v in vars(job.preprocess).items() if (k, v) != ("decoder", "cpu")}
     return {
         "model": model,
-        "preprocessing": {"preprocess": vars(job.preprocess), "video": vars(job.video)},
+        "preprocessing": {"preprocess": preprocess, "video": vars(job.video)},
         "pooling": job.output.pooling,
         "output_dtype": job.output.dtype,
         # What a part holds besides the model's vectors: parts of one output must agree.

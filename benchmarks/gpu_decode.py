@@ -1,0 +1,172 @@
+"""`preprocess.decoder: cpu` against `gpu` on the scaling benchmark's mixes, with few decode cores.
+
+On the GPU machine, from the repository root:
+
+    PYTHONPATH=. python3 benchmarks/gpu_decode.py --photos bench-data [--mixes qwen-224 siglip] [--workers 4]
+
+For each mix (`benchmarks/mixes.py`: distinct JPEGs cut from real photos, towers of the
+published sizes with random weights, loaded through `model.path`), it measures the
+encoder-only rate of the mix's items (`benchmarks/encoder_only.py`), then runs the job
+through the CLI as a user would (`embedjob run --gpus 1`, bf16, `batching.compile: true`,
+`runtime.workers` = `--workers`) once with `preprocess.decoder: cpu` and once with `gpu`,
+and prints one table: images/s after setup, that over the encoder-only rate, the rows
+the GPU decoded, rank 0's main-thread ms per row and its seconds in the GPU decode, the
+workers' decode seconds, and, per row, the cosine between the embedding of the GPU-decoded
+and the CPU-decoded pixels (min and median: nvjpeg and libjpeg-turbo round differently;
+the same model and batches, so that is all that differs). The table is also written to
+`<workdir>/gpu_decode.md`, after each mix, so a run cut short keeps what it measured.
+`--smoke` runs it on the CPU with tiny towers (the GPU decoder then stops with its job
+error, which the table shows), to check the script without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
+from benchmarks.mixes import MIXES, SMOKE_IMAGES, builtin_sources, collect_photos, jpeg_dataset, save_tower  # noqa: E402
+from benchmarks.scaling import NO_MULTICAST, fmt, log, matmul_peak, rank0, read_output, run_cli, timed_rows, write_job  # noqa: E402
+from embedjob.config import load_job  # noqa: E402
+
+DECODERS = ("cpu", "gpu")
+
+
+@dataclass
+class MixRuns:
+    """One mix: its encoder-only rate and a run's statistics per decoder (None: failed)."""
+
+    mix: str
+    rows: int
+    encoder: EncoderOnly | None = None
+    runs: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    cosines: np.ndarray | None = None
+    same_rows: bool | None = None
+
+
+def main() -> int:
+    args = parse_args()
+    for key, value in NO_MULTICAST.items():
+        os.environ.setdefault(key, value)
+    workdir = Path(args.workdir).resolve()
+    cores = len(os.sched_getaffinity(0))
+    photos = collect_photos([*builtin_sources(), *args.photos])
+    counts = {name: args.images or (SMOKE_IMAGES if args.smoke else MIXES[name].images) for name in args.mixes}
+    datasets = {name: jpeg_dataset(MIXES[name], counts[name], 0, photos, workdir / "data", cores) for name in args.mixes}
+    peak = None if args.smoke else matmul_peak()
+    results: list[MixRuns] = []
+    for name in args.mixes:
+        results.append(bench_mix(name, datasets[name].path, counts[name], workdir, cores, args))
+        text = render(results, args, peak)
+        (workdir / "gpu_decode.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def bench_mix(name: str, parquet: Path, rows: int, workdir: Path, cores: int, args: argparse.Namespace) -> MixRuns:
+    mix = MIXES[name]
+    tower = save_tower(mix.tower, workdir / "towers", args.smoke)
+    mixdir = workdir / name
+    job = write_job(mixdir, mix, tower, parquet, workdir / "cache", args.smoke)
+    result = MixRuns(name, rows)
+    log(f"[{name}] encoder only")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    result.encoder = measure(load_job(job, []), device, cores, 3)
+    tables: dict[str, pa.Table] = {}
+    for decoder in DECODERS:
+        overrides = [f"runtime.workers={args.workers}", f"preprocess.decoder={decoder}"]
+        output = mixdir / f"out-{decoder}"
+        result.runs[decoder] = run_cli(job, output, 1, overrides, mixdir / "logs" / f"{decoder}.log")
+        log(f"[{name}] decoder {decoder}: {'done' if result.runs[decoder] else 'FAILED'}")
+        if result.runs[decoder] is not None:
+            tables[decoder] = read_output(output)
+    if len(tables) == 2:
+        result.same_rows, result.cosines = compare(tables["cpu"], tables["gpu"])
+    return result
+
+
+def compare(cpu: pa.Table, gpu: pa.Table) -> tuple[bool, np.ndarray]:
+    """Whether ids, order, tokens and errors agree, and the cosine of each good row's embeddings."""
+    keys = [c for c in ("id", "row", "error", "tokens") if c in cpu.column_names]
+    same = cpu.select(keys).equals(gpu.select(keys))
+    good = np.array([e is None for e in cpu.column("error").to_pylist()])
+    a = _vectors(cpu)[good].astype(np.float64)
+    b = _vectors(gpu)[good].astype(np.float64)
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return same, cos
+
+
+def _vectors(table: pa.Table) -> np.ndarray:
+    column = table.column("embedding")
+    width = max(len(v) for v in column.to_pylist() if v is not None)
+    return np.array([v if v is not None else [0.0] * width for v in column.to_pylist()], dtype=np.float32)
+
+
+def render(results: list[MixRuns], args: argparse.Namespace, peak: float | None) -> str:
+    head = ["mix", "decoder", "workers", "rows", "seconds", "images/s", "/ enc.-only", "GPU-decoded rows",
+            "main ms/row", "GPU decode s", "worker decode s", "setup s", "cos min", "cos median", "rows identical"]
+    lines = [
+        f"# preprocess.decoder cpu vs gpu ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+        f"device: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}; torch {torch.__version__}; "
+        f"bf16 matmul {fmt(peak and peak / 1e12, '.0f')} TFLOP/s; command: {' '.join(sys.argv)}",
+        "",
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join("---" if k < 2 else "---:" for k in range(len(head))) + " |",
+    ]
+    for result in results:
+        enc = result.encoder.rate if result.encoder is not None else None
+        lines.append(_row([result.mix, "encoder only", "-", result.rows, fmt(result.encoder and result.encoder.seconds, ".2f"),
+                           fmt(enc, ".1f")] + ["-"] * (len(head) - 6)))
+        for decoder in DECODERS:
+            lines.append(_row(_run_cells(result, decoder, enc, args.workers)))
+    return "\n".join(lines)
+
+
+def _run_cells(result: MixRuns, decoder: str, enc: float | None, workers: int) -> list[Any]:
+    stats = result.runs.get(decoder)
+    if stats is None:
+        return [result.mix, decoder, workers, result.rows, "FAILED"] + ["-"] * 10
+    rate = timed_rows(stats) / stats["pipeline_seconds"] if stats["pipeline_seconds"] else None
+    first = rank0(stats)
+    cos = result.cosines if decoder == "gpu" and result.cosines is not None and len(result.cosines) else None
+    return [
+        result.mix, decoder, workers, stats["rows"], fmt(stats["pipeline_seconds"], ".2f"), fmt(rate, ".1f"),
+        fmt(rate / enc if rate and enc else None, ".3f"), stats.get("device_decoded", "-"),
+        fmt(first.get("host_seconds", 0) * 1e3 / max(first.get("rows", 1), 1), ".3f"),
+        fmt(stats.get("stage_seconds", {}).get("host gpu decode"), ".2f"), fmt(first.get("decode_seconds"), ".1f"),
+        fmt(stats.get("setup_seconds"), ".1f"), fmt(cos.min() if cos is not None else None, ".5f"),
+        fmt(float(np.median(cos)) if cos is not None else None, ".5f"),
+        "-" if decoder == "cpu" or result.same_rows is None else ("yes" if result.same_rows else "NO"),
+    ]
+
+
+def _row(cells: list[Any]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mixes", nargs="+", default=["qwen-224", "siglip"], choices=list(MIXES))
+    parser.add_argument("--images", type=int, default=0, help="rows per mix (0: the mix's default)")
+    parser.add_argument("--workers", type=int, default=4, help="runtime.workers: decode processes for the one GPU")
+    parser.add_argument("--workdir", default="gpu-decode-work")
+    parser.add_argument("--photos", nargs="+", action="extend", type=Path, default=[], help="directories or files of photos")
+    parser.add_argument("--smoke", action="store_true", help="CPU only: tiny towers, 24 images per mix")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""`preprocess.decoder: gpu` on the CPU: which JPEGs the workers leave for the device, the
+rank's completion of them, nvjpeg's refusals, the job spec and auto's choice.
+
+`decode_on_device` given the CPU decodes with libjpeg-turbo through the same torchvision
+call nvjpeg serves on a GPU, so here its items must be bitwise the workers' own: that
+checks every step around the decoder (what is deferred, the resize, the patch order,
+the metadata, batch assembly). The CUDA side is in test_gpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, make_job
+from hypothesis import given
+from hypothesis import strategies as st
+from PIL import Image
+from test_media import IMAGE, JPEGS, PARITY_JPEGS, encode, exif_orientation, halves, shared_files
+
+from embedjob import rows as worker
+from embedjob.cli import main
+from embedjob.config import JobError, job_from_dict
+from embedjob.decode import DeferredImage, MediaError, decode
+from embedjob.decode import image as image_decode
+from embedjob.decode.device import pixel_groups
+from embedjob.encoders import load_adapter
+from embedjob.encoders.base import JPEG_KEY
+from embedjob.io.checkpoint import job_fingerprint
+from embedjob.io.reader import InputRow
+from embedjob.pipeline import RankPipeline
+
+DEFER = dataclasses.replace(IMAGE, defer_jpeg=True)
+RED, BLUE = (220, 20, 30), (10, 40, 200)
+EXTRA_JPEGS = {
+    "gray": lambda: encode(halves((90,), (200,), "L"), "JPEG"),
+    "cmyk": lambda: encode(halves((0, 200, 100, 0), (200, 0, 0, 50), "CMYK"), "JPEG"),
+    "orientation_1": lambda: encode(halves(RED, BLUE, "RGB"), "JPEG", exif=exif_orientation(1)),
+    "orientation_6": lambda: encode(halves(RED, BLUE, "RGB"), "JPEG", exif=exif_orientation(6)),
+    "bytes_after_the_end": lambda: encode(halves(RED, BLUE, "RGB"), "JPEG") + b"trailing",
+}
+ALL_JPEGS = {**PARITY_JPEGS, **EXTRA_JPEGS}
+
+
+def outcome(data: bytes, options) -> tuple:
+    try:
+        result = decode(data, options)
+    except MediaError as err:
+        return ("error", str(err))
+    if isinstance(result, DeferredImage):
+        return ("deferred", result.width, result.height)
+    return ("pixels", result.pixels.tobytes())
+
+
+@pytest.mark.parametrize("name", ALL_JPEGS)
+def test_only_jpegs_the_cpu_decodes_without_a_word_are_left_for_the_gpu(name: str) -> None:
+    """A deferred JPEG is one the CPU path decodes, upright, at its header's size; any
+    other gives exactly the CPU path's outcome (so an error row stays that row)."""
+    data = ALL_JPEGS[name]()
+    deferred, cpu = outcome(data, DEFER), outcome(data, IMAGE)
+    if deferred[0] != "deferred":
+        assert deferred == cpu
+        return
+    assert cpu[0] == "pixels"
+    picture = decode(data, IMAGE).pixels
+    assert (deferred[2], deferred[1]) == picture.shape[:2] == Image.open(io.BytesIO(data)).size[::-1]
+
+
+def test_the_common_jpegs_defer_and_the_unusual_ones_stay_on_the_cpu() -> None:
+    deferred = {name for name, make in ALL_JPEGS.items() if isinstance(_try(make()), DeferredImage)}
+    for name in ("progressive", "gray", "orientation_1", "L_jpeg", "img2dataset_123_456.jpg", "img2dataset_456_123.jpg"):
+        assert name in deferred, name
+    for name in ("cmyk", "CMYK_jpeg", "orientation_6", "JPEG_orientation_6", "orientation_8", "bytes_after_the_end", "half_jpeg"):
+        assert name not in deferred, name
+    shared = [f"shared/{p.name}" for p in shared_files("images") if p.suffix == ".jpg"]
+    assert all(name in deferred for name in shared)
+
+
+def _try(data: bytes):
+    try:
+        return decode(data, DEFER)
+    except MediaError as err:
+        return err
+
+
+@pytest.mark.parametrize("order", ["II", "MM"])
+@pytest.mark.parametrize("value", range(1, 9))
+def test_the_exif_orientation_is_read_in_either_byte_order(order: str, value: int) -> None:
+    endian = "little" if order == "II" else "big"
+    entry = (0x0110).to_bytes(2, endian) + (2).to_bytes(2, endian) + (4).to_bytes(4, endian) + b"abcd"
+    orientation = (0x0112).to_bytes(2, endian) + (3).to_bytes(2, endian) + (1).to_bytes(4, endian)
+    orientation += value.to_bytes(2, endian) + b"\x00\x00"
+    tiff = order.encode() + (42).to_bytes(2, endian) + (8).to_bytes(4, endian) + (2).to_bytes(2, endian)
+    tiff += entry + orientation + b"\x00" * 4
+    assert image_decode.exif_orientation(tiff) == value
+    assert image_decode.exif_orientation(tiff[:20]) == 0
+    pillow = encode(halves(RED, BLUE, "RGB"), "JPEG", exif=exif_orientation(value))
+    assert image_decode.jpeg_header(pillow).orientation == value
+
+
+def rows_of(names: list[str]) -> list[InputRow]:
+    return [InputRow(k, name, ALL_JPEGS[name](), None, None) for k, name in enumerate(names)]
+
+
+CORPUS = ["progressive", "gray", "orientation_1", "orientation_6", "cmyk", "half_jpeg", *JPEGS]
+CORPUS += [f"shared/{p.name}" for p in shared_files("images") if p.suffix == ".jpg"]
+FAMILIES = {"qwen": "builtin:tiny-qwen2_5_vl", "siglip": "builtin:tiny-siglip", "clip": "builtin:tiny-clip"}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def preprocess(request: pytest.FixtureRequest, cache_dir: str):
+    job = make_job(cache_dir, model={"path": FAMILIES[request.param], "family": request.param.replace("qwen", "qwen2_5_vl")})
+    return load_adapter(job, torch.device("cpu")).preprocessor()
+
+
+def assert_same_rows(got: list[worker.Decoded], want: list[worker.Decoded]) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert (a.row, a.id, a.error, a.modality) == (b.row, b.id, b.error, b.modality), a.id
+        if b.item is None:
+            assert a.item is None
+            continue
+        assert (a.item.tokens, a.item.frames, a.item.size, a.item.grid, a.item.token_grid) == (
+            b.item.tokens, b.item.frames, b.item.size, b.item.grid, b.item.token_grid
+        ), a.id
+        assert sorted(a.item.tensors) == sorted(b.item.tensors), a.id
+        for key, value in b.item.tensors.items():
+            assert torch.equal(a.item.tensors[key], value), (a.id, key)
+
+
+def test_a_window_completed_by_the_rank_equals_what_the_workers_make(preprocess) -> None:
+    """Deferred rows, sent through a pickle as from a worker, then completed: the items
+    (pixels, grid, metadata, tokens) and error rows of the CPU path, bit for bit."""
+    rows = rows_of(CORPUS)
+    want = [worker.decode_row(row, IMAGE, preprocess) for row in rows]
+    window = [pickle.loads(pickle.dumps(worker.decode_row(row, DEFER, preprocess), protocol=5)) for row in rows]
+    waiting = sum(d.item is not None and JPEG_KEY in d.item.tensors for d in window)
+    assert waiting >= len(JPEGS) + 3
+    assert worker.decode_on_device(window, IMAGE, preprocess, torch.device("cpu")) == waiting
+    assert_same_rows(window, want)
+
+
+def test_a_jpeg_nvjpeg_refuses_takes_the_cpu_path_row_for_row(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the device's decoder refuses a file, its row is what a worker makes of it:
+    the picture, or the same error row (a JPEG whose header is plain and whose data is
+    garbage)."""
+    garbage = bytearray(ALL_JPEGS["progressive"]())
+    start = garbage.index(b"\xff\xda") + 20
+    garbage[start : len(garbage) - 2] = bytes(len(garbage) - 2 - start)
+    ALL_JPEGS_WITH = {**ALL_JPEGS, "garbage_scan": lambda: bytes(garbage)}
+    rows = [InputRow(k, name, ALL_JPEGS_WITH[name](), None, None) for k, name in enumerate([*CORPUS, "garbage_scan"])]
+    monkeypatch.setattr(worker, "decode_jpegs", lambda data, device: [None] * len(data))
+    window = [worker.decode_row(row, DEFER, preprocess) for row in rows]
+    assert worker.decode_on_device(window, IMAGE, preprocess, torch.device("cpu")) == 0
+    assert_same_rows(window, [worker.decode_row(row, IMAGE, preprocess) for row in rows])
+
+
+@given(st.lists(st.integers(0, 300), max_size=40), st.integers(1, 500))
+def test_pixel_groups_cover_every_index_in_order_within_the_limit(pixels: list[int], limit: int) -> None:
+    groups = pixel_groups(pixels, limit)
+    assert [k for group in groups for k in group] == list(range(len(pixels)))
+    for group in groups:
+        assert len(group) == 1 or sum(pixels[k] for k in group) <= limit
+    for first, second in zip(groups, groups[1:]):
+        assert sum(pixels[k] for k in first) + pixels[second[0]] > limit
+
+
+def spec(**preprocess) -> dict:
+    return {"input": {"path": "x.parquet", "media_column": "image"}, "model": {"path": "builtin:tiny-siglip"},
+            "output": {"path": "out"}, "preprocess": preprocess}
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"preprocess": {"decoder": "gpu", "tiling": "anyres"}}, "use decoder: cpu or tiling: none"),
+        ({"preprocess": {"decoder": "gpu"}, "runtime": {"device": "cpu"}}, "runtime.device is 'cpu'; use decoder: cpu"),
+        ({"preprocess": {"decoder": "gpu"}, "input": {"modality": "video"}}, "input.modality is 'video'"),
+        ({"preprocess": {"decoder": "nvjpeg"}}, "'cpu' | 'gpu' | 'auto'"),
+    ],
+)
+def test_a_decoder_the_job_cannot_use_is_refused_with_what_to_change(change: dict, says: str) -> None:
+    raw = spec()
+    for section, values in change.items():
+        raw.setdefault(section, {}).update(values)
+    with pytest.raises(JobError, match="preprocess.decoder") as err:
+        job_from_dict(raw)
+    assert says in str(err.value)
+
+
+def test_the_default_decoder_leaves_the_fingerprint_of_earlier_output_unchanged(tmp_path: Path, cache_dir: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"image": [b"x"]}), table)
+    cpu = job_fingerprint(make_job(cache_dir, input={"path": str(table)}))
+    gpu = job_fingerprint(make_job(cache_dir, input={"path": str(table)}, preprocess={"decoder": "gpu"}))
+    assert "decoder" not in cpu["preprocessing"]["preprocess"] and gpu["preprocessing"]["preprocess"]["decoder"] == "gpu"
+
+
+DEMO = str(REPO / "jobs" / "demo.yaml")
+
+
+def test_a_gpu_decoder_without_a_gpu_is_one_line_before_any_row(tmp_path: Path, cache_dir: str, capsys) -> None:
+    code = main(["run", DEMO, "--set", f"output.path={tmp_path}", "--set", f"runtime.cache_dir={cache_dir}",
+                 "--set", "preprocess.decoder=gpu"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "preprocess.decoder = 'gpu' cannot run here: cpu is not a CUDA device; use decoder: cpu" in err
+    assert not list(tmp_path.glob("part-*.parquet"))
+
+
+def test_auto_without_a_gpu_decodes_in_the_workers(tmp_path: Path, cache_dir: str) -> None:
+    code = main(["run", DEMO, "--set", f"output.path={tmp_path}", "--set", f"runtime.cache_dir={cache_dir}",
+                 "--set", "preprocess.decoder=auto"])
+    assert code == 0
+    stats = json.loads(next((tmp_path / "_embedjob").glob("stats-*.json")).read_text())
+    assert stats["device_decoded"] == 0 and [r["decoder"] for r in stats["ranks"]] == ["cpu"]
+    assert stats["rows"] == 12 and stats["errors"] == 2
+
+
+@pytest.mark.parametrize(("seconds_per_row", "defers"), [(0.05, True), (0.0005, False)])
+def test_auto_moves_jpegs_to_the_gpu_only_when_the_workers_would_hold_it_back(seconds_per_row: float, defers: bool) -> None:
+    """4 workers at 20 rows/s each (80/s) against a device at 200 items/s: the GPU takes
+    the JPEGs; at 2,000 rows/s each they stay on the CPU. Decided once."""
+    job = job_from_dict(spec(decoder="auto"))
+    rank = RankPipeline(job, torch.device("cpu"), 0, 4, lambda: None, lambda *a: None, lambda: None, lambda t: True)
+    rank.decoder = "auto"
+    stats = rank.stats
+    stats.rows = stats.items = 32
+    stats.decode_seconds, stats.busy_seconds = 32 * seconds_per_row, 32 / 200
+    rank._choose_decoder()
+    assert rank.decoder == "auto" and not rank.defer
+    stats.rows = stats.items = 64
+    stats.decode_seconds, stats.busy_seconds = 64 * seconds_per_row, 64 / 200
+    rank._choose_decoder()
+    assert rank.defer is defers and rank.decoder == stats.decoder == ("gpu" if defers else "cpu")

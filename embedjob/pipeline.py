@@ -388,7 +388,8 @@ class RankPipeline:
             self.stats.timeline.skip_to(self.stats.ready_at)
             self.ready()
             windows = WindowEncoder(self.encoder, self.job, self.device)
-            self._pipeline(self._gated(self._windows(stream, submitted)), windows, ChunkAssembler(taken, self.deliver))
+            decoded = self._decoded_on_device(self._gated(self._windows(stream, submitted)))
+            self._pipeline(decoded, windows, ChunkAssembler(taken, self.deliver))
         self._finish()
         self.encoder.clear()
         return self.stats
@@ -511,6 +512,53 @@ class RankPipeline:
             rows += len(window or ())
             yield window
 
+    def _decoded_on_device(self, windows: Iterator[list[Decoded] | None]) -> Iterator[list[Decoded] | None]:
+        """`windows`, with the JPEGs the workers left undecoded (`preprocess.decoder`)
+        decoded on the GPU by a thread of its own, on a stream of its own, one window
+        ahead: while the main thread launches window k and waits for it, the thread
+        decodes window k + 1, so its host work (nvjpeg's, the resizes' launches) stays off
+        the thread that feeds the device. The device's stream waits for a window's
+        pixels before its batches are assembled. A mid-run capture (added budgets) and a
+        window's decode never overlap (`capture_lock`): capture forbids other CUDA work."""
+        if self.decoder == "cpu":
+            yield from windows
+            return
+        stream = torch.cuda.Stream(self.device)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-gpu-decode") as thread:
+            ahead: tuple[list[Decoded], concurrent.futures.Future] | None = None
+            for window in windows:
+                if window is None:
+                    if ahead is not None:
+                        yield self._decoded(*ahead)
+                        ahead = None
+                    yield None
+                    continue
+                future = thread.submit(self._decode_window, window, stream)
+                if ahead is not None:
+                    yield self._decoded(*ahead)
+                ahead = (window, future)
+            if ahead is not None:
+                yield self._decoded(*ahead)
+
+    def _decode_window(self, window: list[Decoded], stream: torch.cuda.Stream) -> tuple[int, torch.cuda.Event, float]:
+        """On the decode thread: `window`'s deferred JPEGs decoded in place; how many, the
+        event after the last of its kernels, and the thread's seconds."""
+        since = time.perf_counter()
+        with self.encoder.capture_lock, torch.cuda.stream(stream):
+            done = decode_on_device(window, self.options, self.preprocess, self.device)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return done, event, time.perf_counter() - since
+
+    def _decoded(self, window: list[Decoded], future: concurrent.futures.Future) -> list[Decoded]:
+        since = time.perf_counter()
+        done, event, seconds = future.result()
+        self.clock.add("waiting for the GPU decode", since)
+        torch.cuda.current_stream(self.device).wait_event(event)
+        self.stats.device_decoded += done
+        self.stats.device_decode_seconds += seconds
+        return window
+
     def _pipeline(self, windows: Iterator[list[Decoded] | None], encoder: WindowEncoder, chunks: ChunkAssembler) -> None:
         """decode (workers) | enqueue window k (device) | finalise window k-1 | hand over."""
         pending: PendingWindow | None = None
@@ -518,9 +566,6 @@ class RankPipeline:
             current = None
             if window is not None:
                 since, cpu = time.perf_counter(), time.thread_time()
-                if self.decoder != "cpu":
-                    self.stats.device_decoded += decode_on_device(window, self.options, self.preprocess, self.device)
-                    self.clock.add("host gpu decode", since)
                 self._unencoded += sum(d.item is None for d in window)
                 current = encoder.enqueue(window)
                 self.clock.add("host", since)

@@ -78,10 +78,11 @@ class RankStats:
     chunks: int = 0
     busy_seconds: float = 0.0
     decode_seconds: float = 0.0
-    # Where its JPEGs were decoded at the end ("cpu" or "gpu", `preprocess.decoder`) and
-    # how many rows its GPU decoded.
+    # Where its JPEGs were decoded at the end ("cpu" or "gpu", `preprocess.decoder`), how
+    # many rows its GPU decoded and the seconds of the thread that had them decoded.
     decoder: str = "cpu"
     device_decoded: int = 0
+    device_decode_seconds: float = 0.0
     setup: dict[str, float] = field(default_factory=dict)
     stages: dict[str, float] = field(default_factory=dict)
     waits: dict[str, float] = field(default_factory=dict)
@@ -112,6 +113,7 @@ class RankStats:
             "decode_seconds": round(self.decode_seconds, 3),
             "decoder": self.decoder,
             "device_decoded": self.device_decoded,
+            "device_decode_seconds": round(self.device_decode_seconds, 3),
             "host_seconds": round(self.stages.get("host", 0.0) - self.launch_seconds, 3),
             "launch_seconds": round(self.launch_seconds, 3),
             "host_cpu_seconds": round(self.stages.get("host cpu", 0.0), 3),

@@ -11,6 +11,7 @@ the plan and the encoder. See ARCHITECTURE.md, rows "packing" and "graphs".
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -119,6 +120,9 @@ class BatchEncoder:
         self.added: list[int] = []
         self.items = ItemCounts()
         self.host_seconds: Counter = Counter()
+        # Held while graphs are captured mid-run: capture forbids CUDA work on other
+        # threads, so a thread that works on the device beside this one takes it too.
+        self.capture_lock = threading.Lock()
 
     @property
     def plans(self) -> tuple[BudgetPlan, ...]:
@@ -200,7 +204,8 @@ class BatchEncoder:
             return False
         before = packer.padding_share(batches)
         try:
-            path.manager.add_budgets(budgets)
+            with self.capture_lock:
+                path.manager.add_budgets(budgets)
         except Exception as exc:  # the ladder still serves every batch: go on without
             logger.warning(
                 "could not capture the graphs of added budgets %s (%s); keeping %s",

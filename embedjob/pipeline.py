@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -389,7 +390,8 @@ class RankPipeline:
             self.ready()
             windows = WindowEncoder(self.encoder, self.job, self.device)
             decoded = self._decoded_on_device(self._gated(self._windows(stream, submitted)))
-            self._pipeline(decoded, windows, ChunkAssembler(taken, self.deliver))
+            with self._encode_stream():
+                self._pipeline(decoded, windows, ChunkAssembler(taken, self.deliver))
         self._finish()
         self.encoder.clear()
         return self.stats
@@ -539,6 +541,15 @@ class RankPipeline:
                 ahead = (window, future)
             if ahead is not None:
                 yield self._decoded(*ahead)
+
+    def _encode_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the encoder's work queues while JPEGs decode on the GPU beside it: a
+        stream of its own. On the device's legacy default stream every synchronous copy
+        nvjpeg makes on the decode thread would first wait for all the encoder work
+        queued there, and the two would take turns instead of overlapping."""
+        if self.decoder == "cpu":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.Stream(self.device))
 
     def _decode_window(self, window: list[Decoded], stream: torch.cuda.Stream) -> tuple[int, torch.cuda.Event, float]:
         """On the decode thread: `window`'s deferred JPEGs decoded in place; how many, the

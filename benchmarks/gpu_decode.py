@@ -185,9 +185,15 @@ def compare(cpu: pa.Table, gpu: pa.Table) -> tuple[bool, np.ndarray, int]:
 
 
 def _vectors(table: pa.Table) -> np.ndarray:
-    column = table.column("embedding")
-    width = max(len(v) for v in column.to_pylist() if v is not None)
-    return np.array([v if v is not None else [0.0] * width for v in column.to_pylist()], dtype=np.float32)
+    """The embedding column as one (rows, width) array, error rows as zeros (pooled
+    embeddings are fixed-size lists: read through numpy, not Python lists)."""
+    column = table.column("embedding").combine_chunks()
+    width = column.type.list_size
+    values = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32)
+    out = np.zeros((len(column), width), dtype=np.float32)
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    out[valid] = values.reshape(-1, width)
+    return out
 
 
 def render(results: list[MixRuns], args: argparse.Namespace, peak: float | None) -> str:

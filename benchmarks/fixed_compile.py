@@ -41,7 +41,6 @@ import gc
 import importlib.metadata
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -55,17 +54,14 @@ import transformers
 # The script runs without installing the package, so the repository root goes first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedjob.bench import cuda_time, matmul_peak  # noqa: E402
+from embedjob.bench import FIXED_TOWERS, cuda_time, fixed_flops, matmul_peak, save_fixed_tower  # noqa: E402
 from embedjob.config import job_from_dict  # noqa: E402
 from embedjob.encoders import EncoderAdapter, EncoderInput, StaticInputs, load_adapter  # noqa: E402
 from embedjob.encoders.fixed import FAMILIES, GLOBAL_KEY, load_processing  # noqa: E402
 from embedjob.engine.graphs import GraphManager  # noqa: E402
 from embedjob.engine.packer import BudgetPlan  # noqa: E402
 
-TOWERS = {
-    "siglip": dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=384, patch_size=14),
-    "clip": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, image_size=336, patch_size=14),
-}
+TOWERS = {family: values for family, (_, values) in FIXED_TOWERS.items()}
 SMOKE_TOWER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16)
 NAMES = {"siglip": "SigLIP-so400m-384", "clip": "CLIP-L/14-336"}
 SDPA_BACKENDS = {
@@ -118,35 +114,15 @@ class Row:
 
 
 def save_tower(family: str, directory: Path, smoke: bool) -> Any:
-    """A random tower of the family saved like fixed_res.py saves one; its vision config."""
-    tower = SMOKE_TOWER if smoke else TOWERS[family]
-    side = tower["image_size"]
-    torch.manual_seed(0)
-    if family == "clip":
-        config = transformers.CLIPVisionConfig(**tower, projection_dim=32 if smoke else 768)
-        model = transformers.CLIPVisionModelWithProjection(config)
-        processor = transformers.CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
-    else:
-        config = transformers.SiglipVisionConfig(**tower)
-        model = transformers.SiglipVisionModel(config)
-        processor = transformers.SiglipImageProcessor(size={"height": side, "width": side})
-    model.to(torch.bfloat16).save_pretrained(directory)
-    processor.save_pretrained(directory)
-    return config
+    """The family's tower saved as `embedjob bench` saves it (`save_fixed_tower`); its vision config."""
+    values = dict(SMOKE_TOWER, **({"projection_dim": 32} if family == "clip" else {})) if smoke else TOWERS[family]
+    save_fixed_tower(family, values, directory)
+    return transformers.AutoConfig.from_pretrained(directory)
 
 
 def flops_per_image(family: str, config: Any) -> float:
-    """Multiply-adds x 2 of one image: the blocks, the patch embedding, and the pooling:
-    SigLIP's attention-pooling head in full (one query over every token; its K/V
-    projections make it ~0.6 % of the tower), CLIP's visual projection."""
-    h, mlp, patch = config.hidden_size, config.intermediate_size, config.patch_size
-    patches = (config.image_size // patch) ** 2
-    tokens = patches + int(family == "clip")
-    layer = 2 * tokens * (4 * h * h + 2 * h * mlp) + 4 * tokens * tokens * h
-    total = config.num_hidden_layers * layer + 2 * patches * 3 * patch * patch * h
-    if family == "siglip":
-        return total + 2 * tokens * 2 * h * h + 4 * tokens * h + 2 * 2 * h * h + 2 * 2 * h * mlp
-    return total + 2 * h * config.projection_dim
+    """`embedjob.bench.fixed_flops` of the tower (the SigLIP head and CLIP's projection included)."""
+    return fixed_flops(family, config, getattr(config, "projection_dim", None) if family == "clip" else None)
 
 
 def make_bench(family: str, workdir: Path, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> Bench:
@@ -287,15 +263,7 @@ def variant_list(chosen: list[str] | None) -> list[tuple[str, str | None]]:
 
 
 def median_seconds(run: Run, repeats: int, device: torch.device) -> float:
-    if device.type == "cuda":
-        return cuda_time(run, repeats, warmup=3)
-    run()
-    passes = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        passes.append(time.perf_counter() - start)
-    return statistics.median(passes)
+    return cuda_time(run, repeats, warmup=3 if device.type == "cuda" else 1)
 
 
 def measure(b: Bench, variant: str, backend: str | None, peak: float) -> Row:

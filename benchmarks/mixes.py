@@ -12,7 +12,7 @@
   how the rows were spread over the worker processes. The Parquet file (row groups of
   128 rows) is cached in the work directory under a name keyed by mix, count, seed and
   a digest of the photos, with a JSON sidecar describing it.
-- FLOPs: `embedjob.bench.encoder_flops` for Qwen, `fixed_flops` for CLIP and SigLIP.
+- FLOPs: `embedjob.bench.encoder_flops` for Qwen, `embedjob.bench.fixed_flops` for CLIP and SigLIP.
 
 Benchmarks import from `embedjob`; `embedjob` never imports from here.
 """
@@ -106,7 +106,7 @@ def save_tower(tower: Tower, root: Path, smoke: bool) -> Path:
     from embedjob.encoders.loading import save_atomically
 
     target = root / (f"{tower.key}-tiny" if smoke else tower.key)
-    builders = {"qwen2_5_vl": _save_qwen, "siglip": _save_siglip, "clip": _save_clip}
+    builders = {"qwen2_5_vl": _save_qwen, "siglip": _save_fixed, "clip": _save_fixed}
     save_atomically(lambda tmp: builders[tower.family](tower, tmp, smoke), target)
     return target
 
@@ -135,26 +135,11 @@ def _save_qwen(tower: Tower, directory: Path, smoke: bool) -> None:
     (directory / "preprocessor_config.json").write_text(json.dumps(QWEN_TINY_PIXELS))
 
 
-def _save_siglip(tower: Tower, directory: Path, smoke: bool) -> None:
-    import torch
-    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+def _save_fixed(tower: Tower, directory: Path, smoke: bool) -> None:
+    """`embedjob bench`'s recipe (`save_fixed_tower`), so both benchmarks build the same towers."""
+    from embedjob.bench import save_fixed_tower
 
-    values = tower.tiny if smoke else tower.full
-    torch.manual_seed(0)
-    SiglipVisionModel._from_config(SiglipVisionConfig(**values), dtype=torch.bfloat16).save_pretrained(directory)
-    side = values["image_size"]
-    SiglipImageProcessor(size={"height": side, "width": side}).save_pretrained(directory)
-
-
-def _save_clip(tower: Tower, directory: Path, smoke: bool) -> None:
-    import torch
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
-
-    values = tower.tiny if smoke else tower.full
-    torch.manual_seed(0)
-    CLIPVisionModelWithProjection._from_config(CLIPVisionConfig(**values), dtype=torch.bfloat16).save_pretrained(directory)
-    side = values["image_size"]
-    CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side}).save_pretrained(directory)
+    save_fixed_tower(tower.family, tower.tiny if smoke else tower.full, directory)
 
 
 # --- mixes ---------------------------------------------------------------------------
@@ -367,38 +352,9 @@ def crop_box(width: int, height: int, rng: np.random.Generator) -> tuple[float, 
 # --- FLOPs ---------------------------------------------------------------------------
 
 
-def fixed_flops(family: str, config: Any, projection: int | None) -> float:
-    """Useful FLOPs of one image through a CLIP or SigLIP vision tower (multiply-adds count 2).
-
-    With P = (image_size / patch_size)^2 patches, n = P (+ 1 for CLIP's CLS token)
-    tokens, width d, MLP width m, L layers:
-
-        patch embedding   2 * P * (3 * patch_size^2) * d
-        per layer         2 * n * 4 * d^2          q, k, v and output projections
-                        + 2 * n * 2 * d * m        MLP up and down
-                        + 4 * n^2 * d              attention scores and weighted sum
-        SigLIP head       4 * d^2 + 4 * n * d^2    probe query and output projections, keys and values
-                        + 4 * n * d                the probe's attention over n tokens
-                        + 4 * d * m                the head's MLP, one token
-        CLIP projection   2 * d * projection       the pooled CLS token
-
-    Layer norms, activations, biases and position embeddings are left out (not matmuls).
-    """
-    d, m, layers, patch = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.patch_size
-    patches = (config.image_size // patch) ** 2
-    n = patches + int(family == "clip")
-    total = 2 * patches * 3 * patch**2 * d
-    total += layers * (2 * n * 4 * d * d + 2 * n * 2 * d * m + 4 * n * n * d)
-    if family == "siglip" and config.vision_use_head:
-        total += 4 * d * d + 4 * n * d * d + 4 * n * d + 4 * d * m
-    if projection:
-        total += 2 * d * projection
-    return float(total)
-
-
 def items_flops(adapter: Any, items: list[Any]) -> float:
     """Useful FLOPs of the adapter's tower on these preprocessed items (padding excluded)."""
-    from embedjob.bench import encoder_flops
+    from embedjob.bench import encoder_flops, fixed_flops
     from embedjob.encoders.fixed import FixedResAdapter
 
     if not isinstance(adapter, FixedResAdapter):

@@ -52,7 +52,7 @@ Table columns (one row per mix and GPU count, plus the mix's encoder-only row):
   while the others set up: `rows_during_setup`, left out); per GPU: divided by N.
 - scaling eff.: images/s at N / (N x images/s at 1 GPU).
 - MFU: encoder FLOPs of the mix's items encoded after setup (real tokens only; `embedjob.bench.encoder_flops`
-  for Qwen, `mixes.fixed_flops` for CLIP and SigLIP) / seconds / (N x the bf16 matmul
+  for Qwen, `embedjob.bench.fixed_flops` for CLIP and SigLIP) / seconds / (N x the bf16 matmul
   FLOP/s measured with `embedjob.bench.matmul_peak` in the process that ran the mix).
 - per GPU / enc.-only: images/s per GPU over the encoder-only images/s (at 1 GPU, how
   close the whole pipeline comes to the encoder alone).

@@ -13,7 +13,10 @@ same packed batches of each mix:
                    FP8 (`model.precision: fp8`; --no-fp8 skips it)
 
 and an end-to-end `embedjob run` over a Parquet file of real JPEGs (decode included)
-against the encoder-only rate of the same images. Times are CUDA-event medians after a
+against the encoder-only rate of the same images; then SigLIP-so400m-384 and
+CLIP-L/14-336-size towers (`FIXED_TOWERS`) on one batch of 256 images already on the
+GPU, plain transformers with `torch.compile(model)` against embedjob's graphs over its
+compiled adapter (`fixed_rows`; --no-fixed skips them). Times are CUDA-event medians after a
 warm-up; MFU is useful FLOPs (real tokens only, padding excluded) over the time, against
 a bf16 matmul timed in the same process. The last thing printed is the table.
 """
@@ -78,9 +81,17 @@ class Row:
 
 
 def cuda_passes(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
-    """Seconds of each of `repeats` runs of `fn`, timed with CUDA events after warm-up."""
+    """Seconds of each of `repeats` runs of `fn`, timed with CUDA events after warm-up
+    (wall time where there is no GPU, so the code paths can be checked on a CPU)."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return times
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
@@ -454,6 +465,155 @@ def fp8_rows(
     return rows
 
 
+# --- fixed-resolution towers against plain transformers + torch.compile ------------------
+
+FIXED_TOWERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "siglip": (
+        "SigLIP-so400m-384-size",
+        dict(hidden_size=1152, num_hidden_layers=27, num_attention_heads=16, intermediate_size=4304, patch_size=14,
+             image_size=384, vision_use_head=True),
+    ),
+    "clip": (
+        "CLIP-L/14-336-size",
+        dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, patch_size=14,
+             image_size=336, projection_dim=768),
+    ),
+}
+"""The fixed-resolution towers `embedjob bench` (and the scaling benchmark) build: a label
+and the transformers vision config of the published checkpoint's size."""
+FIXED_BATCH = 256
+
+
+def save_fixed_tower(family: str, values: dict[str, Any], directory: Path) -> None:
+    """A SigLIP or CLIP vision tower of config `values` with random bf16 weights (seed 0),
+    saved with `save_pretrained` beside its image processor config, as a user's
+    vision-only checkpoint is (CLIP with its projection)."""
+    import transformers
+
+    torch.manual_seed(0)
+    side = values["image_size"]
+    if family == "clip":
+        model = transformers.CLIPVisionModelWithProjection._from_config(transformers.CLIPVisionConfig(**values), dtype=torch.bfloat16)
+        processor = transformers.CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    else:
+        model = transformers.SiglipVisionModel._from_config(transformers.SiglipVisionConfig(**values), dtype=torch.bfloat16)
+        processor = transformers.SiglipImageProcessor(size={"height": side, "width": side})
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+
+
+def fixed_flops(family: str, config: Any, projection: int | None) -> float:
+    """Useful FLOPs of one image through a CLIP or SigLIP vision tower (multiply-adds count 2).
+
+    With P = (image_size / patch_size)^2 patches, n = P (+ 1 for CLIP's CLS token)
+    tokens, width d, MLP width m, L layers:
+
+        patch embedding   2 * P * (3 * patch_size^2) * d
+        per layer         2 * n * 4 * d^2          q, k, v and output projections
+                        + 2 * n * 2 * d * m        MLP up and down
+                        + 4 * n^2 * d              attention scores and weighted sum
+        SigLIP head       4 * d^2 + 4 * n * d^2    probe query and output projections, keys and values
+                        + 4 * n * d                the probe's attention over n tokens
+                        + 4 * d * m                the head's MLP, one token
+        CLIP projection   2 * d * projection       the pooled CLS token
+
+    Layer norms, activations, biases and position embeddings are left out (not matmuls).
+    """
+    d, m, layers, patch = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.patch_size
+    patches = (config.image_size // patch) ** 2
+    n = patches + int(family == "clip")
+    total = 2 * patches * 3 * patch**2 * d
+    total += layers * (2 * n * 4 * d * d + 2 * n * 2 * d * m + 4 * n * n * d)
+    if family == "siglip" and config.vision_use_head:
+        total += 4 * d * d + 4 * n * d * d + 4 * n * d + 4 * d * m
+    if projection:
+        total += 2 * d * projection
+    return float(total)
+
+
+def fixed_rows(
+    workdir: Path, towers: dict[str, tuple[str, dict[str, Any]]], batch: int, repeats: int, peak: float,
+    device: torch.device, compiled: bool = True,
+) -> list[Row]:
+    """For each tower, one batch of `batch` images already on the device, two ways: plain
+    transformers (`torch.compile(model)` when `compiled`: the three lines a user writes)
+    and embedjob's graph replay of its adapter, compiled as a job compiles it. The
+    second row's note gives its speed over the first and the smallest cosine between
+    their embeddings."""
+    from embedjob.encoders.loading import save_atomically
+
+    rows: list[Row] = []
+    for family, (label, values) in towers.items():
+        directory = workdir / f"{family}-tower"
+        if not directory.exists():
+            save_atomically(lambda tmp: save_fixed_tower(family, values, tmp), directory)
+        rows += _fixed_tower_rows(family, label, directory, batch, repeats, peak, device, compiled)
+    return rows
+
+
+def _fixed_tower_rows(
+    family: str, label: str, directory: Path, batch: int, repeats: int, peak: float, device: torch.device, compiled: bool
+) -> list[Row]:
+    from embedjob.config import job_from_dict
+    from embedjob.encoders import load_adapter
+    from embedjob.encoders.fixed import FAMILIES as FIXED
+    from embedjob.encoders.fixed import GLOBAL_KEY
+    from embedjob.encoders.loading import transformers_class
+
+    job = job_from_dict({
+        "input": {"path": "unused.parquet", "media_column": "image"},
+        "model": {"family": family, "path": str(directory), "dtype": "bfloat16"},
+        "output": {"path": "unused"},
+        "batching": {"compile": compiled},
+        "runtime": {"cache_dir": str(directory.parent / "cache")},
+    })
+    adapter = load_adapter(job, device)
+    projection = adapter.projection.out_features if adapter.projection is not None else None
+    flops = batch * fixed_flops(family, adapter.tower.config, projection)
+    generator = torch.Generator().manual_seed(1)
+    pixels = torch.randint(0, 256, (batch, 3, *adapter.processing.input_size), dtype=torch.uint8, generator=generator).to(device)
+    spec = FIXED[family]
+    plain = transformers_class(spec.projected_class or spec.vision_class).from_pretrained(directory, dtype=adapter.dtype)
+    values = adapter.processing.normalize(pixels, adapter.pixel_scale).to(adapter.dtype)
+    plain_seconds, reference = _plain_seconds(plain.to(device).eval().requires_grad_(False), family, values, repeats, compiled)
+    torch._dynamo.reset()
+    if compiled:
+        adapter.compile(dynamic=True)
+    per_image = adapter.tokens_per_image
+    budget = batch * per_image
+    manager = GraphManager(adapter, packer.BudgetPlan((budget,), batch, 0), "cuda" if device.type == "cuda" else "replay")
+    manager.capture()
+    # Items whose pixels are already on the device, as with `preprocess.decoder: gpu`.
+    items = [EncoderInput({GLOBAL_KEY: pixels[k : k + 1]}, tokens=per_image, frames=0, size=per_image) for k in range(batch)]
+    with torch.inference_mode():
+        ours_seconds = cuda_time(lambda: manager.run_batch(items, budget), repeats)
+        ours = manager.run_batch(items, budget)[:batch].float()
+    cosine = float(torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min())
+    manager.clear()
+    kind = "torch.compile(model)" if compiled else "eager"
+    return [
+        Row(label, f"plain_transformers_{'compile' if compiled else 'eager'}", batch, plain_seconds, flops, peak,
+            note=f"{kind}, batch {batch} on the device"),
+        Row(label, "ours_graphs_compiled" if compiled else "ours_graphs", batch, ours_seconds, flops, peak,
+            note=f"{plain_seconds / ours_seconds:.3f}x plain; min cos to plain {cosine:.5f}"),
+    ]
+
+
+def _plain_seconds(
+    model: torch.nn.Module, family: str, values: torch.Tensor, repeats: int, compiled: bool
+) -> tuple[float, torch.Tensor]:
+    """The transformers model's median seconds on `values` (compiled with torch.compile
+    when asked) and its embeddings in float32 (CLIP: image_embeds; SigLIP: its pooled output)."""
+    run = torch.compile(model) if compiled else model
+
+    def embed() -> torch.Tensor:
+        out = run(pixel_values=values)
+        return out.image_embeds if family == "clip" else out.pooler_output
+
+    with torch.inference_mode():
+        return cuda_time(embed, repeats), embed().float()
+
+
 def render(rows: list[Row], header: dict[str, Any]) -> str:
     lines = [f"# embedjob bench — {header['date']}", ""]
     lines += [f"- {k}: {v}" for k, v in header.items() if k != "date"]
@@ -511,6 +671,8 @@ def main(args: argparse.Namespace) -> int:
         rows += end_to_end(adapter, checkpoint, workdir, args, peak, compiled="dynamic" in args.compile_modes)
     if args.fp8:
         rows += fp8_rows(adapter, plan, workdir, args, peak, fidelity, notes)
+    if args.fixed:
+        rows += fixed_rows(workdir, FIXED_TOWERS, FIXED_BATCH, args.repeats, peak, device, compiled=bool(args.compile_modes))
     header = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": torch.cuda.get_device_name(),

@@ -129,6 +129,10 @@ def _bench_command(sub: Any) -> None:
     )
     bench.add_argument("--e2e-images", type=int, default=768, help="rows of the real-JPEG Parquet file (0: skip)")
     bench.add_argument("--e2e-profile", action="store_true", help="profile the end-to-end run (cProfile)")
+    bench.add_argument(
+        "--fixed", action=argparse.BooleanOptionalAction, default=True,
+        help="also SigLIP-so400m-384 and CLIP-L/14-336-size towers at batch 256 against plain transformers + torch.compile",
+    )
     bench.add_argument("--workdir", default="bench-work")
     bench.set_defaults(func=_cmd_bench)
 

@@ -17,7 +17,8 @@ skipped through the checkpoint.
 The main thread of a rank only launches device work and moves whole windows: pooling
 is one reduction per batch on the device (`graphs.pool_rows`), a window's results
 come to the host in one copy, and output rows are built with array operations; the
-per-item work (decode, resize, patching, metadata) is done by the decode workers.
+per-item work (decode, resize, patching, metadata) is done by the decode workers (with
+`preprocess.decoder: gpu`, a JPEG's decode, resize and patching by the GPU-decode thread).
 
 The statistics a rank keeps and the shard's statistics are in `stats.py`, the process
 settings in `host.py` (ARCHITECTURE.md, "Stage -> file").

@@ -74,8 +74,13 @@ def decode_task(task: tuple[reader.InputRow, bool], options: DecodeOptions, prep
     return decode_row(row, dataclasses.replace(options, defer_jpeg=True) if defer else options, preprocess)
 
 
+def _error_modality(options: DecodeOptions) -> str | None:
+    """The modality of a row that did not decode: the job's, unless it takes either."""
+    return None if options.modality == "auto" else options.modality
+
+
 def _decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -> Decoded:
-    fixed = None if options.modality == "auto" else options.modality
+    fixed = _error_modality(options)
     if row.error is not None:
         return Decoded(row.row, row.id, fixed, None, row.error)
     try:
@@ -106,10 +111,10 @@ def decode_on_device(window: list[Decoded], options: DecodeOptions, preprocess: 
     refuses, what the CPU path makes of it (its item or its error row, as a worker would
     have). Returns how many rows the device decoded.
 
-    Runs on the rank's main thread, a window at a time: a constant number of nvjpeg calls
-    per window (`pixel_groups` bounds the full-size pictures held at once), then the
-    family's resize per picture on the device, whose kernels queue behind the window
-    the device is still encoding."""
+    Runs on the rank's GPU-decode thread (`RankPipeline._decoded_on_device`), a window
+    at a time: a constant number of nvjpeg calls per window (`pixel_groups` bounds the
+    full-size pictures held at once), then the family's resize and patching per picture
+    on the device."""
     waiting = [k for k, d in enumerate(window) if d.item is not None and JPEG_KEY in d.item.tensors]
     pixels = [int(window[k].item.tensors[JPEG_SIZE_KEY].prod()) for k in waiting]
     done = 0
@@ -131,7 +136,7 @@ def _finished(decoded: Decoded, image: torch.Tensor | None, options: DecodeOptio
         try:
             media = decode(data, dataclasses.replace(options, defer_jpeg=False))
         except MediaError as err:
-            return dataclasses.replace(decoded, item=None, error=str(err))
+            return dataclasses.replace(decoded, modality=_error_modality(options), item=None, error=str(err))
         return dataclasses.replace(_preprocessed(decoded.row, decoded.id, media, preprocess), seconds=decoded.seconds, extra=decoded.extra)
     try:
         return dataclasses.replace(decoded, item=preprocess.on_device(item, image))

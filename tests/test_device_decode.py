@@ -158,6 +158,22 @@ def test_a_jpeg_nvjpeg_refuses_takes_the_cpu_path_row_for_row(preprocess, monkey
     assert_same_rows(window, [worker.decode_row(row, IMAGE, preprocess) for row in rows])
 
 
+def test_a_refused_jpeg_of_an_auto_modality_job_is_the_workers_error_row(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `input.modality: auto` a row that does not decode has no modality, on either path."""
+    auto = dataclasses.replace(IMAGE, modality="auto")
+    garbage = bytearray(ALL_JPEGS["gray"]())
+    table = garbage.index(b"\xff\xc4") + 5  # a Huffman table's 16 code counts, after the frame header
+    garbage[table : table + 16] = b"\xff" * 16
+    rows = [InputRow(0, "garbage", bytes(garbage), None, None), InputRow(1, "gray", ALL_JPEGS["gray"](), None, None)]
+    monkeypatch.setattr(worker, "decode_jpegs", lambda data, device: [None] * len(data))
+    window = [worker.decode_row(row, dataclasses.replace(auto, defer_jpeg=True), preprocess) for row in rows]
+    assert all(JPEG_KEY in d.item.tensors for d in window)
+    worker.decode_on_device(window, auto, preprocess, torch.device("cpu"))
+    want = [worker.decode_row(row, auto, preprocess) for row in rows]
+    assert_same_rows(window, want)
+    assert want[0].error is not None and want[0].modality is None
+
+
 @given(st.lists(st.integers(0, 300), max_size=40), st.integers(1, 500))
 def test_pixel_groups_cover_every_index_in_order_within_the_limit(pixels: list[int], limit: int) -> None:
     groups = pixel_groups(pixels, limit)

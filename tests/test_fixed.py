@@ -288,3 +288,21 @@ def test_siglip_video_demo_pools_frames_by_mean_or_keeps_every_patch_token(tmp_p
         # 64x64 views of 16-pixel patches: a 4 x 4 grid of tokens per frame, no CLS.
         assert row["grid"] == [views, 4, 4] and row["tokens"] == views * 16
         assert np.array(row["embedding"], dtype=np.float32).shape == (views * 16, 64)
+
+
+def test_embedjob_bench_times_the_fixed_towers_against_plain_transformers(tmp_path: Path) -> None:
+    """`embedjob bench`'s fixed-resolution rows: each tower saved like a user's checkpoint,
+    timed as plain transformers and through embedjob's graphs, whose embeddings must be
+    transformers' own (the note's cosine)."""
+    from embedjob.bench import fixed_rows
+
+    tiny = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, patch_size=16, image_size=32)
+    towers = {"siglip": ("tiny SigLIP", {**tiny, "vision_use_head": True}), "clip": ("tiny CLIP", {**tiny, "projection_dim": 16})}
+    rows = fixed_rows(tmp_path, towers, 3, 2, 1e12, torch.device("cpu"), compiled=False)
+    assert [(r.mix, r.variant) for r in rows] == [
+        ("tiny SigLIP", "plain_transformers_eager"), ("tiny SigLIP", "ours_graphs"),
+        ("tiny CLIP", "plain_transformers_eager"), ("tiny CLIP", "ours_graphs"),
+    ]
+    assert all(r.items == 3 and r.seconds > 0 and r.flops > 0 for r in rows)
+    for ours in rows[1::2]:
+        assert float(ours.note.rsplit("min cos to plain ", 1)[1]) > 0.9999, ours.note

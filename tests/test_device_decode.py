@@ -255,3 +255,27 @@ def test_auto_moves_jpegs_to_the_gpu_only_when_the_workers_would_hold_it_back(se
     stats.decode_seconds, stats.busy_seconds = 64 * seconds_per_row, 64 / 200
     rank._choose_decoder()
     assert rank.defer is defers and rank.decoder == stats.decoder == ("gpu" if defers else "cpu")
+
+
+def test_a_task_says_whether_its_jpeg_is_left_for_the_gpu(preprocess) -> None:
+    """`decoder: auto` hands the workers (row, defer) tasks: the same row gives the CPU
+    path's item, or the undecoded JPEG's, as the rank decided when it submitted it."""
+    row = rows_of(["gray"])[0]
+    on_cpu = worker.decode_task((row, False), IMAGE, preprocess)
+    left = worker.decode_task((row, True), IMAGE, preprocess)
+    assert JPEG_KEY not in on_cpu.item.tensors and JPEG_KEY in left.item.tensors
+    assert_same_rows([on_cpu], [worker.decode_row(row, IMAGE, preprocess)])
+
+
+def test_videos_and_other_images_in_a_window_pass_the_gpu_decode_untouched(preprocess) -> None:
+    """With `input.modality: auto`, a window mixes deferred JPEGs with videos and PNGs,
+    which the workers decoded: only the JPEGs change."""
+    auto = dataclasses.replace(IMAGE, modality="auto")
+    media = [ALL_JPEGS["gray"](), (Path(__file__).parent / "data" / "hfdatasets_test_video_66x50.mov").read_bytes(),
+             (Path(__file__).parent / "data" / "hfdatasets_test_image_rgba.png").read_bytes(), ALL_JPEGS["progressive"]()]
+    rows = [InputRow(k, k, data, None, None) for k, data in enumerate(media)]
+    window = [worker.decode_row(row, dataclasses.replace(auto, defer_jpeg=True), preprocess) for row in rows]
+    assert [JPEG_KEY in d.item.tensors for d in window] == [True, False, False, True]
+    assert window[1].modality == "video"
+    assert worker.decode_on_device(window, auto, preprocess, torch.device("cpu")) == 2
+    assert_same_rows(window, [worker.decode_row(row, auto, preprocess) for row in rows])

@@ -114,6 +114,9 @@ class VideoConfig:
     # frames are decoded: a larger video is one `too_large` error row.
     max_pixels_per_frame: int = key(DEFAULT_MAX_FRAME_PIXELS, "videos with larger frames are too_large rows")
     max_total_pixels: int = key(DEFAULT_MAX_VIDEO_PIXELS, "videos whose sampled frames hold more pixels together are too_large rows")
+    decoder: Literal["decord", "nvdec"] = key(
+        "decord", "where sampled frames are decoded: decord (the decode workers) or nvdec (the rank's GPU; pip install 'embedjob[nvdec]')"
+    )
 
 
 @dataclass
@@ -425,6 +428,10 @@ def _check_model(job: Job, errors: list[str]) -> None:
         errors.append("preprocess.decoder = 'gpu' decodes on the rank's GPU but runtime.device is 'cpu'; use decoder: cpu")
     if pp.decoder == "gpu" and job.input.modality == "video":
         errors.append("preprocess.decoder = 'gpu' decodes JPEG images and input.modality is 'video'; remove preprocess.decoder")
+    if job.video.decoder == "nvdec" and job.runtime.device == "cpu":
+        errors.append("video.decoder = 'nvdec' decodes on the rank's GPU but runtime.device is 'cpu'; use video.decoder: decord")
+    if job.video.decoder == "nvdec" and job.input.modality == "image":
+        errors.append("video.decoder = 'nvdec' decodes videos and input.modality is 'image'; remove video.decoder")
     if pp.min_pixels is not None and pp.max_pixels is not None and pp.min_pixels > pp.max_pixels:
         errors.append(
             f"preprocess.min_pixels = {pp.min_pixels} is larger than preprocess.max_pixels = {pp.max_pixels}; "

@@ -48,6 +48,7 @@ from tqdm import tqdm
 from embedjob.config import Job, JobError
 from embedjob.decode import DecodeOptions, MediaError
 from embedjob.decode.device import nvjpeg_problem
+from embedjob.decode.nvdec import nvdec_problem
 from embedjob.encoders import EncoderAdapter, load_adapter
 from embedjob.engine.defs import Encoded, Encoder
 from embedjob.engine.encode import build_encoder
@@ -161,6 +162,15 @@ def jpeg_decoder(job: Job, device: torch.device) -> str:
         raise JobError(f"preprocess.decoder = 'gpu' cannot run here: {problem}; use decoder: cpu, or a CUDA build of torchvision")
     logger.info("preprocess.decoder auto: JPEGs decode in the workers (%s)", problem)
     return "cpu"
+
+
+def check_video_decoder(job: Job, device: torch.device) -> None:
+    """`video.decoder: nvdec` where it cannot run is a job error before any work."""
+    if job.video.decoder != "nvdec":
+        return
+    problem = nvdec_problem(device)
+    if problem is not None:
+        raise JobError(f"video.decoder = 'nvdec' cannot run here: {problem}; or use video.decoder: decord")
 
 
 def output_dtype(job: Job) -> torch.dtype:
@@ -369,6 +379,7 @@ class RankPipeline:
         compile_if_asked(self.job, adapter)
         self.options = decode_options(self.job, adapter)
         self.decoder = jpeg_decoder(self.job, self.device)
+        check_video_decoder(self.job, self.device)
         self.defer = self.decoder == "gpu"
         self.stats.decoder = "gpu" if self.defer else "cpu"
         self.preprocess = adapter.preprocessor()
@@ -516,14 +527,14 @@ class RankPipeline:
             yield window
 
     def _decoded_on_device(self, windows: Iterator[list[Decoded] | None]) -> Iterator[list[Decoded] | None]:
-        """`windows`, with the JPEGs the workers left undecoded (`preprocess.decoder`)
-        decoded on the GPU by a thread of its own, on a stream of its own, one window
-        ahead: while the main thread launches window k and waits for it, the thread
-        decodes window k + 1, so its host work (nvjpeg's, the resizes' launches) stays off
-        the thread that feeds the device. The device's stream waits for a window's
+        """`windows`, with the media the workers left undecoded (`preprocess.decoder`,
+        `video.decoder`) decoded on the GPU by a thread of its own, on a stream of its
+        own, one window ahead: while the main thread launches window k and waits for it,
+        the thread decodes window k + 1, so its host work (the decoders', the resizes'
+        launches) stays off the thread that feeds the device. The device's stream waits for a window's
         pixels before its batches are assembled. A mid-run capture (added budgets) and a
         window's decode never overlap (`capture_lock`): capture forbids other CUDA work."""
-        if self.decoder == "cpu":
+        if not self._gpu_decodes:
             yield from windows
             return
         stream = torch.cuda.Stream(self.device)
@@ -543,12 +554,18 @@ class RankPipeline:
             if ahead is not None:
                 yield self._decoded(*ahead)
 
+    @property
+    def _gpu_decodes(self) -> bool:
+        """Whether this rank's GPU decodes media the workers leave it (JPEGs with
+        `preprocess.decoder` gpu or auto, videos with `video.decoder: nvdec`)."""
+        return self.decoder != "cpu" or self.job.video.decoder == "nvdec"
+
     def _encode_stream(self) -> contextlib.AbstractContextManager[Any]:
         """Where the encoder's work queues while JPEGs decode on the GPU beside it: a
         stream of its own. On the device's legacy default stream every synchronous copy
         nvjpeg makes on the decode thread would first wait for all the encoder work
         queued there, and the two would take turns instead of overlapping."""
-        if self.decoder == "cpu":
+        if not self._gpu_decodes:
             return contextlib.nullcontext()
         return torch.cuda.stream(torch.cuda.Stream(self.device))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import multiprocessing
 import time
 import warnings
@@ -20,12 +21,24 @@ from typing import Any
 import torch
 
 from embedjob.config import Job, JobError
-from embedjob.decode import DecodedVideo, DecodeOptions, DeferredImage, MediaError, decode, read_source, worker_preload
+from embedjob.decode import (
+    DecodedVideo,
+    DecodeOptions,
+    DeferredImage,
+    DeferredVideo,
+    MediaError,
+    decode,
+    read_source,
+    worker_preload,
+)
 from embedjob.decode.device import decode_jpegs, pixel_groups
+from embedjob.decode.nvdec import decode_frames
 from embedjob.encoders import EncoderAdapter, EncoderInput
-from embedjob.encoders.base import JPEG_KEY, JPEG_SIZE_KEY
+from embedjob.encoders.base import JPEG_KEY, JPEG_SIZE_KEY, VIDEO_KEY
 from embedjob.encoders.registry import ADAPTER_MODULES
 from embedjob.io import reader
+
+logger = logging.getLogger(__name__)
 
 WORKER_MODULES = worker_preload([__name__, *ADAPTER_MODULES])
 """What decode workers import: the decoders, this module (`decode_row`) and every family's
@@ -93,11 +106,14 @@ def _decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -
 
 def _preprocessed(row: int, id: Any, decoded: Any, preprocess: Any) -> Decoded:
     """The row of decoded media: its item, or a preprocess_failed error row."""
-    modality = "video" if isinstance(decoded, DecodedVideo) else "image"
+    modality = "video" if isinstance(decoded, (DecodedVideo, DeferredVideo)) else "image"
     try:
         if isinstance(decoded, DeferredImage):
             data = torch.frombuffer(bytearray(decoded.data), dtype=torch.uint8)
             item = preprocess.deferred(data, decoded.height, decoded.width)
+        elif isinstance(decoded, DeferredVideo):
+            item = preprocess.deferred_video(len(decoded.indices), *decoded.shown)
+            item.tensors.update(_video_plan(decoded))
         else:
             item = preprocess(decoded)
     except Exception as exc:  # a preprocessing failure is one bad row, not a failed job
@@ -105,16 +121,40 @@ def _preprocessed(row: int, id: Any, decoded: Any, preprocess: Any) -> Decoded:
     return Decoded(row, id, modality, item, None)
 
 
+_VIDEO_INDICES_KEY = "video_indices"
+_VIDEO_PLAN_KEY = "video_plan"
+_VIDEO_KEYS = (VIDEO_KEY, _VIDEO_INDICES_KEY, _VIDEO_PLAN_KEY)
+
+
+def _video_plan(video: DeferredVideo) -> dict[str, torch.Tensor]:
+    """The item tensors that carry a deferred video to the rank: its bytes, the frames
+    to read and (decoded width, height, display matrix, shown height, width)."""
+    (a, b), (c, d) = video.matrix
+    plan = [*video.decoded, a, b, c, d, *video.shown]
+    return {
+        VIDEO_KEY: torch.frombuffer(bytearray(video.data), dtype=torch.uint8),
+        _VIDEO_INDICES_KEY: torch.tensor(video.indices, dtype=torch.int64),
+        _VIDEO_PLAN_KEY: torch.tensor(plan, dtype=torch.int64),
+    }
+
+
+def _planned(item: EncoderInput) -> DeferredVideo:
+    """`_video_plan` read back (what `nvdec.decode_frames` needs of it)."""
+    width, height, a, b, c, d, shown_h, shown_w = item.tensors[_VIDEO_PLAN_KEY].tolist()
+    data = item.tensors[VIDEO_KEY].numpy().tobytes()
+    return DeferredVideo(data, item.tensors[_VIDEO_INDICES_KEY].tolist(), (width, height), ((a, b), (c, d)), (shown_h, shown_w), [], 0.0, 0)
+
+
 def decode_on_device(window: list[Decoded], options: DecodeOptions, preprocess: Any, device: torch.device) -> int:
-    """Decode, on `device`, the JPEGs the workers left undecoded in `window`, in place:
-    each such row gets its item with pixels on the device, or, for a JPEG nvjpeg
-    refuses, what the CPU path makes of it (its item or its error row, as a worker would
-    have). Returns how many rows the device decoded.
+    """Decode, on `device`, the media the workers left undecoded in `window`, in place:
+    each such row gets its item with pixels on the device, or, where the GPU's decoder
+    refuses the file, what the CPU path makes of it (its item or its error row, as a
+    worker would have). Returns how many rows the device decoded.
 
     Runs on the rank's GPU-decode thread (`RankPipeline._decoded_on_device`), a window
-    at a time: a constant number of nvjpeg calls per window (`pixel_groups` bounds the
-    full-size pictures held at once), then the family's resize and patching per picture
-    on the device."""
+    at a time: JPEGs with a constant number of nvjpeg calls per window (`pixel_groups`
+    bounds the full-size pictures held at once), then the family's resize and patching
+    per picture on the device; videos one at a time (`nvdec.decode_frames`)."""
     waiting = [k for k, d in enumerate(window) if d.item is not None and JPEG_KEY in d.item.tensors]
     pixels = [int(window[k].item.tensors[JPEG_SIZE_KEY].prod()) for k in waiting]
     done = 0
@@ -124,6 +164,10 @@ def decode_on_device(window: list[Decoded], options: DecodeOptions, preprocess: 
         for k, image in zip(rows, images):
             window[k] = _finished(window[k], image, options, preprocess)
             done += image is not None
+    for k, decoded in enumerate(window):
+        if decoded.item is not None and VIDEO_KEY in decoded.item.tensors:
+            window[k], on_device = _video_finished(decoded, options, preprocess, device)
+            done += on_device
     return done
 
 
@@ -132,21 +176,42 @@ def _finished(decoded: Decoded, image: torch.Tensor | None, options: DecodeOptio
     where nvjpeg refused it (`image` None)."""
     item = decoded.item
     if image is None:
-        data = item.tensors[JPEG_KEY].numpy().tobytes()
-        try:
-            media = decode(data, dataclasses.replace(options, defer_jpeg=False))
-        except MediaError as err:
-            return dataclasses.replace(decoded, modality=_error_modality(options), item=None, error=str(err))
-        return dataclasses.replace(_preprocessed(decoded.row, decoded.id, media, preprocess), seconds=decoded.seconds, extra=decoded.extra)
+        return _on_cpu(decoded, item.tensors[JPEG_KEY].numpy().tobytes(), options, preprocess)
     try:
         return dataclasses.replace(decoded, item=preprocess.on_device(item, image))
     except Exception as exc:
         return dataclasses.replace(decoded, item=None, error=f"preprocess_failed: {type(exc).__name__}: {exc}")
 
 
-def decode_options(job: Job, adapter: EncoderAdapter, defer_jpeg: bool = False) -> DecodeOptions:
-    """What the decode workers need from the job and the model's preprocessing;
-    `defer_jpeg` leaves plain JPEGs for the rank's GPU (`preprocess.decoder`)."""
+def _video_finished(decoded: Decoded, options: DecodeOptions, preprocess: Any, device: torch.device) -> tuple[Decoded, bool]:
+    """A deferred video's row with its frames read by the GPU's video decoder, or the
+    CPU path's row where that fails; and whether the GPU decoded it."""
+    item = decoded.item
+    try:
+        frames = decode_frames(_planned(item), device)
+    except Exception as exc:  # any refusal of the GPU's decoder: the CPU path decides
+        logger.debug("the GPU's video decoder failed on row %d (%s: %s); decoding it on the CPU", decoded.row, type(exc).__name__, exc)
+        return _on_cpu(decoded, item.tensors[VIDEO_KEY].numpy().tobytes(), options, preprocess), False
+    planned = dataclasses.replace(item, tensors={k: v for k, v in item.tensors.items() if k not in _VIDEO_KEYS})
+    try:
+        return dataclasses.replace(decoded, item=preprocess.on_device_video(planned, frames)), True
+    except Exception as exc:
+        return dataclasses.replace(decoded, item=None, error=f"preprocess_failed: {type(exc).__name__}: {exc}"), True
+
+
+def _on_cpu(decoded: Decoded, data: bytes, options: DecodeOptions, preprocess: Any) -> Decoded:
+    """The row a worker makes of `data` on the CPU (its item or its error row)."""
+    try:
+        media = decode(data, dataclasses.replace(options, defer_jpeg=False, defer_video=False))
+    except MediaError as err:
+        return dataclasses.replace(decoded, modality=_error_modality(options), item=None, error=str(err))
+    return dataclasses.replace(_preprocessed(decoded.row, decoded.id, media, preprocess), seconds=decoded.seconds, extra=decoded.extra)
+
+
+def decode_options(job: Job, adapter: EncoderAdapter) -> DecodeOptions:
+    """What the decode workers need from the job and the model's preprocessing (videos
+    are left for the rank's GPU with `video.decoder: nvdec`; the rank decides about
+    JPEGs, `preprocess.decoder`)."""
     preprocess = adapter.preprocessor()
     if job.video.max_frames < preprocess.frame_multiple:
         raise JobError(
@@ -165,5 +230,5 @@ def decode_options(job: Job, adapter: EncoderAdapter, defer_jpeg: bool = False) 
         video_pixel_limit=job.video.max_total_pixels,
         media_root=reader.local_media_root(job.input),
         max_item_bytes=job.input.max_item_bytes,
-        defer_jpeg=defer_jpeg,
+        defer_video=job.video.decoder == "nvdec",
     )

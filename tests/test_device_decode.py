@@ -12,7 +12,9 @@ import dataclasses
 import io
 import json
 import pickle
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -280,3 +282,99 @@ def test_videos_and_other_images_in_a_window_pass_the_gpu_decode_untouched(prepr
     assert window[1].modality == "video"
     assert worker.decode_on_device(window, auto, preprocess, torch.device("cpu")) == 2
     assert_same_rows(window, [worker.decode_row(row, auto, preprocess) for row in rows])
+
+
+# Videos decoded by the GPU's video decoder (`video.decoder: nvdec`). PyNvVideoCodec needs
+# a GPU; here a stand-in with its interface reads the same bytes with decord, so the rows
+# must be the CPU path's bit for bit: the plan (indices, size, display matrix), its trip
+# through a pickle, the matrix applied on the rank and the family's steps after it.
+
+class StandInDecoder:
+    """PyNvVideoCodec.SimpleDecoder's calls used by `nvdec.decode_frames`, over decord."""
+
+    def __init__(self, data: bytes, gpu_id: int = 0, use_device_memory: bool = True, output_color_type: object = None) -> None:
+        import decord
+
+        self.reader = decord.VideoReader(io.BytesIO(data))
+
+    def get_batch_frames_by_index(self, indices: list[int]) -> list[torch.Tensor]:
+        return [torch.from_numpy(frame) for frame in self.reader.get_batch(indices).asnumpy()]
+
+
+def stand_in(monkeypatch: pytest.MonkeyPatch, decoder: type = StandInDecoder) -> None:
+    module = SimpleNamespace(SimpleDecoder=decoder, OutputColorType=SimpleNamespace(RGB="RGB"))
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module)
+
+
+DATA = Path(__file__).parent / "data"
+VIDEOS = sorted(p.name for p in DATA.iterdir() if p.suffix in (".mov", ".mp4", ".mkv"))
+VIDEO_OPTIONS = dataclasses.replace(IMAGE, modality="auto")
+
+
+def video_rows() -> list[InputRow]:
+    media = [(DATA / name).read_bytes() for name in VIDEOS] + [ALL_JPEGS["gray"]()]
+    return [InputRow(k, name, data, None, None) for k, (name, data) in enumerate(zip([*VIDEOS, "gray"], media))]
+
+
+def test_videos_decoded_on_the_device_are_the_cpu_paths_rows(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rotated clips (their display matrices applied on the rank), clips the CPU path
+    refuses while planning (truncated, AV1: its error rows, decided in the worker) or
+    while reading (corrupt frames: the rank's fallback), and an image beside them."""
+    stand_in(monkeypatch)
+    rows = video_rows()
+    deferring = dataclasses.replace(VIDEO_OPTIONS, defer_video=True)
+    window = [pickle.loads(pickle.dumps(worker.decode_row(row, deferring, preprocess), protocol=5)) for row in rows]
+    deferred = {d.id for d in window if d.item is not None and "video" in d.item.tensors}
+    assert {"decord_video_0.mov", "decord_video_90.mov", "decord_video_180.mov", "decord_video_270.mov"} <= deferred
+    # decord_corrupted.mp4's first frame decodes (the plan holds), its others do not: the
+    # decoder raises and the row is the CPU path's error row.
+    assert "decord_corrupted.mp4" in deferred
+    assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == len(deferred) - 1
+    assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows])
+
+
+def test_a_video_the_device_decoder_refuses_takes_the_cpu_path(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Refusing(StandInDecoder):
+        def get_batch_frames_by_index(self, indices: list[int]) -> list[torch.Tensor]:
+            raise RuntimeError("HW decoder: unsupported")
+
+    stand_in(monkeypatch, Refusing)
+    rows = video_rows()
+    window = [worker.decode_row(row, dataclasses.replace(VIDEO_OPTIONS, defer_video=True), preprocess) for row in rows]
+    assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == 0
+    assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows])
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"video": {"decoder": "nvdec"}, "runtime": {"device": "cpu"}}, "runtime.device is 'cpu'; use video.decoder: decord"),
+        ({"video": {"decoder": "nvdec"}, "input": {"modality": "image"}}, "input.modality is 'image'"),
+    ],
+)
+def test_a_video_decoder_the_job_cannot_use_is_refused(change: dict, says: str) -> None:
+    raw = spec()
+    for section, values in change.items():
+        raw.setdefault(section, {}).update(values)
+    with pytest.raises(JobError, match="video.decoder") as err:
+        job_from_dict(raw)
+    assert says in str(err.value)
+
+
+def test_nvdec_without_its_package_or_a_gpu_is_one_line_before_any_row(tmp_path: Path, cache_dir: str, capsys) -> None:
+    demo = str(REPO / "jobs" / "demo-video.yaml")
+    code = main(["run", demo, "--set", f"output.path={tmp_path}", "--set", f"runtime.cache_dir={cache_dir}",
+                 "--set", "video.decoder=nvdec"])
+    assert code == 2
+    assert "video.decoder = 'nvdec' cannot run here: cpu is not a CUDA device; or use video.decoder: decord" in capsys.readouterr().err
+    assert not list(tmp_path.glob("part-*.parquet"))
+
+
+def test_the_nvdec_problem_names_the_package_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from embedjob.decode.nvdec import nvdec_problem
+
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", None)
+    problem = nvdec_problem(torch.device("cuda", 0))
+    assert problem is not None and "pip install 'embedjob[nvdec]'" in problem
+    stand_in(monkeypatch)
+    assert nvdec_problem(torch.device("cuda", 0)) is None

@@ -426,3 +426,68 @@ def test_a_gpu_decoder_job_gives_the_cpu_decoder_jobs_rows(tmp_path: Path, cache
         if cpu_row["error"] is None:
             a, b = torch.tensor(cpu_row["embedding"]), torch.tensor(gpu_row["embedding"])
             assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) > 0.99
+
+
+# Video frames decoded by the GPU's video decoder (`video.decoder: nvdec`; needs PyNvVideoCodec).
+
+
+def _has_nvdec() -> bool:
+    try:
+        import PyNvVideoCodec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "siglip"])
+def test_videos_decoded_by_nvdec_are_the_cpu_rows_up_to_the_decoders_rounding(cache_dir: str, family: str) -> None:
+    """The frames the CPU path samples (same indices, rotations applied), read by NVDEC:
+    the same tokens, grids and error rows, pixels within a few levels (the two convert
+    YUV to RGB with their own rounding), and every clip that decord reads whole decoded
+    on the GPU."""
+    from embedjob import rows as worker
+    from embedjob.decode import DecodeOptions
+    from embedjob.io.reader import InputRow
+
+    model = {"family": family, "path": f"builtin:tiny-{family}", "dtype": "bfloat16"}
+    preprocess = load_adapter(make_job(cache_dir, model=model), torch.device("cuda")).preprocessor()
+    options = DecodeOptions(modality="auto", max_image_pixels=50_000_000, fps=2.0, max_frames=32, frame_multiple=preprocess.frame_multiple)
+    paths = sorted(p for p in (REPO / "tests" / "data").iterdir() if p.suffix in (".mov", ".mp4", ".mkv"))
+    rows = [InputRow(k, p.name, p.read_bytes(), None, None) for k, p in enumerate(paths)]
+    cpu = [worker.decode_row(row, options, preprocess) for row in rows]
+    window = [worker.decode_row(row, dataclasses.replace(options, defer_video=True), preprocess) for row in rows]
+    deferred = {d.id for d in window if d.item is not None and "video" in d.item.tensors}
+    done = worker.decode_on_device(window, options, preprocess, torch.device("cuda"))
+    assert done == len(deferred - {"decord_corrupted.mp4"})
+    for got, want in zip(window, cpu, strict=True):
+        assert (got.id, got.error, got.modality) == (want.id, want.error, want.modality)
+        if want.item is None:
+            continue
+        assert (got.item.tokens, got.item.frames, got.item.grid, got.item.token_grid) == (
+            want.item.tokens, want.item.frames, want.item.grid, want.item.token_grid
+        ), got.id
+        a, b = got.item.tensors["pixel_values"], want.item.tensors["pixel_values"]
+        diff = (a.to("cpu", torch.int16) - b.to(torch.int16)).abs().float()
+        assert float(diff.mean()) < 6.0, (got.id, float(diff.mean()))
+
+
+@pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
+def test_an_nvdec_job_gives_the_decord_jobs_rows(tmp_path: Path, cache_dir: str) -> None:
+    from embedjob.config import load_job
+    from embedjob.pipeline import run_job
+
+    outputs, stats = {}, {}
+    for decoder in ("decord", "nvdec"):
+        overrides = [f"output.path={tmp_path / decoder}", "runtime.device=cuda", f"runtime.cache_dir={cache_dir}",
+                     "runtime.workers=2", "runtime.gpus=1", f"video.decoder={decoder}"]
+        stats[decoder] = run_job(load_job(REPO / "jobs" / "demo-video.yaml", overrides))
+        outputs[decoder] = pq.read_table(sorted((tmp_path / decoder).glob("part-*.parquet"))).to_pylist()
+    assert stats["decord"]["device_decoded"] == 0 and stats["nvdec"]["device_decoded"] > 0
+    for cpu_row, gpu_row in zip(outputs["decord"], outputs["nvdec"], strict=True):
+        assert (cpu_row["id"], cpu_row["error"], cpu_row["tokens"], cpu_row["frames"]) == (
+            gpu_row["id"], gpu_row["error"], gpu_row["tokens"], gpu_row["frames"]
+        )
+        if cpu_row["error"] is None:
+            a, b = torch.tensor(cpu_row["embedding"]), torch.tensor(gpu_row["embedding"])
+            assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) > 0.99

@@ -5,7 +5,7 @@
 
 from embedjob.decode.dispatch import decode
 from embedjob.decode.source import read_source
-from embedjob.decode.types import DecodedImage, DecodedVideo, DecodeOptions, DeferredImage, MediaError
+from embedjob.decode.types import DecodedImage, DecodedVideo, DecodeOptions, DeferredImage, DeferredVideo, MediaError
 from embedjob.decode.video import sample_frame_indices, worker_preload
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "DecodedImage",
     "DecodedVideo",
     "DeferredImage",
+    "DeferredVideo",
     "MediaError",
     "decode",
     "read_source",

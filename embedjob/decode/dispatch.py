@@ -1,7 +1,8 @@
 """`decode(data, options)`: the one entry to the decoders, and its contract with the pipeline.
 
 - It returns a `DecodedImage` or a `DecodedVideo` (or, with `options.defer_jpeg`, a
-  `DeferredImage` for a plain JPEG the device decodes), or raises `MediaError`; no other
+  `DeferredImage` for a plain JPEG the device decodes, and with `options.defer_video` a
+  `DeferredVideo` whose sampled frames the GPU decodes), or raises `MediaError`; no other
   exception escapes it. A `MediaError` becomes one error row ("code: message"), so a bad
   item never stops the job.
 - The bytes decide the decoder (`sniff.sniff_format`); `options.modality` only refuses
@@ -22,13 +23,13 @@ import logging
 
 from embedjob.decode.image import decode_image
 from embedjob.decode.sniff import sniff_format
-from embedjob.decode.types import DecodedImage, DecodedVideo, DecodeOptions, DeferredImage, MediaError
+from embedjob.decode.types import DecodedImage, DecodedVideo, DecodeOptions, DeferredImage, DeferredVideo, MediaError
 from embedjob.decode.video import decode_video
 
 logger = logging.getLogger(__name__)
 
 
-def decode(data: bytes, options: DecodeOptions) -> DecodedImage | DecodedVideo | DeferredImage:
+def decode(data: bytes, options: DecodeOptions) -> DecodedImage | DecodedVideo | DeferredImage | DeferredVideo:
     """Decode one item; raises only MediaError (unexpected failures: "internal_error",
     with the traceback logged, so a decoder bug costs one row, not the job)."""
     try:
@@ -42,7 +43,7 @@ def decode(data: bytes, options: DecodeOptions) -> DecodedImage | DecodedVideo |
         raise MediaError("internal_error", f"{type(exc).__name__}: {exc}") from None
 
 
-def _decode(data: bytes, options: DecodeOptions) -> DecodedImage | DecodedVideo | DeferredImage:
+def _decode(data: bytes, options: DecodeOptions) -> DecodedImage | DecodedVideo | DeferredImage | DeferredVideo:
     if not data:
         raise MediaError("empty", "0 bytes")
     found = sniff_format(data)

@@ -43,7 +43,9 @@ class DecodeOptions:
     `video_pixel_limit` one whose sampled frames hold more pixels together
     (`video.max_total_pixels`): None means no limit. `media_root` (a real path) and
     `max_item_bytes` are what the worker hands to `read_source`. `defer_jpeg` leaves
-    plain JPEGs undecoded (`DeferredImage`) for the device's decoder.
+    plain JPEGs undecoded (`DeferredImage`) for the device's decoder;
+    `defer_video` plans a video's sampled frames and leaves them undecoded
+    (`DeferredVideo`) for the GPU's video decoder.
     """
 
     modality: str
@@ -58,6 +60,7 @@ class DecodeOptions:
     media_root: str | None = None
     max_item_bytes: int | None = DEFAULT_MAX_ITEM_BYTES
     defer_jpeg: bool = False
+    defer_video: bool = False
 
     def __post_init__(self) -> None:
         if self.modality not in ("image", "video", "auto"):
@@ -97,6 +100,25 @@ class DeferredImage:
     data: bytes
     width: int
     height: int
+
+
+@dataclass
+class DeferredVideo:
+    """A video whose sampled frames the GPU's video decoder decodes (`video.decoder:
+    nvdec`): everything the CPU path decides before it reads the frames. `indices` are
+    the frames it would read (in sample order), `decoded` the (width, height) it would
+    read them at (scaled down when larger than max_frame_pixels), `matrix` the display
+    matrix it would apply after, `shown` the (height, width) of a frame as displayed;
+    `timestamps`, `source_fps` and `source_frames` as in `DecodedVideo`."""
+
+    data: bytes
+    indices: list[int]
+    decoded: tuple[int, int]
+    matrix: tuple[tuple[int, int], tuple[int, int]]
+    shown: tuple[int, int]
+    timestamps: list[float]
+    source_fps: float
+    source_frames: int
 
 
 @dataclass

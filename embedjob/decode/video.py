@@ -48,7 +48,8 @@ from embedjob.decode.containers import (
     mp4_facts,
     patched,
 )
-from embedjob.decode.types import DecodedVideo, DecodeOptions, MediaError, last_line
+from embedjob.decode.sniff import sniff_format
+from embedjob.decode.types import DecodedVideo, DecodeOptions, DeferredVideo, MediaError, last_line
 
 logger = logging.getLogger(__name__)
 
@@ -148,16 +149,17 @@ class _StderrCapture:
 @dataclass
 class _VideoJob:
     """One video being decoded: the bytes decord reads (patched), what we know of the
-    container, and FFmpeg's captured diagnostics."""
+    container, FFmpeg's captured diagnostics, and the item's own bytes."""
 
     source: bytes | bytearray
     fmt: str | None
     facts: Mp4Facts
     options: DecodeOptions
     log: _StderrCapture
+    data: bytes = b""
 
 
-def decode_video(data: bytes, options: DecodeOptions, fmt: str | None) -> DecodedVideo:
+def decode_video(data: bytes, options: DecodeOptions, fmt: str | None) -> DecodedVideo | DeferredVideo:
     """`fmt` is the sniffed container (None: unknown, left to FFmpeg); only MP4/MOV and
     Matroska are parsed before decord opens the bytes."""
     facts = mp4_facts(data) if fmt in ("MP4", "MOV") else Mp4Facts()
@@ -168,7 +170,7 @@ def decode_video(data: bytes, options: DecodeOptions, fmt: str | None) -> Decode
         # Before decord opens the stream: opening alone may decode a frame at full size.
         _check_frame_pixels(*declared, options, "declared by the container")
     with _StderrCapture() as log:
-        job = _VideoJob(patched(data, facts.patches), fmt, facts, options, log)
+        job = _VideoJob(patched(data, facts.patches), fmt, facts, options, log, data)
         video = _decode_video_job(job)
         messages = log.summary("")
         if messages:
@@ -190,14 +192,40 @@ def _decode_video_job(job: _VideoJob) -> DecodedVideo:
     # One frame, decoded alone, tells the real size (decord exposes none before decoding).
     height, width = _to_numpy(_get_batch(job, reader, [indices[0]])).shape[1:3]
     _check_frame_pixels(width, height, options, "decoded")
-    reader, (out_width, out_height) = _bounded_reader(job, reader, width, height)
-    _check_video_pixels(len(indices), out_width, out_height, options)
-    frames = _apply_matrix(_read_frames(job, reader, indices), job.facts.matrix)
+    size = _bounded_size(options, width, height)
+    _check_video_pixels(len(indices), *size, options)
     if times is not None:
         timestamps = [float(times[i, 0] - times[0, 0]) for i in indices]
     else:
         timestamps = [i / source_fps if source_fps > 0 else 0.0 for i in indices]
+    if options.defer_video:
+        return _deferred(job, indices, size, timestamps, source_fps, num_frames)
+    if size != (width, height):
+        logger.debug("decoding %dx%d frames at %dx%d (max_frame_pixels=%s)", width, height, *size, options.max_frame_pixels)
+        reader = _open_reader(job, size)
+    frames = _apply_matrix(_read_frames(job, reader, indices), job.facts.matrix)
     return DecodedVideo(np.ascontiguousarray(frames), timestamps, source_fps, num_frames)
+
+
+def _deferred(
+    job: _VideoJob, indices: list[int], size: tuple[int, int], timestamps: list[float], fps: float, frames: int
+) -> DeferredVideo:
+    """What the GPU's video decoder needs to read the frames this path would read: the
+    item's bytes (`decoder_bytes` makes what decord reads of them) and the display
+    matrix, applied after decoding as here."""
+    (a, _), _ = job.facts.matrix
+    shown = (size[1], size[0]) if a != 0 else (size[0], size[1])
+    return DeferredVideo(job.data, indices, size, job.facts.matrix, shown, timestamps, fps, frames)
+
+
+def decoder_bytes(data: bytes) -> bytes | bytearray:
+    """The bytes a frame decoder is given for a video's `data`, as this path gives
+    decord: for MP4/MOV the first video track only and the display matrix reset (it is
+    applied to the decoded frames instead, so no decoder turns them itself)."""
+    found = sniff_format(data)
+    if found is None or found[1] not in ("MP4", "MOV"):
+        return data
+    return patched(data, mp4_facts(data).patches)
 
 
 
@@ -340,16 +368,14 @@ def _time_uniform(indices: list[int], times: np.ndarray) -> list[int]:
     return [int(i) for i in np.searchsorted(starts, targets, side="right") - 1]
 
 
-def _bounded_reader(job: _VideoJob, reader: Any, width: int, height: int) -> tuple[Any, tuple[int, int]]:
-    """The same reader, or one that scales at decode time when frames of `width` x
-    `height` exceed max_frame_pixels (aspect kept); with the (width, height) it yields."""
-    limit = job.options.max_frame_pixels
+def _bounded_size(options: DecodeOptions, width: int, height: int) -> tuple[int, int]:
+    """The (width, height) frames of `width` x `height` are decoded at: scaled down
+    (aspect kept) when they exceed max_frame_pixels, else their own."""
+    limit = options.max_frame_pixels
     if limit is None or width * height <= limit:
-        return reader, (width, height)
+        return width, height
     scale = math.sqrt(limit / (width * height))
-    size = (max(1, math.floor(width * scale)), max(1, math.floor(height * scale)))
-    logger.debug("decoding %dx%d frames at %dx%d (max_frame_pixels=%d)", width, height, size[0], size[1], limit)
-    return _open_reader(job, size), size
+    return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
 
 
 def _check_frame_pixels(width: int, height: int, options: DecodeOptions, how: str) -> None:

@@ -44,6 +44,9 @@ JPEG_KEY = "jpeg"
 (`preprocess.decoder: gpu`); `Preprocessor.on_device` replaces it by the item's pixels."""
 JPEG_SIZE_KEY = "jpeg_size"
 """The (height, width) of that JPEG, from its frame header."""
+VIDEO_KEY = "video"
+"""An item tensor of a video's bytes whose sampled frames the rank's GPU decodes
+(`video.decoder: nvdec`); `Preprocessor.on_device_video` makes the item's pixels."""
 
 
 @dataclass
@@ -131,7 +134,9 @@ class Preprocessor(Protocol):
     makes the item of one from its header alone (everything but its pixels, under
     `JPEG_KEY`), and the rank's `on_device` fills in the pixels from the picture its
     GPU decoded, by the same steps as `__call__`, so the item differs from the CPU
-    path's only by the two decoders' rounding."""
+    path's only by the two decoders' rounding. With `video.decoder: nvdec` a video's
+    item is made the same way (`deferred_video`, `on_device_video`) from its planned
+    frame count and shown frame size."""
 
     frame_multiple: int
 
@@ -140,6 +145,10 @@ class Preprocessor(Protocol):
     def deferred(self, data: torch.Tensor, height: int, width: int) -> EncoderInput: ...
 
     def on_device(self, item: EncoderInput, image: torch.Tensor) -> EncoderInput: ...
+
+    def deferred_video(self, frames: int, height: int, width: int) -> EncoderInput: ...
+
+    def on_device_video(self, item: EncoderInput, frames: torch.Tensor) -> EncoderInput: ...
 
 
 @dataclass(frozen=True)

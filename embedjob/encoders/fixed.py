@@ -193,6 +193,17 @@ class FixedPreprocessor:
         """`deferred`'s item with its view made from the decoded (3, H, W) uint8 picture."""
         return replace(item, tensors={GLOBAL_KEY: self.process(image.unsqueeze(0))})
 
+    def deferred_video(self, frames: int, height: int, width: int) -> EncoderInput:
+        """A video whose `frames` sampled frames the rank's GPU decodes: one view per
+        frame (no tiles: a video frame has none), whatever their size."""
+        tensors = {LOCAL_KEY: self._no_tiles()} if self.max_tiles else {}
+        tokens = frames * self.tokens_per_image
+        return EncoderInput(tensors, tokens=tokens, frames=frames, size=tokens, modality="video", token_grid=(frames, *self.patch_grid))
+
+    def on_device_video(self, item: EncoderInput, frames: torch.Tensor) -> EncoderInput:
+        """`deferred_video`'s item with its views made from the decoded (T, 3, H, W) uint8 frames."""
+        return replace(item, tensors={GLOBAL_KEY: self.process(frames), **item.tensors})
+
     def process(self, images: torch.Tensor) -> torch.Tensor:
         """(N, 3, H, W) uint8 -> (N, 3, h, w) uint8 views, h x w = `input_size`.
 

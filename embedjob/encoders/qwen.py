@@ -178,6 +178,20 @@ class QwenPreprocessor:
         tensors = {k: v for k, v in item.tensors.items() if k not in (JPEG_KEY, JPEG_SIZE_KEY)}
         return replace(item, tensors={"pixel_values": pixels, **tensors})
 
+    def deferred_video(self, frames: int, height: int, width: int) -> EncoderInput:
+        """A video whose `frames` sampled frames (shown at `height` x `width`) the rank's
+        GPU decodes: its grid follows from those alone, as `patchify` would make it."""
+        resized = self._resized(height, width, self.video_min_pixels, self.video_max_pixels)
+        grid = (-(-frames // self.temporal_patch_size), resized[0] // self.patch_size, resized[1] // self.patch_size)
+        return self._item({}, grid, "video", frames)
+
+    def on_device_video(self, item: EncoderInput, frames: torch.Tensor) -> EncoderInput:
+        """`deferred_video`'s item with its patches made from the decoded (T, 3, H, W) uint8 frames."""
+        pixels, grid = self.patchify(self.resize(frames, self.video_min_pixels, self.video_max_pixels), image=False)
+        if grid != item.grid:
+            raise ValueError(f"the decoded frames give the grid {grid}, the plan {item.grid}")
+        return replace(item, tensors={"pixel_values": pixels, **item.tensors})
+
     def _item(self, tensors: dict[str, torch.Tensor], grid: tuple[int, int, int], modality: str, frames: int) -> EncoderInput:
         """The item of `grid` with `tensors` and the grid's metadata."""
         tensors = {**tensors, "grid_thw": torch.tensor(grid, dtype=torch.int64), **self.item_metadata(grid)}

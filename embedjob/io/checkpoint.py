@@ -107,9 +107,10 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
     # Defaults of keys added later are left out: output written before they existed resumes.
     model = {k: v for k, v in vars(job.model).items() if (k, v) != ("precision", "bf16")}
     preprocess = {k: v for k, v in vars(job.preprocess).items() if (k, v) != ("decoder", "cpu")}
+    video = {k: v for k, v in vars(job.video).items() if (k, v) != ("decoder", "decord")}
     return {
         "model": model,
-        "preprocessing": {"preprocess": preprocess, "video": vars(job.video)},
+        "preprocessing": {"preprocess": preprocess, "video": video},
         "pooling": job.output.pooling,
         "output_dtype": job.output.dtype,
         # What a part holds besides the model's vectors: parts of one output must agree.

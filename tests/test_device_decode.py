@@ -210,7 +210,7 @@ def test_a_decoder_the_job_cannot_use_is_refused_with_what_to_change(change: dic
     assert says in str(err.value)
 
 
-def test_the_default_decoder_leaves_the_fingerprint_of_earlier_output_unchanged(tmp_path: Path, cache_dir: str) -> None:
+def test_the_default_decoders_leave_the_fingerprint_of_earlier_output_unchanged(tmp_path: Path, cache_dir: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -219,6 +219,8 @@ def test_the_default_decoder_leaves_the_fingerprint_of_earlier_output_unchanged(
     cpu = job_fingerprint(make_job(cache_dir, input={"path": str(table)}))
     gpu = job_fingerprint(make_job(cache_dir, input={"path": str(table)}, preprocess={"decoder": "gpu"}))
     assert "decoder" not in cpu["preprocessing"]["preprocess"] and gpu["preprocessing"]["preprocess"]["decoder"] == "gpu"
+    nvdec = job_fingerprint(make_job(cache_dir, input={"path": str(table)}, video={"decoder": "nvdec"}))
+    assert "decoder" not in cpu["preprocessing"]["video"] and nvdec["preprocessing"]["video"]["decoder"] == "nvdec"
 
 
 DEMO = str(REPO / "jobs" / "demo.yaml")

@@ -219,7 +219,7 @@ def test_the_default_decoders_leave_the_fingerprint_of_earlier_output_unchanged(
     cpu = job_fingerprint(make_job(cache_dir, input={"path": str(table)}))
     gpu = job_fingerprint(make_job(cache_dir, input={"path": str(table)}, preprocess={"decoder": "gpu"}))
     assert "decoder" not in cpu["preprocessing"]["preprocess"] and gpu["preprocessing"]["preprocess"]["decoder"] == "gpu"
-    nvdec = job_fingerprint(make_job(cache_dir, input={"path": str(table)}, video={"decoder": "nvdec"}))
+    nvdec = job_fingerprint(make_job(cache_dir, input={"path": str(table), "modality": "auto"}, video={"decoder": "nvdec"}))
     assert "decoder" not in cpu["preprocessing"]["video"] and nvdec["preprocessing"]["video"]["decoder"] == "nvdec"
 
 

@@ -318,16 +318,22 @@ class Killer(threading.Thread):
     def run(self) -> None:
         while not self.done.is_set():
             for shard in set(range(SHARDS)) - {self.spare}:
-                try:
-                    committed = shard_progress(self.out, shard).committed
-                except (JobError, OSError):
-                    continue
-                pid = self.head.task_pid(shard) if 0 < committed < ROWS_PER_SHARD else None
-                if pid is not None:
+                committed = self._committed(shard)
+                pid = self.head.task_pid(shard) if committed is not None and 0 < committed < ROWS_PER_SHARD else None
+                # Finding the pid reads /proc and can take longer than the shard has left:
+                # kill only if the shard is still part-way after it.
+                now = self._committed(shard) if pid is not None else None
+                if pid is not None and now is not None and 0 < now < ROWS_PER_SHARD:
                     os.kill(pid, signal.SIGKILL)
-                    self.killed = (shard, committed)
+                    self.killed = (shard, now)
                     return
             time.sleep(0.02)
+
+    def _committed(self, shard: int) -> int | None:
+        try:
+            return shard_progress(self.out, shard).committed
+        except (JobError, OSError):
+            return None
 
 
 def part_times(out: Path) -> dict[str, int]:

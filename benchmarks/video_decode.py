@@ -1,0 +1,229 @@
+"""Seconds of 1080p video embedded per second: `video.decoder: decord` against `nvdec`.
+
+Two steps. On any machine with `pip install imageio-ffmpeg` (its FFmpeg has libx264),
+make the clips from real photos:
+
+    python3 benchmarks/video_decode.py --make-clips bench-data/clips --photos bench-data [--count 8]
+
+Each clip is its own slow pan and zoom across one photo (a random start and end window
+of the photo, 1920 x 1080, `--seconds` 7 s at 30 fps), H.264 (libx264, CRF 26,
+yuv420p) in MP4. Then on the GPU machine (with PyNvVideoCodec installed for `nvdec`):
+
+    PYTHONPATH=. python3 benchmarks/video_decode.py --clips bench-data/clips [--workers 16] [--nvdec-workers 4]
+
+It writes the clips into a Parquet file, measures the encoder-only rate of their items
+(`benchmarks/encoder_only.py`: the Qwen2.5-VL-7B-size tower of the scaling benchmark,
+bf16, compiled, graphs; 2 frames per second, at most 32 frames), then runs
+`embedjob run --gpus 1` on them once with `video.decoder: decord` and `--workers`
+decode processes and once with `nvdec` and `--nvdec-workers`, and prints one table:
+seconds of video embedded per second of pipeline (the clips' durations over
+`pipeline_seconds`), clips per second, that over the encoder-only rate, the clips the
+GPU decoded, the workers' and the GPU-decode thread's seconds, and the per-clip cosine of
+the nvdec run's embeddings to the decord run's (min and median). The table is also
+written to `<workdir>/video_decode.md`. `--smoke` runs it on the CPU with the tiny tower
+(the nvdec run then stops with its job error, which the table shows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
+from benchmarks.gpu_decode import compare  # noqa: E402
+from benchmarks.mixes import TOWERS, collect_photos, save_tower  # noqa: E402
+from benchmarks.scaling import NO_MULTICAST, fmt, log, rank0, run_cli  # noqa: E402
+from embedjob.config import load_job  # noqa: E402
+
+FPS = 30
+SIZE = (1920, 1080)
+DECODERS = ("decord", "nvdec")
+
+
+def main() -> int:
+    args = parse_args()
+    if args.make_clips:
+        make_clips(Path(args.make_clips), collect_photos(args.photos), args.count, args.seconds, args.seed)
+        return 0
+    for key, value in NO_MULTICAST.items():
+        os.environ.setdefault(key, value)
+    workdir = Path(args.workdir).resolve()
+    parquet, seconds = clips_parquet(Path(args.clips), workdir)
+    job = write_job(workdir, parquet, args.smoke)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    log(f"[video] encoder only on {parquet}")
+    encoder = measure(load_job(job, []), device, len(os.sched_getaffinity(0)), 3)
+    runs: dict[str, dict[str, Any] | None] = {}
+    outputs: dict[str, pa.Table] = {}
+    for decoder, workers in zip(DECODERS, (args.workers, args.nvdec_workers)):
+        output = workdir / f"out-{decoder}"
+        overrides = [f"runtime.workers={workers}", f"video.decoder={decoder}"]
+        runs[decoder] = run_cli(job, output, 1, overrides, workdir / "logs" / f"{decoder}.log")
+        if runs[decoder] is not None:
+            outputs[decoder] = pq.read_table(sorted(output.glob("part-*.parquet")))
+        log(f"[video] decoder {decoder}: {'done' if runs[decoder] else 'FAILED'}")
+    cosines = compare(outputs["decord"], outputs["nvdec"]) if len(outputs) == 2 else None
+    text = render(seconds, encoder, runs, cosines, args)
+    (workdir / "video_decode.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+# --- the clips --------------------------------------------------------------------------
+
+
+def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, seed: int) -> None:
+    """`count` H.264 clips, each a pan and zoom over its own photo (see the module docstring)."""
+    import imageio_ffmpeg
+    from PIL import Image
+
+    directory.mkdir(parents=True, exist_ok=True)
+    usable = [p for p in photos if _opens(p.data)]
+    if not usable:
+        raise SystemExit("no readable photo in --photos")
+    rng = np.random.default_rng(seed)
+    for k in range(count):
+        photo = Image.open(io.BytesIO(usable[k % len(usable)].data)).convert("RGB")
+        start, end = _window(photo.size, rng), _window(photo.size, rng)
+        path = directory / f"clip-{k:03d}.mp4"
+        writer = imageio_ffmpeg.write_frames(
+            str(path), SIZE, fps=FPS, codec="libx264", pix_fmt_out="yuv420p", macro_block_size=1,
+            output_params=["-crf", "26", "-preset", "veryfast"],
+        )
+        writer.send(None)
+        frames = round(seconds * FPS)
+        for f in range(frames):
+            t = f / max(frames - 1, 1)
+            box = tuple(a + (b - a) * t for a, b in zip(start, end))
+            writer.send(np.asarray(photo.resize(SIZE, Image.Resampling.BILINEAR, box=box)).tobytes())
+        writer.close()
+        log(f"made {path} ({path.stat().st_size / 1e6:.1f} MB)")
+
+
+def _opens(data: bytes) -> bool:
+    from PIL import Image
+
+    try:
+        Image.open(io.BytesIO(data)).verify()
+    except Exception:
+        return False
+    return True
+
+
+def _window(size: tuple[int, int], rng: np.random.Generator) -> tuple[float, float, float, float]:
+    """A 16:9 window of 50-100 % of the photo's width (or the largest 16:9 that fits)."""
+    width, height = size
+    w = min(width, height * SIZE[0] / SIZE[1]) * rng.uniform(0.5, 1.0)
+    h = w * SIZE[1] / SIZE[0]
+    left, top = rng.uniform(0, width - w), rng.uniform(0, height - h)
+    return left, top, left + w, top + h
+
+
+def clips_parquet(directory: Path, workdir: Path) -> tuple[Path, float]:
+    """The clips of `directory` as one Parquet file (`video`: their bytes) and their total
+    seconds (frames over frame rate, as decord reads them)."""
+    import decord
+
+    paths = sorted(p for p in directory.iterdir() if p.suffix in (".mp4", ".mov", ".mkv"))
+    if not paths:
+        raise SystemExit(f"--clips: no .mp4, .mov or .mkv in {directory}")
+    seconds = 0.0
+    for path in paths:
+        reader = decord.VideoReader(str(path))
+        seconds += len(reader) / float(reader.get_avg_fps())
+    workdir.mkdir(parents=True, exist_ok=True)
+    parquet = workdir / "clips.parquet"
+    pq.write_table(pa.table({"video": [p.read_bytes() for p in paths], "id": [p.name for p in paths]}), parquet, row_group_size=4)
+    return parquet, seconds
+
+
+def write_job(workdir: Path, parquet: Path, smoke: bool) -> Path:
+    import yaml
+
+    tower = save_tower(TOWERS["qwen"], workdir / "towers", smoke)
+    job = {
+        "input": {"path": str(parquet), "media_column": "video", "id_column": "id", "modality": "video"},
+        "model": {"family": "qwen2_5_vl", "path": str(tower), "dtype": "bfloat16"},
+        "video": {"fps": 2.0, "max_frames": 32},
+        "output": {"path": str(workdir / "out"), "rows_per_part": 100_000},
+        "batching": {"compile": not smoke},
+        "runtime": {"device": "cpu" if smoke else "cuda", "progress": False, "cache_dir": str(workdir / "cache")},
+    }
+    path = workdir / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+# --- the table --------------------------------------------------------------------------
+
+
+def render(
+    seconds: float, encoder: EncoderOnly, runs: dict[str, dict[str, Any] | None],
+    cosines: tuple[bool, np.ndarray, int] | None, args: argparse.Namespace,
+) -> str:
+    head = ["decoder", "workers", "clips", "video s", "pipeline s", "video s / s", "clips/s", "/ enc.-only",
+            "GPU-decoded", "worker decode s", "GPU-decode thread s", "cos min", "cos median", "rows identical"]
+    lines = [
+        f"# video.decoder decord vs nvdec ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+        f"device: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}; torch {torch.__version__}; "
+        f"command: {' '.join(sys.argv)}",
+        "",
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join(["---"] + ["---:"] * (len(head) - 1)) + " |",
+        _row(["encoder only", "-", encoder.items, f"{seconds:.1f}", f"{encoder.seconds:.2f}", f"{seconds / encoder.seconds:.1f}",
+              f"{encoder.rate:.2f}"] + ["-"] * (len(head) - 7)),
+    ]
+    for decoder, workers in zip(DECODERS, (args.workers, args.nvdec_workers)):
+        stats = runs[decoder]
+        if stats is None:
+            lines.append(_row([decoder, workers, "FAILED"] + ["-"] * (len(head) - 3)))
+            continue
+        pipeline = stats["pipeline_seconds"]
+        rate = stats["rows"] / pipeline if pipeline else None
+        cos = cosines[1] if decoder == "nvdec" and cosines is not None and len(cosines[1]) else None
+        first = rank0(stats)
+        lines.append(_row([
+            decoder, workers, stats["rows"], f"{seconds:.1f}", fmt(pipeline, ".2f"), fmt(seconds / pipeline if pipeline else None, ".1f"),
+            fmt(rate, ".2f"), fmt(rate / encoder.rate if rate else None, ".3f"), stats.get("device_decoded", "-"),
+            fmt(first.get("decode_seconds"), ".1f"), fmt(first.get("device_decode_seconds"), ".2f"),
+            fmt(cos.min() if cos is not None else None, ".5f"), fmt(float(np.median(cos)) if cos is not None else None, ".5f"),
+            "-" if decoder == "decord" or cosines is None else ("yes" if cosines[0] else "NO"),
+        ]))
+    return "\n".join(lines)
+
+
+def _row(cells: list[Any]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--make-clips", metavar="DIR", help="make the clips into DIR (needs imageio-ffmpeg) and stop")
+    parser.add_argument("--photos", nargs="+", type=Path, default=[], help="photos the clips are made from")
+    parser.add_argument("--count", type=int, default=8, help="clips to make")
+    parser.add_argument("--seconds", type=float, default=7.0, help="seconds per clip")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clips", default="bench-data/clips", help="directory of the clips to embed")
+    parser.add_argument("--workers", type=int, default=16, help="runtime.workers of the decord run")
+    parser.add_argument("--nvdec-workers", type=int, default=4, help="runtime.workers of the nvdec run")
+    parser.add_argument("--workdir", default="video-decode-work")
+    parser.add_argument("--smoke", action="store_true", help="CPU only: the tiny tower")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

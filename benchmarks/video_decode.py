@@ -6,7 +6,7 @@ make the clips from real photos:
     python3 benchmarks/video_decode.py --make-clips bench-data/clips --photos bench-data [--count 8]
 
 Each clip is its own slow pan and zoom across one photo (a random start and end window
-of the photo, 1920 x 1080, `--seconds` 7 s at 30 fps), H.264 (libx264, CRF 26,
+of the photo, 1920 x 1080, `--seconds` 7 s at 30 fps), H.264 (libx264, CRF 18,
 yuv420p) in MP4. Then on the GPU machine (with PyNvVideoCodec installed for `nvdec`):
 
     PYTHONPATH=. python3 benchmarks/video_decode.py --clips bench-data/clips [--workers 16] [--nvdec-workers 4]
@@ -101,7 +101,7 @@ def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, s
         path = directory / f"clip-{k:03d}.mp4"
         writer = imageio_ffmpeg.write_frames(
             str(path), SIZE, fps=FPS, codec="libx264", pix_fmt_out="yuv420p", macro_block_size=1,
-            output_params=["-crf", "26", "-preset", "veryfast"],
+            output_params=["-crf", "18", "-preset", "veryfast"],
         )
         writer.send(None)
         frames = round(seconds * FPS)
@@ -144,6 +144,8 @@ def clips_parquet(directory: Path, workdir: Path) -> tuple[Path, float]:
     for path in paths:
         reader = decord.VideoReader(str(path))
         seconds += len(reader) / float(reader.get_avg_fps())
+    megabits = sum(p.stat().st_size for p in paths) * 8 / 1e6
+    log(f"{len(paths)} clips, {seconds:.1f} s of video, {megabits / seconds:.1f} Mbit/s on average")
     workdir.mkdir(parents=True, exist_ok=True)
     parquet = workdir / "clips.parquet"
     pq.write_table(pa.table({"video": [p.read_bytes() for p in paths], "id": [p.name for p in paths]}), parquet, row_group_size=4)

@@ -19,7 +19,6 @@ import gc
 import multiprocessing
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import pyarrow.parquet as pq
 import torch
 
 from benchmarks.mixes import items_flops
-from embedjob.bench import cuda_passes
+from embedjob.bench import device_passes
 from embedjob.config import Job
 from embedjob.decode import DecodeOptions, MediaError, decode
 from embedjob.encoders import EncoderInput, load_adapter
@@ -133,7 +132,7 @@ def _timed(
 
     if outputs is not None:
         outputs.extend(_pooled(job, adapter, manager, batches, chosen, len(items)))
-    passes = cuda_passes(one_pass, repeats) if device.type == "cuda" else _wall_passes(one_pass, repeats)
+    passes = device_passes(one_pass, repeats, device)
     real = sum(i.tokens for i in items)
     manager.clear()
     return EncoderOnly(
@@ -167,15 +166,6 @@ def _pooled(job: Job, adapter: Any, manager: GraphManager, batches: list[Any], c
 def _not_measured(items: list[EncoderInput], failed: int, flops: float, seconds: tuple[float, float], note: str) -> EncoderOnly:
     return EncoderOnly(len(items), failed, float("nan"), [], flops, 0, None, None, [], seconds[0], seconds[1], note)
 
-
-def _wall_passes(fn: Callable[[], None], repeats: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
 
 
 # --- preprocessing on the CPU ---------------------------------------------------------

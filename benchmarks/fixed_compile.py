@@ -54,7 +54,7 @@ import transformers
 # The script runs without installing the package, so the repository root goes first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from embedjob.bench import FIXED_TOWERS, cuda_time, fixed_flops, matmul_peak, save_fixed_tower  # noqa: E402
+from embedjob.bench import FIXED_TOWERS, device_time, fixed_flops, matmul_peak, save_fixed_tower  # noqa: E402
 from embedjob.config import job_from_dict  # noqa: E402
 from embedjob.encoders import EncoderAdapter, EncoderInput, StaticInputs, load_adapter  # noqa: E402
 from embedjob.encoders.fixed import FAMILIES, GLOBAL_KEY, load_processing  # noqa: E402
@@ -263,7 +263,7 @@ def variant_list(chosen: list[str] | None) -> list[tuple[str, str | None]]:
 
 
 def median_seconds(run: Run, repeats: int, device: torch.device) -> float:
-    return cuda_time(run, repeats, warmup=3 if device.type == "cuda" else 1)
+    return device_time(run, repeats, device, warmup=3 if device.type == "cuda" else 1)
 
 
 def measure(b: Bench, variant: str, backend: str | None, peak: float) -> Row:

@@ -81,17 +81,9 @@ class Row:
 
 
 def cuda_passes(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
-    """Seconds of each of `repeats` runs of `fn`, timed with CUDA events after warm-up
-    (wall time where there is no GPU, so the code paths can be checked on a CPU)."""
+    """Seconds of each of `repeats` runs of `fn`, timed with CUDA events after warm-up."""
     for _ in range(warmup):
         fn()
-    if not torch.cuda.is_available():
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return times
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
@@ -107,6 +99,30 @@ def cuda_passes(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[fl
 def cuda_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
     """Median seconds of `fn` over `repeats` runs (`cuda_passes`)."""
     return statistics.median(cuda_passes(fn, repeats, warmup))
+
+
+def wall_passes(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """`cuda_passes` on a CPU: wall seconds of each run (a CPU runs `fn` as it is called)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def device_passes(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 1) -> list[float]:
+    """`cuda_passes` on a GPU, `wall_passes` elsewhere: so a benchmark's code paths can be
+    checked on a CPU."""
+    passes = cuda_passes if device.type == "cuda" else wall_passes
+    return passes(fn, repeats, warmup)
+
+
+def device_time(fn: Callable[[], Any], repeats: int, device: torch.device, warmup: int = 1) -> float:
+    """Median seconds of `fn` over `repeats` runs (`device_passes`)."""
+    return statistics.median(device_passes(fn, repeats, device, warmup))
 
 
 def matmul_peak(size: int = 8192, repeats: int = 10) -> float:
@@ -575,7 +591,7 @@ def _fixed_tower_rows(
     spec = FIXED[family]
     plain = transformers_class(spec.projected_class or spec.vision_class).from_pretrained(directory, dtype=adapter.dtype)
     values = adapter.processing.normalize(pixels, adapter.pixel_scale).to(adapter.dtype)
-    plain_seconds, reference = _plain_seconds(plain.to(device).eval().requires_grad_(False), family, values, repeats, compiled)
+    plain_seconds, reference = _plain_seconds(plain.to(device).eval().requires_grad_(False), family, values, repeats, compiled, device)
     torch._dynamo.reset()
     if compiled:
         adapter.compile(dynamic=True)
@@ -586,7 +602,7 @@ def _fixed_tower_rows(
     # Items whose pixels are already on the device, as with `preprocess.decoder: gpu`.
     items = [EncoderInput({GLOBAL_KEY: pixels[k : k + 1]}, tokens=per_image, frames=0, size=per_image) for k in range(batch)]
     with torch.inference_mode():
-        ours_seconds = cuda_time(lambda: manager.run_batch(items, budget), repeats)
+        ours_seconds = device_time(lambda: manager.run_batch(items, budget), repeats, device)
         ours = manager.run_batch(items, budget)[:batch].float()
     cosine = float(torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min())
     manager.clear()
@@ -600,7 +616,7 @@ def _fixed_tower_rows(
 
 
 def _plain_seconds(
-    model: torch.nn.Module, family: str, values: torch.Tensor, repeats: int, compiled: bool
+    model: torch.nn.Module, family: str, values: torch.Tensor, repeats: int, compiled: bool, device: torch.device
 ) -> tuple[float, torch.Tensor]:
     """The transformers model's median seconds on `values` (compiled with torch.compile
     when asked) and its embeddings in float32 (CLIP: image_embeds; SigLIP: its pooled output)."""
@@ -611,7 +627,7 @@ def _plain_seconds(
         return out.image_embeds if family == "clip" else out.pooler_output
 
     with torch.inference_mode():
-        return cuda_time(embed, repeats), embed().float()
+        return device_time(embed, repeats, device), embed().float()
 
 
 def render(rows: list[Row], header: dict[str, Any]) -> str:

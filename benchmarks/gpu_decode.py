@@ -186,12 +186,12 @@ def compare(cpu: pa.Table, gpu: pa.Table) -> tuple[bool, np.ndarray, int]:
 
 def _vectors(table: pa.Table) -> np.ndarray:
     """The embedding column as one (rows, width) array, error rows as zeros (pooled
-    embeddings are fixed-size lists: read through numpy, not Python lists)."""
+    embeddings are lists of the model's width: read through numpy, not Python lists)."""
     column = table.column("embedding").combine_chunks()
-    width = column.type.list_size
-    values = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32)
-    out = np.zeros((len(column), width), dtype=np.float32)
     valid = column.is_valid().to_numpy(zero_copy_only=False)
+    values = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32)
+    width = len(values) // max(int(valid.sum()), 1)
+    out = np.zeros((len(column), width), dtype=np.float32)
     out[valid] = values.reshape(-1, width)
     return out
 

@@ -32,7 +32,7 @@ from embedjob.decode import (
     worker_preload,
 )
 from embedjob.decode.device import decode_jpegs, pixel_groups
-from embedjob.decode.nvdec import decode_frames
+from embedjob.decode.nvdec import decode_videos
 from embedjob.encoders import EncoderAdapter, EncoderInput
 from embedjob.encoders.base import JPEG_KEY, JPEG_SIZE_KEY, VIDEO_KEY
 from embedjob.encoders.registry import ADAPTER_MODULES
@@ -139,7 +139,7 @@ def _video_plan(video: DeferredVideo) -> dict[str, torch.Tensor]:
 
 
 def _planned(item: EncoderInput) -> DeferredVideo:
-    """`_video_plan` read back (what `nvdec.decode_frames` needs of it)."""
+    """`_video_plan` read back (what `nvdec.decode_videos` needs of it)."""
     width, height, a, b, c, d, shown_h, shown_w = item.tensors[_VIDEO_PLAN_KEY].tolist()
     data = item.tensors[VIDEO_KEY].numpy().tobytes()
     return DeferredVideo(data, item.tensors[_VIDEO_INDICES_KEY].tolist(), (width, height), ((a, b), (c, d)), (shown_h, shown_w), [], 0.0, 0)
@@ -154,7 +154,7 @@ def decode_on_device(window: list[Decoded], options: DecodeOptions, preprocess: 
     Runs on the rank's GPU-decode thread (`RankPipeline._decoded_on_device`), a window
     at a time: JPEGs with a constant number of nvjpeg calls per window (`pixel_groups`
     bounds the full-size pictures held at once), then the family's resize and patching
-    per picture on the device; videos one at a time (`nvdec.decode_frames`)."""
+    per picture on the device; videos several at a time (`nvdec.decode_videos`)."""
     waiting = [k for k, d in enumerate(window) if d.item is not None and JPEG_KEY in d.item.tensors]
     pixels = [int(window[k].item.tensors[JPEG_SIZE_KEY].prod()) for k in waiting]
     done = 0
@@ -164,10 +164,10 @@ def decode_on_device(window: list[Decoded], options: DecodeOptions, preprocess: 
         for k, image in zip(rows, images):
             window[k] = _finished(window[k], image, options, preprocess)
             done += image is not None
-    for k, decoded in enumerate(window):
-        if decoded.item is not None and VIDEO_KEY in decoded.item.tensors:
-            window[k], on_device = _video_finished(decoded, options, preprocess, device)
-            done += on_device
+    videos = [k for k, d in enumerate(window) if d.item is not None and VIDEO_KEY in d.item.tensors]
+    for k, frames in zip(videos, decode_videos([_planned(window[k].item) for k in videos], device)):
+        window[k], on_device = _video_finished(window[k], frames, options, preprocess)
+        done += on_device
     return done
 
 
@@ -183,14 +183,15 @@ def _finished(decoded: Decoded, image: torch.Tensor | None, options: DecodeOptio
         return dataclasses.replace(decoded, item=None, error=f"preprocess_failed: {type(exc).__name__}: {exc}")
 
 
-def _video_finished(decoded: Decoded, options: DecodeOptions, preprocess: Any, device: torch.device) -> tuple[Decoded, bool]:
-    """A deferred video's row with its frames read by the GPU's video decoder, or the
-    CPU path's row where that fails; and whether the GPU decoded it."""
+def _video_finished(
+    decoded: Decoded, frames: torch.Tensor | Exception, options: DecodeOptions, preprocess: Any
+) -> tuple[Decoded, bool]:
+    """A deferred video's row with its `frames` read by the GPU's video decoder, or the
+    CPU path's row where that failed (`frames` is its exception); and whether the GPU
+    decoded it."""
     item = decoded.item
-    try:
-        frames = decode_frames(_planned(item), device)
-    except Exception as exc:  # any refusal of the GPU's decoder: the CPU path decides
-        logger.debug("the GPU's video decoder failed on row %d (%s: %s); decoding it on the CPU", decoded.row, type(exc).__name__, exc)
+    if isinstance(frames, Exception):  # any refusal of the GPU's decoder: the CPU path decides
+        logger.debug("the GPU's video decoder failed on row %d (%s: %s); decoding it on the CPU", decoded.row, type(frames).__name__, frames)
         return _on_cpu(decoded, item.tensors[VIDEO_KEY].numpy().tobytes(), options, preprocess), False
     planned = dataclasses.replace(item, tensors={k: v for k, v in item.tensors.items() if k not in _VIDEO_KEYS})
     try:

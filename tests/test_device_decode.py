@@ -27,7 +27,7 @@ from test_media import IMAGE, JPEGS, PARITY_JPEGS, encode, exif_orientation, hal
 from embedjob import rows as worker
 from embedjob.cli import main
 from embedjob.config import JobError, job_from_dict
-from embedjob.decode import DeferredImage, MediaError, decode
+from embedjob.decode import DeferredImage, MediaError, decode, nvdec
 from embedjob.decode import image as image_decode
 from embedjob.decode.device import pixel_groups
 from embedjob.encoders import load_adapter
@@ -296,16 +296,27 @@ def test_videos_and_other_images_in_a_window_pass_the_gpu_decode_untouched(prepr
 class StandInDecoder:
     """PyNvVideoCodec.SimpleDecoder's calls used by `nvdec.decode_frames`, over decord."""
 
-    def __init__(self, data: bytes, gpu_id: int = 0, use_device_memory: bool = True, output_color_type: object = None) -> None:
+    made = 0
+
+    def __init__(self, path: str, gpu_id: int = 0, use_device_memory: bool = True, output_color_type: object = None) -> None:
+        type(self).made += 1
+        self.reconfigure_decoder(path)
+
+    def reconfigure_decoder(self, path: str) -> None:
         import decord
 
-        self.reader = decord.VideoReader(io.BytesIO(data))
+        self.reader = decord.VideoReader(io.BytesIO(Path(path).read_bytes()))
+
+    def get_stream_metadata(self) -> SimpleNamespace:
+        height, width = self.reader[0].shape[:2]
+        return SimpleNamespace(height=height, width=width, num_frames=len(self.reader))
 
     def get_batch_frames_by_index(self, indices: list[int]) -> list[torch.Tensor]:
         return [torch.from_numpy(frame) for frame in self.reader.get_batch(indices).asnumpy()]
 
 
 def stand_in(monkeypatch: pytest.MonkeyPatch, decoder: type = StandInDecoder) -> None:
+    monkeypatch.setattr(decoder, "made", 0)
     module = SimpleNamespace(SimpleDecoder=decoder, OutputColorType=SimpleNamespace(RGB="RGB"))
     monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module)
 
@@ -335,6 +346,9 @@ def test_videos_decoded_on_the_device_are_the_cpu_paths_rows(preprocess, monkeyp
     assert "decord_corrupted.mp4" in deferred
     assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == len(deferred) - 1
     assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows])
+    # Decoder sessions are kept by their threads and reconfigured per video; the one
+    # that failed on the corrupt clip is made again.
+    assert StandInDecoder.made <= nvdec.SESSIONS + 1 < len(deferred)
 
 
 def test_a_video_the_device_decoder_refuses_takes_the_cpu_path(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -345,6 +359,22 @@ def test_a_video_the_device_decoder_refuses_takes_the_cpu_path(preprocess, monke
     stand_in(monkeypatch, Refusing)
     rows = video_rows()
     window = [worker.decode_row(row, dataclasses.replace(VIDEO_OPTIONS, defer_video=True), preprocess) for row in rows]
+    assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == 0
+    assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows])
+
+
+def test_frames_the_device_decoder_pads_are_not_taken_for_the_picture(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVDEC returns clips below its minimum size padded (a 66 x 50 clip as 192 x 96):
+    such a clip takes the CPU path instead of being embedded from the padding."""
+
+    class Padding(StandInDecoder):
+        def get_batch_frames_by_index(self, indices: list[int]) -> list[torch.Tensor]:
+            return [torch.nn.functional.pad(f, (0, 0, 0, 126, 0, 46)) for f in super().get_batch_frames_by_index(indices)]
+
+    stand_in(monkeypatch, Padding)
+    rows = [row for row in video_rows() if row.id == "hfdatasets_test_video_66x50.mov"]
+    window = [worker.decode_row(row, dataclasses.replace(VIDEO_OPTIONS, defer_video=True), preprocess) for row in rows]
+    assert "video" in window[0].item.tensors
     assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == 0
     assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows])
 

@@ -444,8 +444,9 @@ def _has_nvdec() -> bool:
 def test_videos_decoded_by_nvdec_are_the_cpu_rows_up_to_the_decoders_rounding(cache_dir: str, family: str) -> None:
     """The frames the CPU path samples (same indices, rotations applied), read by NVDEC:
     the same tokens, grids and error rows, pixels within a few levels (the two convert
-    YUV to RGB with their own rounding), and every clip that decord reads whole decoded
-    on the GPU."""
+    YUV to RGB with their own rounding). The 8-bit H.264 clips are decoded on the GPU;
+    what the hardware refuses (10-bit H.264, HEVC below its minimum size, corrupt frames)
+    or returns at another size than the stream's is the CPU path's row, bit for bit."""
     from embedjob import rows as worker
     from embedjob.decode import DecodeOptions
     from embedjob.io.reader import InputRow
@@ -457,9 +458,12 @@ def test_videos_decoded_by_nvdec_are_the_cpu_rows_up_to_the_decoders_rounding(ca
     rows = [InputRow(k, p.name, p.read_bytes(), None, None) for k, p in enumerate(paths)]
     cpu = [worker.decode_row(row, options, preprocess) for row in rows]
     window = [worker.decode_row(row, dataclasses.replace(options, defer_video=True), preprocess) for row in rows]
-    deferred = {d.id for d in window if d.item is not None and "video" in d.item.tensors}
     done = worker.decode_on_device(window, options, preprocess, torch.device("cuda"))
-    assert done == len(deferred - {"decord_corrupted.mp4"})
+    on_gpu = {d.id for d in window if d.item is not None and d.item.tensors["pixel_values"].is_cuda}
+    h264 = {"decord_unordered.mov", "decord_video_0.mov", "decord_video_90.mov", "decord_video_180.mov",
+            "decord_video_270.mov", "torchcodec_nasa_13013.mp4"}
+    assert done == len(on_gpu) and h264 <= on_gpu
+    assert not on_gpu & {"decord_corrupted.mp4", "torchcodec_h264_10bits.mp4"}
     for got, want in zip(window, cpu, strict=True):
         assert (got.id, got.error, got.modality) == (want.id, want.error, want.modality)
         if want.item is None:
@@ -469,7 +473,7 @@ def test_videos_decoded_by_nvdec_are_the_cpu_rows_up_to_the_decoders_rounding(ca
         ), got.id
         a, b = got.item.tensors["pixel_values"], want.item.tensors["pixel_values"]
         diff = (a.to("cpu", torch.int16) - b.to(torch.int16)).abs().float()
-        assert float(diff.mean()) < 6.0, (got.id, float(diff.mean()))
+        assert float(diff.mean()) < (6.0 if got.id in on_gpu else 1e-9), (got.id, float(diff.mean()))
 
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")

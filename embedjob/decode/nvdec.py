@@ -4,11 +4,20 @@ PyNvVideoCodec (the optional extra `embedjob[nvdec]`).
 The decode workers plan a video as the CPU path does (`video.decode_video` with
 `defer_video`: which frames, at which size, under which display matrix) and leave the
 frames undecoded (`DeferredVideo`); the rank reads exactly those frames here, from the
-bytes in memory, as RGB on its GPU, and applies the rest of the CPU path's steps there
-(`frames_as_decoded`). A failure raises, and the caller takes the CPU path for that video.
+bytes (a file in memory while it reads them), as RGB on its GPU, `SESSIONS` videos at a
+time, and applies the rest of the CPU path's steps there (`frames_as_decoded`). A failure
+raises, and the caller takes the CPU path for that video.
 """
 
 from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torchvision.transforms.v2.functional as tvF
@@ -30,31 +39,104 @@ def nvdec_problem(device: torch.device) -> str | None:
     return None
 
 
+# Concurrent decoder sessions per rank. An H200 has 7 NVDEC engines and one session
+# keeps one of them busy (a 1080p H.264 clip: 0.34 s for 14 sampled frames in one
+# session), so one session alone is slower than 16 decord processes.
+SESSIONS = 4
+
+_sessions = threading.local()
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def decode_videos(videos: list[DeferredVideo], device: torch.device) -> list[torch.Tensor | Exception]:
+    """Each video's frames (`decode_frames`), or the exception that stopped it, decoded
+    `SESSIONS` at a time on threads that keep their decoder sessions between calls.
+    Their copies and resizes queue on the caller's current stream."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def one(video: DeferredVideo) -> torch.Tensor | Exception:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            try:
+                return decode_frames(video, device)
+            except Exception as exc:  # the caller takes the CPU path for this video
+                return exc
+
+    if len(videos) <= 1:
+        return [one(video) for video in videos]
+    return list(_threads().map(one, videos))
+
+
+def _threads() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(SESSIONS, thread_name_prefix="embedjob-nvdec")
+        return _pool
+
+
 def decode_frames(video: DeferredVideo, device: torch.device) -> torch.Tensor:
     """`video`'s sampled frames as (T, 3, H, W) uint8 RGB on `device`, in sample order,
     as the CPU path shows them (see `frames_as_decoded`)."""
-    import PyNvVideoCodec as nvc
-
-    decoder = nvc.SimpleDecoder(
-        bytes(decoder_bytes(video.data)),
-        gpu_id=device.index or 0,
-        use_device_memory=True,
-        output_color_type=nvc.OutputColorType.RGB,
-    )
     unique = sorted(set(video.indices))
-    frames = [_chw(torch.from_dlpack(frame), device) for frame in decoder.get_batch_frames_by_index(unique)]
-    if len(frames) != len(unique):
-        raise RuntimeError(f"the video decoder returned {len(frames)} of {len(unique)} frames")
+    with _spilled(bytes(decoder_bytes(video.data))) as path:
+        decoder = _session(path, device)
+        try:
+            frames = _frames(decoder, unique, device)
+        except Exception:
+            _sessions.decoder = None  # a session that failed is not trusted with the next video
+            raise
     position = {index: k for k, index in enumerate(unique)}
     stack = torch.stack(frames)[[position[i] for i in video.indices]]
     return frames_as_decoded(stack, video)
 
 
-def _chw(frame: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _frames(decoder: Any, unique: list[int], device: torch.device) -> list[torch.Tensor]:
+    stream = decoder.get_stream_metadata()
+    coded = (stream.height, stream.width)
+    frames = [_chw(torch.from_dlpack(frame), coded, device) for frame in decoder.get_batch_frames_by_index(unique)]
+    if len(frames) != len(unique):
+        raise RuntimeError(f"the video decoder returned {len(frames)} of {len(unique)} frames")
+    return frames
+
+
+def _session(path: str, device: torch.device) -> Any:
+    """This thread's decoder, pointed at the video in `path`: made once per thread and
+    reconfigured for each video after (making one costs about 0.18 s)."""
+    import PyNvVideoCodec as nvc
+
+    held = getattr(_sessions, "decoder", None)
+    if held is not None and held[0] is nvc and held[1] == device:
+        held[2].reconfigure_decoder(path)
+        return held[2]
+    _sessions.decoder = None
+    decoder = nvc.SimpleDecoder(path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=nvc.OutputColorType.RGB)
+    _sessions.decoder = (nvc, device, decoder)
+    return decoder
+
+
+@contextlib.contextmanager
+def _spilled(data: bytes) -> Iterator[str]:
+    """`data` as a file in memory (/dev/shm where there is one) for as long as the
+    block runs: a decoder session is reused through `reconfigure_decoder`, which takes
+    a path only."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.NamedTemporaryFile(dir=folder, prefix="embedjob-nvdec-") as spill:
+        spill.write(data)
+        spill.flush()
+        yield spill.name
+
+
+def _chw(frame: torch.Tensor, coded: tuple[int, int], device: torch.device) -> torch.Tensor:
     """One decoded frame as (3, H, W) uint8 on `device`, copied out of the decoder's
-    surface (which it reuses); the decoder hands interleaved RGB (H, W, 3)."""
+    surface (which it reuses); the decoder hands interleaved RGB (H, W, 3) of the
+    stream's `coded` (height, width). A frame of another size is refused: NVDEC pads
+    streams below its minimum size (a 66 x 50 H.264 clip comes back 192 x 96), and
+    those pixels are not the picture."""
     if frame.dim() != 3 or frame.shape[-1] != 3 or frame.dtype != torch.uint8:
         raise RuntimeError(f"the video decoder returned a frame of shape {tuple(frame.shape)} and type {frame.dtype}")
+    if tuple(frame.shape[:2]) != coded:
+        raise RuntimeError(f"the video decoder returned {frame.shape[1]} x {frame.shape[0]} frames of a {coded[1]} x {coded[0]} stream")
     return frame.to(device).permute(2, 0, 1).contiguous()
 
 

@@ -111,6 +111,9 @@ def _preprocessed(row: int, id: Any, decoded: Any, preprocess: Any) -> Decoded:
         if isinstance(decoded, DeferredImage):
             data = torch.frombuffer(bytearray(decoded.data), dtype=torch.uint8)
             item = preprocess.deferred(data, decoded.height, decoded.width)
+        elif isinstance(decoded, DeferredVideo) and not decoded.indices:
+            # Planned on the rank (`nvdec.decode_frames`), which makes the item then.
+            item = EncoderInput(_video_plan(decoded), tokens=0, frames=0, size=0, modality="video")
         elif isinstance(decoded, DeferredVideo):
             item = preprocess.deferred_video(len(decoded.indices), *decoded.shown)
             item.tensors.update(_video_plan(decoded))
@@ -165,8 +168,8 @@ def decode_on_device(window: list[Decoded], options: DecodeOptions, preprocess: 
             window[k] = _finished(window[k], image, options, preprocess)
             done += image is not None
     videos = [k for k, d in enumerate(window) if d.item is not None and VIDEO_KEY in d.item.tensors]
-    for k, frames in zip(videos, decode_videos([_planned(window[k].item) for k in videos], device)):
-        window[k], on_device = _video_finished(window[k], frames, options, preprocess)
+    for k, decoded in zip(videos, decode_videos([_planned(window[k].item) for k in videos], device, options)):
+        window[k], on_device = _video_finished(window[k], decoded, options, preprocess)
         done += on_device
     return done
 
@@ -184,17 +187,22 @@ def _finished(decoded: Decoded, image: torch.Tensor | None, options: DecodeOptio
 
 
 def _video_finished(
-    decoded: Decoded, frames: torch.Tensor | Exception, options: DecodeOptions, preprocess: Any
+    decoded: Decoded, result: tuple[torch.Tensor, DeferredVideo] | Exception, options: DecodeOptions, preprocess: Any
 ) -> tuple[Decoded, bool]:
-    """A deferred video's row with its `frames` read by the GPU's video decoder, or the
-    CPU path's row where that failed (`frames` is its exception); and whether the GPU
-    decoded it."""
+    """A deferred video's row from what the GPU's video decoder made of it (`result`:
+    its frames and plan), or where that failed, the row the CPU path makes of it (a
+    `MediaError` from planning on the rank is the row's error, as in a worker); and
+    whether the GPU decoded it. The item is made again from the plan: a video the
+    workers could not plan has only a placeholder."""
     item = decoded.item
-    if isinstance(frames, Exception):  # any refusal of the GPU's decoder: the CPU path decides
-        logger.debug("the GPU's video decoder failed on row %d (%s: %s); decoding it on the CPU", decoded.row, type(frames).__name__, frames)
+    if isinstance(result, MediaError):
+        return dataclasses.replace(decoded, modality=_error_modality(options), item=None, error=str(result)), False
+    if isinstance(result, Exception):  # any refusal of the GPU's decoder: the CPU path decides
+        logger.debug("the GPU's video decoder failed on row %d (%s: %s); decoding it on the CPU", decoded.row, type(result).__name__, result)
         return _on_cpu(decoded, item.tensors[VIDEO_KEY].numpy().tobytes(), options, preprocess), False
-    planned = dataclasses.replace(item, tensors={k: v for k, v in item.tensors.items() if k not in _VIDEO_KEYS})
+    frames, plan = result
     try:
+        planned = preprocess.deferred_video(len(plan.indices), *plan.shown)
         return dataclasses.replace(decoded, item=preprocess.on_device_video(planned, frames)), True
     except Exception as exc:
         return dataclasses.replace(decoded, item=None, error=f"preprocess_failed: {type(exc).__name__}: {exc}"), True

@@ -309,7 +309,7 @@ class StandInDecoder:
 
     def get_stream_metadata(self) -> SimpleNamespace:
         height, width = self.reader[0].shape[:2]
-        return SimpleNamespace(height=height, width=width, num_frames=len(self.reader))
+        return SimpleNamespace(height=height, width=width, num_frames=len(self.reader), average_fps=self.reader.get_avg_fps())
 
     def get_batch_frames_by_index(self, indices: list[int]) -> list[torch.Tensor]:
         return [torch.from_numpy(frame) for frame in self.reader.get_batch(indices).asnumpy()]
@@ -333,8 +333,10 @@ def video_rows() -> list[InputRow]:
 
 def test_videos_decoded_on_the_device_are_the_cpu_paths_rows(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rotated clips (their display matrices applied on the rank), clips the CPU path
-    refuses while planning (truncated, AV1: its error rows, decided in the worker) or
-    while reading (corrupt frames: the rank's fallback), and an image beside them."""
+    refuses while planning (truncated: its error row, decided in the worker) or while
+    reading (corrupt frames: the rank's fallback), a codec decord lacks (AV1: left to
+    the rank, whose decoder here lacks it too, so the CPU path's error row) and an
+    image beside them."""
     stand_in(monkeypatch)
     rows = video_rows()
     deferring = dataclasses.replace(VIDEO_OPTIONS, defer_video=True)
@@ -343,12 +345,40 @@ def test_videos_decoded_on_the_device_are_the_cpu_paths_rows(preprocess, monkeyp
     assert {"decord_video_0.mov", "decord_video_90.mov", "decord_video_180.mov", "decord_video_270.mov"} <= deferred
     # decord_corrupted.mp4's first frame decodes (the plan holds), its others do not: the
     # decoder raises and the row is the CPU path's error row.
-    assert "decord_corrupted.mp4" in deferred
-    assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == len(deferred) - 1
+    assert "decord_corrupted.mp4" in deferred and "torchcodec_av1_video.mkv" in deferred
+    assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == len(deferred) - 2
     assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows])
     # Decoder sessions are kept by their threads and reconfigured per video; the one
     # that failed on the corrupt clip is made again.
     assert StandInDecoder.made <= nvdec.SESSIONS + 1 < len(deferred)
+
+
+def test_a_codec_decord_lacks_is_planned_on_the_rank_by_the_cpu_paths_rules(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A video decord cannot open (its codec missing from decord's FFmpeg, as AV1 is)
+    is planned by the rank from what its decoder reads of the stream: the same frames,
+    size, tokens and pixels as the CPU path gives a clip it can read (these clips' frames
+    are evenly spaced in time), and the limits of the job still hold there."""
+    from embedjob.decode import video
+
+    stand_in(monkeypatch)
+    names = ["decord_video_90.mov", "decord_unordered.mov", "torchcodec_nasa_13013.mp4"]
+    rows = [row for row in video_rows() if row.id in names]
+    want = [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows]
+
+    def no_decoder(job: object) -> None:
+        raise MediaError("unsupported_codec", "decord's FFmpeg 4.1 has no decoder for the video codec of this MP4 (AV1 is one)")
+
+    monkeypatch.setattr(video, "_decode_video_job", no_decoder)
+    deferring = dataclasses.replace(VIDEO_OPTIONS, defer_video=True)
+    window = [pickle.loads(pickle.dumps(worker.decode_row(row, deferring, preprocess), protocol=5)) for row in rows]
+    assert all(d.item is not None and d.item.tokens == 0 for d in window)
+    assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == len(rows)
+    assert_same_rows(window, want)
+
+    small = dataclasses.replace(VIDEO_OPTIONS, video_pixel_limit=1_000)
+    window = [worker.decode_row(row, dataclasses.replace(small, defer_video=True), preprocess) for row in rows]
+    assert worker.decode_on_device(window, small, preprocess, torch.device("cpu")) == 0
+    assert all(d.item is None and d.error.startswith("too_large: ") and "video.max_total_pixels" in d.error for d in window)
 
 
 def test_a_video_the_device_decoder_refuses_takes_the_cpu_path(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:

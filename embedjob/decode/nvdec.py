@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.decode.types import DeferredVideo
-from embedjob.decode.video import decoder_bytes
+from embedjob.decode.types import DecodeOptions, DeferredVideo, MediaError
+from embedjob.decode.video import decoder_bytes, plan_from_stream
 
 PACKAGE = "PyNvVideoCodec"
 
@@ -49,17 +49,19 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def decode_videos(videos: list[DeferredVideo], device: torch.device) -> list[torch.Tensor | Exception]:
-    """Each video's frames (`decode_frames`), or the exception that stopped it, decoded
-    `SESSIONS` at a time on threads that keep their decoder sessions between calls.
-    Their copies and resizes queue on the caller's current stream."""
+def decode_videos(
+    videos: list[DeferredVideo], device: torch.device, options: DecodeOptions
+) -> list[tuple[torch.Tensor, DeferredVideo] | Exception]:
+    """Each video's frames and plan (`decode_frames`), or the exception that stopped it,
+    decoded `SESSIONS` at a time on threads that keep their decoder sessions between
+    calls. Their copies and resizes queue on the caller's current stream."""
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
-    def one(video: DeferredVideo) -> torch.Tensor | Exception:
+    def one(video: DeferredVideo) -> tuple[torch.Tensor, DeferredVideo] | Exception:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             try:
-                return decode_frames(video, device)
-            except Exception as exc:  # the caller takes the CPU path for this video
+                return decode_frames(video, device, options)
+            except Exception as exc:  # the caller decides: an error row or the CPU path
                 return exc
 
     if len(videos) <= 1:
@@ -75,20 +77,26 @@ def _threads() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
-def decode_frames(video: DeferredVideo, device: torch.device) -> torch.Tensor:
+def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOptions) -> tuple[torch.Tensor, DeferredVideo]:
     """`video`'s sampled frames as (T, 3, H, W) uint8 RGB on `device`, in sample order,
-    as the CPU path shows them (see `frames_as_decoded`)."""
-    unique = sorted(set(video.indices))
+    as the CPU path shows them (see `frames_as_decoded`), and its plan: the workers'
+    or, for a video they could not plan, one made here (`video.plan_from_stream`)."""
     with _spilled(bytes(decoder_bytes(video.data))) as path:
         decoder = _session(path, device)
         try:
+            if not video.indices:
+                facts = decoder.get_stream_metadata()
+                video = plan_from_stream(video, facts.num_frames, facts.average_fps, facts.width, facts.height, options)
+            unique = sorted(set(video.indices))
             frames = _frames(decoder, unique, device)
+        except MediaError:
+            raise
         except Exception:
             _sessions.decoder = None  # a session that failed is not trusted with the next video
             raise
     position = {index: k for k, index in enumerate(unique)}
     stack = torch.stack(frames)[[position[i] for i in video.indices]]
-    return frames_as_decoded(stack, video)
+    return frames_as_decoded(stack, video), video
 
 
 def _frames(decoder: Any, unique: list[int], device: torch.device) -> list[torch.Tensor]:

@@ -26,6 +26,7 @@ See ARCHITECTURE.md, "decode".
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import math
@@ -171,7 +172,13 @@ def decode_video(data: bytes, options: DecodeOptions, fmt: str | None) -> Decode
         _check_frame_pixels(*declared, options, "declared by the container")
     with _StderrCapture() as log:
         job = _VideoJob(patched(data, facts.patches), fmt, facts, options, log, data)
-        video = _decode_video_job(job)
+        try:
+            video = _decode_video_job(job)
+        except MediaError as err:
+            if not (options.defer_video and err.code == "unsupported_codec"):
+                raise
+            # A codec decord lacks (AV1) may be one the GPU's decoder has: the rank plans it.
+            video = DeferredVideo(data, [], (0, 0), facts.matrix, (0, 0), [], 0.0, 0)
         messages = log.summary("")
         if messages:
             logger.debug("decoder messages: %s", messages)
@@ -213,9 +220,29 @@ def _deferred(
     """What the GPU's video decoder needs to read the frames this path would read: the
     item's bytes (`decoder_bytes` makes what decord reads of them) and the display
     matrix, applied after decoding as here."""
-    (a, _), _ = job.facts.matrix
-    shown = (size[1], size[0]) if a != 0 else (size[0], size[1])
-    return DeferredVideo(job.data, indices, size, job.facts.matrix, shown, timestamps, fps, frames)
+    return DeferredVideo(job.data, indices, size, job.facts.matrix, _shown(size, job.facts.matrix), timestamps, fps, frames)
+
+
+def _shown(size: tuple[int, int], matrix: Matrix) -> tuple[int, int]:
+    """(height, width) of frames decoded at `size` (width, height) once `matrix` turns them."""
+    (a, _), _ = matrix
+    return (size[1], size[0]) if a != 0 else (size[0], size[1])
+
+
+def plan_from_stream(video: DeferredVideo, frames: int, fps: float, width: int, height: int, options: DecodeOptions) -> DeferredVideo:
+    """The plan of a video the workers could not plan (`indices` empty: decord lacks its
+    codec), made from the stream facts the GPU's decoder reads (frame count, average
+    frame rate, coded size) by the CPU path's rules and limits: the same sampling rule,
+    uniform in frame index (no per-frame timestamps here), the same size bound."""
+    if frames < 1:
+        raise MediaError("no_frames", "the video decoder finds no frames in this video")
+    _check_frame_pixels(width, height, options, "decoded")
+    indices = sample_frame_indices(frames, fps, options.fps, options.max_frames, options.frame_multiple)
+    size = _bounded_size(options, width, height)
+    _check_video_pixels(len(indices), *size, options)
+    timestamps = [i / fps if fps > 0 else 0.0 for i in indices]
+    shown = _shown(size, video.matrix)
+    return dataclasses.replace(video, indices=indices, decoded=size, shown=shown, timestamps=timestamps, source_fps=fps, source_frames=frames)
 
 
 def decoder_bytes(data: bytes) -> bytes | bytearray:

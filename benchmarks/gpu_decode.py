@@ -24,6 +24,12 @@ at a time, nvjpeg's batched call alone (wall and this thread's CPU seconds, the 
 synchronised after it) and the family's resize and patching on the device, against
 `decode_row` decoding the same rows on one CPU core; and a cProfile of
 `rows.decode_on_device` over them (the top functions by own time).
+
+`--trace` adds, per mix, where the GPU-decoder job's threads wait: the `gpu` job once more,
+in this process, under `torch.profiler` (CUDA activity: every CUDA runtime call with its
+thread), and per thread the runtime calls that took the most time (count, total ms): a
+thread that waits on the device shows it in `cudaStreamSynchronize`, `cudaFreeHost` and
+the like. On the CPU (`--smoke`) it lists the thread's operators instead.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class MixRuns:
     same_rows: bool | None = None
     not_finite: int = 0
     profile: str = ""
+    trace: str = ""
 
 
 def main() -> int:
@@ -115,7 +122,43 @@ def bench_mix(name: str, parquet: Path, rows: int, workdir: Path, cores: int, ar
         result.same_rows, result.cosines, result.not_finite = compare(tables["cpu"], tables["gpu"])
     if args.profile:
         result.profile = profile_decode(job, parquet, args.profile, device)
+    if args.trace:
+        result.trace = trace_job(job, mixdir / "out-trace", args.workers, device)
     return result
+
+
+TRACE_TOP = 8
+
+
+def trace_job(job_path: Path, output: Path, workers: int, device: torch.device) -> str:
+    """The `gpu` job run here under the profiler, and per thread its costliest CUDA runtime
+    calls (on a CPU: operators), as text (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from embedjob.pipeline import run_job
+
+    overrides = [f"runtime.workers={workers}", "preprocess.decoder=gpu", f"output.path={output}"]
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    try:
+        with profile(activities=[activity]) as prof:
+            run_job(load_job(job_path, overrides))
+    except Exception as exc:  # the table says so; the other columns stand
+        return f"the traced run failed: {type(exc).__name__}: {exc}"
+    totals: dict[int, dict[str, list[float]]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if device.type == "cuda" and not event.name.startswith("cu"):
+            continue
+        entry = totals.setdefault(event.thread, {}).setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.cpu_time_total / 1e3
+    lines = []
+    for thread, calls in sorted(totals.items(), key=lambda t: -sum(v[1] for v in t[1].values())):
+        top = sorted(calls.items(), key=lambda c: -c[1][1])[:TRACE_TOP]
+        lines.append(f"thread {thread}: {sum(v[1] for v in calls.values()):.0f} ms in {sum(v[0] for v in calls.values())} calls; "
+                     + "; ".join(f"{name} x{count} {ms:.0f} ms" for name, (count, ms) in top))
+    return "\n".join(lines) or "no events recorded"
 
 
 WINDOW = 256
@@ -217,6 +260,8 @@ def render(results: list[MixRuns], args: argparse.Namespace, peak: float | None)
     for result in results:
         if result.profile:
             lines += ["", f"## {result.mix}: the GPU decode profiled", "", "```", result.profile, "```"]
+        if result.trace:
+            lines += ["", f"## {result.mix}: the gpu job's threads traced", "", "```", result.trace, "```"]
     return "\n".join(lines)
 
 
@@ -252,6 +297,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--photos", nargs="+", action="extend", type=Path, default=[], help="directories or files of photos")
     parser.add_argument("--smoke", action="store_true", help="CPU only: tiny towers, 24 images per mix")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile the GPU decode of N rows per mix")
+    parser.add_argument("--trace", action="store_true", help="trace the gpu job's threads' CUDA runtime calls")
     return parser.parse_args()
 
 

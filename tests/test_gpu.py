@@ -371,14 +371,23 @@ GPU_JPEGS = sorted((REPO.parent / "shared" / "data").glob("*/*.jpg")) + sorted((
 MADE_JPEGS = ("progressive", "gray", "orientation_1", "orientation_6", "cmyk", "half_jpeg", "bytes_after_the_end")
 
 
+def bad_media() -> list[bytes]:
+    """What ../shared/data/bad holds, made from this repository's files (that folder does
+    not reach the GPU machine): real photos cut in half, a video where an image is
+    expected, text, and nothing."""
+    photos = [p.read_bytes() for p in sorted((REPO / "tests" / "data").glob("*.jpg"))]
+    video = (REPO / "tests" / "data" / "decord_video_0.mov").read_bytes()
+    return [photo[: len(photo) // 2] for photo in photos] + [video, b"this is not a video\n", b""]
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "siglip", "clip"])
 def test_a_window_decoded_by_nvjpeg_is_the_cpu_window_up_to_the_decoders_rounding(cache_dir: str, family: str) -> None:
     """Every deferred JPEG (baseline, progressive, gray) decodes on the GPU; the items
     keep the CPU path's tokens and grids, their pixels stay on the device and differ from
     libjpeg-turbo's by rounding only (nvjpeg upsamples chroma without libjpeg's smoothing:
     a synthetic pure red/blue edge averages 2 levels after CLIP's resize to 64 px); every
-    file that is an error row on the CPU (a truncated JPEG, a video named .jpg) is the
-    same error row."""
+    file that is an error row on the CPU (truncated JPEGs, a video, text, an empty file)
+    is the same error row."""
     from test_device_decode import ALL_JPEGS
 
     from embedjob import rows as worker
@@ -389,7 +398,7 @@ def test_a_window_decoded_by_nvjpeg_is_the_cpu_window_up_to_the_decoders_roundin
     model = {"family": family, "path": f"builtin:tiny-{family}", "dtype": "bfloat16"}
     preprocess = load_adapter(make_job(cache_dir, model=model), torch.device("cuda")).preprocessor()
     options = DecodeOptions(modality="image", max_image_pixels=50_000_000, fps=2.0, max_frames=32, frame_multiple=2)
-    media = [p.read_bytes() for p in GPU_JPEGS] + [ALL_JPEGS[name]() for name in MADE_JPEGS]
+    media = [p.read_bytes() for p in GPU_JPEGS] + [ALL_JPEGS[name]() for name in MADE_JPEGS] + bad_media()
     rows = [InputRow(k, k, data, None, None) for k, data in enumerate(media)]
     cpu = [worker.decode_row(row, options, preprocess) for row in rows]
     window = [worker.decode_row(row, dataclasses.replace(options, defer_jpeg=True), preprocess) for row in rows]
@@ -460,7 +469,8 @@ def test_videos_decoded_by_nvdec_are_the_cpu_rows_up_to_the_decoders_rounding(ca
     preprocess = load_adapter(make_job(cache_dir, model=model), torch.device("cuda")).preprocessor()
     options = DecodeOptions(modality="auto", max_image_pixels=50_000_000, fps=2.0, max_frames=32, frame_multiple=preprocess.frame_multiple)
     paths = sorted(p for p in (REPO / "tests" / "data").iterdir() if p.suffix in (".mov", ".mp4", ".mkv"))
-    rows = [InputRow(k, p.name, p.read_bytes(), None, None) for k, p in enumerate(paths)]
+    media = [(p.name, p.read_bytes()) for p in paths] + [("text", b"this is not a video\n"), ("empty", b"")]
+    rows = [InputRow(k, name, data, None, None) for k, (name, data) in enumerate(media)]
     cpu = [worker.decode_row(row, options, preprocess) for row in rows]
     window = [worker.decode_row(row, dataclasses.replace(options, defer_video=True), preprocess) for row in rows]
     done = worker.decode_on_device(window, options, preprocess, torch.device("cuda"))

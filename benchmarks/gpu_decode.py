@@ -123,21 +123,22 @@ def bench_mix(name: str, parquet: Path, rows: int, workdir: Path, cores: int, ar
     if args.profile:
         result.profile = profile_decode(job, parquet, args.profile, device)
     if args.trace:
-        result.trace = trace_job(job, mixdir / "out-trace", args.workers, device)
+        overrides = [f"runtime.workers={args.workers}", "preprocess.decoder=gpu"]
+        result.trace = trace_job(job, mixdir / "out-trace", overrides, device)
     return result
 
 
 TRACE_TOP = 8
 
 
-def trace_job(job_path: Path, output: Path, workers: int, device: torch.device) -> str:
-    """The `gpu` job run here under the profiler, and per thread its costliest CUDA runtime
-    calls (on a CPU: operators), as text (see the module docstring)."""
+def trace_job(job_path: Path, output: Path, overrides: list[str], device: torch.device) -> str:
+    """The job with `overrides` run here under the profiler, and per thread its costliest
+    CUDA runtime calls (on a CPU: operators), as text (see the module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
     from embedjob.pipeline import run_job
 
-    overrides = [f"runtime.workers={workers}", "preprocess.decoder=gpu", f"output.path={output}"]
+    overrides = [*overrides, f"output.path={output}"]
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     try:
         with profile(activities=[activity]) as prof:

@@ -18,9 +18,11 @@ bf16, compiled, graphs; 2 frames per second, at most 32 frames), then runs
 decode processes and once with `nvdec` and `--nvdec-workers`, and prints one table:
 seconds of video embedded per second of pipeline (the clips' durations over
 `pipeline_seconds`), clips per second, that over the encoder-only rate, the clips the
-GPU decoded, the workers' and the GPU-decode thread's seconds, and the per-clip cosine of
-the nvdec run's embeddings to the decord run's (min and median). The table is also
-written to `<workdir>/video_decode.md`. `--smoke` runs it on the CPU with the tiny tower
+GPU decoded, the workers' and the GPU-decode thread's seconds, the per-clip cosine of
+the nvdec run's embeddings to the decord run's (min and median), and what the rank's main
+thread waited for (its `waits`, in seconds); `--trace` adds the nvdec job run once more
+under the profiler (as `gpu_decode.py --trace`). The table is also written to
+`<workdir>/video_decode.md`. `--smoke` runs it on the CPU with the tiny tower
 (the nvdec run then stops with its job error, which the table shows).
 """
 
@@ -43,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
-from benchmarks.gpu_decode import compare  # noqa: E402
+from benchmarks.gpu_decode import compare, trace_job  # noqa: E402
 from benchmarks.mixes import TOWERS, collect_photos, save_tower  # noqa: E402
 from benchmarks.scaling import NO_MULTICAST, fmt, log, rank0, run_cli  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
@@ -77,6 +79,9 @@ def main() -> int:
         log(f"[video] decoder {decoder}: {'done' if runs[decoder] else 'FAILED'}")
     cosines = compare(outputs["decord"], outputs["nvdec"]) if len(outputs) == 2 else None
     text = render(seconds, encoder, runs, cosines, args)
+    if args.trace:
+        overrides = [f"runtime.workers={args.nvdec_workers}", "video.decoder=nvdec"]
+        text += "\n\n## the nvdec job's threads traced\n\n```\n" + trace_job(job, workdir / "out-trace", overrides, device) + "\n```"
     (workdir / "video_decode.md").write_text(text + "\n")
     print(text)
     return 0
@@ -177,7 +182,8 @@ def render(
     cosines: tuple[bool, np.ndarray, int] | None, args: argparse.Namespace,
 ) -> str:
     head = ["decoder", "workers", "clips", "video s", "pipeline s", "video s / s", "clips/s", "/ enc.-only",
-            "GPU-decoded", "worker decode s", "GPU-decode thread s", "cos min", "cos median", "rows identical"]
+            "GPU-decoded", "worker decode s", "GPU-decode thread s", "cos min", "cos median", "rows identical",
+            "main thread's waits s"]
     lines = [
         f"# video.decoder decord vs nvdec ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
@@ -204,8 +210,16 @@ def render(
             fmt(first.get("decode_seconds"), ".1f"), fmt(first.get("device_decode_seconds"), ".2f"),
             fmt(cos.min() if cos is not None else None, ".5f"), fmt(float(np.median(cos)) if cos is not None else None, ".5f"),
             "-" if decoder == "decord" or cosines is None else ("yes" if cosines[0] else "NO"),
+            _waits(first),
         ]))
     return "\n".join(lines)
+
+
+def _waits(rank: dict[str, Any]) -> str:
+    """The rank's main-thread waits over 0.05 s, largest first: what the pipeline's
+    seconds went to besides its own work."""
+    waits = sorted(((s, name) for name, s in (rank.get("waits") or {}).items() if s >= 0.05), reverse=True)
+    return "; ".join(f"{name} {s:.2f}" for s, name in waits) or "-"
 
 
 def _row(cells: list[Any]) -> str:
@@ -224,6 +238,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nvdec-workers", type=int, default=4, help="runtime.workers of the nvdec run")
     parser.add_argument("--workdir", default="video-decode-work")
     parser.add_argument("--smoke", action="store_true", help="CPU only: the tiny tower")
+    parser.add_argument("--trace", action="store_true", help="trace the nvdec job's threads' CUDA runtime calls (gpu_decode.py --trace)")
     return parser.parse_args()
 
 

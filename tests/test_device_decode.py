@@ -13,6 +13,7 @@ import io
 import json
 import pickle
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -294,9 +295,12 @@ def test_videos_and_other_images_in_a_window_pass_the_gpu_decode_untouched(prepr
 # through a pickle, the matrix applied on the rank and the family's steps after it.
 
 class StandInDecoder:
-    """PyNvVideoCodec.SimpleDecoder's calls used by `nvdec.decode_frames`, over decord."""
+    """PyNvVideoCodec.SimpleDecoder's calls used by `nvdec.decode_frames`, over decord.
+    One call at a time: decord reading from memory on several threads at once crashed
+    the test process (once in ten runs); the real decoder has no such limit."""
 
     made = 0
+    lock = threading.Lock()
 
     def __init__(self, path: str, gpu_id: int = 0, use_device_memory: bool = True, output_color_type: object = None) -> None:
         type(self).made += 1
@@ -305,14 +309,17 @@ class StandInDecoder:
     def reconfigure_decoder(self, path: str) -> None:
         import decord
 
-        self.reader = decord.VideoReader(io.BytesIO(Path(path).read_bytes()))
+        with self.lock:
+            self.reader = decord.VideoReader(io.BytesIO(Path(path).read_bytes()))
 
     def get_stream_metadata(self) -> SimpleNamespace:
-        height, width = self.reader[0].shape[:2]
-        return SimpleNamespace(height=height, width=width, num_frames=len(self.reader), average_fps=self.reader.get_avg_fps())
+        with self.lock:
+            height, width = self.reader[0].shape[:2]
+            return SimpleNamespace(height=height, width=width, num_frames=len(self.reader), average_fps=self.reader.get_avg_fps())
 
     def get_batch_frames_by_index(self, indices: list[int]) -> list[torch.Tensor]:
-        return [torch.from_numpy(frame) for frame in self.reader.get_batch(indices).asnumpy()]
+        with self.lock:
+            return [torch.from_numpy(frame) for frame in self.reader.get_batch(indices).asnumpy()]
 
 
 def stand_in(monkeypatch: pytest.MonkeyPatch, decoder: type = StandInDecoder) -> None:
@@ -348,9 +355,9 @@ def test_videos_decoded_on_the_device_are_the_cpu_paths_rows(preprocess, monkeyp
     assert "decord_corrupted.mp4" in deferred and "torchcodec_av1_video.mkv" in deferred
     assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == len(deferred) - 2
     assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows])
-    # Decoder sessions are kept by their threads and reconfigured per video; the one
-    # that failed on the corrupt clip is made again.
-    assert StandInDecoder.made <= nvdec.SESSIONS + 1 < len(deferred)
+    # Decoder sessions are kept by their threads and reconfigured per video; a session
+    # that failed (on the corrupt clip, on AV1) is made again.
+    assert StandInDecoder.made <= nvdec.SESSIONS + 2 < len(deferred)
 
 
 def test_a_codec_decord_lacks_is_planned_on_the_rank_by_the_cpu_paths_rules(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -82,8 +82,8 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     as the CPU path shows them (see `frames_as_decoded`), and its plan: the workers'
     or, for a video they could not plan, one made here (`video.plan_from_stream`)."""
     with _spilled(bytes(decoder_bytes(video.data))) as path:
-        decoder = _session(path, device)
         try:
+            decoder = _session(path, device)
             if not video.indices:
                 facts = decoder.get_stream_metadata()
                 video = plan_from_stream(video, facts.num_frames, facts.average_fps, facts.width, facts.height, options)

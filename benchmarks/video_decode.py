@@ -1,13 +1,15 @@
 """Seconds of 1080p video embedded per second: `video.decoder: decord` against `nvdec`.
 
-Two steps. On any machine with `pip install imageio-ffmpeg` (its FFmpeg has libx264),
-make the clips from real photos:
+Two steps. Make the clips from real photos, on any machine with `pip install
+imageio-ffmpeg` (its FFmpeg has libx264), or on the GPU machine with its encoder
+(`--encoder nvenc`, PyNvVideoCodec), where there is no room to carry many clips:
 
-    python3 benchmarks/video_decode.py --make-clips bench-data/clips --photos bench-data [--count 8]
+    python3 benchmarks/video_decode.py --make-clips bench-data/clips --photos bench-data [--count 8] [--encoder nvenc]
 
 Each clip is its own slow pan and zoom across one photo (a random start and end window
-of the photo, 1920 x 1080, `--seconds` 7 s at 30 fps), H.264 (libx264, CRF 18,
-yuv420p) in MP4. Then on the GPU machine (with PyNvVideoCodec installed for `nvdec`):
+of the photo, 1920 x 1080, `--seconds` 7 s at 30 fps), H.264 in MP4: libx264 at CRF 18
+with one GOP per clip, or NVENC at 6 Mbit/s with a keyframe every 2 s and no B-frames.
+Then on the GPU machine (with PyNvVideoCodec installed for `nvdec`):
 
     PYTHONPATH=. python3 benchmarks/video_decode.py --clips bench-data/clips [--workers 16] [--nvdec-workers 4]
 
@@ -30,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import io
+import multiprocessing
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +56,15 @@ from embedjob.config import load_job  # noqa: E402
 
 FPS = 30
 SIZE = (1920, 1080)
+NVENC_BITRATE = 6_000_000  # bit/s: a typical 1080p30 web clip
+NVENC_GOP = 60  # a keyframe every 2 s
 DECODERS = ("decord", "nvdec")
 
 
 def main() -> int:
     args = parse_args()
     if args.make_clips:
-        make_clips(Path(args.make_clips), collect_photos(args.photos), args.count, args.seconds, args.seed)
+        make_clips(Path(args.make_clips), collect_photos(args.photos), args.count, args.seconds, args.seed, args.encoder)
         return 0
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)
@@ -90,32 +96,113 @@ def main() -> int:
 # --- the clips --------------------------------------------------------------------------
 
 
-def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, seed: int) -> None:
-    """`count` H.264 clips, each a pan and zoom over its own photo (see the module docstring)."""
-    import imageio_ffmpeg
-    from PIL import Image
-
+def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, seed: int, encoder: str) -> None:
+    """`count` H.264 clips, each a pan and zoom over its own photo (see the module
+    docstring), made by as many processes as there are cores."""
     directory.mkdir(parents=True, exist_ok=True)
-    usable = [p for p in photos if _opens(p.data)]
+    usable = [p.data for p in photos if _opens(p.data)]
     if not usable:
         raise SystemExit("no readable photo in --photos")
     rng = np.random.default_rng(seed)
+    jobs = []
     for k in range(count):
-        photo = Image.open(io.BytesIO(usable[k % len(usable)].data)).convert("RGB")
-        start, end = _window(photo.size, rng), _window(photo.size, rng)
-        path = directory / f"clip-{k:03d}.mp4"
-        writer = imageio_ffmpeg.write_frames(
+        photo = usable[k % len(usable)]
+        size = _photo_size(photo)
+        jobs.append(ClipJob(directory / f"clip-{k:03d}.mp4", photo, _window(size, rng), _window(size, rng), round(seconds * FPS), encoder))
+    processes = min(len(jobs), len(os.sched_getaffinity(0)))
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        for path in pool.imap(make_clip, jobs):
+            log(f"made {path} ({path.stat().st_size / 1e6:.1f} MB)")
+
+
+@dataclass
+class ClipJob:
+    """One clip to make: a pan from the `start` to the `end` window of `photo` (bytes)."""
+
+    path: Path
+    photo: bytes
+    start: tuple[float, float, float, float]
+    end: tuple[float, float, float, float]
+    frames: int
+    encoder: str
+
+
+def make_clip(job: ClipJob) -> Path:
+    from PIL import Image
+
+    photo = Image.open(io.BytesIO(job.photo)).convert("RGB")
+    writer = X264Writer(job.path) if job.encoder == "x264" else NvencWriter(job.path)
+    for f in range(job.frames):
+        t = f / max(job.frames - 1, 1)
+        box = tuple(a + (b - a) * t for a, b in zip(job.start, job.end))
+        writer.send(np.asarray(photo.resize(SIZE, Image.Resampling.BILINEAR, box=box)))
+    writer.close()
+    return job.path
+
+
+class X264Writer:
+    """libx264 (imageio-ffmpeg's FFmpeg), CRF 18, one GOP per clip (its default keyint 250)."""
+
+    def __init__(self, path: Path) -> None:
+        import imageio_ffmpeg
+
+        self.writer = imageio_ffmpeg.write_frames(
             str(path), SIZE, fps=FPS, codec="libx264", pix_fmt_out="yuv420p", macro_block_size=1,
             output_params=["-crf", "18", "-preset", "veryfast"],
         )
-        writer.send(None)
-        frames = round(seconds * FPS)
-        for f in range(frames):
-            t = f / max(frames - 1, 1)
-            box = tuple(a + (b - a) * t for a, b in zip(start, end))
-            writer.send(np.asarray(photo.resize(SIZE, Image.Resampling.BILINEAR, box=box)).tobytes())
-        writer.close()
-        log(f"made {path} ({path.stat().st_size / 1e6:.1f} MB)")
+        self.writer.send(None)
+
+    def send(self, rgb: np.ndarray) -> None:
+        self.writer.send(rgb.tobytes())
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class NvencWriter:
+    """The GPU's encoder (PyNvVideoCodec, for a machine without libx264): H.264 at
+    NVENC_BITRATE, a keyframe every NVENC_GOP frames, no B-frames, muxed into MP4 by
+    PyNvVideoCodec's FFmpeg muxer."""
+
+    TIMEBASE = 90_000
+
+    def __init__(self, path: Path) -> None:
+        import PyNvVideoCodec as nvc
+
+        width, height = SIZE
+        self.encoder = nvc.CreateEncoder(
+            width, height, "ABGR", True, codec="h264", gpu_id=0, preset="P4", tuning_info="high_quality",
+            rc="vbr", bitrate=NVENC_BITRATE, maxbitrate=2 * NVENC_BITRATE, gop=NVENC_GOP, fps=FPS, bf=0,
+        )
+        self.muxer = nvc.FFmpegMuxer(
+            file_path=str(path), media_format=nvc.GetMediaFormat(str(path)), codec="h264", width=width, height=height,
+            fps_num=FPS, fps_den=1, timebase_num=1, timebase_den=self.TIMEBASE, extradata=self.encoder.GetSequenceParams(),
+        )
+        self.muxer.SetUniformPtsIncrement(self.TIMEBASE // FPS)
+        self.nvc = nvc
+        self.sent = 0
+
+    def send(self, rgb: np.ndarray) -> None:
+        # NVENC's ABGR is a 32-bit word with R in its lowest byte: R, G, B, A in memory.
+        rgba = np.concatenate([rgb, np.full((*rgb.shape[:2], 1), 255, np.uint8)], axis=2)
+        params = self.nvc.NV_ENC_PIC_PARAMS()
+        params.inputTimeStamp = self.sent
+        self._mux(self.encoder.Encode(rgba.reshape(-1), params))
+        self.sent += 1
+
+    def close(self) -> None:
+        self._mux(self.encoder.EndEncode())
+        self.muxer.Finalize()
+
+    def _mux(self, packets: list[dict[str, Any]]) -> None:
+        for packet in packets:
+            self.muxer.MuxVideoPacket(bytes(packet["data"]), packet["picture_type"], packet["timestamp"])
+
+
+def _photo_size(data: bytes) -> tuple[int, int]:
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).size
 
 
 def _opens(data: bytes) -> bool:
@@ -228,7 +315,9 @@ def _row(cells: list[Any]) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--make-clips", metavar="DIR", help="make the clips into DIR (needs imageio-ffmpeg) and stop")
+    parser.add_argument("--make-clips", metavar="DIR", help="make the clips into DIR and stop")
+    parser.add_argument("--encoder", choices=["x264", "nvenc"], default="x264",
+                        help="--make-clips with libx264 (pip install imageio-ffmpeg) or the GPU's encoder (PyNvVideoCodec)")
     parser.add_argument("--photos", nargs="+", type=Path, default=[], help="photos the clips are made from")
     parser.add_argument("--count", type=int, default=8, help="clips to make")
     parser.add_argument("--seconds", type=float, default=7.0, help="seconds per clip")

@@ -365,3 +365,54 @@ def test_truncated_mkv_is_an_error_that_says_how_much_is_missing() -> None:
     assert "declares 10.38s but only 5.00s" in err.value.message
 
 
+
+
+# ---------------------------------------------------------------- planned on the rank
+
+_TURNS = [((1, 0), (0, 1)), ((-1, 0), (0, -1)), ((0, 1), (-1, 0)), ((0, -1), (1, 0))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    frames=st.integers(1, 5000), fps=st.floats(0.5, 240.0), width=st.integers(16, 8192), height=st.integers(16, 8192),
+    turn=st.sampled_from(_TURNS), multiple=st.sampled_from([1, 2]), max_frames=st.integers(2, 64),
+)
+def test_a_plan_made_on_the_rank_follows_the_cpu_paths_rules(frames, fps, width, height, turn, multiple, max_frames) -> None:
+    """What `video.decoder: nvdec` plans for a clip decord cannot open (AV1): the CPU
+    path's frame rule, its decode-size bound, the display matrix's turn, and its limits
+    as the same too_large rows."""
+    from embedjob.decode.types import DeferredVideo
+    from embedjob.decode.video import plan_from_stream
+
+    options = DecodeOptions(
+        modality="video", max_image_pixels=50_000_000, fps=2.0, max_frames=max_frames, frame_multiple=multiple,
+        max_frame_pixels=2_000_000, frame_pixel_limit=33_177_600, video_pixel_limit=500_000_000,
+    )
+    unplanned = DeferredVideo(b"", [], (0, 0), turn, (0, 0), [], 0.0, 0)
+    try:
+        plan = plan_from_stream(unplanned, frames, fps, width, height, options)
+    except MediaError as err:
+        assert err.code == "too_large"
+        assert width * height > 33_177_600 or "video.max_total_pixels" in str(err)
+        return
+    assert plan.indices == sample_frame_indices(frames, fps, 2.0, max_frames, multiple)
+    decoded_w, decoded_h = plan.decoded
+    if width * height <= 2_000_000:
+        assert (decoded_w, decoded_h) == (width, height)
+    else:
+        assert decoded_w * decoded_h <= 2_000_000
+    assert abs(decoded_w / decoded_h - width / height) < 0.02 * width / height + 1 / decoded_h
+    turned = turn[0][0] == 0
+    assert plan.shown == ((decoded_w, decoded_h) if turned else (decoded_h, decoded_w))
+    assert len(plan.indices) * decoded_w * decoded_h <= 500_000_000
+    assert plan.source_frames == frames and plan.matrix == turn
+
+
+def test_a_clip_the_rank_finds_no_frames_in_is_a_no_frames_row() -> None:
+    from embedjob.decode.types import DeferredVideo
+    from embedjob.decode.video import plan_from_stream
+
+    options = DecodeOptions(modality="video", max_image_pixels=50_000_000, fps=2.0, max_frames=32, frame_multiple=2)
+    with pytest.raises(MediaError) as err:
+        plan_from_stream(DeferredVideo(b"", [], (0, 0), _TURNS[0], (0, 0), [], 0.0, 0), 0, 30.0, 640, 360, options)
+    assert err.value.code == "no_frames"

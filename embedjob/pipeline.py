@@ -561,10 +561,11 @@ class RankPipeline:
         return self.decoder != "cpu" or self.job.video.decoder == "nvdec"
 
     def _encode_stream(self) -> contextlib.AbstractContextManager[Any]:
-        """Where the encoder's work queues while JPEGs decode on the GPU beside it: a
-        stream of its own. On the device's legacy default stream every synchronous copy
-        nvjpeg makes on the decode thread would first wait for all the encoder work
-        queued there, and the two would take turns instead of overlapping."""
+        """Where the encoder's work queues while media decode on the GPU beside it: a
+        stream of its own, so that no synchronous copy the decoders make on the legacy
+        default stream waits for the encoder's queued work. On the 224 px mix it changed
+        nothing measurable (benchmarks/RESULTS.md): what the decode thread waits for
+        there is not yet known."""
         if not self._gpu_decodes:
             return contextlib.nullcontext()
         return torch.cuda.stream(torch.cuda.Stream(self.device))
@@ -633,13 +634,10 @@ class RankPipeline:
         stats = self.stats
         if stats.items < AUTO_ROWS or stats.busy_seconds <= 0 or stats.decode_seconds <= 0:
             return
-        self.decoder = "gpu"
         decode_rate = max(self.workers, 1) * stats.rows / stats.decode_seconds
         device_rate = stats.items / stats.busy_seconds
         self.defer = decode_rate < AUTO_MARGIN * device_rate
-        if not self.defer:
-            self.decoder = "cpu"
-        stats.decoder = self.decoder
+        self.decoder = stats.decoder = "gpu" if self.defer else "cpu"
         logger.info(
             "preprocess.decoder auto: %d decode workers make %.0f rows/s, the device encodes %.0f items/s: JPEGs decode on the %s",
             self.workers, decode_rate, device_rate, "GPU from here on" if self.defer else "CPU",

@@ -111,17 +111,19 @@ def _preprocessed(row: int, id: Any, decoded: Any, preprocess: Any) -> Decoded:
         if isinstance(decoded, DeferredImage):
             data = torch.frombuffer(bytearray(decoded.data), dtype=torch.uint8)
             item = preprocess.deferred(data, decoded.height, decoded.width)
-        elif isinstance(decoded, DeferredVideo) and not decoded.indices:
-            # Planned on the rank (`nvdec.decode_frames`), which makes the item then.
-            item = EncoderInput(_video_plan(decoded), tokens=0, frames=0, size=0, modality="video")
         elif isinstance(decoded, DeferredVideo):
-            item = preprocess.deferred_video(len(decoded.indices), *decoded.shown)
-            item.tensors.update(_video_plan(decoded))
+            # Only carries the plan: the rank makes the item once its GPU has the frames
+            # (`_video_finished`), and plans there what the workers could not.
+            item = EncoderInput(_video_plan(decoded), tokens=0, frames=0, size=0, modality="video")
         else:
             item = preprocess(decoded)
     except Exception as exc:  # a preprocessing failure is one bad row, not a failed job
-        return Decoded(row, id, modality, None, f"preprocess_failed: {type(exc).__name__}: {exc}")
+        return Decoded(row, id, modality, None, _preprocess_failed(exc))
     return Decoded(row, id, modality, item, None)
+
+
+def _preprocess_failed(exc: Exception) -> str:
+    return f"preprocess_failed: {type(exc).__name__}: {exc}"
 
 
 _VIDEO_INDICES_KEY = "video_indices"
@@ -183,7 +185,7 @@ def _finished(decoded: Decoded, image: torch.Tensor | None, options: DecodeOptio
     try:
         return dataclasses.replace(decoded, item=preprocess.on_device(item, image))
     except Exception as exc:
-        return dataclasses.replace(decoded, item=None, error=f"preprocess_failed: {type(exc).__name__}: {exc}")
+        return dataclasses.replace(decoded, item=None, error=_preprocess_failed(exc))
 
 
 def _video_finished(
@@ -192,8 +194,7 @@ def _video_finished(
     """A deferred video's row from what the GPU's video decoder made of it (`result`:
     its frames and plan), or where that failed, the row the CPU path makes of it (a
     `MediaError` from planning on the rank is the row's error, as in a worker); and
-    whether the GPU decoded it. The item is made again from the plan: a video the
-    workers could not plan has only a placeholder."""
+    whether the GPU decoded it. The item is made here, from the plan."""
     item = decoded.item
     if isinstance(result, MediaError):
         return dataclasses.replace(decoded, modality=_error_modality(options), item=None, error=str(result)), False
@@ -205,7 +206,7 @@ def _video_finished(
         planned = preprocess.deferred_video(len(plan.indices), *plan.shown)
         return dataclasses.replace(decoded, item=preprocess.on_device_video(planned, frames)), True
     except Exception as exc:
-        return dataclasses.replace(decoded, item=None, error=f"preprocess_failed: {type(exc).__name__}: {exc}"), True
+        return dataclasses.replace(decoded, item=None, error=_preprocess_failed(exc)), True
 
 
 def _on_cpu(decoded: Decoded, data: bytes, options: DecodeOptions, preprocess: Any) -> Decoded:

@@ -81,7 +81,7 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     """`video`'s sampled frames as (T, 3, H, W) uint8 RGB on `device`, in sample order,
     as the CPU path shows them (see `frames_as_decoded`), and its plan: the workers'
     or, for a video they could not plan, one made here (`video.plan_from_stream`)."""
-    with _spilled(bytes(decoder_bytes(video.data))) as path:
+    with _spilled(decoder_bytes(video.data)) as path:
         try:
             decoder = _session(path, device)
             if not video.indices:
@@ -124,7 +124,7 @@ def _session(path: str, device: torch.device) -> Any:
 
 
 @contextlib.contextmanager
-def _spilled(data: bytes) -> Iterator[str]:
+def _spilled(data: bytes | bytearray) -> Iterator[str]:
     """`data` as a file in memory (/dev/shm where there is one) for as long as the
     block runs: a decoder session is reused through `reconfigure_decoder`, which takes
     a path only."""

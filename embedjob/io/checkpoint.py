@@ -95,6 +95,11 @@ class OutputError(RuntimeError):
     mount): not something the job spec can fix, so exit code 1, at start as mid-run."""
 
 
+def _without_default(section: Any, key: str, default: Any) -> dict[str, Any]:
+    """A config section's values, less `key` where it holds `default`."""
+    return {k: v for k, v in vars(section).items() if (k, v) != (key, default)}
+
+
 def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dict[str, Any]:
     """What determines the embeddings; output made with another fingerprint is refused.
 
@@ -105,12 +110,12 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
     listing = listing if listing is not None else reader.scan_input(job.input)
     keys = ("path", "media_column", "id_column", "modality", "media_root", "max_item_bytes")
     # Defaults of keys added later are left out: output written before they existed resumes.
-    model = {k: v for k, v in vars(job.model).items() if (k, v) != ("precision", "bf16")}
-    preprocess = {k: v for k, v in vars(job.preprocess).items() if (k, v) != ("decoder", "cpu")}
-    video = {k: v for k, v in vars(job.video).items() if (k, v) != ("decoder", "decord")}
     return {
-        "model": model,
-        "preprocessing": {"preprocess": preprocess, "video": video},
+        "model": _without_default(job.model, "precision", "bf16"),
+        "preprocessing": {
+            "preprocess": _without_default(job.preprocess, "decoder", "cpu"),
+            "video": _without_default(job.video, "decoder", "decord"),
+        },
         "pooling": job.output.pooling,
         "output_dtype": job.output.dtype,
         # What a part holds besides the model's vectors: parts of one output must agree.

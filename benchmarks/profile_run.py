@@ -1,14 +1,14 @@
-"""Where one `embedjob run` spends its time: a sampling profile of the main thread (the
-one that feeds the GPU) and a cProfile of the whole process, then the run's stages.
+"""Where one `embedjob run` spends its time: a sampling profile of its threads (the main
+one that feeds the GPU first) and a cProfile of the whole process, then the run's stages.
 
 Usage (from the repository root; one process, one GPU):
 
     PYTHONPATH=. python3 benchmarks/profile_run.py JOB.yaml [--set KEY=VALUE ...] [--top 30]
 
-The sampler reads the main thread's stack every `--interval` seconds while the job runs
-and counts, per function, the samples in which it is on the stack (inclusive) and the
-ones in which it is the innermost frame (exclusive): wall time, waits included, with
-little overhead since nothing traces the main thread's calls. cProfile (every thread
+The sampler reads every thread's stack every `--interval` seconds while the job runs
+and counts, per thread and function, the samples in which it is on the stack
+(inclusive) and the ones in which it is the innermost frame (exclusive): wall time,
+waits included, with little overhead since nothing traces the threads' calls. cProfile (every thread
 from Python 3.12) follows with its own-time table.
 """
 
@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -32,19 +33,20 @@ from embedjob.config import load_job  # noqa: E402
 from embedjob.pipeline import Runner  # noqa: E402
 
 
-class MainThreadSampler:
-    """Counts the functions on the main thread's stack at a fixed interval."""
+class ThreadSampler:
+    """Counts the functions on every thread's stack at a fixed interval (but its own),
+    per thread name: a thread blocked in a call that releases the GIL (a CUDA sync, a
+    socket, a hardware decoder) is sampled where it waits."""
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
-        self.inclusive: collections.Counter[str] = collections.Counter()
-        self.exclusive: collections.Counter[str] = collections.Counter()
-        self.samples = 0
+        self.inclusive: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.exclusive: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.samples: collections.Counter[str] = collections.Counter()
         self._stop = threading.Event()
-        self._main = threading.main_thread().ident
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="sampler")
 
-    def __enter__(self) -> "MainThreadSampler":
+    def __enter__(self) -> "ThreadSampler":
         self._thread.start()
         return self
 
@@ -54,24 +56,34 @@ class MainThreadSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            frame = sys._current_frames().get(self._main)
-            if frame is None:
-                continue
-            self.samples += 1
-            names = []
-            while frame is not None:
-                code = frame.f_code
-                names.append(f"{Path(code.co_filename).name}:{code.co_name}")
-                frame = frame.f_back
-            self.exclusive[names[0]] += 1
-            for name in set(names):
-                self.inclusive[name] += 1
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == self._thread.ident:
+                    continue
+                self._count(names.get(ident, str(ident)), frame)
 
-    def table(self, top: int) -> str:
-        lines = [f"main thread: {self.samples} samples every {self.interval * 1000:.1f} ms", "", "inclusive (on the stack):"]
-        lines += [f"  {100 * n / self.samples:5.1f} %  {name}" for name, n in self.inclusive.most_common(top)]
-        lines += ["", "exclusive (innermost frame):"]
-        lines += [f"  {100 * n / self.samples:5.1f} %  {name}" for name, n in self.exclusive.most_common(top)]
+    def _count(self, thread: str, frame: Any) -> None:
+        self.samples[thread] += 1
+        stack = []
+        while frame is not None:
+            code = frame.f_code
+            stack.append(f"{Path(code.co_filename).name}:{code.co_name}")
+            frame = frame.f_back
+        self.exclusive[thread][stack[0]] += 1
+        for name in set(stack):
+            self.inclusive[thread][name] += 1
+
+    def table(self, top: int, threads: int = 8) -> str:
+        """The `threads` most sampled threads (the main thread first), each with its
+        `top` functions by inclusive and exclusive share of that thread's samples."""
+        order = sorted(self.samples, key=lambda t: (t != "MainThread", -self.samples[t]))[:threads]
+        lines = [f"every {self.interval * 1000:.1f} ms, {len(self.samples)} threads seen"]
+        for thread in order:
+            n = self.samples[thread]
+            lines += ["", f"## {thread}: {n} samples", "inclusive (on the stack):"]
+            lines += [f"  {100 * c / n:5.1f} %  {name}" for name, c in self.inclusive[thread].most_common(top)]
+            lines += ["exclusive (innermost frame):"]
+            lines += [f"  {100 * c / n:5.1f} %  {name}" for name, c in self.exclusive[thread].most_common(top // 2)]
         return "\n".join(lines)
 
 
@@ -85,7 +97,7 @@ def main() -> int:
     args = parser.parse_args()
     job = load_job(args.job, [*args.set, "runtime.gpus=1", "runtime.progress=false"])
     profile = cProfile.Profile()
-    with MainThreadSampler(args.interval) as sampler:
+    with ThreadSampler(args.interval) as sampler:
         stats = profile.runcall(Runner(job, overwrite=True).run)
     own = io.StringIO()
     pstats.Stats(profile, stream=own).sort_stats("tottime").print_stats(args.top)
@@ -94,7 +106,7 @@ def main() -> int:
     report = "\n\n".join([
         f"# profile of {args.job} {' '.join(args.set)} — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         json.dumps(summary),
-        json.dumps({k: rank.get(k) for k in ("setup", "waits", "host_seconds", "busy_seconds", "decode_seconds")}),
+        json.dumps({k: rank.get(k) for k in ("setup", "waits", "host_seconds", "busy_seconds", "decode_seconds", "device_decode_seconds")}),
         sampler.table(args.top),
         "cProfile, own time (every thread):\n" + own.getvalue(),
     ])

@@ -1,15 +1,14 @@
 """Seconds of 1080p video embedded per second: `video.decoder: decord` against `nvdec`.
 
 Two steps. Make the clips from real photos, on any machine with `pip install
-imageio-ffmpeg` (its FFmpeg has libx264), or on the GPU machine with its encoder
-(`--encoder nvenc`, PyNvVideoCodec), where there is no room to carry many clips:
+imageio-ffmpeg` (its FFmpeg has libx264; the H200 has no video encoder of its own), one
+process per core:
 
-    python3 benchmarks/video_decode.py --make-clips bench-data/clips --photos bench-data [--count 8] [--encoder nvenc]
+    python3 benchmarks/video_decode.py --make-clips bench-data/clips --photos bench-data [--count 8]
 
 Each clip is its own slow pan and zoom across one photo (a random start and end window
-of the photo, 1920 x 1080, `--seconds` 7 s at 30 fps), H.264 in MP4: libx264 at CRF 18
-with one GOP per clip, or NVENC at 6 Mbit/s with a keyframe every 2 s and no B-frames.
-Then on the GPU machine (with PyNvVideoCodec installed for `nvdec`):
+of the photo, 1920 x 1080, `--seconds` 7 s at 30 fps), H.264 in MP4 by libx264 at CRF 18
+with one GOP per clip. Then on the GPU machine (with PyNvVideoCodec installed for `nvdec`):
 
     PYTHONPATH=. python3 benchmarks/video_decode.py --clips bench-data/clips [--workers 16] [--nvdec-workers 4]
 
@@ -22,9 +21,11 @@ seconds of video embedded per second of pipeline (the clips' durations over
 `pipeline_seconds`), clips per second, that over the encoder-only rate, the clips the
 GPU decoded, the workers' and the GPU-decode thread's seconds, the per-clip cosine of
 the nvdec run's embeddings to the decord run's (min and median), and what the rank's main
-thread waited for (its `waits`, in seconds); `--trace` adds the nvdec job run once more
-under the profiler (as `gpu_decode.py --trace`). The table is also written to
-`<workdir>/video_decode.md`. `--smoke` runs it on the CPU with the tiny tower
+thread waited for (its `waits`, in seconds). The table is written to
+`<workdir>/video_decode.md` and printed first; `--sample` then runs the nvdec job once
+more in its own process under `profile_run.py` (every thread's stack sampled, and a
+cProfile), appended to that file. CUDA's profiler is not used there: the nvdec job
+crashed under it (a segmentation fault, on an H200). `--smoke` runs it on the CPU with the tiny tower
 (the nvdec run then stops with its job error, which the table shows).
 """
 
@@ -34,6 +35,7 @@ import argparse
 import io
 import multiprocessing
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -49,22 +51,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
-from benchmarks.gpu_decode import compare, trace_job  # noqa: E402
+from benchmarks.gpu_decode import compare  # noqa: E402
 from benchmarks.mixes import TOWERS, collect_photos, save_tower  # noqa: E402
 from benchmarks.scaling import NO_MULTICAST, fmt, log, rank0, run_cli  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
 
 FPS = 30
 SIZE = (1920, 1080)
-NVENC_BITRATE = 6_000_000  # bit/s: a typical 1080p30 web clip
-NVENC_GOP = 60  # a keyframe every 2 s
 DECODERS = ("decord", "nvdec")
 
 
 def main() -> int:
     args = parse_args()
     if args.make_clips:
-        make_clips(Path(args.make_clips), collect_photos(args.photos), args.count, args.seconds, args.seed, args.encoder)
+        make_clips(Path(args.make_clips), collect_photos(args.photos), args.count, args.seconds, args.seed)
         return 0
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)
@@ -85,18 +85,32 @@ def main() -> int:
         log(f"[video] decoder {decoder}: {'done' if runs[decoder] else 'FAILED'}")
     cosines = compare(outputs["decord"], outputs["nvdec"]) if len(outputs) == 2 else None
     text = render(seconds, encoder, runs, cosines, args)
-    if args.trace:
-        overrides = [f"runtime.workers={args.nvdec_workers}", "video.decoder=nvdec"]
-        text += "\n\n## the nvdec job's threads traced\n\n```\n" + trace_job(job, workdir / "out-trace", overrides, device) + "\n```"
-    (workdir / "video_decode.md").write_text(text + "\n")
-    print(text)
+    table = workdir / "video_decode.md"
+    table.write_text(text + "\n")
+    print(text, flush=True)
+    if args.sample:
+        profile = sample_nvdec_job(job, workdir, args.nvdec_workers)
+        table.write_text(text + "\n\n## the nvdec job's threads sampled (profile_run.py)\n\n```\n" + profile + "\n```\n")
+        print(profile)
     return 0
+
+
+def sample_nvdec_job(job: Path, workdir: Path, workers: int) -> str:
+    """The nvdec job once more under `profile_run.py`, in its own process (a crash there
+    leaves the table written), as that script's report."""
+    report = workdir / "nvdec-profile.txt"
+    command = [sys.executable, str(REPO / "benchmarks" / "profile_run.py"), str(job), "--top", "20", "--out", str(report),
+               "--set", f"runtime.workers={workers}", "--set", "video.decoder=nvdec", "--set", f"output.path={workdir / 'out-sampled'}"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 or not report.exists():
+        return f"profile_run.py exited with {done.returncode}: {done.stderr[-2000:]}"
+    return report.read_text()
 
 
 # --- the clips --------------------------------------------------------------------------
 
 
-def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, seed: int, encoder: str) -> None:
+def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, seed: int) -> None:
     """`count` H.264 clips, each a pan and zoom over its own photo (see the module
     docstring), made by as many processes as there are cores."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -108,7 +122,7 @@ def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, s
     for k in range(count):
         photo = usable[k % len(usable)]
         size = _photo_size(photo)
-        jobs.append(ClipJob(directory / f"clip-{k:03d}.mp4", photo, _window(size, rng), _window(size, rng), round(seconds * FPS), encoder))
+        jobs.append(ClipJob(directory / f"clip-{k:03d}.mp4", photo, _window(size, rng), _window(size, rng), round(seconds * FPS)))
     processes = min(len(jobs), len(os.sched_getaffinity(0)))
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         for path in pool.imap(make_clip, jobs):
@@ -124,14 +138,13 @@ class ClipJob:
     start: tuple[float, float, float, float]
     end: tuple[float, float, float, float]
     frames: int
-    encoder: str
 
 
 def make_clip(job: ClipJob) -> Path:
     from PIL import Image
 
     photo = Image.open(io.BytesIO(job.photo)).convert("RGB")
-    writer = X264Writer(job.path) if job.encoder == "x264" else NvencWriter(job.path)
+    writer = X264Writer(job.path)
     for f in range(job.frames):
         t = f / max(job.frames - 1, 1)
         box = tuple(a + (b - a) * t for a, b in zip(job.start, job.end))
@@ -157,46 +170,6 @@ class X264Writer:
 
     def close(self) -> None:
         self.writer.close()
-
-
-class NvencWriter:
-    """The GPU's encoder (PyNvVideoCodec, for a machine without libx264): H.264 at
-    NVENC_BITRATE, a keyframe every NVENC_GOP frames, no B-frames, muxed into MP4 by
-    PyNvVideoCodec's FFmpeg muxer."""
-
-    TIMEBASE = 90_000
-
-    def __init__(self, path: Path) -> None:
-        import PyNvVideoCodec as nvc
-
-        width, height = SIZE
-        self.encoder = nvc.CreateEncoder(
-            width, height, "ABGR", True, codec="h264", gpu_id=0, preset="P4", tuning_info="high_quality",
-            rc="vbr", bitrate=NVENC_BITRATE, maxbitrate=2 * NVENC_BITRATE, gop=NVENC_GOP, fps=FPS, bf=0,
-        )
-        self.muxer = nvc.FFmpegMuxer(
-            file_path=str(path), media_format=nvc.GetMediaFormat(str(path)), codec="h264", width=width, height=height,
-            fps_num=FPS, fps_den=1, timebase_num=1, timebase_den=self.TIMEBASE, extradata=self.encoder.GetSequenceParams(),
-        )
-        self.muxer.SetUniformPtsIncrement(self.TIMEBASE // FPS)
-        self.nvc = nvc
-        self.sent = 0
-
-    def send(self, rgb: np.ndarray) -> None:
-        # NVENC's ABGR is a 32-bit word with R in its lowest byte: R, G, B, A in memory.
-        rgba = np.concatenate([rgb, np.full((*rgb.shape[:2], 1), 255, np.uint8)], axis=2)
-        params = self.nvc.NV_ENC_PIC_PARAMS()
-        params.inputTimeStamp = self.sent
-        self._mux(self.encoder.Encode(rgba.reshape(-1), params))
-        self.sent += 1
-
-    def close(self) -> None:
-        self._mux(self.encoder.EndEncode())
-        self.muxer.Finalize()
-
-    def _mux(self, packets: list[dict[str, Any]]) -> None:
-        for packet in packets:
-            self.muxer.MuxVideoPacket(bytes(packet["data"]), packet["picture_type"], packet["timestamp"])
 
 
 def _photo_size(data: bytes) -> tuple[int, int]:
@@ -316,8 +289,6 @@ def _row(cells: list[Any]) -> str:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--make-clips", metavar="DIR", help="make the clips into DIR and stop")
-    parser.add_argument("--encoder", choices=["x264", "nvenc"], default="x264",
-                        help="--make-clips with libx264 (pip install imageio-ffmpeg) or the GPU's encoder (PyNvVideoCodec)")
     parser.add_argument("--photos", nargs="+", type=Path, default=[], help="photos the clips are made from")
     parser.add_argument("--count", type=int, default=8, help="clips to make")
     parser.add_argument("--seconds", type=float, default=7.0, help="seconds per clip")
@@ -327,7 +298,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nvdec-workers", type=int, default=4, help="runtime.workers of the nvdec run")
     parser.add_argument("--workdir", default="video-decode-work")
     parser.add_argument("--smoke", action="store_true", help="CPU only: the tiny tower")
-    parser.add_argument("--trace", action="store_true", help="trace the nvdec job's threads' CUDA runtime calls (gpu_decode.py --trace)")
+    parser.add_argument("--sample", action="store_true", help="then sample the nvdec job's threads (profile_run.py)")
     return parser.parse_args()
 
 

@@ -32,7 +32,7 @@ from embedjob.decode import (
     worker_preload,
 )
 from embedjob.decode.device import decode_jpegs, pixel_groups
-from embedjob.decode.nvdec import decode_videos
+from embedjob.decode.nvdec import decode_videos, refusal
 from embedjob.encoders import EncoderAdapter, EncoderInput
 from embedjob.encoders.base import JPEG_KEY, JPEG_SIZE_KEY, VIDEO_KEY
 from embedjob.encoders.registry import ADAPTER_MODULES
@@ -200,7 +200,11 @@ def _video_finished(
         return dataclasses.replace(decoded, modality=_error_modality(options), item=None, error=str(result)), False
     if isinstance(result, Exception):  # any refusal of the GPU's decoder: the CPU path decides
         logger.debug("the GPU's video decoder failed on row %d (%s: %s); decoding it on the CPU", decoded.row, type(result).__name__, result)
-        return _on_cpu(decoded, item.tensors[VIDEO_KEY].numpy().tobytes(), options, preprocess), False
+        row = _on_cpu(decoded, item.tensors[VIDEO_KEY].numpy().tobytes(), options, preprocess)
+        if row.error is not None and not item.tensors[_VIDEO_INDICES_KEY].numel():
+            # A video only the GPU could have read (decord lacks its codec): say both refused it.
+            row = dataclasses.replace(row, error=f"{row.error}; the GPU's video decoder refused it too: {refusal(result)}")
+        return row, False
     frames, plan = result
     try:
         planned = preprocess.deferred_video(len(plan.indices), *plan.shown)

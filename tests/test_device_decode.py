@@ -338,6 +338,19 @@ def video_rows() -> list[InputRow]:
     return [InputRow(k, name, data, None, None) for k, (name, data) in enumerate(zip([*VIDEOS, "gray"], media))]
 
 
+def cpu_rows_with_av1_refused(window: list[worker.Decoded], rows: list[InputRow], preprocess, said: str) -> list[worker.Decoded]:
+    """The CPU path's rows of `rows`, where AV1's error row also says what the GPU's
+    decoder said when it refused the clip (an H200's NVDEC has no AV1): the user learns
+    that no decoder here reads it."""
+    want = [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows]
+    av1 = VIDEOS.index("torchcodec_av1_video.mkv")
+    assert want[av1].error.startswith("unsupported_codec: ")
+    assert window[av1].error.startswith(want[av1].error + "; the GPU's video decoder refused it too: ")
+    assert said in window[av1].error
+    want[av1] = dataclasses.replace(want[av1], error=window[av1].error)
+    return want
+
+
 def test_videos_decoded_on_the_device_are_the_cpu_paths_rows(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rotated clips (their display matrices applied on the rank), clips the CPU path
     refuses while planning (truncated: its error row, decided in the worker) or while
@@ -353,8 +366,10 @@ def test_videos_decoded_on_the_device_are_the_cpu_paths_rows(preprocess, monkeyp
     # decord_corrupted.mp4's first frame decodes (the plan holds), its others do not: the
     # decoder raises and the row is the CPU path's error row.
     assert "decord_corrupted.mp4" in deferred and "torchcodec_av1_video.mkv" in deferred
-    assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == len(deferred) - 2
-    assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows])
+    # Clips below nvdec.MIN_SIDE (50 x 50, 66 x 50, 128 x 128) are read by the CPU path too.
+    assert SMALL <= deferred
+    assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == len(deferred) - 2 - len(SMALL)
+    assert_same_rows(window, cpu_rows_with_av1_refused(window, rows, preprocess, "cannot find video stream"))
     # Decoder sessions are kept by their threads and reconfigured per video; a session
     # that failed (on the corrupt clip, on AV1) is made again.
     assert StandInDecoder.made <= nvdec.SESSIONS + 2 < len(deferred)
@@ -368,7 +383,7 @@ def test_a_codec_decord_lacks_is_planned_on_the_rank_by_the_cpu_paths_rules(prep
     from embedjob.decode import video
 
     stand_in(monkeypatch)
-    names = ["decord_video_90.mov", "decord_unordered.mov", "torchcodec_nasa_13013.mp4"]
+    names = ["decord_video_90.mov", "decord_video_180.mov", "torchcodec_nasa_13013.mp4"]
     rows = [row for row in video_rows() if row.id in names]
     want = [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows]
 
@@ -397,23 +412,49 @@ def test_a_video_the_device_decoder_refuses_takes_the_cpu_path(preprocess, monke
     rows = video_rows()
     window = [worker.decode_row(row, dataclasses.replace(VIDEO_OPTIONS, defer_video=True), preprocess) for row in rows]
     assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == 0
-    assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows])
+    assert_same_rows(window, cpu_rows_with_av1_refused(window, rows, preprocess, "cannot find video stream"))
 
 
 def test_frames_the_device_decoder_pads_are_not_taken_for_the_picture(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
-    """NVDEC returns clips below its minimum size padded (a 66 x 50 clip as 192 x 96):
-    such a clip takes the CPU path instead of being embedded from the padding."""
+    """NVDEC returned a small clip padded (66 x 50 as 192 x 96): frames of another size
+    than the stream's take the CPU path instead of being embedded from the padding."""
 
     class Padding(StandInDecoder):
         def get_batch_frames_by_index(self, indices: list[int]) -> list[torch.Tensor]:
             return [torch.nn.functional.pad(f, (0, 0, 0, 126, 0, 46)) for f in super().get_batch_frames_by_index(indices)]
 
     stand_in(monkeypatch, Padding)
-    rows = [row for row in video_rows() if row.id == "hfdatasets_test_video_66x50.mov"]
+    rows = [row for row in video_rows() if row.id == "torchcodec_nasa_13013.mp4"]
     window = [worker.decode_row(row, dataclasses.replace(VIDEO_OPTIONS, defer_video=True), preprocess) for row in rows]
     assert "video" in window[0].item.tensors
     assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == 0
     assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows])
+
+
+SMALL = {"decord_unordered.mov", "hfdatasets_test_video_66x50.mov", "torchcodec_h265_video.mp4"}
+
+
+def test_clips_below_the_decoders_reliable_size_take_the_cpu_path_and_keep_the_session(
+    preprocess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An H200 garbled a 66 x 50 clip at its own size from a reconfigured session: clips
+    with a side below nvdec.MIN_SIDE are never read by the GPU's decoder, their rows are
+    the CPU path's, and the thread's session is kept for the next clip."""
+    read: list[int] = []
+
+    class Counting(StandInDecoder):
+        def get_batch_frames_by_index(self, indices: list[int]) -> list[torch.Tensor]:
+            read.append(len(indices))
+            return super().get_batch_frames_by_index(indices)
+
+    stand_in(monkeypatch, Counting)
+    rows = [row for row in video_rows() if row.id in SMALL | {"decord_video_90.mov"}]
+    for row in rows:
+        window = [worker.decode_row(row, dataclasses.replace(VIDEO_OPTIONS, defer_video=True), preprocess)]
+        assert "video" in window[0].item.tensors
+        assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == (row.id not in SMALL)
+        assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess)])
+    assert len(read) == 1 and Counting.made == 1
 
 
 def test_nvdec_without_its_package_or_a_gpu_is_one_line_before_any_row(tmp_path: Path, cache_dir: str, capsys) -> None:
@@ -433,3 +474,14 @@ def test_the_nvdec_problem_names_the_package_to_install(monkeypatch: pytest.Monk
     assert problem is not None and "pip install 'embedjob[nvdec]'" in problem
     stand_in(monkeypatch)
     assert nvdec_problem(torch.device("cuda", 0)) is None
+
+
+def test_a_refusal_of_the_gpus_video_decoder_is_one_line_a_user_can_act_on() -> None:
+    """PyNvVideoCodec's error text as an H200 gave it for an AV1 clip, and a plain one."""
+    from embedjob.decode.nvdec import refusal
+
+    said = RuntimeError("HandleVideoSequence : \nError code : 801\nError Type : Codec not supported on this GPU\n"
+                        "at /project/src/VideoCodecSDKUtils/helper_classes/NvCodec/NvDecoder/NvDecoder.cpp:274\n")
+    assert refusal(said) == "Codec not supported on this GPU (error 801)"
+    assert refusal(RuntimeError("\nno frames\nmore")) == "no frames"
+    assert refusal(ValueError()) == "ValueError"

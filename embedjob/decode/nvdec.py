@@ -77,6 +77,17 @@ def _threads() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
+# Streams with a side below this take the CPU path. It is HEVC's documented NVDEC
+# minimum, the largest of the codecs'; below it an H200 returned a 66 x 50 H.264 clip
+# padded to 192 x 96 (a fresh session) or garbled at its own size (a reconfigured one),
+# and clips that small cost a CPU little.
+MIN_SIDE = 144
+
+
+class SmallStream(RuntimeError):
+    """A stream below `MIN_SIDE`: the CPU path reads it; the session stays trusted."""
+
+
 def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOptions) -> tuple[torch.Tensor, DeferredVideo]:
     """`video`'s sampled frames as (T, 3, H, W) uint8 RGB on `device`, in sample order,
     as the CPU path shows them (see `frames_as_decoded`), and its plan: the workers'
@@ -84,12 +95,15 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     with _spilled(decoder_bytes(video.data)) as path:
         try:
             decoder = _session(path, device)
+            facts = decoder.get_stream_metadata()
+            if min(facts.width, facts.height) < MIN_SIDE:
+                raise SmallStream(f"a {facts.width} x {facts.height} stream is below {MIN_SIDE} px a side, "
+                                  "which the GPU's decoder does not read reliably")
             if not video.indices:
-                facts = decoder.get_stream_metadata()
                 video = plan_from_stream(video, facts.num_frames, facts.average_fps, facts.width, facts.height, options)
             unique = sorted(set(video.indices))
             frames = _frames(decoder, unique, device)
-        except MediaError:
+        except (MediaError, SmallStream):
             raise
         except Exception:
             _sessions.decoder = None  # a session that failed is not trusted with the next video
@@ -99,9 +113,22 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     return frames_as_decoded(stack, video), video
 
 
+def refusal(exc: Exception) -> str:
+    """What the decoder said when it refused a video, in one line: PyNvVideoCodec's
+    errors span lines ("HandleVideoSequence : / Error code : 801 / Error Type : Codec
+    not supported on this GPU / at <source file>"); its error type and code are what a
+    user can act on."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    fields = dict(line.split(" : ", 1) for line in lines if " : " in line)
+    if "Error Type" in fields:
+        code = f" (error {fields['Error code']})" if "Error code" in fields else ""
+        return fields["Error Type"] + code
+    return lines[0] if lines else type(exc).__name__
+
+
 def _frames(decoder: Any, unique: list[int], device: torch.device) -> list[torch.Tensor]:
-    stream = decoder.get_stream_metadata()
-    coded = (stream.height, stream.width)
+    facts = decoder.get_stream_metadata()
+    coded = (facts.height, facts.width)
     frames = [_chw(torch.from_dlpack(frame), coded, device) for frame in decoder.get_batch_frames_by_index(unique)]
     if len(frames) != len(unique):
         raise RuntimeError(f"the video decoder returned {len(frames)} of {len(unique)} frames")
@@ -139,8 +166,8 @@ def _chw(frame: torch.Tensor, coded: tuple[int, int], device: torch.device) -> t
     """One decoded frame as (3, H, W) uint8 on `device`, copied out of the decoder's
     surface (which it reuses); the decoder hands interleaved RGB (H, W, 3) of the
     stream's `coded` (height, width). A frame of another size is refused: NVDEC pads
-    streams below its minimum size (a 66 x 50 H.264 clip comes back 192 x 96), and
-    those pixels are not the picture."""
+    streams below its minimum size (a 66 x 50 H.264 clip came back 192 x 96; see
+    `MIN_SIDE`), and those pixels are not the picture."""
     if frame.dim() != 3 or frame.shape[-1] != 3 or frame.dtype != torch.uint8:
         raise RuntimeError(f"the video decoder returned a frame of shape {tuple(frame.shape)} and type {frame.dtype}")
     if tuple(frame.shape[:2]) != coded:

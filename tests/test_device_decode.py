@@ -315,7 +315,9 @@ class StandInDecoder:
     def get_stream_metadata(self) -> SimpleNamespace:
         with self.lock:
             height, width = self.reader[0].shape[:2]
-            return SimpleNamespace(height=height, width=width, num_frames=len(self.reader), average_fps=self.reader.get_avg_fps())
+            return SimpleNamespace(
+                height=height, width=width, num_frames=len(self.reader), average_fps=self.reader.get_avg_fps(), codec_name="h264"
+            )
 
     def get_batch_frames_by_index(self, indices: list[int]) -> list[torch.Tensor]:
         with self.lock:
@@ -370,9 +372,10 @@ def test_videos_decoded_on_the_device_are_the_cpu_paths_rows(preprocess, monkeyp
     assert SMALL <= deferred
     assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == len(deferred) - 2 - len(SMALL)
     assert_same_rows(window, cpu_rows_with_av1_refused(window, rows, preprocess, "cannot find video stream"))
-    # Decoder sessions are kept by their threads and reconfigured per video; a session
-    # that failed (on the corrupt clip, on AV1) is made again.
-    assert StandInDecoder.made <= nvdec.SESSIONS + 2 < len(deferred)
+    # Decoder sessions are kept by their threads and reconfigured per video of the kind
+    # they were made for; a session that failed (on the corrupt clip, on AV1) or meets
+    # a video of another size is made again.
+    assert StandInDecoder.made < len(deferred)
 
 
 def test_a_codec_decord_lacks_is_planned_on_the_rank_by_the_cpu_paths_rules(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -434,12 +437,12 @@ def test_frames_the_device_decoder_pads_are_not_taken_for_the_picture(preprocess
 SMALL = {"decord_unordered.mov", "hfdatasets_test_video_66x50.mov", "torchcodec_h265_video.mp4"}
 
 
-def test_clips_below_the_decoders_reliable_size_take_the_cpu_path_and_keep_the_session(
+def test_clips_below_the_decoders_reliable_size_take_the_cpu_path(
     preprocess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An H200 garbled a 66 x 50 clip at its own size from a reconfigured session: clips
     with a side below nvdec.MIN_SIDE are never read by the GPU's decoder, their rows are
-    the CPU path's, and the thread's session is kept for the next clip."""
+    the CPU path's, and no session is made for them once the thread has one."""
     read: list[int] = []
 
     class Counting(StandInDecoder):
@@ -454,7 +457,9 @@ def test_clips_below_the_decoders_reliable_size_take_the_cpu_path_and_keep_the_s
         assert "video" in window[0].item.tensors
         assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == (row.id not in SMALL)
         assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess)])
-    assert len(read) == 1 and Counting.made == 1
+    # One session for the first (small) clip, one for the 568 x 320 clip; the small
+    # clips after it are refused from that one without a session of their own.
+    assert len(read) == 1 and Counting.made == 2
 
 
 def test_nvdec_without_its_package_or_a_gpu_is_one_line_before_any_row(tmp_path: Path, cache_dir: str, capsys) -> None:
@@ -485,3 +490,23 @@ def test_a_refusal_of_the_gpus_video_decoder_is_one_line_a_user_can_act_on() -> 
     assert refusal(said) == "Codec not supported on this GPU (error 801)"
     assert refusal(RuntimeError("\nno frames\nmore")) == "no frames"
     assert refusal(ValueError()) == "ValueError"
+
+
+def test_a_session_is_reconfigured_for_videos_of_its_kind_and_made_anew_for_others(
+    preprocess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reconfigured for a stream of another codec or size, an H200's decoder returned
+    garbled frames (10-bit HEVC after 8-bit H.264): one thread's kept session serves
+    the clips of its kind (the four 568 x 320 clips: one session) and a clip of another
+    size gets a new one; every row is the CPU path's."""
+    stand_in(monkeypatch)
+    names = ["decord_video_0.mov", "decord_video_90.mov", "decord_video_180.mov", "decord_video_270.mov",
+             "torchcodec_nasa_13013.mp4", "decord_video_0.mov"]
+    by_name = {row.id: row for row in video_rows()}
+    made = []
+    for name in names:
+        window = [worker.decode_row(by_name[name], dataclasses.replace(VIDEO_OPTIONS, defer_video=True), preprocess)]
+        assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == 1
+        assert_same_rows(window, [worker.decode_row(by_name[name], VIDEO_OPTIONS, preprocess)])
+        made.append(StandInDecoder.made)
+    assert made == [1, 1, 1, 1, 2, 3]

@@ -95,11 +95,8 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     with _spilled(decoder_bytes(video.data)) as path:
         try:
             decoder = _session(path, device)
-            facts = decoder.get_stream_metadata()
-            if min(facts.width, facts.height) < MIN_SIDE:
-                raise SmallStream(f"a {facts.width} x {facts.height} stream is below {MIN_SIDE} px a side, "
-                                  "which the GPU's decoder does not read reliably")
             if not video.indices:
+                facts = decoder.get_stream_metadata()
                 video = plan_from_stream(video, facts.num_frames, facts.average_fps, facts.width, facts.height, options)
             unique = sorted(set(video.indices))
             frames = _frames(decoder, unique, device)
@@ -137,17 +134,38 @@ def _frames(decoder: Any, unique: list[int], device: torch.device) -> list[torch
 
 def _session(path: str, device: torch.device) -> Any:
     """This thread's decoder, pointed at the video in `path`: made once per thread and
-    reconfigured for each video after (making one costs about 0.18 s)."""
+    reconfigured for each video after (making one costs about 0.18 s), while the videos
+    are of one kind (`_kind`). Reconfigured for a stream of another codec or size, an
+    H200 returned garbled frames at the right size (a 200 x 200 10-bit HEVC clip, a
+    66 x 50 H.264 clip) that a new session read right or refused, so a video of another
+    kind gets a new session, which becomes the kept one."""
     import PyNvVideoCodec as nvc
 
     held = getattr(_sessions, "decoder", None)
     if held is not None and held[0] is nvc and held[1] == device:
         held[2].reconfigure_decoder(path)
-        return held[2]
+        kind = _kind(held[2])
+        _refuse_small(kind)
+        if kind == held[3]:
+            return held[2]
     _sessions.decoder = None
     decoder = nvc.SimpleDecoder(path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=nvc.OutputColorType.RGB)
-    _sessions.decoder = (nvc, device, decoder)
+    kind = _kind(decoder)
+    _sessions.decoder = (nvc, device, decoder, kind)
+    _refuse_small(kind)
     return decoder
+
+
+def _kind(decoder: Any) -> tuple[str, int, int]:
+    """What a kept session's video and the next one must share: codec and coded size."""
+    facts = decoder.get_stream_metadata()
+    return facts.codec_name, facts.width, facts.height
+
+
+def _refuse_small(kind: tuple[str, int, int]) -> None:
+    _, width, height = kind
+    if min(width, height) < MIN_SIDE:
+        raise SmallStream(f"a {width} x {height} stream is below {MIN_SIDE} px a side, which the GPU's decoder does not read reliably")
 
 
 @contextlib.contextmanager

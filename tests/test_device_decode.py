@@ -28,7 +28,7 @@ from test_media import IMAGE, JPEGS, PARITY_JPEGS, encode, exif_orientation, hal
 from embedjob import rows as worker
 from embedjob.cli import main
 from embedjob.config import JobError, job_from_dict
-from embedjob.decode import DeferredImage, MediaError, decode, nvdec
+from embedjob.decode import DeferredImage, MediaError, decode
 from embedjob.decode import image as image_decode
 from embedjob.decode.device import pixel_groups
 from embedjob.encoders import load_adapter

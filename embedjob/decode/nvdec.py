@@ -163,6 +163,7 @@ def _kind(decoder: Any) -> tuple[str, int, int]:
 
 
 def _refuse_small(kind: tuple[str, int, int]) -> None:
+    """Raises `SmallStream` for a stream with a side below `MIN_SIDE`."""
     _, width, height = kind
     if min(width, height) < MIN_SIDE:
         raise SmallStream(f"a {width} x {height} stream is below {MIN_SIDE} px a side, which the GPU's decoder does not read reliably")

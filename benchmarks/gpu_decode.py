@@ -254,10 +254,10 @@ def render(results: list[MixRuns], args: argparse.Namespace, peak: float | None)
     ]
     for result in results:
         enc = result.encoder.rate if result.encoder is not None else None
-        lines.append(_row([result.mix, "encoder only", "-", result.rows, fmt(result.encoder and result.encoder.seconds, ".2f"),
+        lines.append(table_row([result.mix, "encoder only", "-", result.rows, fmt(result.encoder and result.encoder.seconds, ".2f"),
                            fmt(enc, ".1f")] + ["-"] * (len(head) - 6)))
         for decoder in DECODERS:
-            lines.append(_row(_run_cells(result, decoder, enc, args.workers)))
+            lines.append(table_row(_run_cells(result, decoder, enc, args.workers)))
     for result in results:
         if result.profile:
             lines += ["", f"## {result.mix}: the GPU decode profiled", "", "```", result.profile, "```"]
@@ -285,7 +285,8 @@ def _run_cells(result: MixRuns, decoder: str, enc: float | None, workers: int) -
     ]
 
 
-def _row(cells: list[Any]) -> str:
+def table_row(cells: list[Any]) -> str:
+    """One Markdown table row."""
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 

@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
-from benchmarks.gpu_decode import compare  # noqa: E402
+from benchmarks.gpu_decode import compare, table_row  # noqa: E402
 from benchmarks.mixes import TOWERS, collect_photos, save_tower  # noqa: E402
 from benchmarks.scaling import NO_MULTICAST, fmt, log, rank0, run_cli  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
@@ -252,19 +252,19 @@ def render(
         "",
         "| " + " | ".join(head) + " |",
         "| " + " | ".join(["---"] + ["---:"] * (len(head) - 1)) + " |",
-        _row(["encoder only", "-", encoder.items, f"{seconds:.1f}", f"{encoder.seconds:.2f}", f"{seconds / encoder.seconds:.1f}",
+        table_row(["encoder only", "-", encoder.items, f"{seconds:.1f}", f"{encoder.seconds:.2f}", f"{seconds / encoder.seconds:.1f}",
               f"{encoder.rate:.2f}"] + ["-"] * (len(head) - 7)),
     ]
     for decoder, workers in zip(DECODERS, (args.workers, args.nvdec_workers)):
         stats = runs[decoder]
         if stats is None:
-            lines.append(_row([decoder, workers, "FAILED"] + ["-"] * (len(head) - 3)))
+            lines.append(table_row([decoder, workers, "FAILED"] + ["-"] * (len(head) - 3)))
             continue
         pipeline = stats["pipeline_seconds"]
         rate = stats["rows"] / pipeline if pipeline else None
         cos = cosines[1] if decoder == "nvdec" and cosines is not None and len(cosines[1]) else None
         first = rank0(stats)
-        lines.append(_row([
+        lines.append(table_row([
             decoder, workers, stats["rows"], f"{seconds:.1f}", fmt(pipeline, ".2f"), fmt(seconds / pipeline if pipeline else None, ".1f"),
             fmt(rate, ".2f"), fmt(rate / encoder.rate if rate else None, ".3f"), stats.get("device_decoded", "-"),
             fmt(first.get("decode_seconds"), ".1f"), fmt(first.get("device_decode_seconds"), ".2f"),
@@ -280,10 +280,6 @@ def _waits(rank: dict[str, Any]) -> str:
     seconds went to besides its own work."""
     waits = sorted(((s, name) for name, s in (rank.get("waits") or {}).items() if s >= 0.05), reverse=True)
     return "; ".join(f"{name} {s:.2f}" for s, name in waits) or "-"
-
-
-def _row(cells: list[Any]) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def parse_args() -> argparse.Namespace:

@@ -564,8 +564,8 @@ class RankPipeline:
         """Where the encoder's work queues while media decode on the GPU beside it: a
         stream of its own, so that no synchronous copy the decoders make on the legacy
         default stream waits for the encoder's queued work. On the 224 px mix it changed
-        nothing measurable (benchmarks/RESULTS.md): what the decode thread waits for
-        there is not yet known."""
+        nothing measurable: there the decode thread waits for the GIL after each of its
+        per-picture torch calls (benchmarks/RESULTS.md)."""
         if not self._gpu_decodes:
             return contextlib.nullcontext()
         return torch.cuda.stream(torch.cuda.Stream(self.device))

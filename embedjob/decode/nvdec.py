@@ -94,12 +94,12 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     or, for a video they could not plan, one made here (`video.plan_from_stream`)."""
     with _spilled(decoder_bytes(video.data)) as path:
         try:
-            decoder = _session(path, device)
+            decoder, facts = _session(path, device)
+            _refuse_small(facts)
             if not video.indices:
-                facts = decoder.get_stream_metadata()
                 video = plan_from_stream(video, facts.num_frames, facts.average_fps, facts.width, facts.height, options)
             unique = sorted(set(video.indices))
-            frames = _frames(decoder, unique, device)
+            frames = _frames(decoder, unique, (facts.height, facts.width), device)
         except (MediaError, SmallStream):
             raise
         except Exception:
@@ -123,50 +123,50 @@ def refusal(exc: Exception) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def _frames(decoder: Any, unique: list[int], device: torch.device) -> list[torch.Tensor]:
-    facts = decoder.get_stream_metadata()
-    coded = (facts.height, facts.width)
+def _frames(decoder: Any, unique: list[int], coded: tuple[int, int], device: torch.device) -> list[torch.Tensor]:
     frames = [_chw(torch.from_dlpack(frame), coded, device) for frame in decoder.get_batch_frames_by_index(unique)]
     if len(frames) != len(unique):
         raise RuntimeError(f"the video decoder returned {len(frames)} of {len(unique)} frames")
     return frames
 
 
-def _session(path: str, device: torch.device) -> Any:
-    """This thread's decoder, pointed at the video in `path`: made once per thread and
-    reconfigured for each video after (making one costs about 0.18 s), while the videos
-    are of one kind (`_kind`). Reconfigured for a stream of another codec or size, an
-    H200 returned garbled frames at the right size (a 200 x 200 10-bit HEVC clip, a
-    66 x 50 H.264 clip) that a new session read right or refused, so a video of another
-    kind gets a new session, which becomes the kept one."""
+def _session(path: str, device: torch.device) -> tuple[Any, Any]:
+    """This thread's decoder, pointed at the video in `path`, and the stream's facts:
+    made once per thread and reconfigured for each video after (making one costs about
+    0.18 s), while the videos are of one kind (`_kind`). Reconfigured for a stream of
+    another codec or size, an H200 returned garbled frames at the right size (a 200 x
+    200 10-bit HEVC clip, a 66 x 50 H.264 clip) that a new session read right or
+    refused, so a video of another kind gets a new session, which becomes the kept one;
+    a stream the caller refuses for its size (`_refuse_small`) gets none."""
     import PyNvVideoCodec as nvc
 
     held = getattr(_sessions, "decoder", None)
     if held is not None and held[0] is nvc and held[1] == device:
         held[2].reconfigure_decoder(path)
-        kind = _kind(held[2])
-        _refuse_small(kind)
-        if kind == held[3]:
-            return held[2]
+        facts = held[2].get_stream_metadata()
+        if _kind(facts) == held[3] or _small(facts):
+            return held[2], facts
     _sessions.decoder = None
     decoder = nvc.SimpleDecoder(path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=nvc.OutputColorType.RGB)
-    kind = _kind(decoder)
-    _sessions.decoder = (nvc, device, decoder, kind)
-    _refuse_small(kind)
-    return decoder
-
-
-def _kind(decoder: Any) -> tuple[str, int, int]:
-    """What a kept session's video and the next one must share: codec and coded size."""
     facts = decoder.get_stream_metadata()
+    _sessions.decoder = (nvc, device, decoder, _kind(facts))
+    return decoder, facts
+
+
+def _kind(facts: Any) -> tuple[str, int, int]:
+    """What a kept session's video and the next one must share: codec and coded size."""
     return facts.codec_name, facts.width, facts.height
 
 
-def _refuse_small(kind: tuple[str, int, int]) -> None:
+def _small(facts: Any) -> bool:
+    return min(facts.width, facts.height) < MIN_SIDE
+
+
+def _refuse_small(facts: Any) -> None:
     """Raises `SmallStream` for a stream with a side below `MIN_SIDE`."""
-    _, width, height = kind
-    if min(width, height) < MIN_SIDE:
-        raise SmallStream(f"a {width} x {height} stream is below {MIN_SIDE} px a side, which the GPU's decoder does not read reliably")
+    if _small(facts):
+        raise SmallStream(f"a {facts.width} x {facts.height} stream is below {MIN_SIDE} px a side, "
+                          "which the GPU's decoder does not read reliably")
 
 
 @contextlib.contextmanager

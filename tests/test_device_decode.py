@@ -324,9 +324,21 @@ class StandInDecoder:
             return [torch.from_numpy(frame) for frame in self.reader.get_batch(indices).asnumpy()]
 
 
+class StandInDemuxer:
+    """PyNvVideoCodec.CreateDemuxer's bit depth: 8, or 10 for the bytes in `deep`."""
+
+    deep: frozenset[bytes] = frozenset()
+
+    def __init__(self, path: str) -> None:
+        self.data = Path(path).read_bytes()
+
+    def BitDepth(self) -> int:  # noqa: N802 (PyNvVideoCodec's name)
+        return 10 if self.data in self.deep else 8
+
+
 def stand_in(monkeypatch: pytest.MonkeyPatch, decoder: type = StandInDecoder) -> None:
     monkeypatch.setattr(decoder, "made", 0)
-    module = SimpleNamespace(SimpleDecoder=decoder, OutputColorType=SimpleNamespace(RGB="RGB"))
+    module = SimpleNamespace(SimpleDecoder=decoder, CreateDemuxer=StandInDemuxer, OutputColorType=SimpleNamespace(RGB="RGB"))
     monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module)
 
 
@@ -510,3 +522,23 @@ def test_a_session_is_reconfigured_for_videos_of_its_kind_and_made_anew_for_othe
         assert_same_rows(window, [worker.decode_row(by_name[name], VIDEO_OPTIONS, preprocess)])
         made.append(StandInDecoder.made)
     assert made == [1, 1, 1, 1, 2, 3]
+
+
+def test_a_stream_of_more_than_8_bits_gets_a_session_used_once_and_the_kept_one_stays(
+    preprocess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An H200's decoder garbled a 200 x 200 10-bit HEVC clip from a session reconfigured
+    for it, one of its own kind too, and read it right in a new one: each such clip gets
+    a new session that no later clip uses, and the 8-bit clips around it share theirs."""
+    deep = "torchcodec_h265_10bits.mp4"
+    stand_in(monkeypatch)
+    monkeypatch.setattr(StandInDemuxer, "deep", frozenset({(DATA / deep).read_bytes()}))
+    names = ["decord_video_0.mov", deep, "decord_video_90.mov", deep, "decord_video_180.mov"]
+    by_name = {row.id: row for row in video_rows()}
+    made = []
+    for name in names:
+        window = [worker.decode_row(by_name[name], dataclasses.replace(VIDEO_OPTIONS, defer_video=True), preprocess)]
+        assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == 1
+        assert_same_rows(window, [worker.decode_row(by_name[name], VIDEO_OPTIONS, preprocess)])
+        made.append(StandInDecoder.made)
+    assert made == [1, 2, 2, 3, 3]

@@ -133,13 +133,19 @@ def _frames(decoder: Any, unique: list[int], coded: tuple[int, int], device: tor
 def _session(path: str, device: torch.device) -> tuple[Any, Any]:
     """This thread's decoder, pointed at the video in `path`, and the stream's facts:
     made once per thread and reconfigured for each video after (making one costs about
-    0.18 s), while the videos are of one kind (`_kind`). Reconfigured for a stream of
-    another codec or size, an H200 returned garbled frames at the right size (a 200 x
-    200 10-bit HEVC clip, a 66 x 50 H.264 clip) that a new session read right or
-    refused, so a video of another kind gets a new session, which becomes the kept one;
-    a stream the caller refuses for its size (`_refuse_small`) gets none."""
+    0.18 s), while the videos are 8-bit and of one kind (`_kind`). Reconfigured for a
+    stream of another codec or size, an H200 returned garbled frames at the right size
+    (a 66 x 50 H.264 clip) that a new session read right or refused, so a video of
+    another kind gets a new session, which becomes the kept one. A stream of more than
+    8 bits (a 200 x 200 10-bit HEVC clip came back garbled from a session reconfigured
+    for it, even one of its own kind) gets a session of its own, used once; the kept one
+    stays for the next video. A stream the caller refuses for its size (`_refuse_small`)
+    gets no session of its own."""
     import PyNvVideoCodec as nvc
 
+    if nvc.CreateDemuxer(path).BitDepth() > 8:
+        decoder = _new_session(nvc, path, device)
+        return decoder, decoder.get_stream_metadata()
     held = getattr(_sessions, "decoder", None)
     if held is not None and held[0] is nvc and held[1] == device:
         held[2].reconfigure_decoder(path)
@@ -147,10 +153,14 @@ def _session(path: str, device: torch.device) -> tuple[Any, Any]:
         if _kind(facts) == held[3] or _small(facts):
             return held[2], facts
     _sessions.decoder = None
-    decoder = nvc.SimpleDecoder(path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=nvc.OutputColorType.RGB)
+    decoder = _new_session(nvc, path, device)
     facts = decoder.get_stream_metadata()
     _sessions.decoder = (nvc, device, decoder, _kind(facts))
     return decoder, facts
+
+
+def _new_session(nvc: Any, path: str, device: torch.device) -> Any:
+    return nvc.SimpleDecoder(path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=nvc.OutputColorType.RGB)
 
 
 def _kind(facts: Any) -> tuple[str, int, int]:

@@ -190,8 +190,7 @@ def profile_decode(job_path: Path, parquet: Path, count: int, device: torch.devi
         decode_wall += time.perf_counter() - wall
         decode_cpu += time.thread_time() - cpu
         wall = time.perf_counter()
-        for d, image in zip(window, images):
-            preprocess.on_device(d.item, image)
+        worker.finish_pictures(window, list(range(len(window))), images, options, preprocess)
         synchronize()
         finish += time.perf_counter() - wall
     fresh = [[worker.decode_row(row, deferred, preprocess) for row in rows[k : k + WINDOW]] for k in range(0, len(rows), WINDOW)]

@@ -159,16 +159,15 @@ def decode_on_device(window: list[Decoded], options: DecodeOptions, preprocess: 
     Runs on the rank's GPU-decode thread (`RankPipeline._decoded_on_device`), a window
     at a time: JPEGs with a constant number of nvjpeg calls per window (`pixel_groups`
     bounds the full-size pictures held at once), then the family's resize and patching
-    per picture on the device; videos several at a time (`nvdec.decode_videos`)."""
+    on the device for the pictures of one size together (`finish_pictures`); videos
+    several at a time (`nvdec.decode_videos`)."""
     waiting = [k for k, d in enumerate(window) if d.item is not None and JPEG_KEY in d.item.tensors]
-    pixels = [int(window[k].item.tensors[JPEG_SIZE_KEY].prod()) for k in waiting]
+    sizes = torch.stack([window[k].item.tensors[JPEG_SIZE_KEY] for k in waiting]).prod(1).tolist() if waiting else []
     done = 0
-    for group in pixel_groups(pixels):
+    for group in pixel_groups(sizes):
         rows = [waiting[g] for g in group]
         images = decode_jpegs([window[k].item.tensors[JPEG_KEY] for k in rows], device)
-        for k, image in zip(rows, images):
-            window[k] = _finished(window[k], image, options, preprocess)
-            done += image is not None
+        done += finish_pictures(window, rows, images, options, preprocess)
     videos = [k for k, d in enumerate(window) if d.item is not None and VIDEO_KEY in d.item.tensors]
     for k, decoded in zip(videos, decode_videos([_planned(window[k].item) for k in videos], device, options)):
         window[k], on_device = _video_finished(window[k], decoded, options, preprocess)
@@ -176,14 +175,42 @@ def decode_on_device(window: list[Decoded], options: DecodeOptions, preprocess: 
     return done
 
 
-def _finished(decoded: Decoded, image: torch.Tensor | None, options: DecodeOptions, preprocess: Any) -> Decoded:
-    """A deferred row once its picture is decoded (`image`), or through the CPU path
-    where nvjpeg refused it (`image` None)."""
-    item = decoded.item
-    if image is None:
-        return _on_cpu(decoded, item.tensors[JPEG_KEY].numpy().tobytes(), options, preprocess)
+def finish_pictures(
+    window: list[Decoded], rows: list[int], images: list[torch.Tensor | None], options: DecodeOptions, preprocess: Any
+) -> int:
+    """Replace the deferred rows `rows` of `window` by their items made from `images`
+    (their decoded pictures, None where nvjpeg refused one: the CPU path's row), and
+    return how many the device decoded. Pictures of one size are resized and patched in
+    one call (`Preprocessor.on_device`): per picture, the few small kernels each step
+    launches cost more of this thread's time, beside the encoder's launches and the
+    decode workers, than the GPU spends on them."""
+    by_size: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
+    for k, image in zip(rows, images, strict=True):
+        if image is None:
+            window[k] = _on_cpu(window[k], window[k].item.tensors[JPEG_KEY].numpy().tobytes(), options, preprocess)
+        else:
+            by_size.setdefault(tuple(image.shape), []).append((k, image))
+    for same in by_size.values():
+        _finish_same_size(window, same, preprocess)
+    return sum(map(len, by_size.values()))
+
+
+def _finish_same_size(window: list[Decoded], same: list[tuple[int, torch.Tensor]], preprocess: Any) -> None:
+    """The rows of `same` (row, picture; pictures of one size) finished together, or,
+    if that fails, one at a time, so a failure is the error row of its own row alone."""
     try:
-        return dataclasses.replace(decoded, item=preprocess.on_device(item, image))
+        items = preprocess.on_device([window[k].item for k, _ in same], torch.stack([image for _, image in same]))
+    except Exception:
+        for k, image in same:
+            window[k] = _finished_alone(window[k], image, preprocess)
+        return
+    for (k, _), item in zip(same, items, strict=True):
+        window[k] = dataclasses.replace(window[k], item=item)
+
+
+def _finished_alone(decoded: Decoded, image: torch.Tensor, preprocess: Any) -> Decoded:
+    try:
+        return dataclasses.replace(decoded, item=preprocess.on_device([decoded.item], image.unsqueeze(0))[0])
     except Exception as exc:
         return dataclasses.replace(decoded, item=None, error=_preprocess_failed(exc))
 

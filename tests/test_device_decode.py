@@ -147,6 +147,32 @@ def test_a_window_completed_by_the_rank_equals_what_the_workers_make(preprocess)
     assert_same_rows(window, want)
 
 
+
+def test_pictures_of_one_size_are_finished_in_one_call_and_a_failure_stays_with_its_row(preprocess) -> None:
+    """The rank resizes and patches the pictures of one size together; where that fails
+    for one of them, it alone is an error row and the rest are the workers' items."""
+    names = ["progressive", "gray", "orientation_1", "orientation_6", "img2dataset_123_456.jpg", "img2dataset_456_123.jpg"]
+    rows = rows_of(names)
+    window = [worker.decode_row(row, DEFER, preprocess) for row in rows]
+    poisoned = window[2].item.tensors[JPEG_KEY]
+    calls: list[int] = []
+
+    class CountingPreprocess:
+        def on_device(self, items: list, images: torch.Tensor) -> list:
+            calls.append(len(items))
+            if any(item.tensors[JPEG_KEY] is poisoned for item in items):
+                raise ValueError("a picture it cannot take")
+            return preprocess.on_device(items, images)
+
+    # orientation_6 is decoded by its worker (the GPU's decoder would not turn it).
+    assert worker.decode_on_device(window, IMAGE, CountingPreprocess(), torch.device("cpu")) == len(rows) - 1
+    # progressive, gray and orientation_1 (60 x 40): one call, then one each after it failed;
+    # the two photos of other sizes: one call each.
+    assert sorted(calls) == [1, 1, 1, 1, 1, 3]
+    want = [worker.decode_row(row, IMAGE, preprocess) for row in rows]
+    assert window[2].item is None and window[2].error == "preprocess_failed: ValueError: a picture it cannot take"
+    assert_same_rows(window[:2] + window[3:], want[:2] + want[3:])
+
 def test_a_jpeg_nvjpeg_refuses_takes_the_cpu_path_row_for_row(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the device's decoder refuses a file, its row is what a worker makes of it:
     the picture, or the same error row (a JPEG whose header is plain and whose data is

@@ -189,9 +189,11 @@ class FixedPreprocessor:
         tensors = {JPEG_KEY: data, JPEG_SIZE_KEY: torch.tensor([height, width])}
         return EncoderInput(tensors, tokens=tokens, frames=0, size=tokens, modality="image", token_grid=(1, *self.patch_grid))
 
-    def on_device(self, item: EncoderInput, image: torch.Tensor) -> EncoderInput:
-        """`deferred`'s item with its view made from the decoded (3, H, W) uint8 picture."""
-        return replace(item, tensors={GLOBAL_KEY: self.process(image.unsqueeze(0))})
+    def on_device(self, items: list[EncoderInput], images: torch.Tensor) -> list[EncoderInput]:
+        """`deferred`'s items with their views made from their decoded (N, 3, H, W) uint8
+        pictures (one size), processed together; each view is a (1, 3, h, w) slice of the batch's."""
+        views = self.process(images).split(1)
+        return [replace(item, tensors={GLOBAL_KEY: view}) for item, view in zip(items, views, strict=True)]
 
     def deferred_video(self, frames: int, height: int, width: int) -> EncoderInput:
         """A video whose `frames` sampled frames the rank's GPU decodes: one view per

@@ -170,13 +170,19 @@ class QwenPreprocessor:
         tensors = {JPEG_KEY: data, JPEG_SIZE_KEY: torch.tensor([height, width])}
         return self._item(tensors, grid, "image", 0)
 
-    def on_device(self, item: EncoderInput, image: torch.Tensor) -> EncoderInput:
-        """`deferred`'s item with its patches made from the decoded (3, H, W) uint8 picture."""
-        pixels, grid = self.patchify(self.resize(image.unsqueeze(0), self.min_pixels, self.max_pixels), image=True)
-        if grid != item.grid:
-            raise ValueError(f"the decoded picture gives the grid {grid}, its header {item.grid}")
-        tensors = {k: v for k, v in item.tensors.items() if k not in (JPEG_KEY, JPEG_SIZE_KEY)}
-        return replace(item, tensors={"pixel_values": pixels, **tensors})
+    def on_device(self, items: list[EncoderInput], images: torch.Tensor) -> list[EncoderInput]:
+        """`deferred`'s items with their patches made from their decoded (N, 3, H, W)
+        uint8 pictures (one size), resized and patched together: patching N pictures as
+        the N frames of one image grid puts each picture's patches in a block of its own,
+        in order, so each item's are a view of the batch's."""
+        pixels, (_, h, w) = self.patchify(self.resize(images, self.min_pixels, self.max_pixels), image=True)
+        finished = []
+        for item, patches in zip(items, pixels.split(h * w), strict=True):
+            if item.grid != (1, h, w):
+                raise ValueError(f"the decoded picture gives the grid {(1, h, w)}, its header {item.grid}")
+            tensors = {k: v for k, v in item.tensors.items() if k not in (JPEG_KEY, JPEG_SIZE_KEY)}
+            finished.append(replace(item, tensors={"pixel_values": patches, **tensors}))
+        return finished
 
     def deferred_video(self, frames: int, height: int, width: int) -> EncoderInput:
         """A video whose `frames` sampled frames (shown at `height` x `width`) the rank's

@@ -147,7 +147,6 @@ def test_a_window_completed_by_the_rank_equals_what_the_workers_make(preprocess)
     assert_same_rows(window, want)
 
 
-
 def test_pictures_of_one_size_are_finished_in_one_call_and_a_failure_stays_with_its_row(preprocess) -> None:
     """The rank resizes and patches the pictures of one size together; where that fails
     for one of them, it alone is an error row and the rest are the workers' items."""
@@ -172,6 +171,7 @@ def test_pictures_of_one_size_are_finished_in_one_call_and_a_failure_stays_with_
     want = [worker.decode_row(row, IMAGE, preprocess) for row in rows]
     assert window[2].item is None and window[2].error == "preprocess_failed: ValueError: a picture it cannot take"
     assert_same_rows(window[:2] + window[3:], want[:2] + want[3:])
+
 
 def test_a_jpeg_nvjpeg_refuses_takes_the_cpu_path_row_for_row(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the device's decoder refuses a file, its row is what a worker makes of it:

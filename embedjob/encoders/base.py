@@ -133,10 +133,10 @@ class Preprocessor(Protocol):
     With `preprocess.decoder: gpu` the workers leave plain JPEGs undecoded: `deferred`
     makes the item of one from its header alone (everything but its pixels, under
     `JPEG_KEY`), and the rank's `on_device` fills in the pixels from the pictures its
-    GPU decoded (those of one size in one call), by the same steps as `__call__`, so the item differs from the CPU
-    path's only by the two decoders' rounding. With `video.decoder: nvdec` a video's
-    item is made the same way (`deferred_video`, `on_device_video`) from its planned
-    frame count and shown frame size."""
+    GPU decoded (those of one size in one call) by the same steps as `__call__`, so the
+    item differs from the CPU path's only by the two decoders' rounding. With
+    `video.decoder: nvdec` a video's item is made the same way (`deferred_video`,
+    `on_device_video`) from its planned frame count and shown frame size."""
 
     frame_multiple: int
 

@@ -2,16 +2,19 @@
 
 On the GPU machine, from the repository root:
 
-    PYTHONPATH=. python3 benchmarks/gpu_decode.py --photos bench-data [--mixes qwen-224 siglip] [--workers 4]
+    PYTHONPATH=. python3 benchmarks/gpu_decode.py --photos bench-data [--mixes qwen-224 siglip] [--workers 4] [--repeats 2]
 
 For each mix (`benchmarks/mixes.py`: distinct JPEGs cut from real photos, towers of the
 published sizes with random weights, loaded through `model.path`), it measures the
 encoder-only rate of the mix's items (`benchmarks/encoder_only.py`), then runs the job
 through the CLI as a user would (`embedjob run --gpus 1`, bf16, `batching.compile: true`,
-`runtime.workers` = `--workers`) once with `preprocess.decoder: cpu` and once with `gpu`,
-and prints one table: images/s after setup, that over the encoder-only rate, the rows
-the GPU decoded, rank 0's main-thread ms per row and its seconds in the GPU decode, the
-workers' decode seconds, and, per row, the cosine between the embedding of the GPU-decoded
+`runtime.workers` = `--workers`) `--repeats` times with `preprocess.decoder: cpu` and as
+many with `gpu`, alternating (one tree's `gpu` runs spread from 0.58 to 0.92 of the encoder
+alone on one H200, so one run per decoder says little), and prints one table: per decoder,
+the run of median images/s after setup (its images/s, that over the encoder-only rate, the
+rows the GPU decoded, rank 0's main-thread ms per row and its seconds in the GPU decode, the
+workers' decode seconds) with every run's images/s beside it, and, per row, the cosine
+between the embedding of the GPU-decoded
 and the CPU-decoded pixels (min and median: nvjpeg and libjpeg-turbo round differently;
 the same model and batches, so that is all that differs). The table is also written to
 `<workdir>/gpu_decode.md`, after each mix, so a run cut short keeps what it measured.
@@ -69,12 +72,12 @@ DECODERS = ("cpu", "gpu")
 
 @dataclass
 class MixRuns:
-    """One mix: its encoder-only rate and a run's statistics per decoder (None: failed)."""
+    """One mix: its encoder-only rate and, per decoder, each run's statistics (None: failed)."""
 
     mix: str
     rows: int
     encoder: EncoderOnly | None = None
-    runs: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    runs: dict[str, list[dict[str, Any] | None]] = field(default_factory=dict)
     cosines: np.ndarray | None = None
     same_rows: bool | None = None
     not_finite: int = 0
@@ -111,13 +114,15 @@ def bench_mix(name: str, parquet: Path, rows: int, workdir: Path, cores: int, ar
     device = torch.device("cpu" if args.smoke else "cuda")
     result.encoder = measure(load_job(job, []), device, cores, 3)
     tables: dict[str, pa.Table] = {}
-    for decoder in DECODERS:
-        overrides = [f"runtime.workers={args.workers}", f"preprocess.decoder={decoder}"]
-        output = mixdir / f"out-{decoder}"
-        result.runs[decoder] = run_cli(job, output, 1, overrides, mixdir / "logs" / f"{decoder}.log")
-        log(f"[{name}] decoder {decoder}: {'done' if result.runs[decoder] else 'FAILED'}")
-        if result.runs[decoder] is not None:
-            tables[decoder] = read_output(output)
+    for repeat in range(args.repeats):
+        for decoder in DECODERS:
+            overrides = [f"runtime.workers={args.workers}", f"preprocess.decoder={decoder}"]
+            output = mixdir / f"out-{decoder}"
+            stats = run_cli(job, output, 1, overrides, mixdir / "logs" / f"{decoder}-{repeat}.log")
+            result.runs.setdefault(decoder, []).append(stats)
+            log(f"[{name}] decoder {decoder}, run {repeat + 1}/{args.repeats}: {'done' if stats else 'FAILED'}")
+            if stats is not None:
+                tables[decoder] = read_output(output)
     if len(tables) == 2:
         result.same_rows, result.cosines, result.not_finite = compare(tables["cpu"], tables["gpu"])
     if args.profile:
@@ -240,7 +245,7 @@ def _vectors(table: pa.Table) -> np.ndarray:
 
 
 def render(results: list[MixRuns], args: argparse.Namespace, peak: float | None) -> str:
-    head = ["mix", "decoder", "workers", "rows", "seconds", "images/s", "/ enc.-only", "GPU-decoded rows",
+    head = ["mix", "decoder", "workers", "rows", "seconds", "images/s", "every run", "/ enc.-only", "GPU-decoded rows",
             "main ms/row", "GPU-decode thread s", "worker decode s", "setup s", "cos min", "cos median", "rows identical", "not finite"]
     lines = [
         f"# preprocess.decoder cpu vs gpu ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
@@ -265,15 +270,23 @@ def render(results: list[MixRuns], args: argparse.Namespace, peak: float | None)
     return "\n".join(lines)
 
 
+def _rate(stats: dict[str, Any]) -> float:
+    return timed_rows(stats) / stats["pipeline_seconds"] if stats["pipeline_seconds"] else 0.0
+
+
 def _run_cells(result: MixRuns, decoder: str, enc: float | None, workers: int) -> list[Any]:
-    stats = result.runs.get(decoder)
-    if stats is None:
-        return [result.mix, decoder, workers, result.rows, "FAILED"] + ["-"] * 11
-    rate = timed_rows(stats) / stats["pipeline_seconds"] if stats["pipeline_seconds"] else None
+    """The decoder's row: the run of median images/s (the lower middle of an even count),
+    with every run's images/s beside it."""
+    done = sorted((s for s in result.runs.get(decoder, []) if s is not None), key=_rate)
+    if not done:
+        return [result.mix, decoder, workers, result.rows, "FAILED"] + ["-"] * 12
+    stats = done[(len(done) - 1) // 2]
+    rate = _rate(stats)
+    every = ", ".join(fmt(_rate(s) if s else None, ".1f") for s in result.runs[decoder])
     first = rank0(stats)
     cos = result.cosines if decoder == "gpu" and result.cosines is not None and len(result.cosines) else None
     return [
-        result.mix, decoder, workers, stats["rows"], fmt(stats["pipeline_seconds"], ".2f"), fmt(rate, ".1f"),
+        result.mix, decoder, workers, stats["rows"], fmt(stats["pipeline_seconds"], ".2f"), fmt(rate, ".1f"), every,
         fmt(rate / enc if rate and enc else None, ".3f"), stats.get("device_decoded", "-"),
         fmt(first.get("host_seconds", 0) * 1e3 / max(first.get("rows", 1), 1), ".3f"),
         fmt(first.get("device_decode_seconds"), ".2f"), fmt(first.get("decode_seconds"), ".1f"),
@@ -294,6 +307,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mixes", nargs="+", default=["qwen-224", "siglip"], choices=list(MIXES))
     parser.add_argument("--images", type=int, default=0, help="rows per mix (0: the mix's default)")
     parser.add_argument("--workers", type=int, default=4, help="runtime.workers: decode processes for the one GPU")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per decoder, alternating cpu and gpu; the median is reported")
     parser.add_argument("--workdir", default="gpu-decode-work")
     parser.add_argument("--photos", nargs="+", action="extend", type=Path, default=[], help="directories or files of photos")
     parser.add_argument("--smoke", action="store_true", help="CPU only: tiny towers, 24 images per mix")

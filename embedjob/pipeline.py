@@ -531,8 +531,8 @@ class RankPipeline:
         `video.decoder`) decoded on the GPU by a thread of its own, on a stream of its
         own, one window ahead: while the main thread launches window k and waits for it,
         the thread decodes window k + 1, so its host work (the decoders', the resizes'
-        launches) stays off the thread that feeds the device. The device's stream waits for a window's
-        pixels before its batches are assembled. A mid-run capture (added budgets) and a
+        launches) stays off the thread that feeds the device. The device's stream waits
+        for a window's pixels before its batches are assembled. A mid-run capture (added budgets) and a
         window's decode never overlap (`capture_lock`): capture forbids other CUDA work."""
         if not self._gpu_decodes:
             yield from windows
@@ -564,8 +564,8 @@ class RankPipeline:
         """Where the encoder's work queues while media decode on the GPU beside it: a
         stream of its own, so that no synchronous copy the decoders make on the legacy
         default stream waits for the encoder's queued work. On the 224 px mix it changed
-        nothing measurable: there the decode thread waits for the GIL after each of its
-        per-picture torch calls (benchmarks/RESULTS.md)."""
+        nothing measurable: there the decode thread is bounded by nvjpeg's synchronised
+        calls and its own time per window (benchmarks/RESULTS.md)."""
         if not self._gpu_decodes:
             return contextlib.nullcontext()
         return torch.cuda.stream(torch.cuda.Stream(self.device))

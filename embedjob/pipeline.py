@@ -532,8 +532,9 @@ class RankPipeline:
         own, one window ahead: while the main thread launches window k and waits for it,
         the thread decodes window k + 1, so its host work (the decoders', the resizes'
         launches) stays off the thread that feeds the device. The device's stream waits
-        for a window's pixels before its batches are assembled. A mid-run capture (added budgets) and a
-        window's decode never overlap (`capture_lock`): capture forbids other CUDA work."""
+        for a window's pixels before its batches are assembled. A mid-run capture (added
+        budgets) and a window's decode never overlap (`capture_lock`): capture forbids
+        other CUDA work."""
         if not self._gpu_decodes:
             yield from windows
             return

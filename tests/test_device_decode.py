@@ -530,16 +530,9 @@ def test_a_refusal_of_the_gpus_video_decoder_is_one_line_a_user_can_act_on() -> 
     assert refusal(ValueError()) == "ValueError"
 
 
-def test_a_session_is_reconfigured_for_videos_of_its_kind_and_made_anew_for_others(
-    preprocess, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Reconfigured for a stream of another codec or size, an H200's decoder returned
-    garbled frames (10-bit HEVC after 8-bit H.264): one thread's kept session serves
-    the clips of its kind (the four 568 x 320 clips: one session) and a clip of another
-    size gets a new one; every row is the CPU path's."""
-    stand_in(monkeypatch)
-    names = ["decord_video_0.mov", "decord_video_90.mov", "decord_video_180.mov", "decord_video_270.mov",
-             "torchcodec_nasa_13013.mp4", "decord_video_0.mov"]
+def sessions_made_over(names: list[str], preprocess) -> list[int]:
+    """The stand-in's sessions made so far after each clip of `names`, decoded on the
+    device one window each; every row must be the CPU path's."""
     by_name = {row.id: row for row in video_rows()}
     made = []
     for name in names:
@@ -547,7 +540,19 @@ def test_a_session_is_reconfigured_for_videos_of_its_kind_and_made_anew_for_othe
         assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == 1
         assert_same_rows(window, [worker.decode_row(by_name[name], VIDEO_OPTIONS, preprocess)])
         made.append(StandInDecoder.made)
-    assert made == [1, 1, 1, 1, 2, 3]
+    return made
+
+def test_a_session_is_reconfigured_for_videos_of_its_kind_and_made_anew_for_others(
+    preprocess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reconfigured for a stream of another codec or size, an H200's decoder returned
+    garbled frames (a 66 x 50 H.264 clip): one thread's kept session serves
+    the clips of its kind (the four 568 x 320 clips: one session) and a clip of another
+    size gets a new one; every row is the CPU path's."""
+    stand_in(monkeypatch)
+    names = ["decord_video_0.mov", "decord_video_90.mov", "decord_video_180.mov", "decord_video_270.mov",
+             "torchcodec_nasa_13013.mp4", "decord_video_0.mov"]
+    assert sessions_made_over(names, preprocess) == [1, 1, 1, 1, 2, 3]
 
 
 def test_a_stream_of_more_than_8_bits_gets_a_session_used_once_and_the_kept_one_stays(
@@ -560,11 +565,4 @@ def test_a_stream_of_more_than_8_bits_gets_a_session_used_once_and_the_kept_one_
     stand_in(monkeypatch)
     monkeypatch.setattr(StandInDemuxer, "deep", frozenset({(DATA / deep).read_bytes()}))
     names = ["decord_video_0.mov", deep, "decord_video_90.mov", deep, "decord_video_180.mov"]
-    by_name = {row.id: row for row in video_rows()}
-    made = []
-    for name in names:
-        window = [worker.decode_row(by_name[name], dataclasses.replace(VIDEO_OPTIONS, defer_video=True), preprocess)]
-        assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == 1
-        assert_same_rows(window, [worker.decode_row(by_name[name], VIDEO_OPTIONS, preprocess)])
-        made.append(StandInDecoder.made)
-    assert made == [1, 2, 2, 3, 3]
+    assert sessions_made_over(names, preprocess) == [1, 2, 2, 3, 3]

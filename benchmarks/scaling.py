@@ -341,18 +341,19 @@ def write_job(mixdir: Path, mix: Mix, tower: Path, parquet: Path, cache: Path, s
     return path
 
 
-def run_cli(job: Path, output: Path, gpus: int, overrides: list[str], logfile: Path) -> dict[str, Any] | None:
-    """One `embedjob run` through the CLI, its output in `logfile`; its statistics, or None if it failed."""
+def run_cli(job: Path, output: Path, gpus: int, overrides: list[str], logfile: Path, tree: Path = REPO) -> dict[str, Any] | None:
+    """One `embedjob run` through the CLI of the source tree `tree` (this checkout by
+    default), its output in `logfile`; its statistics, or None if it failed."""
     command = [sys.executable, "-m", "embedjob.cli", "run", str(job), "--gpus", str(gpus), "--overwrite"]
     for override in [*overrides, f"output.path={output}"]:
         command += ["--set", override]
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
     env = {**NO_MULTICAST, **os.environ, "PYTHONPATH": path}
     logfile.parent.mkdir(parents=True, exist_ok=True)
     with logfile.open("w") as out:
         out.write(" ".join(command) + "\n")
         out.flush()
-        code = subprocess.run(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+        code = subprocess.run(command, env=env, cwd=tree, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
     stats = sorted(output.glob("_embedjob/stats-*.json"))
     if code != 0 or not stats:
         tail = logfile.read_text().splitlines()[-15:]

@@ -59,7 +59,16 @@ from embedjob.io.sink import ErrorRate, Progress, Writer
 from embedjob.io.writer import RowBlock, output_schema
 from embedjob.parallel.cluster import Cluster, Coordinator, resolve_layout
 from embedjob.report.counts import plural, route_warnings
-from embedjob.rows import WORKER_MODULES, Decoded, decode_on_device, decode_options, decode_row, decode_task
+from embedjob.rows import (
+    WORKER_MODULES,
+    Decoded,
+    decode_on_device,
+    decode_options,
+    decode_row,
+    decode_task,
+    jpeg_on_rank,
+    task_on_rank,
+)
 from embedjob.slurm import Shard
 from embedjob.stats import BusyClock, RankStats, ShardRun, StageClock, shard_stats
 from embedjob.timeline import Timeline
@@ -411,18 +420,26 @@ class RankPipeline:
     def _start_decoding_while_capturing(self, rows: Iterator[reader.InputRow]) -> tuple[DecodePool, Iterator[Any]]:
         """Start the decode workers (and their first rows) on a thread while this one
         compiles and captures the graphs: the two take seconds each and need nothing of
-        each other (the workers' thread makes no CUDA call, which capture forbids)."""
+        each other (the workers' thread makes no CUDA call, which capture forbids).
+
+        A JPEG left for the GPU needs only its header read, which the pool does on this
+        process (`rows.jpeg_on_rank`) rather than send it to a worker and back."""
+        local: Callable[[Any], Decoded | None] | None = None
         if self.decoder == "auto":
             fn: Callable[[Any], Decoded] = functools.partial(decode_task, options=self.options, preprocess=self.preprocess)
+            local = functools.partial(task_on_rank, options=self.options, preprocess=self.preprocess)
             rows = ((row, self.defer) for row in rows)
         else:
             options = dataclasses.replace(self.options, defer_jpeg=self.defer)
             fn = functools.partial(decode_row, options=options, preprocess=self.preprocess)
+            if self.defer:
+                local = functools.partial(jpeg_on_rank, options=options, preprocess=self.preprocess)
         in_flight = 2 * self.job.batching.window
 
         def start() -> tuple[DecodePool, Iterator[Any]]:
             since = time.perf_counter()
-            pool = DecodePool(fn, self.workers, self.job.runtime.decode_timeout, in_flight, WORKER_MODULES, error=MediaError)
+            timeout = self.job.runtime.decode_timeout
+            pool = DecodePool(fn, self.workers, timeout, in_flight, WORKER_MODULES, error=MediaError, local=local)
             try:
                 stream = pool.imap(rows, idle=LINGER)
             except BaseException:

@@ -32,6 +32,7 @@ from embedjob.decode import (
     worker_preload,
 )
 from embedjob.decode.device import decode_jpegs, pixel_groups
+from embedjob.decode.image import deferred_jpeg
 from embedjob.decode.nvdec import decode_videos, refusal
 from embedjob.encoders import EncoderAdapter, EncoderInput
 from embedjob.encoders.base import JPEG_KEY, JPEG_SIZE_KEY, VIDEO_KEY
@@ -85,6 +86,31 @@ def decode_task(task: tuple[reader.InputRow, bool], options: DecodeOptions, prep
     decides as it goes whether the JPEGs of the rows it submits are left for its GPU."""
     row, defer = task
     return decode_row(row, dataclasses.replace(options, defer_jpeg=True) if defer else options, preprocess)
+
+
+def jpeg_on_rank(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -> Decoded | None:
+    """The `DecodePool`'s local path with `preprocess.decoder: gpu`: the row a worker
+    would make of `row` with `defer_jpeg` where that is a plain JPEG's header read
+    (`deferred_jpeg`), None for every other row (a worker's). Sent to a worker, such a
+    row cost the rank's process 0.13 ms (its bytes out and back, in frames the pool's
+    threads pickle and read under the GIL the thread feeding the device needs) for
+    0.01 ms of work (benchmarks/jpeg_handover.py)."""
+    start = time.perf_counter()
+    if row.error is not None or row.data is None or options.modality == "video":
+        return None
+    deferred = deferred_jpeg(row.data, options)
+    if deferred is None:
+        return None
+    decoded = _preprocessed(row.row, row.id, deferred, preprocess)
+    decoded.seconds = time.perf_counter() - start
+    decoded.extra = row.extra
+    return decoded
+
+
+def task_on_rank(task: tuple[reader.InputRow, bool], options: DecodeOptions, preprocess: Any) -> Decoded | None:
+    """`jpeg_on_rank` of a `decode_task` task: only rows whose JPEGs are left for the GPU."""
+    row, defer = task
+    return jpeg_on_rank(row, options, preprocess) if defer else None
 
 
 def _error_modality(options: DecodeOptions) -> str | None:

@@ -301,6 +301,33 @@ def test_a_task_says_whether_its_jpeg_is_left_for_the_gpu(preprocess) -> None:
     assert_same_rows([on_cpu], [worker.decode_row(row, IMAGE, preprocess)])
 
 
+def test_the_rank_reads_a_plain_jpegs_header_as_a_worker_would_and_leaves_it_every_other_row(preprocess) -> None:
+    """The pool's local path (`jpeg_on_rank`): for a JPEG a worker would leave for the
+    GPU, that worker's row (item, size, tokens, copied columns); None for any other row
+    (a JPEG the CPU must decode, a PNG, a path, a row the reader failed, any row of a
+    video job), so a worker makes it as before."""
+    png = encode(halves(RED, BLUE, "RGB"), "PNG")
+    rows = [dataclasses.replace(row, extra=(row.id,)) for row in rows_of(CORPUS)]
+    rows += [InputRow(len(rows), "png", png, None, None), InputRow(len(rows) + 1, "unread", None, None, "unreadable: gone")]
+    rows.append(InputRow(len(rows), "path", None, "missing.jpg", None))
+    on_rank = 0
+    for row in rows:
+        want = worker.decode_row(row, DEFER, preprocess)
+        got = worker.jpeg_on_rank(row, DEFER, preprocess)
+        if want.item is None or JPEG_KEY not in want.item.tensors:
+            assert got is None, row.id
+            continue
+        assert_same_rows([got], [want])
+        assert got.extra == want.extra == (row.id,)
+        on_rank += 1
+    assert on_rank >= 6
+    video_job = dataclasses.replace(DEFER, modality="video")
+    assert all(worker.jpeg_on_rank(row, video_job, preprocess) is None for row in rows)
+    gray = rows_of(["gray"])[0]
+    assert worker.task_on_rank((gray, False), IMAGE, preprocess) is None
+    assert_same_rows([worker.task_on_rank((gray, True), IMAGE, preprocess)], [worker.decode_task((gray, True), IMAGE, preprocess)])
+
+
 def test_videos_and_other_images_in_a_window_pass_the_gpu_decode_untouched(preprocess) -> None:
     """With `input.modality: auto`, a window mixes deferred JPEGs with videos and PNGs,
     which the workers decoded: only the JPEGs change."""

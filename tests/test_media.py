@@ -515,6 +515,37 @@ def test_a_stalled_input_still_delivers_what_was_taken_and_reports_idle(workers:
         assert [r for r in results if r is not IDLE] == [25]
 
 
+def pid_of_local(task: tuple[str, object]) -> object:
+    """The pool's local path for ("here", n) tasks: the process that ran it, and n; a
+    ("bug", ...) task raises here (its worker then takes it); None for the rest."""
+    kind, value = task
+    if kind == "bug":
+        raise RuntimeError("a local path that fails")
+    return (os.getpid(), value) if kind == "here" else None
+
+
+def test_tasks_the_local_path_takes_stay_in_this_process_and_in_order() -> None:
+    """A task the local path answers never reaches a worker, and its result keeps its
+    place among the workers' (a deferred JPEG's row is the row of its input)."""
+    tasks = [("here", 0), ("square", 3), ("sleep", 0.2), ("here", 1), ("bug", "oops"), ("here", 2), ("square", 4)]
+    with DecodePool(pool_task, workers=2, timeout=5.0, local=pid_of_local, **POOL) as mixed:
+        results = list(mixed.imap(tasks))
+    here = os.getpid()
+    assert [expected_outcome(r) for r in results] == [(here, 0), 9, 0.2, (here, 1), "internal_error", (here, 2), 16]
+
+
+def test_a_pool_whose_every_task_is_local_never_waits_for_its_poll() -> None:
+    """With nothing in a worker, no worker's result wakes the pool's thread; the
+    consumer taking a result must, or each task past the in-flight bound would wait
+    for the thread's poll (50 ms: 10 s for these 200)."""
+    with DecodePool(pool_task, workers=1, timeout=5.0, max_in_flight=1, local=pid_of_local, **POOL) as local_only:
+        start = time.monotonic()
+        results = list(local_only.imap([("here", k) for k in range(200)]))
+        took = time.monotonic() - start
+    assert [value for _, value in results] == list(range(200))
+    assert took < 3.0
+
+
 def test_decoding_starts_before_the_first_result_is_asked_for(pool: DecodePool) -> None:
     results = pool.imap([("sleep", 0.5), ("sleep", 0.5)])
     time.sleep(0.8)  # what the caller does meanwhile (capturing graphs) overlaps the decode

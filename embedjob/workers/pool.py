@@ -214,10 +214,7 @@ class _Tasks:
             except queue.Full:
                 continue
             if self._wake is not None:
-                try:
-                    self._wake.send(b"\0")
-                except OSError:
-                    pass
+                _wake_up(self._wake)
             return True
         return False
 
@@ -241,22 +238,27 @@ class _Feed:
     """Hand-over between the pool's service thread and the consuming generator.
 
     The service thread publishes finished results; the generator takes them in input
-    order. `has_room` bounds tasks taken but not yet handed over (memory stays bounded).
+    order. `has_room` bounds tasks taken but not yet handed over (memory stays bounded);
+    once it has said no, the next result taken sends a byte on `wake`, so a service
+    thread with no worker busy (every task done by `local`) learns of the room at once.
     A failure in the service thread is re-raised in the generator.
     """
 
-    def __init__(self, max_in_flight: int) -> None:
+    def __init__(self, max_in_flight: int, wake: socket.socket) -> None:
         self._cond = threading.Condition()
         self._results: dict[int, Any] = {}
         self._next = 0
         self._max_in_flight = max_in_flight
+        self._wake = wake
+        self._full = False
         self._finished = False
         self._error: BaseException | None = None
         self.stopped = False
 
     def has_room(self, taken: int) -> bool:
         with self._cond:
-            return taken - self._next < self._max_in_flight
+            self._full = taken - self._next >= self._max_in_flight
+            return not self._full
 
     def delivered(self, taken: int) -> bool:
         with self._cond:
@@ -293,6 +295,9 @@ class _Feed:
                 if self._next in self._results:
                     self._next += 1
                     self._cond.notify_all()
+                    if self._full:
+                        self._full = False
+                        _wake_up(self._wake)
                     return self._results.pop(self._next - 1)
                 if self._error is not None:
                     raise self._error
@@ -326,6 +331,12 @@ class DecodePool(Generic[T, R]):
       the GIL. A result that stops arriving part-way for `timeout` seconds is a
       "decode_timeout" (its worker is killed); a worker that dies part-way is a
       "decoder_crashed". No partly received result is ever delivered.
+    - `local(task)`, where given, is tried first on the pool's service thread: its
+      result, or None to send the task to a worker. It is for tasks whose result costs
+      the parent less to make than to send and receive (a JPEG left for the rank's GPU
+      needs only its header read: 0.01 ms here against 0.13 ms of the parent's time
+      through a worker); it must be quick, never crash the process, and give what fn
+      would. One that raises sends its task to a worker.
     - workers=0 runs fn inline in the caller: same results, but no timeout and no
       crash isolation (a hang hangs the caller, a crash kills it: native decoders
       segfault on some corrupt files, so use workers for untrusted input).
@@ -342,6 +353,7 @@ class DecodePool(Generic[T, R]):
         preload: Iterable[str] = (),
         *,
         error: type[Exception],
+        local: Callable[[T], R | None] | None = None,
     ):
         """`error` is the per-task error class: built as `error(code, message)` for a
         timeout, a crash, a bug in fn or a result that cannot cross to the parent, and
@@ -354,6 +366,7 @@ class DecodePool(Generic[T, R]):
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self._fn = fn
+        self._local = local
         self._error = error
         self._timeout = timeout
         self._max_in_flight = max_in_flight or max(1, 2 * workers)
@@ -387,7 +400,7 @@ class DecodePool(Generic[T, R]):
         wake_read, wake_write = socket.socketpair()
         wake_read.setblocking(False)
         source = _Tasks(tasks, self._count, wake_write)
-        feed = _Feed(self._max_in_flight)
+        feed = _Feed(self._max_in_flight, wake_write)
         service = threading.Thread(
             target=self._serve, args=(source, feed, wake_read), name="embedjob-decode-pool", daemon=True
         )
@@ -497,7 +510,11 @@ class DecodePool(Generic[T, R]):
                         break
                     if isinstance(task, _Failed):
                         raise task.error
-                    waiting.append((taken, task))
+                    result = self._run_local(task)
+                    if result is None:
+                        waiting.append((taken, task))
+                    else:
+                        done[taken] = result
                     taken += 1
                 if self._start_error is not None and not self._workers:
                     raise RuntimeError(f"decode workers cannot start: {self._start_error}")
@@ -509,6 +526,16 @@ class DecodePool(Generic[T, R]):
                 self._wait(done, wake, poll=_POLL_SECONDS)
         except BaseException as exc:
             feed.fail(exc)
+
+    def _run_local(self, task: T) -> R | None:
+        """`local(task)`, or None (a worker's task) where there is none or it raised."""
+        if self._local is None:
+            return None
+        try:
+            return self._local(task)
+        except Exception:
+            logger.exception("the pool's local path failed; a worker takes the task")
+            return None
 
     def _dispatch(self, waiting: collections.deque[tuple[int, T]]) -> None:
         for worker in self._workers:
@@ -601,6 +628,14 @@ class DecodePool(Generic[T, R]):
         for index, worker in enumerate(list(self._workers)):
             if worker.seq is not None:
                 self._replace(index, worker)
+
+
+def _wake_up(sock: socket.socket) -> None:
+    """A byte on the service thread's wake-up socket (closed: it has stopped)."""
+    try:
+        sock.send(b"\0")
+    except OSError:
+        pass
 
 
 def _drain(sock: socket.socket) -> None:

@@ -417,6 +417,63 @@ def test_a_window_decoded_by_nvjpeg_is_the_cpu_window_up_to_the_decoders_roundin
         assert float(diff.mean()) < 3.0, got.id
 
 
+def same_size_jpegs(width: int, height: int) -> list[bytes]:
+    """The quarters of every real photo here, each re-encoded at one size: distinct
+    pictures whose decoded memory the caching allocator can hand from one to the next."""
+    import io
+
+    from PIL import Image
+
+    out = []
+    for path in GPU_JPEGS:
+        photo = Image.open(path).convert("RGB")
+        w, h = photo.size
+        for left, top in ((0, 0), (w // 2, 0), (0, h // 2), (w // 2, h // 2)):
+            buffer = io.BytesIO()
+            photo.crop((left, top, left + w // 2, top + h // 2)).resize((width, height)).save(buffer, "JPEG", quality=90)
+            out.append(buffer.getvalue())
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "siglip"])
+def test_nvjpeg_never_writes_over_pictures_the_decode_stream_has_still_to_read(
+    cache_dir: str, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nvjpeg writes on a stream of torchvision's that waits for nothing of the caller's.
+    With the caller's stream held back (a sleep queued first) and one picture per nvjpeg
+    call, each picture is freed before the kernels that read it have run; the next
+    call's picture must not get its memory. The items are those of the same window
+    decoded with nothing held back, bit for bit."""
+    from embedjob import rows as worker
+    from embedjob.decode import DecodeOptions
+    from embedjob.io.reader import InputRow
+
+    model = {"family": family, "path": f"builtin:tiny-{family}", "dtype": "bfloat16"}
+    preprocess = load_adapter(make_job(cache_dir, model=model), torch.device("cuda")).preprocessor()
+    options = DecodeOptions(modality="image", max_image_pixels=50_000_000, fps=2.0, max_frames=32, frame_multiple=2)
+    deferred = dataclasses.replace(options, defer_jpeg=True)
+    rows = [InputRow(k, k, data, None, None) for k, data in enumerate(same_size_jpegs(320, 240))]
+    assert len(rows) >= 8
+
+    def window_decoded(lag: bool) -> list:
+        window = [worker.decode_row(row, deferred, preprocess) for row in rows]
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            if lag:
+                torch.cuda._sleep(1_000_000_000)
+            assert worker.decode_on_device(window, options, preprocess, torch.device("cuda")) == len(rows)
+        stream.synchronize()
+        return window
+
+    want = window_decoded(lag=False)
+    monkeypatch.setattr(worker, "pixel_groups", lambda sizes: [range(k, k + 1) for k in range(len(sizes))])
+    got = window_decoded(lag=True)
+    for a, b in zip(got, want, strict=True):
+        assert sorted(a.item.tensors) == sorted(b.item.tensors)
+        for key, value in b.item.tensors.items():
+            assert torch.equal(a.item.tensors[key], value), (a.id, key)
+
+
 @pytest.mark.parametrize("job_file", ["demo.yaml", "demo-clip.yaml"])
 def test_a_gpu_decoder_job_gives_the_cpu_decoder_jobs_rows(tmp_path: Path, cache_dir: str, job_file: str) -> None:
     from embedjob.config import load_job

@@ -9,10 +9,18 @@ what they show. Any JPEG nvjpeg refuses gets None here and the caller's CPU path
 Decoded images are full size until the caller resizes them, so a batch is cut into
 groups of at most `GROUP_PIXELS` (`pixel_groups`): whatever the window holds, at most
 one group of full-size pictures is on the device at a time.
+
+nvjpeg writes the pictures on a stream of torchvision's own, which waits for nothing the
+caller queued: memory the caller's stream freed while still reading it (the last group's
+pictures, a resize's scratch) would be handed to the new pictures and overwritten under
+the reading kernels. So the pictures are allocated from a stream that nothing else
+allocates on (`_picture_stream`), and each is recorded as used by the caller's stream,
+so that its memory is given out again only once the caller's stream has read it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -43,8 +51,29 @@ def pixel_groups(pixels: list[int], limit: int = GROUP_PIXELS) -> list[range]:
 
 def decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
     """(3, H, W) uint8 RGB on `device` for each JPEG (1-d uint8 CPU tensors of its
-    bytes), in one nvjpeg call; None for each one nvjpeg refuses. nvjpeg gives no
-    partial result when one of a batch fails, so then each is decoded on its own."""
+    bytes), in one nvjpeg call, ready for the caller's current stream; None for each one
+    nvjpeg refuses. nvjpeg gives no partial result when one of a batch fails, so then
+    each is decoded on its own."""
+    if device.type != "cuda":
+        return _decoded(data, device)
+    caller = torch.cuda.current_stream(device)
+    pictures = _picture_stream(device)
+    with torch.cuda.stream(pictures):
+        images = _decoded(data, device)
+    caller.wait_stream(pictures)
+    for image in images:
+        if image is not None:
+            image.record_stream(caller)
+    return images
+
+
+@functools.cache
+def _picture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the decoded pictures of `device` are allocated on (see the module docstring)."""
+    return torch.cuda.Stream(device)
+
+
+def _decoded(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     with warnings.catch_warnings():
@@ -56,7 +85,7 @@ def decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.T
             if len(data) == 1:
                 logger.debug("nvjpeg refused a JPEG (%s); decoding it on the CPU", last_line(exc))
                 return [None]
-        return [image for one in data for image in decode_jpegs([one], device)]
+        return [image for one in data for image in _decoded([one], device)]
 
 
 def nvjpeg_problem(device: torch.device) -> str | None:

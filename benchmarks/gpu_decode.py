@@ -1,4 +1,4 @@
-"""`preprocess.decoder: cpu` against `gpu` on the scaling benchmark's mixes, with few decode cores.
+"""`preprocess.decoder: cpu` against `gpu` and `auto` on the scaling benchmark's mixes, with few decode cores.
 
 On the GPU machine, from the repository root:
 
@@ -8,15 +8,15 @@ For each mix (`benchmarks/mixes.py`: distinct JPEGs cut from real photos, towers
 published sizes with random weights, loaded through `model.path`), it measures the
 encoder-only rate of the mix's items (`benchmarks/encoder_only.py`), then runs the job
 through the CLI as a user would (`embedjob run --gpus 1`, bf16, `batching.compile: true`,
-`runtime.workers` = `--workers`) `--repeats` times with `preprocess.decoder: cpu` and as
-many with `gpu`, alternating (one tree's `gpu` runs spread from 0.58 to 0.92 of the encoder
+`runtime.workers` = `--workers`) `--repeats` times with each of `--decoders` (`preprocess.decoder`:
+cpu, gpu, auto), in turn (one tree's `gpu` runs spread from 0.58 to 0.92 of the encoder
 alone on one H200, so one run per decoder says little), and prints one table: per decoder,
 the run of median images/s after setup (its images/s, that over the encoder-only rate, the
-rows the GPU decoded, rank 0's main-thread ms per row and its seconds in the GPU decode, the
-workers' decode seconds) with every run's images/s beside it, and, per row, the cosine
-between the embedding of the GPU-decoded
-and the CPU-decoded pixels (min and median: nvjpeg and libjpeg-turbo round differently;
-the same model and batches, so that is all that differs). The table is also written to
+rows the GPU decoded, auto's last GPU share, rank 0's main-thread ms per row and its seconds
+in the GPU decode, the workers' decode seconds) with every run's images/s beside it, and,
+per row, the cosine between its embedding in that decoder's run and in the `cpu` run (min
+and median: nvjpeg and libjpeg-turbo round differently; the same model, so that is all that
+differs, besides batches). The table is also written to
 `<workdir>/gpu_decode.md`, after each mix, so a run cut short keeps what it measured.
 `--smoke` runs it on the CPU with tiny towers (the GPU decoder then stops with its job
 error, which the table shows), to check the script without a GPU.
@@ -67,7 +67,6 @@ from embedjob.encoders import load_adapter  # noqa: E402
 from embedjob.encoders.base import JPEG_KEY  # noqa: E402
 from embedjob.io.reader import InputRow  # noqa: E402
 
-DECODERS = ("cpu", "gpu")
 
 
 @dataclass
@@ -78,9 +77,9 @@ class MixRuns:
     rows: int
     encoder: EncoderOnly | None = None
     runs: dict[str, list[dict[str, Any] | None]] = field(default_factory=dict)
-    cosines: np.ndarray | None = None
-    same_rows: bool | None = None
-    not_finite: int = 0
+    cosines: dict[str, np.ndarray] = field(default_factory=dict)
+    same_rows: dict[str, bool] = field(default_factory=dict)
+    not_finite: dict[str, int] = field(default_factory=dict)
     profile: str = ""
     trace: str = ""
 
@@ -115,7 +114,7 @@ def bench_mix(name: str, parquet: Path, rows: int, workdir: Path, cores: int, ar
     result.encoder = measure(load_job(job, []), device, cores, 3)
     tables: dict[str, pa.Table] = {}
     for repeat in range(args.repeats):
-        for decoder in DECODERS:
+        for decoder in args.decoders:
             overrides = [f"runtime.workers={args.workers}", f"preprocess.decoder={decoder}"]
             output = mixdir / f"out-{decoder}"
             stats = run_cli(job, output, 1, overrides, mixdir / "logs" / f"{decoder}-{repeat}.log")
@@ -123,8 +122,8 @@ def bench_mix(name: str, parquet: Path, rows: int, workdir: Path, cores: int, ar
             log(f"[{name}] decoder {decoder}, run {repeat + 1}/{args.repeats}: {'done' if stats else 'FAILED'}")
             if stats is not None:
                 tables[decoder] = read_output(output)
-    if len(tables) == 2:
-        result.same_rows, result.cosines, result.not_finite = compare(tables["cpu"], tables["gpu"])
+    for decoder in [d for d in tables if d != "cpu" and "cpu" in tables]:
+        result.same_rows[decoder], result.cosines[decoder], result.not_finite[decoder] = compare(tables["cpu"], tables[decoder])
     if args.profile:
         result.profile = profile_decode(job, parquet, args.profile, device)
     if args.trace:
@@ -246,9 +245,9 @@ def _vectors(table: pa.Table) -> np.ndarray:
 
 def render(results: list[MixRuns], args: argparse.Namespace, peak: float | None) -> str:
     head = ["mix", "decoder", "workers", "rows", "seconds", "images/s", "every run", "/ enc.-only", "GPU-decoded rows",
-            "main ms/row", "GPU-decode thread s", "worker decode s", "setup s", "cos min", "cos median", "rows identical", "not finite"]
+            "GPU share", "main ms/row", "GPU-decode thread s", "worker decode s", "setup s", "cos min", "cos median", "rows identical", "not finite"]
     lines = [
-        f"# preprocess.decoder cpu vs gpu ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        f"# preprocess.decoder {' vs '.join(args.decoders)} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
         f"device: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}; torch {torch.__version__}; "
         f"bf16 matmul {fmt(peak and peak / 1e12, '.0f')} TFLOP/s; command: {' '.join(sys.argv)}",
@@ -260,7 +259,7 @@ def render(results: list[MixRuns], args: argparse.Namespace, peak: float | None)
         enc = result.encoder.rate if result.encoder is not None else None
         lines.append(table_row([result.mix, "encoder only", "-", result.rows, fmt(result.encoder and result.encoder.seconds, ".2f"),
                            fmt(enc, ".1f")] + ["-"] * (len(head) - 6)))
-        for decoder in DECODERS:
+        for decoder in args.decoders:
             lines.append(table_row(_run_cells(result, decoder, enc, args.workers)))
     for result in results:
         if result.profile:
@@ -279,21 +278,22 @@ def _run_cells(result: MixRuns, decoder: str, enc: float | None, workers: int) -
     with every run's images/s beside it."""
     done = sorted((s for s in result.runs.get(decoder, []) if s is not None), key=_rate)
     if not done:
-        return [result.mix, decoder, workers, result.rows, "FAILED"] + ["-"] * 12
+        return [result.mix, decoder, workers, result.rows, "FAILED"] + ["-"] * 13
     stats = done[(len(done) - 1) // 2]
     rate = _rate(stats)
     every = ", ".join(fmt(_rate(s) if s else None, ".1f") for s in result.runs[decoder])
     first = rank0(stats)
-    cos = result.cosines if decoder == "gpu" and result.cosines is not None and len(result.cosines) else None
+    cos = result.cosines.get(decoder)
+    cos = cos if cos is not None and len(cos) else None
     return [
         result.mix, decoder, workers, stats["rows"], fmt(stats["pipeline_seconds"], ".2f"), fmt(rate, ".1f"), every,
-        fmt(rate / enc if rate and enc else None, ".3f"), stats.get("device_decoded", "-"),
+        fmt(rate / enc if rate and enc else None, ".3f"), stats.get("device_decoded", "-"), fmt(first.get("gpu_share"), ".2f"),
         fmt(first.get("host_seconds", 0) * 1e3 / max(first.get("rows", 1), 1), ".3f"),
         fmt(first.get("device_decode_seconds"), ".2f"), fmt(first.get("decode_seconds"), ".1f"),
         fmt(stats.get("setup_seconds"), ".1f"), fmt(cos.min() if cos is not None else None, ".5f"),
         fmt(float(np.median(cos)) if cos is not None else None, ".5f"),
-        "-" if decoder == "cpu" or result.same_rows is None else ("yes" if result.same_rows else "NO"),
-        "-" if decoder == "cpu" else result.not_finite,
+        "-" if decoder not in result.same_rows else ("yes" if result.same_rows[decoder] else "NO"),
+        result.not_finite.get(decoder, "-"),
     ]
 
 
@@ -307,7 +307,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mixes", nargs="+", default=["qwen-224", "siglip"], choices=list(MIXES))
     parser.add_argument("--images", type=int, default=0, help="rows per mix (0: the mix's default)")
     parser.add_argument("--workers", type=int, default=4, help="runtime.workers: decode processes for the one GPU")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per decoder, alternating cpu and gpu; the median is reported")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per decoder, the decoders in turn; the median is reported")
+    parser.add_argument("--decoders", nargs="+", default=["cpu", "gpu", "auto"], choices=["cpu", "gpu", "auto"],
+                        help="preprocess.decoder values to run; cosines are against cpu")
     parser.add_argument("--workdir", default="gpu-decode-work")
     parser.add_argument("--photos", nargs="+", action="extend", type=Path, default=[], help="directories or files of photos")
     parser.add_argument("--smoke", action="store_true", help="CPU only: tiny towers, 24 images per mix")

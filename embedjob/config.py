@@ -98,7 +98,7 @@ class PreprocessConfig:
     max_tiles: int = key(6, "the most local tiles per image with tiling: anyres")
     tile_combine: Literal["concat", "mean"] = key("concat", "how the global and tile vectors merge: [global ; tiles] or their mean")
     decoder: Literal["cpu", "gpu", "auto"] = key(
-        "cpu", "where JPEGs are decoded: cpu (the decode workers), gpu (nvjpeg on the rank's GPU), auto (gpu where the workers are too few)"
+        "cpu", "where JPEGs are decoded: cpu (the decode workers), gpu (nvjpeg on the rank's GPU), auto (both: the GPU takes the share the workers cannot keep up with)"
     )
 
 

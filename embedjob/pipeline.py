@@ -67,6 +67,7 @@ from embedjob.rows import (
     decode_row,
     decode_task,
     jpeg_on_rank,
+    left_for_device,
     task_on_rank,
 )
 from embedjob.slurm import Shard
@@ -94,9 +95,55 @@ FIRST_WINDOW = 32
 
 
 AUTO_ROWS = 64
-"""Items a rank encodes before `preprocess.decoder: auto` compares decode and device rates."""
+"""Items a rank encodes before `preprocess.decoder: auto` first compares decode and device rates."""
 AUTO_MARGIN = 1.2
-"""How much faster than the device the workers must decode for auto to keep them."""
+"""How much faster than the device the workers must decode the rows auto leaves them."""
+AUTO_LOGGED_CHANGE = 0.1
+"""A change of auto's GPU share logged at info (smaller ones at debug)."""
+
+
+def gpu_share(worker_rate: float, device_rate: float, gpu_rate: float, margin: float = AUTO_MARGIN) -> float:
+    """The share of rows whose JPEGs `preprocess.decoder: auto` leaves for the GPU, in
+    [0, 1], from rows per second: what the decode workers decode, what the device
+    encodes, what the GPU-decode thread decodes (inf while unmeasured).
+
+    The workers keep all they decode `margin` times faster than the device encodes, and
+    the GPU gets the rest (1 - worker_rate / (margin * device_rate)): the CPU path costs
+    the device nothing and gives the processors' own pixels. Where the two decoders
+    together cannot keep up with the device, the share that has each finish its part at
+    the same time (gpu_rate / (worker_rate + gpu_rate)) is the larger throughput."""
+    wanted = 1.0 - worker_rate / (margin * device_rate)
+    balanced = 1.0 if math.isinf(gpu_rate) else gpu_rate / (worker_rate + gpu_rate)
+    return min(max(min(wanted, balanced), 0.0), 1.0)
+
+
+@dataclass
+class JpegSplit:
+    """`preprocess.decoder: auto`: which submitted rows leave their JPEG for the GPU.
+
+    `share` of them, spread evenly: a row is left when the running sum of `share` passes
+    a whole number, so a share of 0.25 leaves every fourth row. `leave` runs on the
+    decode pool's task thread as rows are submitted; the main thread changes `share`
+    between windows and `count`s the rows the workers decoded and their seconds (what
+    they decode per second)."""
+
+    share: float = 0.0
+    credit: float = 0.0
+    worker_rows: int = 0
+    worker_seconds: float = 0.0
+
+    def leave(self) -> bool:
+        self.credit += self.share
+        if self.credit >= 1.0:
+            self.credit -= 1.0
+            return True
+        return False
+
+    def count(self, window: list[Decoded]) -> None:
+        for decoded in window:
+            if not left_for_device(decoded):
+                self.worker_rows += 1
+                self.worker_seconds += decoded.seconds
 
 
 def window_sizes(window: int) -> Iterator[int]:
@@ -156,8 +203,8 @@ def _warm_imports(compiler: bool) -> None:
 
 
 def jpeg_decoder(job: Job, device: torch.device) -> str:
-    """Where this rank decodes JPEGs: "cpu", "gpu", or "auto" (starts on the CPU, see
-    `RankPipeline._choose_decoder`). `gpu` on a device that cannot is a job error before
+    """Where this rank decodes JPEGs: "cpu", "gpu", or "auto" (both, in the shares
+    `RankPipeline._split_jpegs` sets). `gpu` on a device that cannot is a job error before
     any work; `auto` there (or in a job with nothing for it: tiles, video only) is "cpu"."""
     setting = job.preprocess.decoder
     if setting == "cpu":
@@ -371,9 +418,8 @@ class RankPipeline:
         self._unencoded = 0
         self._device_free = 0.0
         self.decoder = "cpu"
-        # Read by the decode pool's task thread: whether the rows it submits now leave
-        # their JPEGs for this rank's GPU.
         self.defer = False
+        self.split = JpegSplit()
 
     def prepare(self) -> None:
         """Load the model and build the encoder; a job the model cannot serve (a bad
@@ -390,7 +436,7 @@ class RankPipeline:
         self.decoder = jpeg_decoder(self.job, self.device)
         check_video_decoder(self.job, self.device)
         self.defer = self.decoder == "gpu"
-        self.stats.decoder = "gpu" if self.defer else "cpu"
+        self.stats.decoder = self.decoder
         self.preprocess = adapter.preprocessor()
         self.encoder = build_encoder(self.job, adapter, self.device)
         self._setup("plan", since)
@@ -428,7 +474,7 @@ class RankPipeline:
         if self.decoder == "auto":
             fn: Callable[[Any], Decoded] = functools.partial(decode_task, options=self.options, preprocess=self.preprocess)
             local = functools.partial(task_on_rank, options=self.options, preprocess=self.preprocess)
-            rows = ((row, self.defer) for row in rows)
+            rows = ((row, self.split.leave()) for row in rows)
         else:
             options = dataclasses.replace(self.options, defer_jpeg=self.defer)
             fn = functools.partial(decode_row, options=options, preprocess=self.preprocess)
@@ -565,6 +611,8 @@ class RankPipeline:
                         ahead = None
                     yield None
                     continue
+                if self.decoder == "auto":
+                    self.split.count(window)
                 future = thread.submit(self._decode_window, window, stream)
                 if ahead is not None:
                     yield self._decoded(*ahead)
@@ -641,25 +689,31 @@ class RankPipeline:
         self.stats.load += sum(d.item.size for d in window if d.item is not None)
         self._sample(self._device_span(pending.started_at, busy))
         if self.decoder == "auto":
-            self._choose_decoder()
+            self._split_jpegs()
 
-    def _choose_decoder(self) -> None:
-        """`preprocess.decoder: auto`: once AUTO_ROWS items are encoded, compare what the
-        workers decode per second (workers / their mean seconds per row) with what the
-        device encodes per second of its busy time; when the workers would hold the
-        device back (under AUTO_MARGIN times its rate), the rows submitted from then on
-        leave their JPEGs for the GPU. Decided once: the rows in flight keep theirs."""
-        stats = self.stats
-        if stats.items < AUTO_ROWS or stats.busy_seconds <= 0 or stats.decode_seconds <= 0:
+    def _split_jpegs(self) -> None:
+        """`preprocess.decoder: auto`, after every window once AUTO_ROWS items are
+        encoded: the share of the rows submitted from now on that leave their JPEGs for
+        the GPU (`gpu_share`), from the rates so far: the workers' (workers / their mean
+        seconds per row they decoded), the device's (items per busy second) and the
+        GPU-decode thread's (rows per second of its time). Rows already submitted keep
+        their decoder, so a window may hold both."""
+        stats, split = self.stats, self.split
+        if stats.items < AUTO_ROWS or stats.busy_seconds <= 0:
             return
-        decode_rate = max(self.workers, 1) * stats.rows / stats.decode_seconds
+        worker_rate = max(self.workers, 1) * split.worker_rows / split.worker_seconds if split.worker_seconds > 0 else math.inf
+        gpu_rate = stats.device_decoded / stats.device_decode_seconds if stats.device_decoded else math.inf
         device_rate = stats.items / stats.busy_seconds
-        self.defer = decode_rate < AUTO_MARGIN * device_rate
-        self.decoder = stats.decoder = "gpu" if self.defer else "cpu"
-        logger.info(
-            "preprocess.decoder auto: %d decode workers make %.0f rows/s, the device encodes %.0f items/s: JPEGs decode on the %s",
-            self.workers, decode_rate, device_rate, "GPU from here on" if self.defer else "CPU",
+        share = gpu_share(worker_rate, device_rate, gpu_rate)
+        first = stats.gpu_share is None
+        level = logging.INFO if first or abs(share - split.share) >= AUTO_LOGGED_CHANGE else logging.DEBUG
+        logger.log(
+            level,
+            "preprocess.decoder auto: %d decode workers make %.0f rows/s, the GPU's decoder %.0f, the device encodes %.0f items/s: "
+            "%.0f%% of the JPEGs from here on decode on the GPU",
+            self.workers, worker_rate, gpu_rate, device_rate, 100 * share,
         )
+        split.share = stats.gpu_share = share
 
     def _device_span(self, launched: float, busy: float) -> tuple[float, float]:
         """When (wall clock) a window ran on the device, as the time series counts it:

@@ -176,6 +176,12 @@ def _planned(item: EncoderInput) -> DeferredVideo:
     return DeferredVideo(data, item.tensors[_VIDEO_INDICES_KEY].tolist(), (width, height), ((a, b), (c, d)), (shown_h, shown_w), [], 0.0, 0)
 
 
+def left_for_device(decoded: Decoded) -> bool:
+    """Whether the workers left this row's media undecoded for the GPU (a JPEG's bytes,
+    a planned video): `decode_on_device` completes it."""
+    return decoded.item is not None and (JPEG_KEY in decoded.item.tensors or VIDEO_KEY in decoded.item.tensors)
+
+
 def decode_on_device(window: list[Decoded], options: DecodeOptions, preprocess: Any, device: torch.device) -> int:
     """Decode, on `device`, the media the workers left undecoded in `window`, in place:
     each such row gets its item with pixels on the device, or, where the GPU's decoder
@@ -187,14 +193,14 @@ def decode_on_device(window: list[Decoded], options: DecodeOptions, preprocess: 
     bounds the full-size pictures held at once), then the family's resize and patching
     on the device for the pictures of one size together (`finish_pictures`); videos
     several at a time (`nvdec.decode_videos`)."""
-    waiting = [k for k, d in enumerate(window) if d.item is not None and JPEG_KEY in d.item.tensors]
+    waiting = [k for k, d in enumerate(window) if left_for_device(d) and JPEG_KEY in d.item.tensors]
     sizes = torch.stack([window[k].item.tensors[JPEG_SIZE_KEY] for k in waiting]).prod(1).tolist() if waiting else []
     done = 0
     for group in pixel_groups(sizes):
         rows = [waiting[g] for g in group]
         images = decode_jpegs([window[k].item.tensors[JPEG_KEY] for k in rows], device)
         done += finish_pictures(window, rows, images, options, preprocess)
-    videos = [k for k, d in enumerate(window) if d.item is not None and VIDEO_KEY in d.item.tensors]
+    videos = [k for k, d in enumerate(window) if left_for_device(d) and VIDEO_KEY in d.item.tensors]
     for k, decoded in zip(videos, decode_videos([_planned(window[k].item) for k in videos], device, options)):
         window[k], on_device = _video_finished(window[k], decoded, options, preprocess)
         done += on_device

@@ -78,9 +78,11 @@ class RankStats:
     chunks: int = 0
     busy_seconds: float = 0.0
     decode_seconds: float = 0.0
-    # Where its JPEGs were decoded at the end ("cpu" or "gpu", `preprocess.decoder`), how
+    # Where its JPEGs were decoded ("cpu", "gpu" or "auto", `preprocess.decoder`), with
+    # auto the share of rows it last left for the GPU (None before it first chose), how
     # many rows its GPU decoded and the seconds of the thread that had them decoded.
     decoder: str = "cpu"
+    gpu_share: float | None = None
     device_decoded: int = 0
     device_decode_seconds: float = 0.0
     setup: dict[str, float] = field(default_factory=dict)
@@ -112,6 +114,7 @@ class RankStats:
             "busy_seconds": round(self.busy_seconds, 3),
             "decode_seconds": round(self.decode_seconds, 3),
             "decoder": self.decoder,
+            "gpu_share": None if self.gpu_share is None else round(self.gpu_share, 3),
             "device_decoded": self.device_decoded,
             "device_decode_seconds": round(self.device_decode_seconds, 3),
             "host_seconds": round(self.stages.get("host", 0.0) - self.launch_seconds, 3),

@@ -35,7 +35,7 @@ from embedjob.encoders import load_adapter
 from embedjob.encoders.base import JPEG_KEY
 from embedjob.io.checkpoint import job_fingerprint
 from embedjob.io.reader import InputRow
-from embedjob.pipeline import RankPipeline
+from embedjob.pipeline import JpegSplit, RankPipeline, gpu_share
 
 DEFER = dataclasses.replace(IMAGE, defer_jpeg=True)
 RED, BLUE = (220, 20, 30), (10, 40, 200)
@@ -273,22 +273,65 @@ def test_auto_without_a_gpu_decodes_in_the_workers(tmp_path: Path, cache_dir: st
     assert stats["rows"] == 12 and stats["errors"] == 2
 
 
-@pytest.mark.parametrize(("seconds_per_row", "defers"), [(0.05, True), (0.0005, False)])
-def test_auto_moves_jpegs_to_the_gpu_only_when_the_workers_would_hold_it_back(seconds_per_row: float, defers: bool) -> None:
-    """4 workers at 20 rows/s each (80/s) against a device at 200 items/s: the GPU takes
-    the JPEGs; at 2,000 rows/s each they stay on the CPU. Decided once."""
+@pytest.mark.parametrize(
+    ("worker_rate", "device_rate", "gpu_rate", "share"),
+    [
+        (2400.0, 1000.0, float("inf"), 0.0),  # the workers keep up with room to spare: all on the CPU
+        (900.0, 1000.0, float("inf"), 0.25),  # they would hold the device back: the GPU takes the rest
+        (900.0, 1000.0, 2000.0, 0.25),  # the GPU can take it
+        (400.0, 1000.0, 600.0, 0.6),  # together they cannot keep up: each finishes its part together
+        (0.0, 1000.0, float("inf"), 1.0),
+    ],
+)
+def test_auto_leaves_the_gpu_what_the_workers_cannot_decode(worker_rate, device_rate, gpu_rate, share) -> None:
+    assert gpu_share(worker_rate, device_rate, gpu_rate, margin=1.2) == pytest.approx(share)
+
+
+@given(st.floats(0, 1e5), st.floats(1, 1e5), st.floats(1, 1e5) | st.just(float("inf")))
+def test_the_gpus_share_is_a_fraction_no_larger_than_the_workers_need(worker_rate, device_rate, gpu_rate) -> None:
+    share = gpu_share(worker_rate, device_rate, gpu_rate, margin=1.2)
+    assert 0.0 <= share <= 1.0
+    if worker_rate >= 1.2 * device_rate:
+        assert share == 0.0
+    assert share <= max(0.0, 1.0 - worker_rate / (1.2 * device_rate)) + 1e-9
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.4, 1.0])
+def test_auto_leaves_its_share_of_rows_evenly_spread(share: float) -> None:
+    split = JpegSplit(share=share)
+    left = [split.leave() for _ in range(100)]
+    assert sum(left) == round(100 * share)
+    runs = "".join("g" if x else "c" for x in left).split("g")
+    if 0 < share < 1:
+        assert max(len(r) for r in runs[1:-1]) <= round(1 / share)
+
+
+def test_auto_splits_the_jpegs_from_the_rates_it_measures_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """4 workers at 10 ms a row (400 rows/s) against a device at 1,000 items/s and a
+    GPU decoder still unmeasured: the GPU gets 1 - 400 / 1,200 of the rows. Nothing is
+    decided before AUTO_ROWS items; then every window's figures move the share."""
     job = job_from_dict(spec(decoder="auto"))
     rank = RankPipeline(job, torch.device("cpu"), 0, 4, lambda: None, lambda *a: None, lambda: None, lambda t: True)
     rank.decoder = "auto"
-    stats = rank.stats
+    stats, split = rank.stats, rank.split
+    worker_rows = [worker.Decoded(k, k, None, None, "bad", seconds=0.01) for k in range(32)]
+    split.count(worker_rows)
     stats.rows = stats.items = 32
-    stats.decode_seconds, stats.busy_seconds = 32 * seconds_per_row, 32 / 200
-    rank._choose_decoder()
-    assert rank.decoder == "auto" and not rank.defer
+    stats.busy_seconds = 32 / 1000
+    stats.device_decode_seconds = 0.001  # the GPU-decode thread's windows with nothing to decode
+    rank._split_jpegs()
+    assert split.share == 0.0 and stats.gpu_share is None and not any(split.leave() for _ in range(10))
+    split.count(worker_rows)
     stats.rows = stats.items = 64
-    stats.decode_seconds, stats.busy_seconds = 64 * seconds_per_row, 64 / 200
-    rank._choose_decoder()
-    assert rank.defer is defers and rank.decoder == stats.decoder == ("gpu" if defers else "cpu")
+    stats.busy_seconds = 64 / 1000
+    with caplog.at_level("INFO", logger="embedjob.pipeline"):
+        rank._split_jpegs()
+    assert split.share == stats.gpu_share == pytest.approx(2 / 3)
+    assert "4 decode workers make 400 rows/s" in caplog.text and "67% of the JPEGs from here on decode on the GPU" in caplog.text
+    assert sum(split.leave() for _ in range(300)) == 200
+    stats.device_decoded, stats.device_decode_seconds = 100, 0.501
+    rank._split_jpegs()
+    assert split.share == pytest.approx(200 / 600, rel=1e-2)
 
 
 def test_a_task_says_whether_its_jpeg_is_left_for_the_gpu(preprocess) -> None:

@@ -494,6 +494,40 @@ def test_a_gpu_decoder_job_gives_the_cpu_decoder_jobs_rows(tmp_path: Path, cache
             assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) > 0.99
 
 
+def test_an_auto_decoder_job_splits_its_jpegs_and_gives_the_cpu_decoder_jobs_rows(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`preprocess.decoder: auto` with the GPU's share held at a half from the first
+    window on: windows then mix rows the workers decoded with rows the GPU decoded, and
+    each row is still the CPU path's, in order, up to the decoders' rounding."""
+    import pyarrow as pa
+
+    from embedjob import pipeline
+    from embedjob.config import load_job
+
+    monkeypatch.setattr(pipeline, "AUTO_ROWS", 1)
+    monkeypatch.setattr(pipeline, "gpu_share", lambda *rates: 0.5)
+    sizes = [(320, 240), (200, 300), (256, 256), (240, 320), (300, 200), (224, 224)]
+    jpegs = [jpeg for width, height in sizes for jpeg in same_size_jpegs(width, height)]
+    table = tmp_path / "jpegs.parquet"
+    pq.write_table(pa.table({"id": [f"p{k}" for k in range(len(jpegs))], "image": jpegs}), table)
+    outputs, stats = {}, {}
+    for decoder in ("cpu", "auto"):
+        overrides = [f"input.path={table}", f"output.path={tmp_path / decoder}", "runtime.device=cuda",
+                     f"runtime.cache_dir={cache_dir}", "runtime.workers=2", "runtime.gpus=1", "batching.window=8",
+                     f"preprocess.decoder={decoder}"]
+        stats[decoder] = pipeline.run_job(load_job(REPO / "jobs" / "demo.yaml", overrides))
+        outputs[decoder] = pq.read_table(sorted((tmp_path / decoder).glob("part-*.parquet"))).to_pylist()
+    rank = stats["auto"]["ranks"][0]
+    assert rank["decoder"] == "auto" and rank["gpu_share"] == 0.5
+    assert len(jpegs) // 4 <= stats["auto"]["device_decoded"] <= len(jpegs) // 2 + 1
+    assert [r["id"] for r in outputs["auto"]] == [r["id"] for r in outputs["cpu"]] == [f"p{k}" for k in range(len(jpegs))]
+    for cpu_row, auto_row in zip(outputs["cpu"], outputs["auto"], strict=True):
+        assert cpu_row["error"] is None and auto_row["error"] is None and cpu_row["tokens"] == auto_row["tokens"]
+        a, b = torch.tensor(cpu_row["embedding"]), torch.tensor(auto_row["embedding"])
+        assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) > 0.99
+
+
 # Video frames decoded by the GPU's video decoder (`video.decoder: nvdec`; needs PyNvVideoCodec).
 
 

@@ -18,11 +18,16 @@ and relative error (|v - ref| / |ref|) of each path to the float32 reference, mi
 max and median. `--smoke` runs it all on the CPU with tiny towers and 24 images.
 `--kernels` also prints, per mix and precision, the CUDA kernels of one compiled eager
 forward of the mix's largest batch by device time (where the time goes).
+`--precisions` picks the variants besides bf16 (`VARIANTS`): `fp8` (what a job's
+`model.precision: fp8` runs), `fp8-exact-accum` (the FP8 product promoting its partial
+sums to float32: `fp8.FAST_ACCUM` off) and `fp8-compiler-quant` (activations quantised
+by the compiler's fused reduction instead of the Triton row kernel: `fp8.ROW_KERNEL` off).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -40,12 +45,19 @@ from benchmarks.mixes import MIXES, builtin_sources, collect_photos, jpeg_datase
 from benchmarks.scaling import write_job  # noqa: E402
 from embedjob.bench import largest_batch_kernels  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
-from embedjob.encoders import load_adapter  # noqa: E402
+from embedjob.encoders import fp8, load_adapter  # noqa: E402
 from embedjob.engine.encode import budget_plan  # noqa: E402
 
 SMOKE_IMAGES = 24
 DEFAULT_IMAGES = {"qwen-mixed": 768, "qwen-224": 2048, "siglip": 2048, "clip": 2048}
 REFERENCE = ["model.dtype=float32", "batching.compile=false", "batching.cuda_graphs=false"]
+VARIANTS = {
+    "bf16": ("bf16", fp8.FAST_ACCUM, fp8.ROW_KERNEL),
+    "fp8": ("fp8", fp8.FAST_ACCUM, fp8.ROW_KERNEL),
+    "fp8-exact-accum": ("fp8", False, fp8.ROW_KERNEL),
+    "fp8-compiler-quant": ("fp8", fp8.FAST_ACCUM, False),
+}
+"""Variant -> (model.precision, fp8.FAST_ACCUM and fp8.ROW_KERNEL while its layers are made)."""
 
 
 def log(message: str) -> None:
@@ -59,6 +71,19 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def layers_of(name: str):
+    """The overrides of variant `name`, with `fp8.FAST_ACCUM` and `fp8.ROW_KERNEL` set as
+    it asks while inside."""
+    precision, fast, row_kernel = VARIANTS[name]
+    saved = fp8.FAST_ACCUM, fp8.ROW_KERNEL
+    fp8.FAST_ACCUM, fp8.ROW_KERNEL = fast, row_kernel
+    try:
+        yield [f"model.precision={precision}"]
+    finally:
+        fp8.FAST_ACCUM, fp8.ROW_KERNEL = saved
+
+
 def variant(job_path: Path, overrides: list[str], device: torch.device, prepared, repeats: int) -> tuple[EncoderOnly, np.ndarray]:
     """One precision of the mix's job on the prepared items: its timing and pooled vectors."""
     outputs: list[torch.Tensor] = []
@@ -67,16 +92,17 @@ def variant(job_path: Path, overrides: list[str], device: torch.device, prepared
     return result, torch.cat(outputs).numpy()
 
 
-def kernel_table(job_path: Path, precision: str, device: torch.device, items: list, rows: int = 15) -> str:
+def kernel_table(job_path: Path, name: str, device: torch.device, items: list, rows: int = 15) -> str:
     """The CUDA kernels of one compiled eager forward of the largest packed batch of
-    `items` in `precision`, by total device time (`bench.largest_batch_kernels`)."""
-    job = load_job(job_path, [f"model.precision={precision}"])
-    adapter = load_adapter(job, device)
-    adapter.compile(dynamic=True)
-    batch, table = largest_batch_kernels(adapter, items, budget_plan(job, adapter), job.batching.policy, rows)
+    `items` in variant `name`, by total device time (`bench.largest_batch_kernels`)."""
+    with layers_of(name) as overrides:
+        job = load_job(job_path, overrides)
+        adapter = load_adapter(job, device)
+        adapter.compile(dynamic=True)
+        batch, table = largest_batch_kernels(adapter, items, budget_plan(job, adapter), job.batching.policy, rows)
     del adapter
     free(device)
-    return f"{precision}, one batch of {batch.tokens} tokens ({len(batch.indices)} items):\n{table}"
+    return f"{name}, one batch of {batch.tokens} tokens ({len(batch.indices)} items):\n{table}"
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -101,9 +127,10 @@ def bench_mix(name: str, args: argparse.Namespace, photos, device: torch.device,
     free(device)
     log(f"[{name}] {len(prepared[0])} items ({prepared[1]} did not decode)")
     results, vectors = {}, {}
-    for precision in ("bf16", "fp8"):
+    for precision in args.precisions:
         log(f"[{name}] {precision}")
-        results[precision], vectors[precision] = variant(job_path, [f"model.precision={precision}"], device, prepared, args.repeats)
+        with layers_of(precision) as overrides:
+            results[precision], vectors[precision] = variant(job_path, overrides, device, prepared, args.repeats)
     reference_items = (prepared[0][: args.reference], 0)
     log(f"[{name}] float32 reference on {len(reference_items[0])} items")
     if device.type == "cuda":
@@ -112,14 +139,14 @@ def bench_mix(name: str, args: argparse.Namespace, photos, device: torch.device,
     _, reference = variant(job_path, REFERENCE, device, reference_items, 1)
     n = len(reference)
     if args.kernels and device.type == "cuda":
-        for precision in ("bf16", "fp8"):
+        for precision in args.precisions:
             log(f"[{name}] kernels, {precision}:\n" + kernel_table(job_path, precision, device, prepared[0]))
     return {
         "mix": name,
         "items": len(prepared[0]),
         "tower": mix.tower.describe(args.smoke),
         "results": results,
-        "fp8_to_bf16": cosine(vectors["fp8"], vectors["bf16"]),
+        "to_bf16": {p: cosine(vectors[p], vectors["bf16"]) for p in results if p != "bf16"},
         "to_reference": {p: (cosine(vectors[p][:n], reference), relative_error(vectors[p][:n], reference)) for p in results},
         "reference_items": n,
         "peak": peak,
@@ -145,7 +172,7 @@ def render(rows: list[dict], args: argparse.Namespace, wall: float) -> str:
         for precision, result in row["results"].items():
             cos_ref, err = row["to_reference"][precision]
             mfu = f"{100 * result.flops / result.seconds / peak:.1f}%" if peak else "-"
-            to_bf16 = row["fp8_to_bf16"] if precision == "fp8" else None
+            to_bf16 = row["to_bf16"].get(precision)
             lines.append(
                 f"| {row['mix']} | {precision} | {result.items} | {result.seconds:.3f} | {result.rate:.1f} | {mfu} "
                 f"| {bf16.seconds / result.seconds:.2f}x "
@@ -154,11 +181,15 @@ def render(rows: list[dict], args: argparse.Namespace, wall: float) -> str:
             )
     lines.append("")
     for row in rows:
-        (_, err_bf16), (_, err_fp8) = row["to_reference"]["bf16"], row["to_reference"]["fp8"]
+        _, err_bf16 = row["to_reference"]["bf16"]
+        ratios = "; ".join(
+            f"{p}'s error to float32 over bf16's: median {np.median(err) / np.median(err_bf16):.2f}x, max {err.max() / err_bf16.max():.2f}x"
+            for p, (_, err) in row["to_reference"].items()
+            if p != "bf16"
+        )
         lines.append(
             f"- **{row['mix']}**: {row['tower']}; {row['items']} items, float32 reference on the first "
-            f"{row['reference_items']}; fp8's error to float32 over bf16's: median {np.median(err_fp8) / np.median(err_bf16):.2f}x, "
-            f"max {err_fp8.max() / err_bf16.max():.2f}x"
+            f"{row['reference_items']}; {ratios}"
         )
     return "\n".join(lines)
 
@@ -184,7 +215,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny towers, 24 images per mix, no compile")
     parser.add_argument("--kernels", action="store_true", help="also the kernel table of one batch per precision (GPU)")
+    parser.add_argument("--precisions", nargs="+", default=["fp8"], choices=[p for p in VARIANTS if p != "bf16"])
     args = parser.parse_args()
+    args.precisions = ["bf16", *dict.fromkeys(args.precisions)]
     args.images = parse_images(args.images)
     started = time.perf_counter()
     device = torch.device("cpu" if args.smoke else "cuda")

@@ -365,6 +365,29 @@ def test_fp8_compiled_graphs_replay_like_eager_and_stay_close_to_bf16(cache_dir:
     manager.clear()
 
 
+@pytest.mark.parametrize(("cols", "padded", "wider"), [(1152, 1152, 0), (4304, 4304, 0), (72, 80, 0), (3420, 3424, 16)])
+def test_the_fp8_row_kernel_quantises_as_the_reference_does(cols: int, padded: int, wider: int) -> None:
+    """The Triton quantiser that CUDA layers use gives `quantize_rows`' scales and
+    values (round to nearest even, one e4m3 step at most where the two divisions round
+    apart), zeros in the padded columns, also from rows of a wider tensor."""
+    from embedjob.encoders import fp8
+
+    fp8._row_quantizer()
+    generator = torch.Generator(device="cuda").manual_seed(cols)
+    magnitudes = torch.logspace(-4, 4, 300, device="cuda")[:, None]
+    wide = (torch.randn(300, cols + wider, device="cuda", generator=generator) * magnitudes).to(torch.bfloat16)
+    x = wide[:, :cols]
+    x[7] = 0
+    quantized, scale = torch.ops.embedjob.fp8_quantize_rows(x, padded)
+    want, want_scale = fp8.quantize_rows(torch.nn.functional.pad(x, (0, padded - cols)))
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+    got, want = quantized.float(), want.float()
+    assert quantized.shape == (300, padded) and (got[:, cols:] == 0).all() and (got[7] == 0).all()
+    step = torch.exp2(torch.floor(torch.log2(torch.maximum(got.abs(), want.abs()).clamp(min=2**-6))) - 3)
+    assert ((got - want).abs() <= step).all()
+    assert (got == want).float().mean() > 0.999
+
+
 # JPEG decode on the GPU (`preprocess.decoder: gpu`).
 
 GPU_JPEGS = sorted((REPO.parent / "shared" / "data").glob("*/*.jpg")) + sorted((REPO / "tests" / "data").glob("*.jpg"))

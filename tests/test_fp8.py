@@ -106,6 +106,24 @@ def test_fp8_where_the_device_cannot_is_one_line_before_any_row(
     assert not list(tmp_path.glob("part-*.parquet"))
 
 
+def test_fp8_without_triton_where_cuda_runs_is_one_line_before_any_row(
+    tmp_path: Path, cache_dir: str, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA layers quantise their inputs with a Triton kernel: a machine whose Triton
+    cannot be imported gets the job error, not a traceback."""
+    from embedjob.encoders import fp8
+
+    def no_triton():
+        raise ModuleNotFoundError("No module named 'triton'")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fp8, "_row_quantizer", no_triton)
+    assert run(tmp_path, cache_dir, "--set", "model.precision=fp8", "--set", "runtime.device=cpu") == 2
+    err = capsys.readouterr().err
+    assert "model.precision: fp8 cannot run on cpu" in err and "No module named 'triton'" in err
+    assert not list(tmp_path.glob("part-*.parquet"))
+
+
 def test_the_default_precision_leaves_the_fingerprint_of_earlier_output_unchanged(tmp_path: Path, cache_dir: str) -> None:
     """Output written before `model.precision` existed resumes; an fp8 job's differs."""
     table = tmp_path / "in.parquet"

@@ -117,7 +117,7 @@ def test_fp8_without_triton_where_cuda_runs_is_one_line_before_any_row(
         raise ModuleNotFoundError("No module named 'triton'")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(fp8, "_row_quantizer", no_triton)
+    monkeypatch.setattr(fp8, "_register_row_quantizer", no_triton)
     assert run(tmp_path, cache_dir, "--set", "model.precision=fp8", "--set", "runtime.device=cpu") == 2
     err = capsys.readouterr().err
     assert "model.precision: fp8 cannot run on cpu" in err and "No module named 'triton'" in err

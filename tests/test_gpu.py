@@ -372,7 +372,7 @@ def test_the_fp8_row_kernel_quantises_as_the_reference_does(cols: int, padded: i
     apart), zeros in the padded columns, also from rows of a wider tensor."""
     from embedjob.encoders import fp8
 
-    fp8._row_quantizer()
+    fp8._register_row_quantizer()
     generator = torch.Generator(device="cuda").manual_seed(cols)
     magnitudes = torch.logspace(-4, 4, 300, device="cuda")[:, None]
     wide = (torch.randn(300, cols + wider, device="cuda", generator=generator) * magnitudes).to(torch.bfloat16)

@@ -8,8 +8,8 @@ call, so an outlier token or channel costs only its own row's precision. Everyth
 else (patch embedding, norms, attention, pooling heads, mergers) stays in the model's
 dtype: they are a small share of the time and the most sensitive to precision.
 
-On CUDA an activation is quantised by one Triton kernel per call (`_row_quantizer`),
-which reads each row once. Left to the compiler, the quantisation fuses into the kernel
+On CUDA an activation is quantised by one Triton kernel per call
+(`torch.ops.embedjob.fp8_quantize_rows`), which reads each row once. Left to the compiler, the quantisation fuses into the kernel
 that makes its input (a norm, an activation) as a looped reduction that reads the row
 twice: on the SigLIP-so400m-size tower the GELU and the scales of the down projection's
 input took 3.7 ms a block of a 186,624-token batch; with the row kernel the GELU takes
@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +49,7 @@ H200 the SigLIP-so400m-size tower's FP8 products took 121 ms of a batch with it 
 without (bf16: 219), and the per-item cosine to bf16 did not move
 (benchmarks/RESULTS.md). Read when a layer is made."""
 ROW_KERNEL = True
-"""Whether new layers quantise activations on CUDA with `_row_quantizer` rather than
+"""Whether new layers quantise activations on CUDA with the Triton row kernel rather than
 the compiler's fused reduction (see the module docstring). Read when a layer is made."""
 
 
@@ -64,12 +64,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def _row_quantizer() -> Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]:
-    """`quantize_rows` of a (rows, k) CUDA tensor as one Triton kernel, zero-padded to
-    `padded` columns: one program per row holds the whole row, so it is read once.
-    Registered once as the `torch.library.triton_op` `embedjob::fp8_quantize_rows`, so
-    compiled blocks call the kernel and CUDA graphs capture it; made when the first
-    layer is (Triton is imported only where CUDA runs)."""
+def _register_row_quantizer() -> None:
+    """Registers `torch.ops.embedjob.fp8_quantize_rows(x, padded)`: `quantize_rows` of a
+    (rows, k) CUDA tensor as one Triton kernel, zero-padded to `padded` columns; one
+    program per row holds the whole row, so it is read once. A `torch.library.triton_op`,
+    so compiled blocks call the kernel and CUDA graphs capture it; registered once, when
+    the first layer is made (Triton is imported only where CUDA runs)."""
     import triton
     import triton.language as tl
 
@@ -98,8 +98,6 @@ def _row_quantizer() -> Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.
         )
         return quantized, scale
 
-    return quantize
-
 
 class Fp8Linear(torch.nn.Module):
     """An `nn.Linear` whose product runs in row-wise FP8 (see the module docstring);
@@ -111,7 +109,7 @@ class Fp8Linear(torch.nn.Module):
         self.fast_accum = FAST_ACCUM
         self.row_kernel = ROW_KERNEL and torch.cuda.is_available()
         if self.row_kernel:
-            _row_quantizer()
+            _register_row_quantizer()
         k, n = _padded(self.in_features), _padded(self.out_features)
         weight = F.pad(linear.weight.detach().float(), (0, k - self.in_features, 0, n - self.out_features))
         quantized, scale = quantize_rows(weight)

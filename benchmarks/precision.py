@@ -20,8 +20,11 @@ max and median. `--smoke` runs it all on the CPU with tiny towers and 24 images.
 forward of the mix's largest batch by device time (where the time goes).
 `--precisions` picks the variants besides bf16 (`VARIANTS`): `fp8` (what a job's
 `model.precision: fp8` runs), `fp8-exact-accum` (the FP8 product promoting its partial
-sums to float32: `fp8.FAST_ACCUM` off) and `fp8-compiler-quant` (activations quantised
-by the compiler's fused reduction instead of the Triton row kernel: `fp8.ROW_KERNEL` off).
+sums to float32: `fp8.FAST_ACCUM` off), `fp8-compiler-quant` (activations quantised
+by the compiler's fused reduction instead of the Triton row kernel: `fp8.ROW_KERNEL` off),
+`fp8-unjoined` (every linear layer its own quantisation and product: `fp8.JOINT_GROUPS`
+empty) and `fp8-activation-apart` (the MLP's activation a kernel of its own, not applied by
+the layer that reads it: `fp8.ACTIVATION_INTO` empty).
 """
 
 from __future__ import annotations
@@ -52,12 +55,14 @@ SMOKE_IMAGES = 24
 DEFAULT_IMAGES = {"qwen-mixed": 768, "qwen-224": 2048, "siglip": 2048, "clip": 2048}
 REFERENCE = ["model.dtype=float32", "batching.compile=false", "batching.cuda_graphs=false"]
 VARIANTS = {
-    "bf16": ("bf16", fp8.FAST_ACCUM, fp8.ROW_KERNEL),
-    "fp8": ("fp8", fp8.FAST_ACCUM, fp8.ROW_KERNEL),
-    "fp8-exact-accum": ("fp8", False, fp8.ROW_KERNEL),
-    "fp8-compiler-quant": ("fp8", fp8.FAST_ACCUM, False),
+    "bf16": ("bf16", {}),
+    "fp8": ("fp8", {}),
+    "fp8-exact-accum": ("fp8", {"FAST_ACCUM": False}),
+    "fp8-compiler-quant": ("fp8", {"ROW_KERNEL": False}),
+    "fp8-unjoined": ("fp8", {"JOINT_GROUPS": ()}),
+    "fp8-activation-apart": ("fp8", {"ACTIVATION_INTO": ()}),
 }
-"""Variant -> (model.precision, fp8.FAST_ACCUM and fp8.ROW_KERNEL while its layers are made)."""
+"""Variant -> (model.precision, the `encoders.fp8` settings it changes while its layers are made)."""
 
 
 def log(message: str) -> None:
@@ -73,15 +78,16 @@ def free(device: torch.device) -> None:
 
 @contextlib.contextmanager
 def layers_of(name: str):
-    """The overrides of variant `name`, with `fp8.FAST_ACCUM` and `fp8.ROW_KERNEL` set as
-    it asks while inside."""
-    precision, fast, row_kernel = VARIANTS[name]
-    saved = fp8.FAST_ACCUM, fp8.ROW_KERNEL
-    fp8.FAST_ACCUM, fp8.ROW_KERNEL = fast, row_kernel
+    """The overrides of variant `name`, with its `encoders.fp8` settings in force while inside."""
+    precision, settings = VARIANTS[name]
+    saved = {key: getattr(fp8, key) for key in settings}
+    for key, value in settings.items():
+        setattr(fp8, key, value)
     try:
         yield [f"model.precision={precision}"]
     finally:
-        fp8.FAST_ACCUM, fp8.ROW_KERNEL = saved
+        for key, value in saved.items():
+            setattr(fp8, key, value)
 
 
 def variant(job_path: Path, overrides: list[str], device: torch.device, prepared, repeats: int) -> tuple[EncoderOnly, np.ndarray]:

@@ -4,22 +4,27 @@ where FP8 cannot run. The GPU side (compiled, inside captured graphs) is in test
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from PIL import Image
 from conftest import REPO, make_job
 
 from embedjob.cli import main
 from embedjob.encoders import load_adapter
-from embedjob.encoders.fp8 import Fp8Linear, convert_blocks
+from embedjob.encoders.fp8 import Fp8Joint, Fp8Linear, convert_blocks
 from embedjob.io.checkpoint import job_fingerprint
 
 DEMO = str(REPO / "jobs" / "demo.yaml")
+PHOTOS = sorted((REPO / "tests" / "data").glob("img2dataset_*.jpg"))
 
 
 def run(out: Path, cache_dir: str, *extra: str) -> int:
@@ -53,16 +58,23 @@ def test_an_fp8_layer_computes_the_linear_layer_at_any_shape(inputs: int, output
         assert torch.equal(fp8(torch.zeros(2, inputs)), linear.bias.detach().expand(2, -1))
 
 
+def fp8_layers_in(module: torch.nn.Module) -> int:
+    """The layers of `module` that run in FP8: each `Fp8Linear` on its own and each
+    member of a joined product (whose shared `Fp8Linear` is not a layer of the model)."""
+    return sum(
+        isinstance(m, Fp8Joint) or (isinstance(m, Fp8Linear) and not name.endswith(".product"))
+        for name, m in module.named_modules(remove_duplicate=False)
+    )
+
+
 def test_only_the_blocks_linear_layers_are_converted_and_counted(cache_dir: str) -> None:
     adapter = load_adapter(make_job(cache_dir, model={"precision": "fp8"}), torch.device("cpu"))
     blocks = adapter.compile_units()
-    assert adapter.fp8_layers and sum(adapter.fp8_layers.values()) == sum(
-        isinstance(m, Fp8Linear) for b in blocks for m in b.modules()
-    )
+    assert adapter.fp8_layers and sum(adapter.fp8_layers.values()) == sum(map(fp8_layers_in, blocks))
     assert all(n == len(blocks) for n in adapter.fp8_layers.values())  # each named layer once per block
     assert not any(type(m) is torch.nn.Linear for b in blocks for m in b.modules())
-    outside = [m for m in adapter.model.modules() if isinstance(m, Fp8Linear)]
-    assert len(outside) == sum(adapter.fp8_layers.values())  # nothing outside the blocks (merger, patch embed)
+    # nothing outside the blocks (merger, patch embed)
+    assert fp8_layers_in(adapter.model) == sum(adapter.fp8_layers.values())
     assert adapter.describe()["precision"] == "fp8"
     assert convert_blocks(blocks) == {}  # converting twice changes nothing
 
@@ -91,6 +103,81 @@ def test_fp8_on_a_fixed_resolution_tower_converts_its_attention_and_mlp(cache_di
     assert {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2"} <= set(
         adapter.fp8_layers
     )
+
+
+def separately_converted(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` with every linear layer in FP8 on its own (no joined products)."""
+    module = copy.deepcopy(module)
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, Fp8Linear(child))
+    return module
+
+
+@pytest.mark.parametrize(("family", "part", "siblings"), [("siglip", None, 3), ("qwen2_5_vl", "mlp", 2)])
+def test_sibling_layers_share_one_fp8_product_and_compute_as_separate_layers_do(
+    family: str, part: str | None, siblings: int, cache_dir: str
+) -> None:
+    """q, k and v (SigLIP's attention) and gate and up (Qwen's MLP) read one input: FP8
+    joins them into one product per block; the block computes what it computes with
+    each layer in FP8 on its own, eager and compiled, and holds no tensor once it has
+    returned."""
+    adapter = load_adapter(make_job(cache_dir, model={"family": family, "path": f"builtin:tiny-{family}"}), torch.device("cpu"))
+    block = adapter.compile_units()[0]
+    full = block if part is None else getattr(block, part)
+    joined = copy.deepcopy(full)
+    convert_blocks([joined])
+    separate = separately_converted(full)
+    members = [m for m in joined.modules() if isinstance(m, Fp8Joint)]
+    assert len(members) == siblings and len({id(m.product) for m in members}) == 1
+    width = next(m for m in full.modules() if isinstance(m, torch.nn.Linear)).in_features
+    torch.manual_seed(1)
+    x, other = torch.randn(2, 17, width), torch.randn(2, 17, width)
+
+    def call(module: torch.nn.Module, value: torch.Tensor) -> torch.Tensor:
+        out = module(value, attention_mask=None) if part is None else module(value)
+        return out[0] if isinstance(out, tuple) else out
+
+    products = []
+
+    def counting(gm: torch.fx.GraphModule, inputs: list) -> torch.fx.GraphModule:
+        products.append(sum("scaled_mm" in str(node.target) for node in gm.graph.nodes))
+        return gm
+
+    with torch.inference_mode():
+        got, exact = call(joined, x), call(full, x)
+        torch.testing.assert_close(got, call(separate, x), rtol=1e-5, atol=1e-5)
+        assert torch.nn.functional.cosine_similarity(got.flatten(0, -2), exact.flatten(0, -2)).min() > 0.99
+        assert all(m.shared.input is None and m.shared.output is None for m in members)
+        torch.testing.assert_close(call(joined, other), call(separate, other), rtol=1e-5, atol=1e-5)
+        joined.compile(backend=counting, dynamic=True)
+        torch.testing.assert_close(call(joined, x), got, rtol=1e-5, atol=1e-5)
+        assert all(m.shared.input is None for m in members)
+    products_made = sum(isinstance(m, Fp8Linear) for m in joined.modules())  # modules() counts the shared one once
+    assert products == [products_made] and products_made == sum(map(fp8_layers_in, [joined])) - siblings + 1
+
+
+def test_a_joined_layer_called_out_of_order_or_on_other_inputs_gives_its_own_output() -> None:
+    """The siblings' shared product is reused only for the very input it was made from:
+    any order, a repeated call, or a different input of equal values still gives each
+    layer its own `x @ W.T + b`."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(40, width) for width in (24, 40, 8)]
+    holder = torch.nn.Module()
+    for name, layer in zip(("q_proj", "k_proj", "v_proj"), layers):
+        setattr(holder, name, layer)
+    convert_blocks([holder])
+    members = [holder.q_proj, holder.k_proj, holder.v_proj]
+    assert all(isinstance(m, Fp8Joint) for m in members)
+    x, y = torch.randn(5, 40), torch.randn(5, 40)
+    calls = [(2, x), (0, x), (0, x), (1, y), (2, x), (1, x), (0, y.clone())]
+    with torch.inference_mode():
+        for index, value in calls:
+            want = Fp8Linear(layers[index])(value)
+            got = members[index](value)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_where_the_device_cannot_is_one_line_before_any_row(
@@ -131,3 +218,39 @@ def test_the_default_precision_leaves_the_fingerprint_of_earlier_output_unchange
     bf16 = job_fingerprint(make_job(cache_dir, input={"path": str(table)}))
     fp8 = job_fingerprint(make_job(cache_dir, input={"path": str(table)}, model={"precision": "fp8"}))
     assert "precision" not in bf16["model"] and fp8["model"]["precision"] == "fp8"
+
+
+@pytest.mark.parametrize(
+    ("act", "expected"),
+    [("gelu_pytorch_tanh", "gelu_tanh"), ("gelu_new", "gelu_tanh"), ("gelu", "gelu"), ("quick_gelu", "quick_gelu"),
+     ("relu", None), ("silu", None)],
+)
+def test_activations_are_recognised_by_their_values(act: str, expected: str | None) -> None:
+    from transformers.activations import ACT2FN
+
+    from embedjob.encoders.fp8 import recognised_activation
+
+    assert recognised_activation(ACT2FN[act]) == expected
+
+
+@pytest.mark.parametrize("family", ["siglip", "clip", "dinov2"])
+def test_the_mlp_activation_runs_inside_the_fp8_layer_that_reads_it(family: str, cache_dir: str) -> None:
+    """fc2 applies the MLP's activation as it quantises its input (the activation module
+    becomes an identity): the block computes what it does with the activation on its
+    own, to FP8 rounding, and the embeddings stay within FP8 rounding of full precision."""
+    job = make_job(cache_dir, model={"family": family, "path": f"builtin:tiny-{family}"})
+    full = load_adapter(job, torch.device("cpu"))
+    fp8 = load_adapter(make_job(cache_dir, model={"family": family, "path": f"builtin:tiny-{family}", "precision": "fp8"}),
+                       torch.device("cpu"))
+    mlp, reference = fp8.compile_units()[0].mlp, full.compile_units()[0].mlp
+    assert mlp.fc2.activation is not None and isinstance(mlp.activation_fn, torch.nn.Identity)
+    separate = separately_converted(reference)
+    torch.manual_seed(2)
+    x = torch.randn(3, 11, reference.fc1.in_features) * 4
+    with torch.inference_mode():
+        got, want = mlp(x), separate(x)
+        assert torch.nn.functional.cosine_similarity(got.flatten(0, 1), want.flatten(0, 1)).min() > 0.999
+        items = [full.preprocessor()(SimpleNamespace(pixels=np.array(Image.open(path).convert("RGB")))) for path in PHOTOS]
+        a = full.forward(full.eager_inputs(items)).float()
+        b = fp8.forward(fp8.eager_inputs(items)).float()
+    assert torch.nn.functional.cosine_similarity(a, b).min() > 0.99

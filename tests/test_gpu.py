@@ -334,7 +334,7 @@ def test_a_budget_added_mid_run_is_captured_into_the_pool_and_replays_like_eager
     manager.clear()
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "siglip"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "siglip", "clip"])
 def test_fp8_compiled_graphs_replay_like_eager_and_stay_close_to_bf16(cache_dir: str, family: str) -> None:
     """model.precision fp8 on the GPU: the blocks compiled with their FP8 layers, captured
     into a pool first filled with NaN; every replay equals the padded eager run, every
@@ -365,11 +365,16 @@ def test_fp8_compiled_graphs_replay_like_eager_and_stay_close_to_bf16(cache_dir:
     manager.clear()
 
 
-@pytest.mark.parametrize(("cols", "padded", "wider"), [(1152, 1152, 0), (4304, 4304, 0), (72, 80, 0), (3420, 3424, 16)])
-def test_the_fp8_row_kernel_quantises_as_the_reference_does(cols: int, padded: int, wider: int) -> None:
+@pytest.mark.parametrize(
+    ("cols", "padded", "wider", "activation"),
+    [(1152, 1152, 0, None), (4304, 4304, 0, None), (72, 80, 0, None), (3420, 3424, 16, None),
+     (4304, 4304, 0, "gelu_tanh"), (4096, 4096, 0, "quick_gelu"), (1540, 1552, 0, "gelu"), (3420, 3424, 16, "gelu_tanh")],
+)
+def test_the_fp8_row_kernel_quantises_as_the_reference_does(cols: int, padded: int, wider: int, activation: str | None) -> None:
     """The Triton quantiser that CUDA layers use gives `quantize_rows`' scales and
     values (round to nearest even, one e4m3 step at most where the two divisions round
-    apart), zeros in the padded columns, also from rows of a wider tensor."""
+    apart), zeros in the padded columns, also from rows of a wider tensor and after an
+    MLP's activation (against its float32 definition)."""
     from embedjob.encoders import fp8
 
     fp8._register_row_quantizer()
@@ -378,9 +383,10 @@ def test_the_fp8_row_kernel_quantises_as_the_reference_does(cols: int, padded: i
     wide = (torch.randn(300, cols + wider, device="cuda", generator=generator) * magnitudes).to(torch.bfloat16)
     x = wide[:, :cols]
     x[7] = 0
-    quantized, scale = torch.ops.embedjob.fp8_quantize_rows(x, padded)
-    want, want_scale = fp8.quantize_rows(torch.nn.functional.pad(x, (0, padded - cols)))
-    torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+    code, function = fp8.ACTIVATIONS[activation] if activation else (0, lambda v: v)
+    quantized, scale = torch.ops.embedjob.fp8_quantize_rows(x, padded, code)
+    want, want_scale = fp8.quantize_rows(torch.nn.functional.pad(function(x.float()), (0, padded - cols)))
+    torch.testing.assert_close(scale, want_scale, rtol=1e-5 if activation else 1e-6, atol=0)
     got, want = quantized.float(), want.float()
     assert quantized.shape == (300, padded) and (got[:, cols:] == 0).all() and (got[7] == 0).all()
     step = torch.exp2(torch.floor(torch.log2(torch.maximum(got.abs(), want.abs()).clamp(min=2**-6))) - 3)

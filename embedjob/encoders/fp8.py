@@ -9,12 +9,26 @@ else (patch embedding, norms, attention, pooling heads, mergers) stays in the mo
 dtype: they are a small share of the time and the most sensitive to precision.
 
 On CUDA an activation is quantised by one Triton kernel per call
-(`torch.ops.embedjob.fp8_quantize_rows`), which reads each row once. Left to the compiler, the quantisation fuses into the kernel
-that makes its input (a norm, an activation) as a looped reduction that reads the row
-twice: on the SigLIP-so400m-size tower the GELU and the scales of the down projection's
-input took 3.7 ms a block of a 186,624-token batch; with the row kernel the GELU takes
-1.0 ms and each of the kernel's six calls a block 0.29 ms on average
-(benchmarks/RESULTS.md).
+(`torch.ops.embedjob.fp8_quantize_rows`, `encoders.fp8_kernel`), which reads each row
+once. Left to the compiler, the quantisation fuses into the kernel that makes its input
+(a norm, an activation) as a looped reduction that reads the row twice: on the
+SigLIP-so400m-size tower the GELU and the scales of the down projection's input took
+3.7 ms a block of a 186,624-token batch, against 1.0 ms for the GELU and 0.29 ms for the
+row kernel's average call (benchmarks/RESULTS.md).
+
+Sibling layers that a block calls on one and the same input (`JOINT_GROUPS`: the
+separate q, k and v projections of SigLIP, CLIP and DINOv2, the gate and up projections
+of the gated MLPs) share one quantisation of it and one product of their joined weights
+(`Fp8Joint`): the first of them called on an input computes every sibling's output, the
+others take their columns. On the SigLIP-so400m-size tower the row kernel's time fell
+from 47 to 37 ms of the batch and the tower ran 4 % faster (benchmarks/RESULTS.md).
+
+An MLP's activation is applied by the layer that reads it (`ACTIVATION_INTO`: fc1, the
+activation, fc2 in turn, as in SigLIP, CLIP, DINOv2 and Qwen2-VL): fc2 quantises the
+activation of its input in the same kernel, so the activated hidden state, the widest
+tensor of the block, is never written in bf16 and read back (SigLIP-so400m 3 %, CLIP-L
+6 % faster). The activation is recognised by its values, not by its class name, which
+transformers has changed between releases.
 
 Invariants: a converted layer computes `x @ W.T + b` up to FP8 rounding, for any input
 row count and any layer shape (the FP8 product needs both matrix dimensions multiples
@@ -28,7 +42,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +65,45 @@ without (bf16: 219), and the per-item cosine to bf16 did not move
 ROW_KERNEL = True
 """Whether new layers quantise activations on CUDA with the Triton row kernel rather than
 the compiler's fused reduction (see the module docstring). Read when a layer is made."""
+ROW_WARPS: int | None = None
+"""Warps per row of the row kernel; None: 8 for rows wider than 2,048 columns without an
+activation, else 4 (benchmarks/row_kernel.py: 8 warps read 3,456-column rows at 1.12x the
+speed of 4, but with a GELU 4 warps are 1.14x faster on 4,304 and 4,096 columns). Read at
+each launch."""
+
+
+JOINT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Names of sibling layers that the towers' blocks (transformers' modeling code) call on
+one input tensor, joined by `convert_blocks` where all of a group are linear layers of
+one input width. A group that a forward does not call that way still computes right
+(see `Fp8Joint`), only without the saving."""
+
+
+ACTIVATION_INTO = (("activation_fn", "fc2"), ("act", "fc2"))
+"""(activation, layer) names of MLPs whose forward feeds the activation's output to that
+layer alone (transformers' modeling code), so the layer may apply the activation itself."""
+ACTIVATIONS: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {
+    "gelu_tanh": (1, lambda x: F.gelu(x, approximate="tanh")),
+    "gelu": (2, F.gelu),
+    "quick_gelu": (3, lambda x: x * torch.sigmoid(1.702 * x)),
+}
+"""Activations an FP8 layer applies to its input before quantising it: name -> (the
+row kernel's code for it, its float32 definition)."""
+
+
+def recognised_activation(module: torch.nn.Module) -> str | None:
+    """The `ACTIVATIONS` name of what `module` computes, from its values in float32 on
+    [-8, 8], or None (then it stays a module of its own)."""
+    probe = torch.linspace(-8, 8, 1601)
+    try:
+        with torch.no_grad():
+            values = module(probe)
+    except (RuntimeError, TypeError):
+        return None
+    for name, (_, function) in ACTIVATIONS.items():
+        if values.shape == probe.shape and torch.allclose(values, function(probe), rtol=1e-4, atol=1e-5):
+            return name
+    return None
 
 
 def _padded(size: int) -> int:
@@ -65,59 +118,65 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def _register_row_quantizer() -> None:
-    """Registers `torch.ops.embedjob.fp8_quantize_rows(x, padded)`: `quantize_rows` of a
-    (rows, k) CUDA tensor as one Triton kernel, zero-padded to `padded` columns; one
+    """Registers `torch.ops.embedjob.fp8_quantize_rows(x, padded, activation)`:
+    `quantize_rows` of a (rows, k) CUDA tensor, after the activation of that
+    `ACTIVATIONS` code (0: none), as one Triton kernel, zero-padded to `padded` columns; one
     program per row holds the whole row, so it is read once. A `torch.library.triton_op`,
     so compiled blocks call the kernel and CUDA graphs capture it; registered once, when
     the first layer is made (Triton is imported only where CUDA runs)."""
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def fp8_quantize_rows_kernel(
-        x_ptr, q_ptr, scale_ptr, stride, cols, padded, BLOCK: tl.constexpr, TINY: tl.constexpr, LIMIT: tl.constexpr
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        offsets = tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride + offsets, mask=offsets < cols, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), TINY) / LIMIT
-        q = tl.clamp(x / scale, -LIMIT, LIMIT)
-        tl.store(q_ptr + row * padded + offsets, q.to(q_ptr.dtype.element_ty), mask=offsets < padded)
-        tl.store(scale_ptr + row, scale)
+    from embedjob.encoders.fp8_kernel import fp8_quantize_rows_kernel
 
     @torch.library.triton_op("embedjob::fp8_quantize_rows", mutates_args=())
-    def quantize(x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(x: torch.Tensor, padded: int, activation: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = x if x.stride(-1) == 1 else x.contiguous()
         rows, cols = x.shape
         quantized = torch.empty(rows, padded, dtype=FP8, device=x.device)
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-        block = triton.next_power_of_2(padded)
+        warps = ROW_WARPS or (4 if activation or padded <= 2048 else 8)
         torch.library.wrap_triton(fp8_quantize_rows_kernel)[(rows,)](
             x, quantized, scale, x.stride(0), cols, padded,
-            BLOCK=block, TINY=_TINY, LIMIT=FP8_MAX, num_warps=8 if block >= 4096 else 4,
+            BLOCK=triton.next_power_of_2(padded), TINY=_TINY, LIMIT=FP8_MAX, ACTIVATION=activation, num_warps=warps,
         )
         return quantized, scale
 
 
 class Fp8Linear(torch.nn.Module):
     """An `nn.Linear` whose product runs in row-wise FP8 (see the module docstring);
-    its output is in the input's dtype."""
+    its output is in the input's dtype. Given several layers of one input width, it
+    is their joined product: its output holds each layer's columns in turn, each
+    starting at a multiple of 16 (`starts`). Given an `ACTIVATIONS` name, it computes
+    the layer of that activation of its input."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear | Sequence[torch.nn.Linear], activation: str | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        layers = [linear] if isinstance(linear, torch.nn.Linear) else list(linear)
+        self.activation = activation
+        self.in_features = layers[0].in_features
+        self.widths = [layer.out_features for layer in layers]
+        self.starts = [sum(_padded(w) for w in self.widths[:i]) for i in range(len(layers))]
+        self.out_features = self.starts[-1] + self.widths[-1]
         self.fast_accum = FAST_ACCUM
         self.row_kernel = ROW_KERNEL and torch.cuda.is_available()
         if self.row_kernel:
             _register_row_quantizer()
-        k, n = _padded(self.in_features), _padded(self.out_features)
-        weight = F.pad(linear.weight.detach().float(), (0, k - self.in_features, 0, n - self.out_features))
+        k = _padded(self.in_features)
+        weight = torch.cat(
+            [F.pad(layer.weight.detach().float(), (0, k - self.in_features, 0, _padded(layer.out_features) - layer.out_features))
+             for layer in layers]
+        )
         quantized, scale = quantize_rows(weight)
         self.register_buffer("weight", quantized)  # (n, k): its transpose is the column-major operand
-        self.register_buffer("weight_scale", scale.reshape(1, n).contiguous())
-        bias = linear.bias
+        self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())
+        biased = [layer.bias is not None for layer in layers]
+        if any(biased) and not all(biased):
+            raise ValueError("layers joined into one FP8 product must all have a bias or none")
         self.register_buffer(
-            "bias", None if bias is None else F.pad(bias.detach(), (0, n - self.out_features)).to(linear.weight.dtype)
+            "bias",
+            None if not all(biased) else torch.cat(
+                [F.pad(layer.bias.detach(), (0, _padded(layer.out_features) - layer.out_features)) for layer in layers]
+            ).to(layers[0].weight.dtype),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,8 +184,11 @@ class Fp8Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)
         padded = self.weight.shape[1]
         if self.row_kernel and rows.is_cuda:
-            quantized, scale = torch.ops.embedjob.fp8_quantize_rows(rows, padded)
+            code = 0 if self.activation is None else ACTIVATIONS[self.activation][0]
+            quantized, scale = torch.ops.embedjob.fp8_quantize_rows(rows, padded, code)
         else:
+            if self.activation is not None:
+                rows = ACTIVATIONS[self.activation][1](rows.float())
             quantized, scale = quantize_rows(rows if padded == self.in_features else F.pad(rows, (0, padded - self.in_features)))
         out = torch._scaled_mm(
             quantized,
@@ -142,7 +204,50 @@ class Fp8Linear(torch.nn.Module):
         return out.reshape(*leading, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8=row-wise"
+        activation = "" if self.activation is None else f", activation={self.activation}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8=row-wise{activation}"
+
+
+class _Shared:
+    """The joined product's latest input and output, until every sibling has taken its
+    columns: a plain object, so the compiler traces its updates as side effects of the
+    block and nothing outlives the block's call."""
+
+    def __init__(self) -> None:
+        self.input: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+        self.taken = 0
+
+
+class Fp8Joint(torch.nn.Module):
+    """One of sibling layers joined into one FP8 product (`JOINT_GROUPS`): it returns
+    its own layer's output, computing the product only when its input is not the one
+    the last product was computed from.
+
+    Invariants: the output equals `Fp8Linear(layer)(x)` up to the product's rounding
+    whatever order, inputs and number of calls the siblings see (an input that is not
+    the remembered tensor gets its own product); once every sibling has taken its
+    columns of a product the remembered tensors are dropped, so none is held between
+    the block's calls.
+    """
+
+    def __init__(self, product: Fp8Linear, index: int, siblings: int, shared: _Shared) -> None:
+        super().__init__()
+        self.product = product
+        self.in_features, self.out_features = product.in_features, product.widths[index]
+        self.start = product.starts[index]
+        self.siblings = siblings
+        self.shared = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared
+        if shared.input is not x:
+            shared.input, shared.output, shared.taken = x, self.product(x), 0
+        out = shared.output[..., self.start : self.start + self.out_features]
+        shared.taken += 1
+        if shared.taken == self.siblings:
+            shared.input = shared.output = None
+        return out
 
 
 def check_fp8(device: torch.device, dtype: torch.dtype) -> None:
@@ -163,13 +268,59 @@ def check_fp8(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def convert_blocks(blocks: Iterable[torch.nn.Module]) -> Counter[str]:
-    """Replace every `nn.Linear` inside `blocks` by its `Fp8Linear`, in place; how many
-    of each (name relative to its block, e.g. `mlp.down_proj`) were converted."""
+    """Replace every `nn.Linear` inside `blocks` by its FP8 layer, in place, the siblings
+    of a `JOINT_GROUPS` group by `Fp8Joint`s of one product; how many of each (name
+    relative to its block, e.g. `mlp.down_proj`) were converted."""
     converted: Counter[str] = Counter()
+    joined: Counter[tuple[str, ...]] = Counter()
+    activated: Counter[tuple[str, str, str]] = Counter()
     for block in blocks:
         for name, module in list(block.named_modules()):
+            prefix = f"{name}." if name else ""
+            for group in JOINT_GROUPS:
+                if _join(module, group):
+                    joined[tuple(prefix + member for member in group)] += 1
+                    converted.update(prefix + member for member in group)
+            for pair in ACTIVATION_INTO:
+                activation = _activate_into(module, *pair)
+                if activation is not None:
+                    activated[prefix + pair[0], prefix + pair[1], activation] += 1
+                    converted[prefix + pair[1]] += 1
             for child_name, child in list(module.named_children()):
                 if type(child) is torch.nn.Linear:
                     setattr(module, child_name, Fp8Linear(child))
-                    converted[f"{name}.{child_name}" if name else child_name] += 1
+                    converted[prefix + child_name] += 1
+    for group, count in joined.items():
+        logger.info("model.precision fp8: %s share one quantisation and product in %d blocks", ", ".join(group), count)
+    for (activation, layer, kind), count in activated.items():
+        logger.info("model.precision fp8: %s applies %s (%s) as it quantises, in %d blocks", layer, activation, kind, count)
     return converted
+
+
+def _activate_into(module: torch.nn.Module, activation: str, layer: str) -> str | None:
+    """Where `module` has the linear `layer` and a recognised activation under
+    `activation`, make the layer an FP8 one that applies it and the activation an
+    identity; the activation's `ACTIVATIONS` name, or None where nothing changed."""
+    linear, function = getattr(module, layer, None), getattr(module, activation, None)
+    if type(linear) is not torch.nn.Linear or not isinstance(function, torch.nn.Module):
+        return None
+    kind = recognised_activation(function)
+    if kind is None:
+        return None
+    setattr(module, layer, Fp8Linear(linear, activation=kind))
+    setattr(module, activation, torch.nn.Identity())
+    return kind
+
+
+def _join(module: torch.nn.Module, group: Sequence[str]) -> bool:
+    """Replace `module`'s linear layers named `group` by `Fp8Joint`s of one product,
+    where it has them all, of one input width, and all or none with a bias."""
+    layers = [getattr(module, member, None) for member in group]
+    if not all(type(layer) is torch.nn.Linear for layer in layers):
+        return False
+    if len({layer.in_features for layer in layers}) != 1 or len({layer.bias is None for layer in layers}) != 1:
+        return False
+    product, shared = Fp8Linear(layers), _Shared()
+    for index, member in enumerate(group):
+        setattr(module, member, Fp8Joint(product, index, len(group), shared))
+    return True

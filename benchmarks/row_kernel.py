@@ -1,0 +1,80 @@
+"""The FP8 row kernel's launch settings, timed on the activation shapes of the towers.
+
+On the GPU machine, from the repository root:
+
+    PYTHONPATH=. python3 benchmarks/row_kernel.py [--rows 186624] [--repeats 20]
+
+For each activation of a block (SigLIP-so400m's 1,152 and 4,304 columns with and without
+the MLP's tanh GELU, CLIP-L's 1,024 and 4,096 with quick GELU, Qwen2.5-VL-7B's 1,280 and
+3,456), it times `torch.ops.embedjob.fp8_quantize_rows` (CUDA events, median of
+`--repeats` after a warm-up) under each `fp8.ROW_WARPS` setting, and a
+bf16-to-FP8 cast of the same tensor (`Tensor.to`, which reads and writes the same bytes
+with no reduction) as the memory-bound floor. It prints one table: milliseconds, GB/s
+of bytes read and written, and the time over the cast's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from embedjob.encoders import fp8  # noqa: E402
+
+SHAPES = (
+    ("siglip qkv/fc1 input", 1152, 1152, None),
+    ("siglip fc2 input", 4304, 4304, None),
+    ("siglip fc2 input + gelu_tanh", 4304, 4304, "gelu_tanh"),
+    ("clip fc2 input + quick_gelu", 4096, 4096, "quick_gelu"),
+    ("clip qkv input", 1024, 1024, None),
+    ("qwen qkv input", 1280, 1280, None),
+    ("qwen down_proj input", 3456, 3456, None),
+)
+WARPS = (None, 4, 8, 16)
+
+
+def timed(function, repeats: int) -> float:
+    """Median milliseconds of `function` over `repeats` calls after two warm-up calls."""
+    for _ in range(2):
+        function()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=186624, help="tokens of the batch (SigLIP's largest: 186,624)")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    fp8._register_row_quantizer()
+    lines = ["| activation | columns | ROW_WARPS | ms | GB/s | / cast |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for label, cols, padded, activation in SHAPES:
+        x = torch.randn(args.rows, cols, device="cuda", dtype=torch.bfloat16)
+        code = fp8.ACTIVATIONS[activation][0] if activation else 0
+        moved = args.rows * (cols * 2 + padded + 4) / 1e9
+        cast = timed(lambda: x.to(fp8.FP8), args.repeats)
+        lines.append(f"| {label} | {cols} | cast | {cast:.3f} | {moved / cast * 1e3:,.0f} | 1.00 |")
+        for warps in WARPS:
+            fp8.ROW_WARPS = warps
+            ms = timed(lambda: torch.ops.embedjob.fp8_quantize_rows(x, padded, code), args.repeats)
+            lines.append(f"| {label} | {cols} | {warps or 'default'} | {ms:.3f} | {moved / ms * 1e3:,.0f} | {ms / cast:.2f} |")
+        fp8.ROW_WARPS = None
+        del x
+    print(f"# FP8 row kernel settings, {args.rows} rows, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

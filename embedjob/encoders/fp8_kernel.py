@@ -1,0 +1,38 @@
+"""The Triton kernel behind `torch.ops.embedjob.fp8_quantize_rows` (`encoders.fp8`): one
+program per row quantises it to FP8 with one scale from its largest magnitude, after an
+MLP activation where asked. Imported only where the op is registered (CUDA machines),
+since Triton is not needed elsewhere.
+
+Invariants: `q * scale` approximates the (activated) row, rounded to nearest even;
+columns from `cols` to `padded` are zero; a row of zeros gets the smallest scale.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def activated(x, ACTIVATION: tl.constexpr):
+    """`x` after the activation of `fp8.ACTIVATIONS` code `ACTIVATION` (0: none), in float32."""
+    if ACTIVATION == 1:  # gelu, tanh approximation: 0.5 x (1 + tanh(z)) = x sigmoid(2 z)
+        x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    elif ACTIVATION == 2:  # gelu
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == 3:  # quick_gelu
+        x = x * tl.sigmoid(1.702 * x)
+    return x
+
+
+@triton.jit
+def fp8_quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, stride, cols, padded,
+    BLOCK: tl.constexpr, TINY: tl.constexpr, LIMIT: tl.constexpr, ACTIVATION: tl.constexpr,
+):
+    """One program per row holds the whole row (`BLOCK` >= `padded`), so it is read once."""
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    x = activated(tl.load(x_ptr + row * stride + offsets, mask=offsets < cols, other=0.0).to(tl.float32), ACTIVATION)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), TINY) / LIMIT
+    q = tl.clamp(x / scale, -LIMIT, LIMIT)
+    tl.store(q_ptr + row * padded + offsets, q.to(q_ptr.dtype.element_ty), mask=offsets < padded)
+    tl.store(scale_ptr + row, scale)

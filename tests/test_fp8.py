@@ -5,7 +5,6 @@ where FP8 cannot run. The GPU side (compiled, inside captured graphs) is in test
 from __future__ import annotations
 
 import copy
-import functools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -155,7 +154,7 @@ def test_sibling_layers_share_one_fp8_product_and_compute_as_separate_layers_do(
         torch.testing.assert_close(call(joined, x), got, rtol=1e-5, atol=1e-5)
         assert all(m.shared.input is None for m in members)
     products_made = sum(isinstance(m, Fp8Linear) for m in joined.modules())  # modules() counts the shared one once
-    assert products == [products_made] and products_made == sum(map(fp8_layers_in, [joined])) - siblings + 1
+    assert products == [products_made] and products_made == fp8_layers_in(joined) - siblings + 1
 
 
 def test_a_joined_layer_called_out_of_order_or_on_other_inputs_gives_its_own_output() -> None:

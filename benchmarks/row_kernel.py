@@ -16,7 +16,6 @@ of bytes read and written, and the time over the cast's.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from embedjob.bench import cuda_time  # noqa: E402
 from embedjob.encoders import fp8  # noqa: E402
 
 SHAPES = (
@@ -38,21 +38,6 @@ SHAPES = (
 WARPS = (None, 4, 8, 16)
 
 
-def timed(function, repeats: int) -> float:
-    """Median milliseconds of `function` over `repeats` calls after two warm-up calls."""
-    for _ in range(2):
-        function()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        function()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=186624, help="tokens of the batch (SigLIP's largest: 186,624)")
@@ -64,11 +49,11 @@ def main() -> None:
         x = torch.randn(args.rows, cols, device="cuda", dtype=torch.bfloat16)
         code = fp8.ACTIVATIONS[activation][0] if activation else 0
         moved = args.rows * (cols * 2 + padded + 4) / 1e9
-        cast = timed(lambda: x.to(fp8.FP8), args.repeats)
+        cast = cuda_time(lambda: x.to(fp8.FP8), args.repeats, warmup=2) * 1e3
         lines.append(f"| {label} | {cols} | cast | {cast:.3f} | {moved / cast * 1e3:,.0f} | 1.00 |")
         for warps in WARPS:
             fp8.ROW_WARPS = warps
-            ms = timed(lambda: torch.ops.embedjob.fp8_quantize_rows(x, padded, code), args.repeats)
+            ms = cuda_time(lambda: torch.ops.embedjob.fp8_quantize_rows(x, padded, code), args.repeats, warmup=2) * 1e3
             lines.append(f"| {label} | {cols} | {warps or 'default'} | {ms:.3f} | {moved / ms * 1e3:,.0f} | {ms / cast:.2f} |")
         fp8.ROW_WARPS = None
         del x

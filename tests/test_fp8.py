@@ -232,8 +232,9 @@ def test_activations_are_recognised_by_their_values(act: str, expected: str | No
     assert recognised_activation(ACT2FN[act]) == expected
 
 
-@pytest.mark.parametrize("family", ["siglip", "clip", "dinov2"])
-def test_the_mlp_activation_runs_inside_the_fp8_layer_that_reads_it(family: str, cache_dir: str) -> None:
+@pytest.mark.parametrize(("family", "activation"), [("siglip", "activation_fn"), ("clip", "activation_fn"),
+                                                    ("dinov2", "activation_fn"), ("qwen2_vl", "act")])
+def test_the_mlp_activation_runs_inside_the_fp8_layer_that_reads_it(family: str, activation: str, cache_dir: str) -> None:
     """fc2 applies the MLP's activation as it quantises its input (the activation module
     becomes an identity): the block computes what it does with the activation on its
     own, to FP8 rounding, and the embeddings stay within FP8 rounding of full precision."""
@@ -242,7 +243,7 @@ def test_the_mlp_activation_runs_inside_the_fp8_layer_that_reads_it(family: str,
     fp8 = load_adapter(make_job(cache_dir, model={"family": family, "path": f"builtin:tiny-{family}", "precision": "fp8"}),
                        torch.device("cpu"))
     mlp, reference = fp8.compile_units()[0].mlp, full.compile_units()[0].mlp
-    assert mlp.fc2.activation is not None and isinstance(mlp.activation_fn, torch.nn.Identity)
+    assert mlp.fc2.activation is not None and isinstance(getattr(mlp, activation), torch.nn.Identity)
     separate = separately_converted(reference)
     torch.manual_seed(2)
     x = torch.randn(3, 11, reference.fc1.in_features) * 4

@@ -265,7 +265,7 @@ class EncoderAdapter(abc.ABC):
     def use_fp8(self) -> None:
         """Run the linear layers of `compile_units` (the transformer blocks) in row-wise
         FP8 (`encoders.fp8`); a JobError, before any change, where the device cannot.
-        Before `compile`, so the compiler fuses each activation's quantisation."""
+        Before `compile`, so the compiled blocks are those with the FP8 layers."""
         from embedjob.encoders.fp8 import check_fp8, convert_blocks
 
         check_fp8(self.device, self.dtype)

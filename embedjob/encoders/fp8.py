@@ -231,12 +231,12 @@ class Fp8Joint(torch.nn.Module):
     the block's calls.
     """
 
-    def __init__(self, product: Fp8Linear, index: int, siblings: int, shared: _Shared) -> None:
+    def __init__(self, product: Fp8Linear, index: int, shared: _Shared) -> None:
         super().__init__()
         self.product = product
         self.in_features, self.out_features = product.in_features, product.widths[index]
         self.start = product.starts[index]
-        self.siblings = siblings
+        self.siblings = len(product.widths)
         self.shared = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -322,5 +322,5 @@ def _join(module: torch.nn.Module, group: Sequence[str]) -> bool:
         return False
     product, shared = Fp8Linear(layers), _Shared()
     for index, member in enumerate(group):
-        setattr(module, member, Fp8Joint(product, index, len(group), shared))
+        setattr(module, member, Fp8Joint(product, index, shared))
     return True

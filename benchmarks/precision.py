@@ -23,8 +23,9 @@ forward of the mix's largest batch by device time (where the time goes).
 sums to float32: `fp8.FAST_ACCUM` off), `fp8-compiler-quant` (activations quantised
 by the compiler's fused reduction instead of the Triton row kernel: `fp8.ROW_KERNEL` off),
 `fp8-unjoined` (every linear layer its own quantisation and product: `fp8.JOINT_GROUPS`
-empty) and `fp8-activation-apart` (the MLP's activation a kernel of its own, not applied by
-the layer that reads it: `fp8.ACTIVATION_INTO` empty).
+empty), `fp8-activation-apart` (the MLP's activation a kernel of its own, not applied by
+the layer that reads it: `fp8.ACTIVATION_INTO` empty) and `fp8-norm-apart` (the blocks'
+norms kernels of their own: `fp8.NORM_INTO` empty).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ VARIANTS = {
     "fp8-compiler-quant": ("fp8", {"ROW_KERNEL": False}),
     "fp8-unjoined": ("fp8", {"JOINT_GROUPS": ()}),
     "fp8-activation-apart": ("fp8", {"ACTIVATION_INTO": ()}),
+    "fp8-norm-apart": ("fp8", {"NORM_INTO": ()}),
 }
 """Variant -> (model.precision, the `encoders.fp8` settings it changes while its layers are made)."""
 

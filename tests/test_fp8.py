@@ -232,25 +232,64 @@ def test_activations_are_recognised_by_their_values(act: str, expected: str | No
     assert recognised_activation(ACT2FN[act]) == expected
 
 
-@pytest.mark.parametrize(("family", "activation"), [("siglip", "activation_fn"), ("clip", "activation_fn"),
-                                                    ("dinov2", "activation_fn"), ("qwen2_vl", "act")])
-def test_the_mlp_activation_runs_inside_the_fp8_layer_that_reads_it(family: str, activation: str, cache_dir: str) -> None:
+@pytest.mark.parametrize(("family", "activation", "norm"), [("siglip", "activation_fn", "layer_norm2"),
+                                                            ("clip", "activation_fn", "layer_norm2"),
+                                                            ("dinov2", "activation_fn", "norm2"), ("qwen2_vl", "act", "norm2")])
+def test_the_mlp_activation_runs_inside_the_fp8_layer_that_reads_it(family: str, activation: str, norm: str, cache_dir: str) -> None:
     """fc2 applies the MLP's activation as it quantises its input (the activation module
-    becomes an identity): the block computes what it does with the activation on its
-    own, to FP8 rounding, and the embeddings stay within FP8 rounding of full precision."""
+    becomes an identity), fc1 the norm before the MLP: norm and MLP compute what they do
+    with the norm and the activation on their own, to FP8 rounding, and the embeddings
+    stay within FP8 rounding of full precision."""
     job = make_job(cache_dir, model={"family": family, "path": f"builtin:tiny-{family}"})
     full = load_adapter(job, torch.device("cpu"))
     fp8 = load_adapter(make_job(cache_dir, model={"family": family, "path": f"builtin:tiny-{family}", "precision": "fp8"}),
                        torch.device("cpu"))
-    mlp, reference = fp8.compile_units()[0].mlp, full.compile_units()[0].mlp
+    block, reference = fp8.compile_units()[0], full.compile_units()[0]
+    mlp = block.mlp
     assert mlp.fc2.activation is not None and isinstance(getattr(mlp, activation), torch.nn.Identity)
-    separate = separately_converted(reference)
+    assert mlp.fc1.norm is not None and isinstance(getattr(block, norm), torch.nn.Identity)
+    separate = separately_converted(reference.mlp)
     torch.manual_seed(2)
-    x = torch.randn(3, 11, reference.fc1.in_features) * 4
+    x = torch.randn(3, 11, reference.mlp.fc1.in_features) * 4 + 1
     with torch.inference_mode():
-        got, want = mlp(x), separate(x)
+        got, want = mlp(getattr(block, norm)(x)), separate(getattr(reference, norm)(x))
         assert torch.nn.functional.cosine_similarity(got.flatten(0, 1), want.flatten(0, 1)).min() > 0.999
         items = [full.preprocessor()(SimpleNamespace(pixels=np.array(Image.open(path).convert("RGB")))) for path in PHOTOS]
         a = full.forward(full.eager_inputs(items)).float()
         b = fp8.forward(fp8.eager_inputs(items)).float()
     assert torch.nn.functional.cosine_similarity(a, b).min() > 0.99
+
+
+@pytest.mark.parametrize(
+    ("family", "norms"),
+    [("siglip", {"layer_norm1": ("self_attn.q_proj", "layer_norm"), "layer_norm2": ("mlp.fc1", "layer_norm")}),
+     ("dinov2", {"norm1": ("attention.q_proj", "layer_norm"), "norm2": ("mlp.fc1", "layer_norm")}),
+     ("qwen2_5_vl", {"norm1": ("attn.qkv", "rms_norm"), "norm2": ("mlp.gate_proj", "rms_norm")})],
+)
+def test_the_blocks_norms_run_inside_the_fp8_layers_that_read_them(family: str, norms: dict, cache_dir: str) -> None:
+    """Each block's norms become identities and the FP8 layers reading them normalise
+    their input as they quantise it (once for joined siblings); a whole block computes
+    what the block with its norms on their own and every layer in FP8 computes, and so
+    does the tower's first block when given an input its norm must not see twice."""
+    model = {"family": family, "path": f"builtin:tiny-{family}"}
+    full = load_adapter(make_job(cache_dir, model=model), torch.device("cpu"))
+    fp8 = load_adapter(make_job(cache_dir, model={**model, "precision": "fp8"}), torch.device("cpu"))
+    for block in fp8.compile_units():
+        for norm, (reader, kind) in norms.items():
+            layer = block.get_submodule(reader)
+            product = layer.product if isinstance(layer, Fp8Joint) else layer
+            assert isinstance(block.get_submodule(norm), torch.nn.Identity) and product.norm.kind == kind
+    reference = separately_converted(full.compile_units()[0])
+    block = fp8.compile_units()[0]
+    width = next(m for m in reference.modules() if isinstance(m, Fp8Linear)).in_features
+    torch.manual_seed(3)
+    with torch.inference_mode():
+        if family == "qwen2_5_vl":
+            x = torch.randn(1, 16, width) * 2 + 0.5
+            got, want = block.mlp(block.norm2(x)), reference.mlp(reference.norm2(x))
+        else:
+            x = torch.randn(2, 9, width) * 2 + 0.5
+            got, want = block(x, attention_mask=None), reference(x, attention_mask=None)
+            got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
+    cos = torch.nn.functional.cosine_similarity(got.flatten(0, -2).float(), want.flatten(0, -2).float())
+    assert cos.min() > 0.999, float(cos.min())

@@ -366,15 +366,19 @@ def test_fp8_compiled_graphs_replay_like_eager_and_stay_close_to_bf16(cache_dir:
 
 
 @pytest.mark.parametrize(
-    ("cols", "padded", "wider", "activation"),
-    [(1152, 1152, 0, None), (4304, 4304, 0, None), (72, 80, 0, None), (3420, 3424, 16, None),
-     (4304, 4304, 0, "gelu_tanh"), (4096, 4096, 0, "quick_gelu"), (1540, 1552, 0, "gelu"), (3420, 3424, 16, "gelu_tanh")],
+    ("cols", "padded", "wider", "activation", "norm"),
+    [(1152, 1152, 0, None, None), (4304, 4304, 0, None, None), (72, 80, 0, None, None), (3420, 3424, 16, None, None),
+     (4304, 4304, 0, "gelu_tanh", None), (4096, 4096, 0, "quick_gelu", None), (1540, 1552, 0, "gelu", None),
+     (3420, 3424, 16, "gelu_tanh", None), (1152, 1152, 0, None, "layer_norm"), (72, 80, 16, None, "layer_norm"),
+     (1280, 1280, 0, None, "rms_norm")],
 )
-def test_the_fp8_row_kernel_quantises_as_the_reference_does(cols: int, padded: int, wider: int, activation: str | None) -> None:
+def test_the_fp8_row_kernel_quantises_as_the_reference_does(
+    cols: int, padded: int, wider: int, activation: str | None, norm: str | None
+) -> None:
     """The Triton quantiser that CUDA layers use gives `quantize_rows`' scales and
     values (round to nearest even, one e4m3 step at most where the two divisions round
-    apart), zeros in the padded columns, also from rows of a wider tensor and after an
-    MLP's activation (against its float32 definition)."""
+    apart), zeros in the padded columns, also from rows of a wider tensor, after an
+    MLP's activation and after a block's norm (against their float32 definitions)."""
     from embedjob.encoders import fp8
 
     fp8._register_row_quantizer()
@@ -384,11 +388,18 @@ def test_the_fp8_row_kernel_quantises_as_the_reference_does(cols: int, padded: i
     x = wide[:, :cols]
     x[7] = 0
     code, function = fp8.ACTIVATIONS[activation] if activation else (0, lambda v: v)
-    quantized, scale = torch.ops.embedjob.fp8_quantize_rows(x, padded, code)
+    if norm is None:
+        quantized, scale = torch.ops.embedjob.fp8_quantize_rows(x, padded, code, 0, None, None, 0.0)
+    else:
+        weight = (torch.rand(cols, device="cuda", generator=generator) + 0.5).to(torch.bfloat16)
+        bias = torch.randn(cols, device="cuda", generator=generator).to(torch.bfloat16) if norm == "layer_norm" else None
+        quantized, scale = torch.ops.embedjob.fp8_quantize_rows(x, padded, code, fp8.NORMS[norm], weight, bias, 1e-6)
+        function = fp8.Norm(norm, weight, bias, 1e-6)
     want, want_scale = fp8.quantize_rows(torch.nn.functional.pad(function(x.float()), (0, padded - cols)))
-    torch.testing.assert_close(scale, want_scale, rtol=1e-5 if activation else 1e-6, atol=0)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-4 if norm else 1e-5 if activation else 1e-6, atol=0)
     got, want = quantized.float(), want.float()
-    assert quantized.shape == (300, padded) and (got[:, cols:] == 0).all() and (got[7] == 0).all()
+    assert quantized.shape == (300, padded) and (got[:, cols:] == 0).all()
+    assert norm == "layer_norm" or (got[7] == 0).all()  # a layer norm of zeros is its bias
     step = torch.exp2(torch.floor(torch.log2(torch.maximum(got.abs(), want.abs()).clamp(min=2**-6))) - 3)
     assert ((got - want).abs() <= step).all()
     assert (got == want).float().mean() > 0.999

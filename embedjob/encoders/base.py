@@ -272,8 +272,8 @@ class EncoderAdapter(abc.ABC):
         blocks = self.compile_units()
         self.fp8_layers = dict(convert_blocks(blocks))
         logger.info(
-            "model.precision fp8: %d linear layers of %d blocks in row-wise FP8 (%s); the patch embedding, norms, "
-            "attention and the layers outside the blocks in %s",
+            "model.precision fp8: %d linear layers of %d blocks in row-wise FP8 (%s); the patch embedding, "
+            "attention, the norms that no FP8 layer applies and the layers outside the blocks in %s",
             sum(self.fp8_layers.values()), len(blocks), ", ".join(sorted(self.fp8_layers)), str(self.dtype).removeprefix("torch."),
         )
 

@@ -5,8 +5,9 @@ matmul rate already; FP8 (e4m3) products run at up to twice that rate on GPUs th
 them (Hopper and newer). Scales are per row on both sides: one per output channel of a
 weight, quantised once at load, and one per token of an activation, computed at every
 call, so an outlier token or channel costs only its own row's precision. Everything
-else (patch embedding, norms, attention, pooling heads, mergers) stays in the model's
-dtype: they are a small share of the time and the most sensitive to precision.
+else (patch embedding, attention, pooling heads, mergers) stays in the model's dtype:
+they are a small share of the time and the most sensitive to precision; the blocks'
+norms and MLP activations run in float32 inside the quantiser (below).
 
 On CUDA an activation is quantised by one Triton kernel per call
 (`torch.ops.embedjob.fp8_quantize_rows`, `encoders.fp8_kernel`), which reads each row
@@ -30,6 +31,12 @@ tensor of the block, is never written in bf16 and read back (SigLIP-so400m 3 %, 
 6 % faster). The activation is recognised by its values, not by its class name, which
 transformers has changed between releases.
 
+A block's norm is applied by the layers that read it (`NORM_INTO`: the layer norms or
+RMS norms before attention and before the MLP in every family's block): the row kernel
+normalises the row it holds anyway before it takes the row's scale, so the normalised
+state is never written in bf16 and read back, and the norm's own kernel (a looped
+reduction over rows wider than the compiler's 1,024-element limit) does not run.
+
 Invariants: a converted layer computes `x @ W.T + b` up to FP8 rounding, for any input
 row count and any layer shape (the FP8 product needs both matrix dimensions multiples
 of 16: weights are zero-padded once, inputs along their last dimension at each call);
@@ -43,6 +50,7 @@ import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +99,63 @@ ACTIVATIONS: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {
 row kernel's code for it, its float32 definition)."""
 
 
+NORM_INTO = (
+    ("layer_norm1", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),  # SigLIP, CLIP
+    ("layer_norm2", ("mlp.fc1",)),  # SigLIP, CLIP
+    ("norm1", ("attention.q_proj", "attention.k_proj", "attention.v_proj")),  # DINOv2
+    ("norm1", ("attn.qkv",)),  # Qwen-VL
+    ("norm2", ("mlp.fc1",)),  # DINOv2, Qwen2-VL
+    ("norm2", ("mlp.gate_proj", "mlp.up_proj")),  # Qwen2.5-VL
+)
+"""(norm, the layers that read its output) by their names within a block, for blocks
+whose forward (transformers' modeling code) hands the norm's output to those layers
+alone, so they may apply the norm themselves."""
+NORMS = {"layer_norm": 1, "rms_norm": 2}
+"""Norms an FP8 layer applies to its input before quantising it: name -> the row kernel's code."""
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A block's norm as an FP8 layer applies it: `kind` of `NORMS`, per-column weight
+    (and bias for a layer norm), epsilon."""
+
+    kind: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of `x` (rows, width) in float32."""
+        x = x.float()
+        if self.kind == "layer_norm":
+            bias = None if self.bias is None else self.bias.float()
+            return F.layer_norm(x, (x.shape[-1],), self.weight.float(), bias, self.eps)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+
+
+def recognised_norm(module: torch.nn.Module, width: int) -> Norm | None:
+    """`module` as a `Norm` over `width` columns, where it is a layer norm or an RMS norm
+    (checked by its values on random rows against `Norm`'s), or None."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (width,):
+        return None
+    if isinstance(module, torch.nn.LayerNorm):
+        norm = Norm("layer_norm", weight.detach(), None if module.bias is None else module.bias.detach(), module.eps)
+    else:
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if not isinstance(eps, float) or getattr(module, "bias", None) is not None:
+            return None
+        norm = Norm("rms_norm", weight.detach(), None, eps)
+    probe = torch.randn(8, width, generator=torch.Generator().manual_seed(0)).to(weight.device) * 3 + 1
+    try:
+        with torch.no_grad():
+            values = module(probe.to(weight.dtype)).float()
+    except (RuntimeError, TypeError):
+        return None
+    tolerance = 1e-4 if weight.dtype == torch.float32 else 2e-2
+    return norm if torch.allclose(values, norm(probe), rtol=tolerance, atol=tolerance) else None
+
+
 def recognised_activation(module: torch.nn.Module) -> str | None:
     """The `ACTIVATIONS` name of what `module` computes, from its values in float32 on
     [-8, 8], or None (then it stays a module of its own)."""
@@ -118,8 +183,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def _register_row_quantizer() -> None:
-    """Registers `torch.ops.embedjob.fp8_quantize_rows(x, padded, activation)`:
-    `quantize_rows` of a (rows, k) CUDA tensor, after the activation of that
+    """Registers `torch.ops.embedjob.fp8_quantize_rows(x, padded, activation, norm, weight,
+    bias, eps)`: `quantize_rows` of a (rows, k) CUDA tensor, after the norm of that
+    `NORMS` code (0: none; its weight, bias and epsilon) and the activation of that
     `ACTIVATIONS` code (0: none), as one Triton kernel, zero-padded to `padded` columns; one
     program per row holds the whole row, so it is read once. A `torch.library.triton_op`,
     so compiled blocks call the kernel and CUDA graphs capture it; registered once, when
@@ -129,15 +195,20 @@ def _register_row_quantizer() -> None:
     from embedjob.encoders.fp8_kernel import fp8_quantize_rows_kernel
 
     @torch.library.triton_op("embedjob::fp8_quantize_rows", mutates_args=())
-    def quantize(x: torch.Tensor, padded: int, activation: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(
+        x: torch.Tensor, padded: int, activation: int, norm: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = x if x.stride(-1) == 1 else x.contiguous()
         rows, cols = x.shape
         quantized = torch.empty(rows, padded, dtype=FP8, device=x.device)
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
         warps = ROW_WARPS or (4 if activation or padded <= 2048 else 8)
+        weight = x if weight is None else weight  # not read without a norm
+        bias = weight if bias is None else bias  # not read without a layer norm
         torch.library.wrap_triton(fp8_quantize_rows_kernel)[(rows,)](
-            x, quantized, scale, x.stride(0), cols, padded,
-            BLOCK=triton.next_power_of_2(padded), TINY=_TINY, LIMIT=FP8_MAX, ACTIVATION=activation, num_warps=warps,
+            x, quantized, scale, weight, bias, x.stride(0), cols, padded, eps,
+            BLOCK=triton.next_power_of_2(padded), TINY=_TINY, LIMIT=FP8_MAX, ACTIVATION=activation, NORM=norm,
+            num_warps=warps,
         )
         return quantized, scale
 
@@ -147,7 +218,8 @@ class Fp8Linear(torch.nn.Module):
     its output is in the input's dtype. Given several layers of one input width, it
     is their joined product: its output holds each layer's columns in turn, each
     starting at a multiple of 16 (`starts`). Given an `ACTIVATIONS` name, it computes
-    the layer of that activation of its input."""
+    the layer of that activation of its input; after `apply_norm`, of its input's norm
+    (then the activation)."""
 
     def __init__(self, linear: torch.nn.Linear | Sequence[torch.nn.Linear], activation: str | None = None) -> None:
         super().__init__()
@@ -178,15 +250,28 @@ class Fp8Linear(torch.nn.Module):
                 [F.pad(layer.bias.detach(), (0, _padded(layer.out_features) - layer.out_features)) for layer in layers]
             ).to(layers[0].weight.dtype),
         )
+        self.norm: Norm | None = None
+
+    def apply_norm(self, norm: Norm) -> None:
+        """From now on normalise the input by `norm` before anything else."""
+        self.norm = norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         padded = self.weight.shape[1]
+        norm = self.norm
         if self.row_kernel and rows.is_cuda:
             code = 0 if self.activation is None else ACTIVATIONS[self.activation][0]
-            quantized, scale = torch.ops.embedjob.fp8_quantize_rows(rows, padded, code)
+            if norm is None:
+                quantized, scale = torch.ops.embedjob.fp8_quantize_rows(rows, padded, code, 0, None, None, 0.0)
+            else:
+                quantized, scale = torch.ops.embedjob.fp8_quantize_rows(
+                    rows, padded, code, NORMS[norm.kind], norm.weight, norm.bias, norm.eps
+                )
         else:
+            if norm is not None:
+                rows = norm(rows)
             if self.activation is not None:
                 rows = ACTIVATIONS[self.activation][1](rows.float())
             quantized, scale = quantize_rows(rows if padded == self.in_features else F.pad(rows, (0, padded - self.in_features)))
@@ -204,8 +289,9 @@ class Fp8Linear(torch.nn.Module):
         return out.reshape(*leading, self.out_features)
 
     def extra_repr(self) -> str:
+        norm = "" if self.norm is None else f", norm={self.norm.kind}"
         activation = "" if self.activation is None else f", activation={self.activation}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8=row-wise{activation}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8=row-wise{norm}{activation}"
 
 
 class _Shared:
@@ -274,6 +360,7 @@ def convert_blocks(blocks: Iterable[torch.nn.Module]) -> Counter[str]:
     converted: Counter[str] = Counter()
     joined: Counter[tuple[str, ...]] = Counter()
     activated: Counter[tuple[str, str, str]] = Counter()
+    normed: Counter[tuple[str, tuple[str, ...], str]] = Counter()
     for block in blocks:
         for name, module in list(block.named_modules()):
             prefix = f"{name}." if name else ""
@@ -290,11 +377,48 @@ def convert_blocks(blocks: Iterable[torch.nn.Module]) -> Counter[str]:
                 if type(child) is torch.nn.Linear:
                     setattr(module, child_name, Fp8Linear(child))
                     converted[prefix + child_name] += 1
+        for norm_name, readers in NORM_INTO:
+            kind = _norm_into(block, norm_name, readers)
+            if kind is not None:
+                normed[norm_name, readers, kind] += 1
     for group, count in joined.items():
         logger.info("model.precision fp8: %s share one quantisation and product in %d blocks", ", ".join(group), count)
     for (activation, layer, kind), count in activated.items():
         logger.info("model.precision fp8: %s applies %s (%s) as it quantises, in %d blocks", layer, activation, kind, count)
+    for (norm_name, readers, kind), count in normed.items():
+        logger.info("model.precision fp8: %s apply %s (%s) as they quantise, in %d blocks", ", ".join(readers), norm_name, kind, count)
     return converted
+
+
+def _norm_into(block: torch.nn.Module, norm_name: str, readers: Sequence[str]) -> str | None:
+    """Where `block` has a recognised norm at `norm_name` and FP8 layers at every one of
+    `readers` (a joined product only with all its siblings among them), make the layers
+    apply the norm and the norm an identity; the norm's kind, or None where nothing changed."""
+    norm_module = block.get_submodule(norm_name) if _has(block, norm_name) else None
+    layers = [block.get_submodule(path) if _has(block, path) else None for path in readers]
+    if norm_module is None or not all(isinstance(layer, (Fp8Linear, Fp8Joint)) for layer in layers):
+        return None
+    products = {id(p): p for p in (layer.product if isinstance(layer, Fp8Joint) else layer for layer in layers)}
+    joints = [layer for layer in layers if isinstance(layer, Fp8Joint)]
+    if any(sum(other.shared is joint.shared for other in joints) != joint.siblings for joint in joints):
+        return None
+    widths = {product.in_features for product in products.values()}
+    norm = recognised_norm(norm_module, widths.pop()) if len(widths) == 1 else None
+    if norm is None or any(product.norm is not None or product.activation is not None for product in products.values()):
+        return None
+    for product in products.values():
+        product.apply_norm(norm)
+    parent, _, name = norm_name.rpartition(".")
+    setattr(block.get_submodule(parent) if parent else block, name, torch.nn.Identity())
+    return norm.kind
+
+
+def _has(module: torch.nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _activate_into(module: torch.nn.Module, activation: str, layer: str) -> str | None:

@@ -1,9 +1,9 @@
 """The Triton kernel behind `torch.ops.embedjob.fp8_quantize_rows` (`encoders.fp8`): one
-program per row quantises it to FP8 with one scale from its largest magnitude, after an
-MLP activation where asked. Imported only where the op is registered (CUDA machines),
+program per row quantises it to FP8 with one scale from its largest magnitude, after the
+block's norm or an MLP activation where asked. Imported only where the op is registered (CUDA machines),
 since Triton is not needed elsewhere.
 
-Invariants: `q * scale` approximates the (activated) row, rounded to nearest even;
+Invariants: `q * scale` approximates the (normed, activated) row, rounded to nearest even;
 columns from `cols` to `padded` are zero; a row of zeros gets the smallest scale.
 """
 
@@ -24,14 +24,33 @@ def activated(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def normed(x, inside, w_ptr, b_ptr, offsets, cols, eps, NORM: tl.constexpr):
+    """`x` (one row, zero outside `inside`) after the norm of `fp8.NORMS` code `NORM` (0:
+    none), in float32; still zero outside `inside`."""
+    if NORM == 1:  # layer norm
+        mean = tl.sum(x, axis=0) / cols
+        centred = tl.where(inside, x - mean, 0.0)
+        x = centred * tl.rsqrt(tl.sum(centred * centred, axis=0) / cols + eps)
+        x = x * tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        x = x + tl.load(b_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    elif NORM == 2:  # RMS norm
+        x = x * tl.rsqrt(tl.sum(x * x, axis=0) / cols + eps)
+        x = x * tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def fp8_quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, stride, cols, padded,
-    BLOCK: tl.constexpr, TINY: tl.constexpr, LIMIT: tl.constexpr, ACTIVATION: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, w_ptr, b_ptr, stride, cols, padded, eps,
+    BLOCK: tl.constexpr, TINY: tl.constexpr, LIMIT: tl.constexpr, ACTIVATION: tl.constexpr, NORM: tl.constexpr,
 ):
-    """One program per row holds the whole row (`BLOCK` >= `padded`), so it is read once."""
+    """One program per row holds the whole row (`BLOCK` >= `padded`), so it is read once:
+    the norm, then the activation, then the scale and the FP8 values."""
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
-    x = activated(tl.load(x_ptr + row * stride + offsets, mask=offsets < cols, other=0.0).to(tl.float32), ACTIVATION)
+    inside = offsets < cols
+    x = tl.load(x_ptr + row * stride + offsets, mask=inside, other=0.0).to(tl.float32)
+    x = activated(normed(x, inside, w_ptr, b_ptr, offsets, cols, eps, NORM), ACTIVATION)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), TINY) / LIMIT
     q = tl.clamp(x / scale, -LIMIT, LIMIT)
     tl.store(q_ptr + row * padded + offsets, q.to(q_ptr.dtype.element_ty), mask=offsets < padded)

@@ -53,7 +53,7 @@ def main() -> None:
         lines.append(f"| {label} | {cols} | cast | {cast:.3f} | {moved / cast * 1e3:,.0f} | 1.00 |")
         for warps in WARPS:
             fp8.ROW_WARPS = warps
-            ms = cuda_time(lambda: torch.ops.embedjob.fp8_quantize_rows(x, padded, code), args.repeats, warmup=2) * 1e3
+            ms = cuda_time(lambda: torch.ops.embedjob.fp8_quantize_rows(x, padded, code, 0, None, None, 0.0), args.repeats, warmup=2) * 1e3
             lines.append(f"| {label} | {cols} | {warps or 'default'} | {ms:.3f} | {moved / ms * 1e3:,.0f} | {ms / cast:.2f} |")
         fp8.ROW_WARPS = None
         del x

@@ -206,8 +206,8 @@ def _register_row_quantizer() -> None:
         weight = x if weight is None else weight  # not read without a norm
         bias = weight if bias is None else bias  # not read without a layer norm
         torch.library.wrap_triton(fp8_quantize_rows_kernel)[(rows,)](
-            x, quantized, scale, weight, bias, x.stride(0), cols, padded, eps,
-            BLOCK=triton.next_power_of_2(padded), TINY=_TINY, LIMIT=FP8_MAX, ACTIVATION=activation, NORM=norm,
+            x, quantized, scale, weight, bias, x.stride(0), cols, padded,
+            BLOCK=triton.next_power_of_2(padded), TINY=_TINY, LIMIT=FP8_MAX, ACTIVATION=activation, NORM=norm, EPS=eps,
             num_warps=warps,
         )
         return quantized, scale

@@ -41,16 +41,19 @@ def normed(x, inside, w_ptr, b_ptr, offsets, cols, eps, NORM: tl.constexpr):
 
 @triton.jit
 def fp8_quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, w_ptr, b_ptr, stride, cols, padded, eps,
+    x_ptr, q_ptr, scale_ptr, w_ptr, b_ptr, stride, cols, padded,
     BLOCK: tl.constexpr, TINY: tl.constexpr, LIMIT: tl.constexpr, ACTIVATION: tl.constexpr, NORM: tl.constexpr,
+    EPS: tl.constexpr,
 ):
     """One program per row holds the whole row (`BLOCK` >= `padded`), so it is read once:
-    the norm, then the activation, then the scale and the FP8 values."""
+    the norm, then the activation, then the scale and the FP8 values. The norm's epsilon
+    is a constant because under the compiler a float argument arrives as float64, which
+    has no conversion to FP8."""
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     inside = offsets < cols
     x = tl.load(x_ptr + row * stride + offsets, mask=inside, other=0.0).to(tl.float32)
-    x = activated(normed(x, inside, w_ptr, b_ptr, offsets, cols, eps, NORM), ACTIVATION)
+    x = activated(normed(x, inside, w_ptr, b_ptr, offsets, cols, EPS, NORM), ACTIVATION)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), TINY) / LIMIT
     q = tl.clamp(x / scale, -LIMIT, LIMIT)
     tl.store(q_ptr + row * padded + offsets, q.to(q_ptr.dtype.element_ty), mask=offsets < padded)

@@ -394,8 +394,8 @@ def _norm_into(block: torch.nn.Module, norm_name: str, readers: Sequence[str]) -
     """Where `block` has a recognised norm at `norm_name` and FP8 layers at every one of
     `readers` (a joined product only with all its siblings among them), make the layers
     apply the norm and the norm an identity; the norm's kind, or None where nothing changed."""
-    norm_module = block.get_submodule(norm_name) if _has(block, norm_name) else None
-    layers = [block.get_submodule(path) if _has(block, path) else None for path in readers]
+    norm_module = _submodule(block, norm_name)
+    layers = [_submodule(block, path) for path in readers]
     if norm_module is None or not all(isinstance(layer, (Fp8Linear, Fp8Joint)) for layer in layers):
         return None
     products = {id(p): p for p in (layer.product if isinstance(layer, Fp8Joint) else layer for layer in layers)}
@@ -413,12 +413,11 @@ def _norm_into(block: torch.nn.Module, norm_name: str, readers: Sequence[str]) -
     return norm.kind
 
 
-def _has(module: torch.nn.Module, path: str) -> bool:
+def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
     try:
-        module.get_submodule(path)
+        return module.get_submodule(path)
     except AttributeError:
-        return False
-    return True
+        return None
 
 
 def _activate_into(module: torch.nn.Module, activation: str, layer: str) -> str | None:

@@ -25,7 +25,9 @@ by the compiler's fused reduction instead of the Triton row kernel: `fp8.ROW_KER
 `fp8-unjoined` (every linear layer its own quantisation and product: `fp8.JOINT_GROUPS`
 empty), `fp8-activation-apart` (the MLP's activation a kernel of its own, not applied by
 the layer that reads it: `fp8.ACTIVATION_INTO` empty) and `fp8-norm-apart` (the blocks'
-norms kernels of their own: `fp8.NORM_INTO` empty).
+norms kernels of their own: `fp8.NORM_INTO` empty); `bf16-strided` and `fp8-strided`
+keep the fixed-resolution towers' hidden state in the layout their embeddings give it
+(`fixed.ROW_MAJOR` off: SigLIP's is transposed).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from benchmarks.mixes import MIXES, builtin_sources, collect_photos, jpeg_datase
 from benchmarks.scaling import write_job  # noqa: E402
 from embedjob.bench import largest_batch_kernels  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
-from embedjob.encoders import fp8, load_adapter  # noqa: E402
+from embedjob.encoders import fixed, fp8, load_adapter  # noqa: E402
 from embedjob.engine.encode import budget_plan  # noqa: E402
 
 SMOKE_IMAGES = 24
@@ -57,14 +59,17 @@ DEFAULT_IMAGES = {"qwen-mixed": 768, "qwen-224": 2048, "siglip": 2048, "clip": 2
 REFERENCE = ["model.dtype=float32", "batching.compile=false", "batching.cuda_graphs=false"]
 VARIANTS = {
     "bf16": ("bf16", {}),
+    "bf16-strided": ("bf16", {(fixed, "ROW_MAJOR"): False}),
     "fp8": ("fp8", {}),
-    "fp8-exact-accum": ("fp8", {"FAST_ACCUM": False}),
-    "fp8-compiler-quant": ("fp8", {"ROW_KERNEL": False}),
-    "fp8-unjoined": ("fp8", {"JOINT_GROUPS": ()}),
-    "fp8-activation-apart": ("fp8", {"ACTIVATION_INTO": ()}),
-    "fp8-norm-apart": ("fp8", {"NORM_INTO": ()}),
+    "fp8-exact-accum": ("fp8", {(fp8, "FAST_ACCUM"): False}),
+    "fp8-compiler-quant": ("fp8", {(fp8, "ROW_KERNEL"): False}),
+    "fp8-unjoined": ("fp8", {(fp8, "JOINT_GROUPS"): ()}),
+    "fp8-activation-apart": ("fp8", {(fp8, "ACTIVATION_INTO"): ()}),
+    "fp8-norm-apart": ("fp8", {(fp8, "NORM_INTO"): ()}),
+    "fp8-strided": ("fp8", {(fixed, "ROW_MAJOR"): False}),
 }
-"""Variant -> (model.precision, the `encoders.fp8` settings it changes while its layers are made)."""
+"""Variant -> (model.precision, the (module, setting) pairs of `encoders.fp8` and
+`encoders.fixed` it changes while its adapter is made, with their values)."""
 
 
 def log(message: str) -> None:
@@ -80,16 +85,16 @@ def free(device: torch.device) -> None:
 
 @contextlib.contextmanager
 def layers_of(name: str):
-    """The overrides of variant `name`, with its `encoders.fp8` settings in force while inside."""
+    """The overrides of variant `name`, with its module settings in force while inside."""
     precision, settings = VARIANTS[name]
-    saved = {key: getattr(fp8, key) for key in settings}
-    for key, value in settings.items():
-        setattr(fp8, key, value)
+    saved = {(module, key): getattr(module, key) for module, key in settings}
+    for (module, key), value in settings.items():
+        setattr(module, key, value)
     try:
         yield [f"model.precision={precision}"]
     finally:
-        for key, value in saved.items():
-            setattr(fp8, key, value)
+        for (module, key), value in saved.items():
+            setattr(module, key, value)
 
 
 def variant(job_path: Path, overrides: list[str], device: torch.device, prepared, repeats: int) -> tuple[EncoderOnly, np.ndarray]:

@@ -306,3 +306,25 @@ def test_embedjob_bench_times_the_fixed_towers_against_plain_transformers(tmp_pa
     assert all(r.items == 3 and r.seconds > 0 and r.flops > 0 for r in rows)
     for ours in rows[1::2]:
         assert float(ours.note.rsplit("min cos to plain ", 1)[1]) > 0.9999, ours.note
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_block_reads_a_row_major_hidden_state(adapters, family: str) -> None:
+    """SigLIP's embeddings come out transposed; left so, every compiled block would read
+    (or copy) a strided state. Each block and each of its norms must see a contiguous one."""
+    adapter = adapters[family]
+    seen: list[tuple[str, bool]] = []
+    hooks = []
+    for index, block in enumerate(adapter.compile_units()):
+        for name, module in block.named_modules():
+            if name == "" or "norm" in name:
+                hooks.append(module.register_forward_pre_hook(
+                    lambda m, args, key=f"{index}.{name or 'block'}": seen.append((key, args[0].is_contiguous()))
+                ))
+    try:
+        _embed(adapter, [random_image(90, 60, 1), random_image(30, 40, 2)])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(seen) >= 3 * len(adapter.compile_units())
+    assert [key for key, contiguous in seen if not contiguous] == []

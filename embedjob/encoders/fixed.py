@@ -70,6 +70,9 @@ logger = logging.getLogger(__name__)
 GLOBAL_KEY = "pixel_values"
 LOCAL_KEY = "tile_pixels"
 MAX_IMAGES_PER_BATCH = 256
+ROW_MAJOR = True
+"""Whether new adapters make the embeddings' output row-major (`row_major_states`).
+Read when an adapter is built; benchmarks switch it off to measure the strided layout."""
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # PIL resample codes as saved in preprocessor configs -> the torchvision modes transformers
@@ -563,6 +566,24 @@ def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_
     )
 
 
+def row_major_states(tower: torch.nn.Module) -> None:
+    """Make the hidden state that enters the first block row-major (contiguous).
+
+    SigLIP's embeddings are the patch convolution's output seen through a transpose,
+    plus the position embeddings; an add keeps its first operand's layout, so the state
+    has strides (tokens x hidden, 1, tokens). The blocks are compiled one by one, so each
+    block's output keeps its input's layout and every block's norms (or, in FP8, the row
+    kernel that applies them) read rows at a stride of `tokens` elements or copy them
+    first. One copy here, before the first block, replaces those; a state that is
+    row-major already (CLIP, DINOv2) is passed on as it is.
+    """
+    tower.embeddings.register_forward_hook(_row_major)
+
+
+def _row_major(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output.contiguous()
+
+
 def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: AdapterOptions) -> FixedResAdapter:
     """Load a fixed-resolution tower on `device` in `dtype`, with the job's pooling and tiling."""
     spec = FAMILIES[family]
@@ -571,6 +592,8 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
     )
     tower, projection = load_model(spec, directory, dtype)
     tower = tower.to(device).eval().requires_grad_(False)
+    if ROW_MAJOR:
+        row_major_states(tower)
     if projection is not None:
         projection = projection.to(device).eval().requires_grad_(False)
     pool = "patch_mean" if options.dinov2_pool == "patch_mean" else "pooler"

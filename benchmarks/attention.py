@@ -1,5 +1,6 @@
 """Attention kernels at the towers' own head dims (issue #19, item 1): what each backend
-that torch ships takes per call, on the segment layouts the towers run.
+that torch ships, and FlashAttention-4 where it is installed, takes per call, on the
+segment layouts the towers run.
 
     PYTHONPATH=. python3 benchmarks/attention.py [--repeats 20]     (one GPU)
     PYTHONPATH=. python3 benchmarks/attention.py --smoke            (CPU, tiny, plumbing only)
@@ -17,8 +18,13 @@ cases, whose images are one dense batch, scaled_dot_product_attention restricted
 `flash`, `efficient` and `cudnn` (the fixed-resolution path runs transformers' `sdpa`,
 which lets torch choose). `varlen-pad-N` runs varlen with q, k, v zero-padded to head
 dim N and the scale of the true head dim: what a kernel that rounds the head dim up
-does. Each row: median milliseconds of `--repeats` CUDA-event-timed calls after a
-warm-up, TFLOP/s (4 x sum of squared segment lengths x heads x head dim), and the
+does. `fa4` runs `flash_attn.cute.flash_attn_varlen_func` from the `flash-attn-4`
+package (CuTe DSL kernels compiled at their first call, so its first call per case is
+not timed, like every backend's), on the same packed q, k, v and offsets as `varlen`;
+it runs only where `flash_attn.cute` imports and on CUDA, and its row says why not
+otherwise; it comes last in each case, so a kernel that faults leaves the other rows of
+that case measured. Each row: median milliseconds of `--repeats` CUDA-event-timed calls
+after a warm-up, TFLOP/s (4 x sum of squared segment lengths x heads x head dim), and the
 largest absolute difference to a float32 per-segment reference; a backend that cannot
 run the case says why. The table is the last thing printed.
 """
@@ -121,6 +127,40 @@ def flex(case: Case, device: torch.device) -> Callable[..., torch.Tensor]:
     return run
 
 
+def fa4_problem(device: torch.device) -> str | None:
+    """Why `fa4` cannot run here, or None."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError as exc:
+        installed = f"flash-attn-4 not installed ({exc})"
+    except Exception as exc:  # the CuTe DSL can fail to load for reasons other than absence
+        first = str(exc).strip().splitlines()[0][:80] if str(exc).strip() else ""
+        installed = f"flash_attn.cute does not import: {type(exc).__name__}: {first}"
+    else:
+        installed = None
+    if device.type != "cuda":
+        return f"flash-attn-4 needs CUDA; {installed or 'flash_attn.cute imports'}"
+    return installed
+
+
+def fa4(case: Case, device: torch.device) -> Callable[..., torch.Tensor]:
+    problem = fa4_problem(device)
+    if problem is not None:
+        raise RuntimeError(problem)
+    from flash_attn.cute import flash_attn_varlen_func
+
+    longest = max(case.segments)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        result = flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=offsets, cu_seqlens_k=offsets, max_seqlen_q=longest, max_seqlen_k=longest,
+            softmax_scale=case.head_dim**-0.5, causal=False,
+        )
+        return result[0] if isinstance(result, tuple) else result  # 4.0.0b36 returns (out, lse)
+
+    return run
+
+
 def dense(case: Case, backend: torch.nn.attention.SDPBackend) -> Callable[..., torch.Tensor]:
     images, length = len(case.segments), case.segments[0]
 
@@ -148,6 +188,7 @@ def backends(case: Case, device: torch.device) -> dict[str, Callable[[], Callabl
             names = {"math": SDP.MATH}
         for name, backend in names.items():
             out[f"sdpa-{name}"] = lambda backend=backend: dense(case, backend)
+    out["fa4"] = lambda: fa4(case, device)  # last: a faulting kernel leaves this case's other rows
     return out
 
 

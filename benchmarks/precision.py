@@ -24,8 +24,10 @@ sums to float32: `fp8.FAST_ACCUM` off), `fp8-compiler-quant` (activations quanti
 by the compiler's fused reduction instead of the Triton row kernel: `fp8.ROW_KERNEL` off),
 `fp8-unjoined` (every linear layer its own quantisation and product: `fp8.JOINT_GROUPS`
 empty), `fp8-activation-apart` (the MLP's activation a kernel of its own, not applied by
-the layer that reads it: `fp8.ACTIVATION_INTO` empty) and `fp8-norm-apart` (the blocks'
-norms kernels of their own: `fp8.NORM_INTO` empty); `bf16-strided` and `fp8-strided`
+the layer that reads it: `fp8.ACTIVATION_INTO` empty), `fp8-norm-apart` (the blocks'
+norms kernels of their own: `fp8.NORM_INTO` empty) and `fp8-gated-apart` (a gated MLP's
+`act(gate) * up` a tensor of its own, written in bf16 and read by the down projection:
+`fp8.GATED_MLPS` empty; gate and up still joined); `bf16-strided` and `fp8-strided`
 keep the fixed-resolution towers' hidden state in the layout their embeddings give it
 (`fixed.ROW_MAJOR` off: SigLIP's is transposed).
 """
@@ -67,6 +69,7 @@ VARIANTS = {
     "fp8-activation-apart": ("fp8", {(fp8, "ACTIVATION_INTO"): ()}),
     "fp8-norm-apart": ("fp8", {(fp8, "NORM_INTO"): ()}),
     "fp8-strided": ("fp8", {(fixed, "ROW_MAJOR"): False}),
+    "fp8-gated-apart": ("fp8", {(fp8, "GATED_MLPS"): ()}),
 }
 """Variant -> (model.precision, the (module, setting) pairs of `encoders.fp8` and
 `encoders.fixed` it changes while its adapter is made, with their values)."""

@@ -19,7 +19,7 @@ from conftest import REPO, make_job
 
 from embedjob.cli import main
 from embedjob.encoders import load_adapter
-from embedjob.encoders.fp8 import Fp8Joint, Fp8Linear, convert_blocks
+from embedjob.encoders.fp8 import Fp8GatedMlp, Fp8Joint, Fp8Linear, convert_blocks
 from embedjob.io.checkpoint import job_fingerprint
 
 DEMO = str(REPO / "jobs" / "demo.yaml")
@@ -293,3 +293,102 @@ def test_the_blocks_norms_run_inside_the_fp8_layers_that_read_them(family: str, 
             got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
     cos = torch.nn.functional.cosine_similarity(got.flatten(0, -2).float(), want.flatten(0, -2).float())
     assert cos.min() > 0.999, float(cos.min())
+
+
+def qwen_block(intermediate: int, act: str = "silu", mlp: type | None = None) -> torch.nn.Module:
+    """A tiny Qwen2.5-VL vision block (the builtin tower's sizes, fixed seed) with that
+    MLP width and activation, optionally its MLP of class `mlp` instead."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionBlock
+
+    from embedjob.encoders.qwen import BUILTIN_CONFIGS
+
+    config = Qwen2_5_VLVisionConfig(**{**BUILTIN_CONFIGS["qwen2_5_vl"], "intermediate_size": intermediate, "hidden_act": act})
+    torch.manual_seed(0)
+    block = Qwen2_5_VLVisionBlock(config)
+    if mlp is not None:
+        block.mlp = mlp(config, bias=True)
+    return block.eval()
+
+
+def mlp_outputs(block: torch.nn.Module, reference: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP of each block on its norm of one random input, flattened to rows."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 23, reference.norm2.weight.shape[0]) * 2 + 0.5
+    with torch.inference_mode():
+        return block.mlp(block.norm2(x)).flatten(0, 1), reference.mlp(reference.norm2(x)).flatten(0, 1)
+
+
+@pytest.mark.parametrize("intermediate", [256, 100])
+def test_a_gated_mlps_down_projection_forms_silu_gate_times_up_from_the_joined_product(intermediate: int) -> None:
+    """Qwen2.5-VL's MLP becomes an `Fp8GatedMlp`: gate and up stay one joined product
+    (reading the block's norm), down forms silu(gate) * up from its output rows (the up
+    half at a multiple of 16 where the width is not one), so the compiled MLP runs two
+    FP8 products and no more; it computes the MLP to FP8 rounding and what every layer in
+    FP8 on its own computes, and the counts name the same layers as before."""
+    reference = qwen_block(intermediate)
+    block = copy.deepcopy(reference)
+    assert convert_blocks([block]) == {name: 1 for name in ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    mlp = block.mlp
+    assert isinstance(mlp, Fp8GatedMlp) and mlp.activation == "silu" and not hasattr(mlp, "act_fn")
+    assert mlp.gate_proj.product is mlp.up_proj.product and mlp.up_start == -(-intermediate // 16) * 16
+    assert mlp.gate_proj.product.norm.kind == "rms_norm" and isinstance(block.norm2, torch.nn.Identity)
+    assert fp8_layers_in(block) == 5
+    got, exact = mlp_outputs(block, reference)
+    _, separate = mlp_outputs(block, separately_converted(reference))
+    assert torch.nn.functional.cosine_similarity(got, exact).min() > 0.99
+    assert torch.nn.functional.cosine_similarity(got, separate).min() > 0.999
+    products = []
+
+    def counting(gm: torch.fx.GraphModule, inputs: list) -> torch.fx.GraphModule:
+        products.append(sum("scaled_mm" in str(node.target) for node in gm.graph.nodes))
+        return gm
+
+    mlp.compile(backend=counting, dynamic=True)
+    compiled, _ = mlp_outputs(block, reference)
+    torch.testing.assert_close(compiled, got, rtol=1e-5, atol=1e-5)
+    assert products == [2]
+
+
+class SwappedMlp(torch.nn.Module):
+    """An MLP with Qwen2.5-VL's layer names whose forward gates the other way round."""
+
+    def __init__(self, config, bias: bool) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.gate_proj = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = torch.nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = torch.nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+
+@pytest.mark.parametrize(
+    ("act", "mlp", "gated_mlps"),
+    [("gelu_pytorch_tanh", None, None), ("relu", None, None), ("silu", SwappedMlp, None), ("silu", None, ())],
+)
+def test_a_gated_mlp_that_is_not_silu_gate_times_up_keeps_its_own_forward(
+    act: str, mlp: type | None, gated_mlps: tuple | None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another activation (one the row kernel has for ungated MLPs, one it has not), a
+    forward that the probe at load finds other than down(silu(gate) * up) (a warning
+    says so) and `GATED_MLPS` empty (benchmarks/precision.py's fp8-gated-apart): the
+    MLP keeps its module and activation, its layers are FP8 (gate and up still joined)
+    and it computes what it did to FP8 rounding."""
+    from embedjob.encoders import fp8
+
+    if gated_mlps is not None:
+        monkeypatch.setattr(fp8, "GATED_MLPS", gated_mlps)
+    reference = qwen_block(100, act, mlp)
+    block = copy.deepcopy(reference)
+    with caplog.at_level("WARNING", logger="embedjob.encoders.fp8"):
+        converted = convert_blocks([block])
+    assert type(block.mlp) is type(reference.mlp) and type(block.mlp.act_fn) is type(reference.mlp.act_fn)
+    assert ("does not compute down_proj(silu(gate_proj(x)) * up_proj(x))" in caplog.text) == (mlp is SwappedMlp)
+    assert isinstance(block.mlp.gate_proj, Fp8Joint) and isinstance(block.mlp.down_proj, Fp8Linear)
+    assert converted["mlp.down_proj"] == 1 and fp8_layers_in(block) == 5
+    got, exact = mlp_outputs(block, reference)
+    assert torch.nn.functional.cosine_similarity(got, exact).min() > 0.99

@@ -389,11 +389,11 @@ def test_the_fp8_row_kernel_quantises_as_the_reference_does(
     x[7] = 0
     code, function = fp8.ACTIVATIONS[activation] if activation else (0, lambda v: v)
     if norm is None:
-        quantized, scale = torch.ops.embedjob.fp8_quantize_rows(x, padded, code, 0, None, None, 0.0)
+        quantized, scale = torch.ops.embedjob.fp8_quantize_rows(x, padded, cols, 0, code, 0, None, None, 0.0)
     else:
         weight = (torch.rand(cols, device="cuda", generator=generator) + 0.5).to(torch.bfloat16)
         bias = torch.randn(cols, device="cuda", generator=generator).to(torch.bfloat16) if norm == "layer_norm" else None
-        quantized, scale = torch.ops.embedjob.fp8_quantize_rows(x, padded, code, fp8.NORMS[norm], weight, bias, 1e-6)
+        quantized, scale = torch.ops.embedjob.fp8_quantize_rows(x, padded, cols, 0, code, fp8.NORMS[norm], weight, bias, 1e-6)
         function = fp8.Norm(norm, weight, bias, 1e-6)
     want, want_scale = fp8.quantize_rows(torch.nn.functional.pad(function(x.float()), (0, padded - cols)))
     torch.testing.assert_close(scale, want_scale, rtol=1e-4 if norm else 1e-5 if activation else 1e-6, atol=0)
@@ -402,6 +402,35 @@ def test_the_fp8_row_kernel_quantises_as_the_reference_does(
     assert norm == "layer_norm" or (got[7] == 0).all()  # a layer norm of zeros is its bias
     step = torch.exp2(torch.floor(torch.log2(torch.maximum(got.abs(), want.abs()).clamp(min=2**-6))) - 3)
     assert ((got - want).abs() <= step).all()
+    assert (got == want).float().mean() > 0.999
+
+
+@pytest.mark.parametrize(("cols", "up", "wider"), [(3420, 3424, 0), (100, 112, 16), (3456, 3456, 0)])
+def test_the_fp8_row_kernel_forms_a_gated_mlps_gating_as_the_reference_does(cols: int, up: int, wider: int) -> None:
+    """Gated (`up` > 0), the row kernel reads a joined gate|up row, the gate in its first
+    `cols` columns and the up half from column `up`, and quantises silu(gate) * up formed
+    in float32: `q * scale` is the float32 reference's quantisation of it (the same
+    scales, one e4m3 step at most apart), zeros in the padded columns and for a row of
+    zeros, also from rows of a wider tensor."""
+    from embedjob.encoders import fp8
+
+    fp8._register_row_quantizer()
+    generator = torch.Generator(device="cuda").manual_seed(cols + wider)
+    magnitudes = torch.logspace(-2, 2, 300, device="cuda")[:, None]
+    wide = (torch.randn(300, up + cols + wider, device="cuda", generator=generator) * magnitudes).to(torch.bfloat16)
+    joined = wide[:, : up + cols]
+    joined[7] = 0
+    padded = -(-cols // 16) * 16
+    code, silu = fp8.GATES["silu"]
+    quantized, scale = torch.ops.embedjob.fp8_quantize_rows(joined, padded, cols, up, code, 0, None, None, 0.0)
+    hidden = silu(joined[:, :cols].float()) * joined[:, up : up + cols].float()
+    want, want_scale = fp8.quantize_rows(torch.nn.functional.pad(hidden, (0, padded - cols)))
+    torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
+    assert quantized.shape == (300, padded) and (quantized[:, cols:].float() == 0).all() and (quantized[7].float() == 0).all()
+    got, want = quantized.float(), want.float()
+    step = torch.exp2(torch.floor(torch.log2(torch.maximum(got.abs(), want.abs()).clamp(min=2**-6))) - 3)
+    # one e4m3 step of the row's scale at most, the scales' own difference aside
+    assert ((got * scale - want * want_scale).abs() <= step * want_scale * 1.001).all()
     assert (got == want).float().mean() > 0.999
 
 

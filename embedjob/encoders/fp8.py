@@ -37,6 +37,14 @@ normalises the row it holds anyway before it takes the row's scale, so the norma
 state is never written in bf16 and read back, and the norm's own kernel (a looped
 reduction over rows wider than the compiler's 1,024-element limit) does not run.
 
+A gated MLP (`GATED_MLPS`: `down(act(gate(x)) * up(x))` with a SiLU, as in Qwen2.5-VL)
+becomes an `Fp8GatedMlp`: its gate and up projections stay one joined product, and the
+down projection's row kernel reads that product's output rows itself, forms
+`silu(gate) * up` in float32 and quantises it, so the gated hidden state is never written
+in bf16 and read back, and the compiler's kernel that made it does not run. The
+activation is recognised by its values, and at load the converted MLP must compute what
+the MLP does on a probe input, else it stays as it was. Not yet measured on a GPU.
+
 Invariants: a converted layer computes `x @ W.T + b` up to FP8 rounding, for any input
 row count and any layer shape (the FP8 product needs both matrix dimensions multiples
 of 16: weights are zero-padded once, inputs along their last dimension at each call);
@@ -76,8 +84,8 @@ the compiler's fused reduction (see the module docstring). Read when a layer is 
 ROW_WARPS: int | None = None
 """Warps per row of the row kernel; None: 8 for rows wider than 2,048 columns without an
 activation, else 4 (benchmarks/row_kernel.py: 8 warps read 3,456-column rows at 1.12x the
-speed of 4, but with a GELU 4 warps are 1.14x faster on 4,304 and 4,096 columns). Read at
-each launch."""
+speed of 4, but with a GELU 4 warps are 1.14x faster on 4,304 and 4,096 columns; a gated
+row counts as one with an activation, not measured). Read at each launch."""
 
 
 JOINT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -97,6 +105,22 @@ ACTIVATIONS: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {
 }
 """Activations an FP8 layer applies to its input before quantising it: name -> (the
 row kernel's code for it, its float32 definition)."""
+
+
+GATED_MLPS = (("gate_proj", "up_proj", "down_proj", "act_fn"),)  # Qwen2.5-VL
+"""(gate, up, down, activation) names of MLPs whose forward (transformers' modeling code)
+is `down(act(gate(x)) * up(x))`, so down may form its input from the joined gate|up
+product's output itself (`Fp8GatedMlp`). Read when blocks are converted."""
+GATED_TOLERANCE = 0.15
+"""The largest relative error of an `Fp8GatedMlp` to the MLP it replaces on a probe input
+(`_probe_error`) at which it is used: FP8 rounding of the hidden state and of down's
+weight gives 0.035 to 0.04 on Qwen2.5-VL-7B-shaped MLPs of random weights (CPU, float32
+and bfloat16); forwards other than `down(act(gate(x)) * up(x))` gave 0.65 and more (gate
+and up swapped, no activation) and 0.33 (the hidden state times 1.5)."""
+GATES: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {"silu": (4, F.silu)}
+"""Activations a gated MLP's down projection applies to the gate half of its input row:
+name -> (the row kernel's code for it, its float32 definition). Apart from `ACTIVATIONS`
+because no ungated MLP has been checked with them."""
 
 
 NORM_INTO = (
@@ -156,16 +180,18 @@ def recognised_norm(module: torch.nn.Module, width: int) -> Norm | None:
     return norm if torch.allclose(values, norm(probe), rtol=tolerance, atol=tolerance) else None
 
 
-def recognised_activation(module: torch.nn.Module) -> str | None:
-    """The `ACTIVATIONS` name of what `module` computes, from its values in float32 on
-    [-8, 8], or None (then it stays a module of its own)."""
+def recognised_activation(
+    module: torch.nn.Module, among: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = ACTIVATIONS
+) -> str | None:
+    """The name in `among` (`ACTIVATIONS` or `GATES`) of what `module` computes, from its
+    values in float32 on [-8, 8], or None (then it stays a module of its own)."""
     probe = torch.linspace(-8, 8, 1601)
     try:
         with torch.no_grad():
             values = module(probe)
     except (RuntimeError, TypeError):
         return None
-    for name, (_, function) in ACTIVATIONS.items():
+    for name, (_, function) in among.items():
         if values.shape == probe.shape and torch.allclose(values, function(probe), rtol=1e-4, atol=1e-5):
             return name
     return None
@@ -181,34 +207,46 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def _quantize_padded(rows: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of `rows` zero-padded to `padded` columns (the torch path of the row kernel)."""
+    return quantize_rows(rows if rows.shape[1] == padded else F.pad(rows, (0, padded - rows.shape[1])))
+
+
 @functools.cache
 def _register_row_quantizer() -> None:
-    """Registers `torch.ops.embedjob.fp8_quantize_rows(x, padded, activation, norm, weight,
-    bias, eps)`: `quantize_rows` of a (rows, k) CUDA tensor, after the norm of that
-    `NORMS` code (0: none; its weight, bias and epsilon) and the activation of that
-    `ACTIVATIONS` code (0: none), as one Triton kernel, zero-padded to `padded` columns; one
-    program per row holds the whole row, so it is read once. A `torch.library.triton_op`,
-    so compiled blocks call the kernel and CUDA graphs capture it; registered once, when
-    the first layer is made (Triton is imported only where CUDA runs)."""
+    """Registers `torch.ops.embedjob.fp8_quantize_rows(x, padded, cols, up, activation, norm,
+    weight, bias, eps)`: `quantize_rows` of the first `cols` columns of each row of a CUDA
+    tensor `x` (rows, >= cols), after the norm of that `NORMS` code (0: none; its weight,
+    bias and epsilon) and the activation of that `ACTIVATIONS` code (0: none), as one
+    Triton kernel, zero-padded to `padded` columns; one program per row holds the whole
+    row, so it is read once. With `up` > 0 (a multiple of 16, at least `cols`), the row
+    is a joined gate|up product's and what is quantised is `act(x[:, :cols]) *
+    x[:, up:up + cols]` in float32, `act` the `GATES` code `activation`, with no norm.
+    A `torch.library.triton_op`, so compiled blocks call the kernel and CUDA graphs
+    capture it, and its fake implementation is this function traced on fake tensors;
+    registered once, when the first layer is made (Triton is imported only where CUDA runs)."""
     import triton
 
     from embedjob.encoders.fp8_kernel import fp8_quantize_rows_kernel
 
     @torch.library.triton_op("embedjob::fp8_quantize_rows", mutates_args=())
     def quantize(
-        x: torch.Tensor, padded: int, activation: int, norm: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+        x: torch.Tensor, padded: int, cols: int, up: int, activation: int, norm: int,
+        weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if up + cols > x.shape[1]:  # the kernel would read past the row
+            raise ValueError(f"fp8_quantize_rows: columns up to {up + cols} asked of rows of {x.shape[1]}")
         x = x if x.stride(-1) == 1 else x.contiguous()
-        rows, cols = x.shape
+        rows = x.shape[0]
         quantized = torch.empty(rows, padded, dtype=FP8, device=x.device)
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
         warps = ROW_WARPS or (4 if activation or padded <= 2048 else 8)
         weight = x if weight is None else weight  # not read without a norm
         bias = weight if bias is None else bias  # not read without a layer norm
         torch.library.wrap_triton(fp8_quantize_rows_kernel)[(rows,)](
-            x, quantized, scale, weight, bias, x.stride(0), cols, padded,
+            x, quantized, scale, weight, bias, x.stride(0), cols, padded, up,
             BLOCK=triton.next_power_of_2(padded), TINY=_TINY, LIMIT=FP8_MAX, ACTIVATION=activation, NORM=norm, EPS=eps,
-            num_warps=warps,
+            GATED=up > 0, num_warps=warps,
         )
         return quantized, scale
 
@@ -219,7 +257,8 @@ class Fp8Linear(torch.nn.Module):
     is their joined product: its output holds each layer's columns in turn, each
     starting at a multiple of 16 (`starts`). Given an `ACTIVATIONS` name, it computes
     the layer of that activation of its input; after `apply_norm`, of its input's norm
-    (then the activation)."""
+    (then the activation). `gated` computes the layer of a gated MLP's hidden state
+    from the joined gate|up product's output."""
 
     def __init__(self, linear: torch.nn.Linear | Sequence[torch.nn.Linear], activation: str | None = None) -> None:
         super().__init__()
@@ -257,24 +296,43 @@ class Fp8Linear(torch.nn.Module):
         self.norm = norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leading = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         padded = self.weight.shape[1]
         norm = self.norm
         if self.row_kernel and rows.is_cuda:
             code = 0 if self.activation is None else ACTIVATIONS[self.activation][0]
             if norm is None:
-                quantized, scale = torch.ops.embedjob.fp8_quantize_rows(rows, padded, code, 0, None, None, 0.0)
+                quantized, scale = torch.ops.embedjob.fp8_quantize_rows(rows, padded, self.in_features, 0, code, 0, None, None, 0.0)
             else:
                 quantized, scale = torch.ops.embedjob.fp8_quantize_rows(
-                    rows, padded, code, NORMS[norm.kind], norm.weight, norm.bias, norm.eps
+                    rows, padded, self.in_features, 0, code, NORMS[norm.kind], norm.weight, norm.bias, norm.eps
                 )
         else:
             if norm is not None:
                 rows = norm(rows)
             if self.activation is not None:
                 rows = ACTIVATIONS[self.activation][1](rows.float())
-            quantized, scale = quantize_rows(rows if padded == self.in_features else F.pad(rows, (0, padded - self.in_features)))
+            quantized, scale = _quantize_padded(rows, padded)
+        return self._product(quantized, scale, x)
+
+    def gated(self, x: torch.Tensor, activation: str, up: int) -> torch.Tensor:
+        """The layer of `act(gate) * up` where `x` (..., >= up + in_features) holds a gated
+        MLP's gate in columns [0, in_features) and its up half from column `up` (a
+        multiple of 16), `act` the `GATES` activation: the hidden state is formed in
+        float32 as the row is quantised, never in `x`'s dtype. No norm or activation of
+        the layer's own applies (a gated MLP's norm comes before its gate and up)."""
+        rows = x.reshape(-1, x.shape[-1])
+        padded, cols = self.weight.shape[1], self.in_features
+        code, function = GATES[activation]
+        if self.row_kernel and rows.is_cuda:
+            quantized, scale = torch.ops.embedjob.fp8_quantize_rows(rows, padded, cols, up, code, 0, None, None, 0.0)
+        else:
+            quantized, scale = _quantize_padded(function(rows[:, :cols].float()) * rows[:, up : up + cols].float(), padded)
+        return self._product(quantized, scale, x)
+
+    def _product(self, quantized: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The FP8 product of the quantised rows of `x` with the weight, in `x`'s dtype and
+        leading shape, without the weight's padded output columns."""
         out = torch._scaled_mm(
             quantized,
             self.weight.t(),
@@ -286,7 +344,7 @@ class Fp8Linear(torch.nn.Module):
         )
         if out.shape[1] != self.out_features:
             out = out[:, : self.out_features]
-        return out.reshape(*leading, self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         norm = "" if self.norm is None else f", norm={self.norm.kind}"
@@ -336,6 +394,36 @@ class Fp8Joint(torch.nn.Module):
         return out
 
 
+class Fp8GatedMlp(torch.nn.Module):
+    """A gated MLP `down(act(gate(x)) * up(x))` (`GATED_MLPS`) as two FP8 products: the
+    joined gate|up product once, then down's, which forms `act(gate) * up` from the
+    joined output's rows as it quantises them (`Fp8Linear.gated`).
+
+    The MLP's layers keep their names and modules (gate and up the `Fp8Joint`s of the
+    joined product, down an `Fp8Linear`), so the norm that the product applies
+    (`NORM_INTO`) and the counts of FP8 layers find them as before; the activation module
+    is gone, `activation` of `GATES` standing for it.
+
+    Invariants: the output equals the MLP's up to FP8 rounding and the hidden state's
+    forming in float32 rather than the MLP's dtype (checked on a probe at load,
+    `_gate_into`); gate and up called on their own still give their own outputs."""
+
+    def __init__(self, names: Sequence[str], gate: Fp8Joint, up: Fp8Joint, down: Fp8Linear, activation: str) -> None:
+        super().__init__()
+        self.names = tuple(names)  # gate, up, down
+        for name, layer in zip(self.names, (gate, up, down)):
+            setattr(self, name, layer)
+        self.activation = activation
+        self.up_start = up.start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        joined = getattr(self, self.names[0]).product(x)
+        return getattr(self, self.names[2]).gated(joined, self.activation, self.up_start)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}, up from column {self.up_start} of the joined product"
+
+
 def check_fp8(device: torch.device, dtype: torch.dtype) -> None:
     """A JobError when this device cannot run the FP8 product into `dtype`: one tiny
     product is tried, since which GPUs, dtypes and scalings torch supports changes
@@ -355,11 +443,13 @@ def check_fp8(device: torch.device, dtype: torch.dtype) -> None:
 
 def convert_blocks(blocks: Iterable[torch.nn.Module]) -> Counter[str]:
     """Replace every `nn.Linear` inside `blocks` by its FP8 layer, in place, the siblings
-    of a `JOINT_GROUPS` group by `Fp8Joint`s of one product; how many of each (name
-    relative to its block, e.g. `mlp.down_proj`) were converted."""
+    of a `JOINT_GROUPS` group by `Fp8Joint`s of one product and a `GATED_MLPS` MLP of
+    joined siblings by an `Fp8GatedMlp`; how many of each (name relative to its block,
+    e.g. `mlp.down_proj`) were converted."""
     converted: Counter[str] = Counter()
     joined: Counter[tuple[str, ...]] = Counter()
     activated: Counter[tuple[str, str, str]] = Counter()
+    gated: Counter[tuple[tuple[str, ...], str]] = Counter()
     normed: Counter[tuple[str, tuple[str, ...], str]] = Counter()
     for block in blocks:
         for name, module in list(block.named_modules()):
@@ -373,6 +463,11 @@ def convert_blocks(blocks: Iterable[torch.nn.Module]) -> Counter[str]:
                 if activation is not None:
                     activated[prefix + pair[0], prefix + pair[1], activation] += 1
                     converted[prefix + pair[1]] += 1
+            replacement = _gate_into(block, name, module)
+            if replacement is not None:
+                gated[tuple(prefix + member for member in replacement.names), replacement.activation] += 1
+                converted[prefix + replacement.names[2]] += 1
+                continue  # `module` is replaced; its down layer is the replacement's, in FP8
             for child_name, child in list(module.named_children()):
                 if type(child) is torch.nn.Linear:
                     setattr(module, child_name, Fp8Linear(child))
@@ -385,6 +480,11 @@ def convert_blocks(blocks: Iterable[torch.nn.Module]) -> Counter[str]:
         logger.info("model.precision fp8: %s share one quantisation and product in %d blocks", ", ".join(group), count)
     for (activation, layer, kind), count in activated.items():
         logger.info("model.precision fp8: %s applies %s (%s) as it quantises, in %d blocks", layer, activation, kind, count)
+    for ((gate, up, down), kind), count in gated.items():
+        logger.info(
+            "model.precision fp8: %s forms %s(%s) * %s from their joined product as it quantises, in %d blocks",
+            down, kind, gate, up, count,
+        )
     for (norm_name, readers, kind), count in normed.items():
         logger.info("model.precision fp8: %s apply %s (%s) as they quantise, in %d blocks", ", ".join(readers), norm_name, kind, count)
     return converted
@@ -433,6 +533,55 @@ def _activate_into(module: torch.nn.Module, activation: str, layer: str) -> str 
     setattr(module, layer, Fp8Linear(linear, activation=kind))
     setattr(module, activation, torch.nn.Identity())
     return kind
+
+
+def _gate_into(block: torch.nn.Module, path: str, mlp: torch.nn.Module) -> Fp8GatedMlp | None:
+    """Where `mlp`, at `path` in `block`, is an MLP of `GATED_MLPS` names with its gate
+    and up `Fp8Joint`s of one product of the two (gate first), a linear down layer of
+    their width and a `GATES` activation (by its values), and on a probe input its
+    `Fp8GatedMlp` computes what it computes, replace it by that and return it; None
+    where nothing changed. Never the block itself, which has no parent here to hold the
+    replacement."""
+    for names in GATED_MLPS if path else ():
+        gate, up, down, function = (getattr(mlp, name, None) for name in names)
+        if not (isinstance(gate, Fp8Joint) and isinstance(up, Fp8Joint) and type(down) is torch.nn.Linear):
+            continue
+        if gate.shared is not up.shared or gate.siblings != 2 or gate.start != 0 or up.start == 0:
+            continue
+        activation = recognised_activation(function, GATES) if isinstance(function, torch.nn.Module) else None
+        if activation is None or not gate.out_features == up.out_features == down.in_features:
+            continue
+        replacement = Fp8GatedMlp(names[:3], gate, up, Fp8Linear(down), activation)
+        error = _probe_error(mlp, replacement, gate.in_features, down.weight)
+        if not error <= GATED_TOLERANCE:  # NaN too
+            logger.warning(
+                "model.precision fp8: %s does not compute %s(%s(%s(x)) * %s(x)) on a probe (its gated FP8 form is %.3g off, "
+                "relative); its hidden state stays a tensor of its own", path, names[2], activation, names[0], names[1], error,
+            )
+            continue
+        parent, _, name = path.rpartition(".")
+        setattr(block.get_submodule(parent) if parent else block, name, replacement)
+        return replacement
+    return None
+
+
+def _probe_error(mlp: torch.nn.Module, replacement: torch.nn.Module, width: int, like: torch.Tensor) -> float:
+    """The largest relative error `|got - want| / |want|` over random rows of `width`
+    columns (in `like`'s dtype and on its device) of `replacement`'s output to `mlp`'s;
+    infinite where `mlp` cannot take them. The MLP's own forward is the reference, so a
+    forward other than its layers' names suggest is caught whatever transformers' code
+    does; a relative error, not a cosine, so a forward that scales the result is too."""
+    probe = torch.randn(16, width, generator=torch.Generator().manual_seed(0)).to(like.device, like.dtype)
+    with torch.no_grad():
+        got = replacement(probe).float()
+        try:
+            want = mlp(probe)
+        except (RuntimeError, TypeError):
+            return float("inf")
+    if not isinstance(want, torch.Tensor) or want.shape != got.shape:
+        return float("inf")
+    want = want.float()
+    return float(((got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=_TINY)).max())
 
 
 def _join(module: torch.nn.Module, group: Sequence[str]) -> bool:

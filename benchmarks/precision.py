@@ -169,6 +169,12 @@ def bench_mix(name: str, args: argparse.Namespace, photos, device: torch.device,
     }
 
 
+def ratio(error: float, bf16_error: float) -> str:
+    """`error` over bf16's as "N.NNx", or "-" where bf16's is zero (on the CPU, --smoke,
+    the bf16 path computes in float32 and equals the reference)."""
+    return f"{error / bf16_error:.2f}x" if bf16_error > 0 else "-"
+
+
 def render(rows: list[dict], args: argparse.Namespace, wall: float) -> str:
     peak = rows[0]["peak"] if rows else None
     lines = [
@@ -199,7 +205,8 @@ def render(rows: list[dict], args: argparse.Namespace, wall: float) -> str:
     for row in rows:
         _, err_bf16 = row["to_reference"]["bf16"]
         ratios = "; ".join(
-            f"{p}'s error to float32 over bf16's: median {np.median(err) / np.median(err_bf16):.2f}x, max {err.max() / err_bf16.max():.2f}x"
+            f"{p}'s error to float32 over bf16's: median {ratio(np.median(err), np.median(err_bf16))}, "
+            f"max {ratio(err.max(), err_bf16.max())}"
             for p, (_, err) in row["to_reference"].items()
             if p != "bf16"
         )

@@ -29,7 +29,12 @@ norms kernels of their own: `fp8.NORM_INTO` empty) and `fp8-gated-apart` (a gate
 `act(gate) * up` a tensor of its own, written in bf16 and read by the down projection:
 `fp8.GATED_MLPS` empty; gate and up still joined); `bf16-strided` and `fp8-strided`
 keep the fixed-resolution towers' hidden state in the layout their embeddings give it
-(`fixed.ROW_MAJOR` off: SigLIP's is transposed).
+(`fixed.ROW_MAJOR` off: SigLIP's is transposed); `bf16-gelu-apart` leaves SigLIP's tanh
+GELU a kernel of its own instead of the product's epilogue (`epilogues.EPILOGUES` off);
+`bf16-looped-rows` and `fp8-looped-rows` leave torch's rule for reducing wide rows
+(`base.WIDE_ROWS` 0: the norms of rows over 1,024 elements loop); `bf16-varlen` runs the
+Qwen-VL towers' attention in varlen_attn on every layer (`model.attention: varlen`), where
+`bf16` runs what `auto` picks (FlashAttention-4 on the long segments where it is installed).
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from benchmarks.mixes import MIXES, builtin_sources, collect_photos, jpeg_datase
 from benchmarks.scaling import write_job  # noqa: E402
 from embedjob.bench import largest_batch_kernels  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
-from embedjob.encoders import fixed, fp8, load_adapter  # noqa: E402
+from embedjob.encoders import base, epilogues, fixed, fp8, load_adapter  # noqa: E402
 from embedjob.engine.encode import budget_plan  # noqa: E402
 
 SMOKE_IMAGES = 24
@@ -62,6 +67,9 @@ REFERENCE = ["model.dtype=float32", "batching.compile=false", "batching.cuda_gra
 VARIANTS = {
     "bf16": ("bf16", {}),
     "bf16-strided": ("bf16", {(fixed, "ROW_MAJOR"): False}),
+    "bf16-looped-rows": ("bf16", {(base, "WIDE_ROWS"): 0}),
+    "bf16-gelu-apart": ("bf16", {(epilogues, "EPILOGUES"): False}),
+    "bf16-varlen": ("bf16", {}, ["model.attention=varlen"]),
     "fp8": ("fp8", {}),
     "fp8-exact-accum": ("fp8", {(fp8, "FAST_ACCUM"): False}),
     "fp8-compiler-quant": ("fp8", {(fp8, "ROW_KERNEL"): False}),
@@ -70,13 +78,24 @@ VARIANTS = {
     "fp8-norm-apart": ("fp8", {(fp8, "NORM_INTO"): ()}),
     "fp8-strided": ("fp8", {(fixed, "ROW_MAJOR"): False}),
     "fp8-gated-apart": ("fp8", {(fp8, "GATED_MLPS"): ()}),
+    "fp8-looped-rows": ("fp8", {(base, "WIDE_ROWS"): 0}),
 }
-"""Variant -> (model.precision, the (module, setting) pairs of `encoders.fp8` and
-`encoders.fixed` it changes while its adapter is made, with their values)."""
+"""Variant -> (model.precision, the (module, setting) pairs of `encoders.fp8`,
+`encoders.fixed`, `encoders.base` and `encoders.epilogues` it changes while its adapter is
+made, with their values[, further job overrides])."""
 
 
 def log(message: str) -> None:
     print(f"precision: {message}", file=sys.stderr, flush=True)
+
+
+def fresh_compiles() -> None:
+    """Every variant compiles its own kernels: settings that change the compiler's choices
+    (`base.WIDE_ROWS`) are not part of its cache key, so a cached graph of one variant
+    would otherwise serve the next."""
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = False
 
 
 def free(device: torch.device) -> None:
@@ -89,12 +108,12 @@ def free(device: torch.device) -> None:
 @contextlib.contextmanager
 def layers_of(name: str):
     """The overrides of variant `name`, with its module settings in force while inside."""
-    precision, settings = VARIANTS[name]
+    precision, settings, *extra = VARIANTS[name]
     saved = {(module, key): getattr(module, key) for module, key in settings}
     for (module, key), value in settings.items():
         setattr(module, key, value)
     try:
-        yield [f"model.precision={precision}"]
+        yield [f"model.precision={precision}", *(extra[0] if extra else [])]
     finally:
         for (module, key), value in saved.items():
             setattr(module, key, value)
@@ -244,6 +263,7 @@ def main() -> int:
     args.images = parse_images(args.images)
     started = time.perf_counter()
     device = torch.device("cpu" if args.smoke else "cuda")
+    fresh_compiles()
     photos = collect_photos([*builtin_sources(), *args.photos])
     peak = None
     if not args.smoke:

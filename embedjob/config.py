@@ -82,6 +82,11 @@ class ModelConfig:
         "the transformer blocks' linear layers: bf16 (in model.dtype) or fp8 (row-wise FP8; GPUs of compute "
         "capability 9.0 or newer, model.dtype bfloat16; see README for when it pays)",
     )
+    attention: Literal["auto", "varlen", "fa4"] = key(
+        "auto",
+        "Qwen-VL: the packed attention kernel: fa4 (FlashAttention-4 on segments over 128 tokens, varlen_attn "
+        "on the windows; pip install 'embedjob[fast]'), varlen (torch's varlen_attn), auto (fa4 where it runs, else varlen)",
+    )
     # DINOv2's image embedding: its CLS token (the model's pooled output) or the mean of
     # its patch tokens; CLIP and SigLIP have one fixed pooled output.
     dinov2_pool: Literal["cls", "patch_mean"] = key("cls", "DINOv2's image vector: its CLS token or the mean of its patch tokens")
@@ -419,6 +424,12 @@ def _check_model(job: Job, errors: list[str]) -> None:
         errors.append(
             "output.pooling = 'none' gives one vector per patch token of one view, which tiles have no place in; "
             "use preprocess.tiling: none for per-token output, or output.pooling: mean for tiles"
+        )
+    if job.model.attention != "auto" and job.model.family in FIXED_RESOLUTION:
+        errors.append(
+            f"model.attention = {job.model.attention!r} applies to the Qwen-VL families only: model.family "
+            f"{job.model.family!r} runs transformers' scaled-dot-product attention, which is faster on these towers "
+            "than FlashAttention-4 (cuDNN's kernels on an H200, benchmarks/RESULTS.md); remove model.attention"
         )
     if job.model.dinov2_pool != "cls" and job.model.family != "dinov2":
         errors.append(f"model.dinov2_pool applies to model.family 'dinov2' only, not {job.model.family!r}; remove it")

@@ -170,10 +170,13 @@ def load_encoder_adapter(job: Job, device: torch.device) -> EncoderAdapter:
     """The job's adapter on `device`.
 
     A checkpoint that cannot serve the job (not a checkpoint, another family) is a job
-    error: the user must change model.path or model.family.
+    error: the user must change model.path or model.family. A JobError raised while
+    loading already names its key (model.attention, model.precision) and passes as it is.
     """
     try:
         return load_adapter(job, device)
+    except JobError:
+        raise
     except (ValueError, OSError) as exc:
         raise JobError(f"model.path {job.model.path!r} (model.family {job.model.family!r}): {exc}") from None
 

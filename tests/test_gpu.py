@@ -7,6 +7,7 @@ encoder work done: `python -m pytest tests/test_gpu.py -q`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -25,11 +26,31 @@ from engine_helpers import (
 )
 
 from embedjob.encoders import load_adapter
-from embedjob.encoders.attention import _segmented_sdpa, varlen_attention
+from embedjob.encoders.attention import _fa4_varlen, _segmented_sdpa, cuda_kernel, fa4_problem, varlen_attention
 from embedjob.engine.graphs import GraphManager
 from embedjob.engine.packer import BudgetPlan, pack
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def nan_pool_replays(adapter, reference, plan: BudgetPlan, items: list):
+    """Capture `adapter`'s graphs into a pool first filled with NaN (memory handed back to
+    the driver, which the pool's first segments reuse) and replay `items` batch by batch:
+    each batch's real rows must be finite and equal the padded eager run bit for bit.
+    Yields (replayed rows, `reference`'s eager rows of the same batch)."""
+    filler = torch.full((1 << 28,), float("nan"), device="cuda", dtype=torch.bfloat16)
+    del filler
+    torch.cuda.empty_cache()
+    manager = GraphManager(adapter, plan, "cuda")
+    manager.capture()
+    eager = GraphManager(reference, plan, None)
+    for batch in pack([i.tokens for i in items], [i.frames for i in items], plan):
+        chosen = [items[i] for i in batch.indices]
+        replayed = torch.cat(manager.run(chosen, batch.budget))
+        assert torch.isfinite(replayed).all()
+        assert torch.equal(replayed, padded_eager(manager, chosen, batch.budget)[: replayed.shape[0]])
+        yield replayed, torch.cat(eager.run(chosen, None))
+    manager.clear()
 
 PLAN = BudgetPlan(token_budgets=(64, 128, 256, 512, 1024), max_items=16, max_frames=16)
 MEDIA = [
@@ -67,6 +88,54 @@ def test_varlen_attention_on_cuda_matches_per_segment_sdpa() -> None:
     out, _ = varlen_attention(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu.cuda(), max_length_q=64)
     ref = _segmented_sdpa(*(t[0].transpose(0, 1).float() for t in (q, k, v)), cu, None)
     assert (out[0].float() - ref).norm() / ref.norm() < 1e-2
+
+
+FA4_PROBLEM = fa4_problem(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else "no CUDA"
+needs_fa4 = pytest.mark.skipif(FA4_PROBLEM is not None, reason=f"needs FlashAttention-4 ({FA4_PROBLEM}; pip install 'embedjob[fast]')")
+
+
+@needs_fa4
+@pytest.mark.parametrize("dim", [64, 72, 80])
+def test_fa4_attention_equals_varlen_on_packed_segments_with_zero_length_ones(dim: int) -> None:
+    """The towers' head dims, full-attention segment lengths with zero-length segments
+    first, between and last (as padded graph buffers have them) and a length bound above
+    the longest (as a budget's): FA4 writes finite rows equal to varlen_attn's and to the
+    float32 per-segment reference, to bf16 rounding."""
+    torch.manual_seed(dim)
+    heads, bound, scale = 16, 1536, dim**-0.5
+    lengths = [0, 300, 0, 1024, 0, 0, 64, 513, 0, 0]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(1, heads, sum(lengths), dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert cuda_kernel("fa4", bound) is _fa4_varlen
+    outs = {
+        backend: varlen_attention(torch.nn.Module(), q, k, v, None, scaling=scale, cu_seq_lens_q=cu, max_length_q=bound,
+                                  backend=backend)[0][0].float()
+        for backend in ("fa4", "varlen")
+    }
+    ref = _segmented_sdpa(*(t[0].transpose(0, 1).float() for t in (q, k, v)), cu.cpu(), scale)
+    assert torch.isfinite(outs["fa4"]).all()
+    for backend, out in outs.items():
+        assert (out - ref).norm() / ref.norm() < 1e-2, backend
+    torch.testing.assert_close(outs["fa4"], outs["varlen"], atol=1e-2, rtol=1e-2)
+
+
+@needs_fa4
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_fa4_tower_captured_into_a_nan_filled_pool_replays_like_eager(cache_dir: str, compiled: bool) -> None:
+    """Qwen2.5-VL's tiny tower with model.attention fa4 (its full-attention layers in FA4,
+    its 64-patch windows in varlen_attn), its blocks compiled or not, captured into a pool
+    first filled with NaN: every replay's real rows are finite, equal the padded eager run
+    bit for bit and are close to the varlen tower's eager rows."""
+    model = {"dtype": "bfloat16"}
+    fa4 = load_adapter(make_job(cache_dir, model={**model, "attention": "fa4"}), torch.device("cuda"))
+    varlen = load_adapter(make_job(cache_dir, model={**model, "attention": "varlen"}), torch.device("cuda"))
+    assert fa4.attention == "fa4" and varlen.attention == "varlen"
+    if compiled:
+        fa4.compile(dynamic=True)
+    items = [fa4.preprocessor()(m) for m in MEDIA]
+    for replayed, eager in nan_pool_replays(fa4, varlen, PLAN, items):
+        rel = float((replayed.float() - eager.float()).norm() / eager.float().norm())
+        assert rel < 2e-2, rel
 
 
 def test_cuda_graph_replay_equals_eager_on_the_same_padded_batch(cuda_manager: GraphManager, items) -> None:
@@ -347,22 +416,9 @@ def test_fp8_compiled_graphs_replay_like_eager_and_stay_close_to_bf16(cache_dir:
     items = [fp8.preprocessor()(m) for m in MEDIA if not hasattr(m, "frames")]
     plan = BudgetPlan(tuple(fp8.budget_unit * 2**k for k in range(6)) if fp8.budget_unit > 1 else PLAN.token_budgets,
                       max_items=8, max_frames=16)
-    # NaN in memory handed back to the driver, which the graph pool's first segments reuse
-    filler = torch.full((1 << 28,), float("nan"), device="cuda", dtype=torch.bfloat16)
-    del filler
-    torch.cuda.empty_cache()
-    manager = GraphManager(fp8, plan, "cuda")
-    manager.capture()
-    reference = GraphManager(bf16, plan, None)
-    for batch in pack([i.tokens for i in items], [i.frames for i in items], plan):
-        chosen = [items[i] for i in batch.indices]
-        replayed = torch.cat(manager.run(chosen, batch.budget))
-        assert torch.isfinite(replayed).all()
-        assert torch.equal(replayed, padded_eager(manager, chosen, batch.budget)[: replayed.shape[0]])
-        full = torch.cat(reference.run(chosen, None))
+    for replayed, full in nan_pool_replays(fp8, bf16, plan, items):
         cos = torch.nn.functional.cosine_similarity(replayed.float(), full.float(), dim=-1)
         assert cos.min() > 0.98, float(cos.min())
-    manager.clear()
 
 
 @pytest.mark.parametrize(
@@ -699,3 +755,54 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(tmp_path: Path, cache_dir: str)
         if cpu_row["error"] is None:
             a, b = torch.tensor(cpu_row["embedding"]), torch.tensor(gpu_row["embedding"])
             assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) > 0.99
+
+
+@pytest.mark.parametrize("width, kind", [(1152, "layer"), (1280, "rms")])
+def test_compiled_norms_of_the_towers_widths_read_each_row_in_one_pass(width: int, kind: str) -> None:
+    """SigLIP-so400m's 1,152-wide and Qwen2.5-VL's 1,280-wide norms: torch's heuristic
+    loops over rows wider than 1,024 (each row read twice); after
+    `reduce_rows_in_one_pass` the compiled norm is one persistent reduction, and equal."""
+    from torch._inductor.utils import run_and_get_code
+
+    from embedjob.encoders.base import WIDE_ROWS, reduce_rows_in_one_pass
+
+    torch.manual_seed(0)
+    norm = (torch.nn.LayerNorm(width) if kind == "layer" else torch.nn.RMSNorm(width, eps=1e-6)).cuda().bfloat16()
+    norm.requires_grad_(False)  # as the towers run: no backward graph, whose weight-gradient sums loop over rows
+    x = torch.randn(4096, width, device="cuda", dtype=torch.bfloat16)
+    try:
+        reduce_rows_in_one_pass(WIDE_ROWS)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+            out, codes = run_and_get_code(torch.compile(norm, dynamic=True), x)
+    finally:
+        reduce_rows_in_one_pass(0)
+        torch._dynamo.reset()
+    code = "\n".join(codes)
+    assert "triton_per_" in code and "triton_red_" not in code
+    torch.testing.assert_close(out, norm(x), rtol=2e-2, atol=2e-2)
+
+
+def test_siglips_gelu_in_the_products_epilogue_is_the_tanh_gelu_of_the_product(cache_dir: str, monkeypatch) -> None:
+    """On CUDA in bf16 SigLIP's fc1 applies its GELU in cuBLASLt's epilogue: each layer
+    equals the product then `gelu(approximate="tanh")` up to bf16 rounding, and the tower's
+    embeddings equal those of the tower without the fusion closely."""
+    from embedjob.encoders import epilogues
+    from embedjob.encoders.epilogues import GeluLinear
+
+    job = make_job(cache_dir, model={"family": "siglip", "path": "builtin:tiny-siglip"})
+    fused = load_adapter(job, torch.device("cuda"))
+    layers = [block.mlp.fc1 for block in fused.compile_units()]
+    assert layers and all(isinstance(layer, GeluLinear) for layer in layers)
+    x = torch.randn(300, layers[0].in_features, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = torch.nn.functional.gelu(torch.nn.functional.linear(x.float(), layers[0].weight.float(), layers[0].bias.float()), approximate="tanh")
+        torch.testing.assert_close(layers[0](x).float(), want, rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(epilogues, "EPILOGUES", False)
+    plain = load_adapter(job, torch.device("cuda"))
+    assert not any(isinstance(m, GeluLinear) for m in plain.tower.modules())
+    items = [fused.preprocessor()(random_image(90 + 7 * k, 60, k)) for k in range(4)]
+    with torch.no_grad():
+        a = fused.forward(fused.eager_inputs(items)).float()
+        b = plain.forward(plain.eager_inputs(items)).float()
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.999

@@ -3,24 +3,67 @@
 transformers splits packed sequences with `.tolist()` (a host sync that cannot be
 captured in a CUDA graph) unless the attention implementation's name contains
 "flash"; then it passes `cu_seq_lens_*` and `max_length_*` straight through. We
-register such a function: on CUDA in half precision it calls
-`torch.nn.attention.varlen.varlen_attn` (no host sync, capturable); otherwise (a CPU,
-or float32 on CUDA, which the flash kernels do not take) it runs scaled-dot-product
-attention per segment, which is exact but reads the segments on the host, so a CUDA
-graph cannot capture it (`EncoderAdapter.capturable`).
+register such a function per backend of `model.attention` (`resolve_backend` picks one):
+
+- `varlen`: on CUDA in half precision `torch.nn.attention.varlen.varlen_attn` (no host
+  sync, capturable); otherwise (a CPU, or float32 on CUDA, which the flash kernels do
+  not take) scaled-dot-product attention per segment, which is exact but reads the
+  segments on the host, so a CUDA graph cannot capture it (`EncoderAdapter.capturable`).
+- `fa4`: FlashAttention-4 (`flash_attn.cute.flash_attn_varlen_func`, the optional extra
+  `embedjob[fast]`) at call sites whose segments may be longer than `FA4_MIN_LENGTH`,
+  varlen_attn at the others. Only chosen on CUDA in half precision.
+
+Which kernel a call runs depends only on its length bound (`cuda_kernel`), a Python int
+fixed per budget (`StaticInputs.constants`), so a captured graph holds one kernel per
+layer and every replay runs that one.
 
 Zero-length segments (cumulative offsets that repeat, as static graph buffers are
-padded) are allowed on both paths and contribute nothing.
+padded) are allowed on every path and contribute nothing: the per-segment path skips
+them, and both flash kernels give them no work (FlashAttention-4's own tests run varlen
+batches with zero-length sequences, `zero_lengths_q` in its tests/cute/test_flash_attn.py;
+tests/test_gpu.py checks fa4 and varlen against the per-segment result on such offsets).
+
+flash_attn is imported only where a Qwen-VL tower may use it (`fa4_problem`, `_fa4_varlen`):
+importing it takes seconds. transformers is imported only by `register`, so
+`encoders.loading` resolves the backend before any model library is loaded.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
-ATTN_NAME = "flash_embedjob_varlen"
+from embedjob.config import JobError
+
+logger = logging.getLogger(__name__)
+
+VARLEN = "varlen"
+FA4 = "fa4"
+SDPA = "sdpa"
+ATTN_NAMES = {VARLEN: "flash_embedjob_varlen", FA4: "flash_embedjob_fa4"}
+"""The names registered with transformers; each holds "flash" (see above)."""
 HALF = (torch.float16, torch.bfloat16)
+FAST_EXTRA = "pip install 'embedjob[fast]'"
+"""How FlashAttention-4 is installed: the extra pulls flash-attn-4>=4.0.0b36 (pyproject.toml)."""
+
+FA4_MIN_LENGTH = 128
+"""Call sites whose length bound exceeds this run FlashAttention-4, the others varlen_attn.
+
+Measured on an H200 at Qwen2.5-VL's head dim 80 (benchmarks/RESULTS.md, "FlashAttention-4
+at the towers' head dims"): its 64-token windows take 0.191 ms in varlen_attn and 0.522 ms
+in FA4 (whose tiles are wider than a window), its full-attention layers over images of
+256-4,096 tokens 0.860 ms in varlen_attn and 0.530 ms in FA4. Lengths between 64 and 256
+were not measured; 128 (one FA4 tile) splits them.
+"""
+FA4_MIN_CAPABILITY = (8, 0)
+"""The oldest GPUs FlashAttention-4's kernels build for (it asserts compute capability 8.x or newer)."""
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float | None], torch.Tensor]
+"""A packed kernel: (q, k, v, cumulative offsets, length bound, softmax scale) -> output."""
 
 
 def varlen_attention(
@@ -35,17 +78,32 @@ def varlen_attention(
     cu_seq_lens_k: torch.Tensor | None = None,
     max_length_q: int | None = None,
     max_length_k: int | None = None,
+    backend: str = VARLEN,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over packed segments; inputs (1, heads, tokens, dim), output (1, tokens, heads, dim)."""
+    """Attention over packed segments; inputs (1, heads, tokens, dim), output (1, tokens, heads, dim).
+
+    `backend` is the one this function was registered for (`register`); `max_length_q`
+    bounds every segment's length (an upper bound in padded graph buffers).
+    """
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError("varlen attention needs cu_seq_lens_q and max_length_q; pass precomputed cu_seqlens")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if q.is_cuda and q.dtype in HALF:
-        out = _cuda_varlen(q, k, v, cu_seq_lens_q, int(max_length_q), scaling)
+        max_len = int(max_length_q)
+        out = cuda_kernel(backend, max_len)(q, k, v, cu_seq_lens_q, max_len, scaling)
     else:
         out = _segmented_sdpa(q, k, v, cu_seq_lens_q, scaling)
     return out.unsqueeze(0), None
+
+
+def cuda_kernel(backend: str, max_length: int) -> Kernel:
+    """The kernel of one call site on CUDA in half precision: FlashAttention-4 where the
+    job chose it and the segments may be longer than FA4_MIN_LENGTH, varlen_attn otherwise.
+
+    A function of values fixed per budget only, so a graph captures one kernel per layer.
+    """
+    return _fa4_varlen if backend == FA4 and max_length > FA4_MIN_LENGTH else _cuda_varlen
 
 
 def _cuda_varlen(
@@ -55,6 +113,29 @@ def _cuda_varlen(
 
     cu = cu.to(torch.int32)
     return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_len, max_len, scale=scale)
+
+
+# A custom op, so blocks compiled with torch.compile (`batching.compile`) keep FA4 as one
+# opaque call (its fake gives the output's shape) instead of tracing into the CuTe DSL's
+# Python, which is what varlen_attn, itself a custom op, gets too.
+@torch.library.custom_op("embedjob::fa4_varlen", mutates_args=())
+def _fa4_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None
+) -> torch.Tensor:
+    """FlashAttention-4 over packed (tokens, heads, dim) segments, non-causal."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    cu = cu.to(torch.int32)
+    out, _ = flash_attn_varlen_func(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q=cu, cu_seqlens_k=cu,
+        max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=scale, causal=False,
+    )
+    return out
+
+
+@_fa4_varlen.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 def _segmented_sdpa(
@@ -70,7 +151,74 @@ def _segmented_sdpa(
     return out
 
 
-def register() -> str:
-    """Register the function with transformers (idempotent) and return its name."""
-    AttentionInterface.register(ATTN_NAME, varlen_attention)
-    return ATTN_NAME
+def fa4_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why FlashAttention-4 cannot run on `device` in `dtype`, or None.
+
+    It needs CUDA, half precision, `flash_attn.cute` importing and a GPU of compute
+    capability FA4_MIN_CAPABILITY or newer; the import is tried only where the rest holds
+    and before the GPU is asked, so a machine without the package never reaches its driver.
+    """
+    if device.type != "cuda":
+        return f"{device} is not a CUDA device"
+    if dtype not in HALF:
+        return f"it takes bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
+    problem = fa4_import_problem()
+    if problem is not None:
+        return problem
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FA4_MIN_CAPABILITY:
+        have, need = (".".join(map(str, c)) for c in (capability, FA4_MIN_CAPABILITY))
+        return f"{torch.cuda.get_device_name(device)} has compute capability {have}, below {need}"
+    return None
+
+
+def fa4_import_problem() -> str | None:
+    """Why `flash_attn.cute` does not import, or None."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError as exc:
+        return f"flash-attn-4 is not installed ({exc})"
+    except Exception as exc:  # the CuTe DSL can fail to load for reasons other than absence
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"flash_attn.cute does not import ({type(exc).__name__}: {first})"
+    return None
+
+
+def resolve_backend(setting: str, packed: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """The attention a tower runs for `model.attention` = `setting`, said in one log line:
+    "sdpa" for towers that are not `packed` (CLIP, SigLIP, DINOv2 run transformers'
+    scaled-dot-product attention; the job spec refuses any other setting for them), else
+    "fa4" or "varlen".
+
+    `auto` takes fa4 where it can run (`fa4_problem`) and varlen elsewhere; `fa4` where
+    it cannot is a JobError, raised before any model is loaded, naming what to install.
+    """
+    if not packed:
+        logger.info("attention: sdpa (transformers' scaled-dot-product attention)")
+        return SDPA
+    problem = None if setting == VARLEN else fa4_problem(device, dtype)
+    if setting == FA4 and problem is not None:
+        raise JobError(
+            f"model.attention: fa4 cannot run here: {problem}; FlashAttention-4 needs a CUDA GPU, model.dtype "
+            f"bfloat16 or float16 and {FAST_EXTRA} (flash-attn-4>=4.0.0b36); or set model.attention: varlen"
+        )
+    if setting != VARLEN and problem is None:
+        logger.info(
+            "attention: fa4 (FlashAttention-4) where segments may exceed %d tokens, varlen_attn on shorter ones "
+            "(model.attention %s)",
+            FA4_MIN_LENGTH, setting,
+        )
+        return FA4
+    kernel = "varlen_attn" if device.type == "cuda" and dtype in HALF else "scaled-dot-product attention per segment"
+    why = "" if problem is None else f"; FlashAttention-4 not used: {problem}"
+    logger.info("attention: varlen (%s; model.attention %s%s)", kernel, setting, why)
+    return VARLEN
+
+
+def register(backend: str = VARLEN) -> str:
+    """Register `backend`'s function with transformers (idempotent) and return its name."""
+    from transformers import AttentionInterface
+
+    function = varlen_attention if backend == VARLEN else functools.partial(varlen_attention, backend=backend)
+    AttentionInterface.register(ATTN_NAMES[backend], function)
+    return ATTN_NAMES[backend]

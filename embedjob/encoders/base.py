@@ -37,6 +37,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+WIDE_ROWS = 4096
+"""The widest row that compiled blocks reduce in one pass (a persistent reduction, the row
+held whole) rather than in a loop over parts of it; 0 leaves torch's own rule (rows of up
+to 1,024). The towers' norms reduce rows of 1,152 (SigLIP-so400m) and 1,280 (Qwen2.5-VL)
+elements: looped, each norm reads its row twice. Read when an adapter compiles."""
+
 PAD_ZERO = "zero"
 PAD_REPEAT_LAST = "repeat_last"
 JPEG_KEY = "jpeg"
@@ -212,6 +218,9 @@ class EncoderAdapter(abc.ABC):
     paths: tuple[PathSpec, ...] = (PathSpec("global"),)
     # The linear layers `use_fp8` converted, by name within a block: how many of each.
     fp8_layers: dict[str, int] = {}
+    # The attention `forward` runs (stats `attention`): transformers' scaled-dot-product
+    # attention unless a family runs its own ("varlen" or "fa4", `encoders.attention`).
+    attention: str = "sdpa"
 
     def __init__(self, spec: Any, processing: Any, placement: Placement) -> None:
         """What every family has: its spec (`spec.name` is the family), the preprocessing
@@ -277,6 +286,14 @@ class EncoderAdapter(abc.ABC):
             sum(self.fp8_layers.values()), len(blocks), ", ".join(sorted(self.fp8_layers)), str(self.dtype).removeprefix("torch."),
         )
 
+    def use_epilogues(self) -> None:
+        """Apply the blocks' MLP activations in the products' epilogues where cuBLASLt
+        can (`encoders.epilogues`: SigLIP's tanh GELU); on CUDA in half precision, where
+        the product is cuBLASLt's. Before `compile`, like `use_fp8`."""
+        from embedjob.encoders.epilogues import fuse_gelu_epilogues
+
+        fuse_gelu_epilogues(self.compile_units())
+
     def compile(self, dynamic: bool) -> None:
         """Compile `compile_units` in place with torch.compile.
 
@@ -285,6 +302,7 @@ class EncoderAdapter(abc.ABC):
         one per budget; compiled artefacts are cached on disk under the cache root.
         """
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.cache_dir / "inductor"))
+        reduce_rows_in_one_pass(WIDE_ROWS)
         if not dynamic:
             import torch._dynamo
 
@@ -322,3 +340,32 @@ class EncoderAdapter(abc.ABC):
         if self.fp8_layers:
             info["precision"] = "fp8"
         return info
+
+
+def reduce_rows_in_one_pass(width: int) -> None:
+    """From now on, on this thread (where the blocks compile: their first call), the
+    compiler reduces rows of up to `width` elements along the inner dimension in one pass
+    (0: torch's own rule).
+
+    torch's heuristic holds a row whole only up to 1,024 elements and otherwise loops over
+    it, reading it once for the statistics and again to normalise. The handler is
+    inductor's documented hook for its heuristics (`V.set_choices_handler`); every other
+    choice stays torch's own."""
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    class WideRows(InductorChoices):
+        @staticmethod
+        def should_use_persistent_reduction(features: Any, cooperative_reduction: bool) -> bool:
+            if InductorChoices.should_use_persistent_reduction(features, cooperative_reduction):
+                return True
+            return (
+                config.triton.persistent_reductions
+                and not cooperative_reduction
+                and features.get_reduction_hint() == ReductionHint.INNER
+                and V.graph.sizevars.statically_known_leq(features.reduction_numel, width)
+            )
+
+    V.set_choices_handler(WideRows() if width else InductorChoices())

@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from embedjob.config import Job, relative_note
+from embedjob.encoders import epilogues
+from embedjob.encoders.attention import resolve_backend
 from embedjob.encoders.base import EncoderAdapter, Placement
 from embedjob.encoders.registry import FAMILIES
 
@@ -41,12 +43,15 @@ class AdapterOptions:
     tile_combine: str = "concat"
     dinov2_pool: str = "cls"
     per_token: bool = False
+    # The backend `attention.resolve_backend` chose for the tower (Qwen-VL towers read it).
+    attention: str = "varlen"
 
     def placement(self, device: torch.device, dtype: torch.dtype, source: str) -> Placement:
         return Placement(device, dtype, source, self.video_max_frames, self.cache_dir)
 
     @classmethod
-    def from_job(cls, job: Job) -> AdapterOptions:
+    def from_job(cls, job: Job, attention: str) -> AdapterOptions:
+        """The job's options, with the attention backend resolved for its device."""
         return cls(
             cache_dir=cache_root(job.runtime.cache_dir),
             min_pixels=job.preprocess.min_pixels,
@@ -59,19 +64,28 @@ class AdapterOptions:
             tile_combine=job.preprocess.tile_combine,
             dinov2_pool=job.model.dinov2_pool,
             per_token=job.output.pooling == "none",
+            attention=attention,
         )
 
 
 def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
-    """Build the adapter the job asks for, on `device`, in the job's dtype (float32 on CPU)."""
+    """Build the adapter the job asks for, on `device`, in the job's dtype (float32 on CPU).
+
+    The attention backend is resolved first (a JobError where `model.attention: fa4`
+    cannot run), so such a job stops before any checkpoint is read or fetched.
+    """
     family = FAMILIES.get(job.model.family)
     if family is None:
         raise ValueError(f"model.family {job.model.family!r} has no adapter")
-    module = importlib.import_module(family.adapter)
     dtype = resolve_dtype(job.model.dtype, device)
-    adapter = module.build_adapter(job.model.family, job.model.path, dtype, device, AdapterOptions.from_job(job))
+    attention = resolve_backend(job.model.attention, not family.fixed_resolution, device, dtype)
+    module = importlib.import_module(family.adapter)
+    options = AdapterOptions.from_job(job, attention)
+    adapter = module.build_adapter(job.model.family, job.model.path, dtype, device, options)
     if job.model.precision == "fp8":
         adapter.use_fp8()
+    elif device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and epilogues.EPILOGUES:
+        adapter.use_epilogues()
     return adapter
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.encoders.attention import HALF
+from embedjob.encoders.attention import HALF, VARLEN
 from embedjob.encoders.attention import register as register_attention
 from embedjob.encoders.base import (
     JPEG_KEY,
@@ -311,9 +311,11 @@ class QwenAdapter(EncoderAdapter):
         model: torch.nn.Module,
         processing: QwenPreprocessor,
         placement: Placement,
+        attention: str = VARLEN,
     ) -> None:
         super().__init__(family, processing, placement)
         self.model = model
+        self.attention = attention
         config = model.config
         self.embed_dim = int(getattr(config, "out_hidden_size", None) or config.hidden_size)
         self.merge_unit = processing.merge_size**2
@@ -774,7 +776,7 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
     model = load_model(spec, directory, dtype).to(device).eval()
     if device.type == "cuda":
         tune_for_cuda(model)
-    model.config._attn_implementation = register_attention()
+    model.config._attn_implementation = register_attention(options.attention)
     model.requires_grad_(False)
     processing = load_processing(spec, directory, model.config, options)
-    return QwenAdapter(spec, model, processing, options.placement(device, dtype, path))
+    return QwenAdapter(spec, model, processing, options.placement(device, dtype, path), options.attention)

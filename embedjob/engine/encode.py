@@ -165,6 +165,7 @@ class BatchEncoder:
             "max_frames_per_batch": first.plan.max_frames,
             "graph_backend": first.manager.backend,
             "precision": "fp8" if self.adapter.fp8_layers else "bf16",
+            "attention": self.adapter.attention,
         }
         if self.adapter.fp8_layers:
             stats["fp8_layers"] = dict(self.adapter.fp8_layers)

@@ -100,6 +100,15 @@ def _without_default(section: Any, key: str, default: Any) -> dict[str, Any]:
     return {k: v for k, v in vars(section).items() if (k, v) != (key, default)}
 
 
+def _model_identity(job: Job) -> dict[str, Any]:
+    """The model keys that determine the embeddings. `attention` is left out: it picks a
+    kernel, as `batching.compile` does, and its backends agree to bf16 rounding
+    (benchmarks/RESULTS.md), so output resumes across it (and `auto` resolves per machine)."""
+    values = _without_default(job.model, "precision", "bf16")
+    del values["attention"]
+    return values
+
+
 def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dict[str, Any]:
     """What determines the embeddings; output made with another fingerprint is refused.
 
@@ -111,7 +120,7 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
     keys = ("path", "media_column", "id_column", "modality", "media_root", "max_item_bytes")
     # Defaults of keys added later are left out: output written before they existed resumes.
     return {
-        "model": _without_default(job.model, "precision", "bf16"),
+        "model": _model_identity(job),
         "preprocessing": {
             "preprocess": _without_default(job.preprocess, "decoder", "cpu"),
             "video": _without_default(job.video, "decoder", "decord"),

@@ -1,0 +1,195 @@
+"""`model.attention` on the CPU: the key and its checks, how `auto` and `fa4` resolve
+with and without FlashAttention-4 (its absence simulated, its presence stood in for),
+which kernel each call site gets, and the stats and fingerprint of a job. FA4 itself,
+against varlen_attn and inside captured graphs, is checked in test_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import types
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import REPO, make_job, random_image
+
+import embedjob.encoders.attention as attention
+from embedjob.cli import main
+from embedjob.config import JobError
+from embedjob.encoders import load_adapter
+from embedjob.encoders.attention import FA4_MIN_LENGTH, cuda_kernel, resolve_backend
+from embedjob.encoders.loading import AdapterOptions
+from embedjob.engine.encode import build_encoder
+from embedjob.io.checkpoint import job_fingerprint
+
+DEMO = str(REPO / "jobs" / "demo.yaml")
+CUDA = torch.device("cuda", 0)
+SIZES = [(224, 224), (300, 500), (56, 56), (90, 400)]
+
+
+def without_fa4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`import flash_attn.cute` fails as it does where flash-attn-4 is not installed."""
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+
+
+def with_fa4(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int] = (9, 0)) -> None:
+    """A stand-in `flash_attn.cute` that imports, on a GPU of `capability`."""
+    package = types.ModuleType("flash_attn")
+    package.cute = types.ModuleType("flash_attn.cute")
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", package.cute)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test GPU")
+
+
+@pytest.mark.parametrize("value", ["auto", "varlen", "fa4"])
+def test_the_key_takes_its_three_values(cache_dir: str, value: str) -> None:
+    assert make_job(cache_dir, model={"attention": value}).model.attention == value
+
+
+def test_the_key_defaults_to_auto_and_refuses_other_values(cache_dir: str) -> None:
+    assert make_job(cache_dir).model.attention == "auto"
+    with pytest.raises(JobError, match=r"key 'model.attention' = 'flash' is not allowed; expected 'auto' \| 'varlen' \| 'fa4'"):
+        make_job(cache_dir, model={"attention": "flash"})
+
+
+@pytest.mark.parametrize("family", ["clip", "siglip", "dinov2"])
+@pytest.mark.parametrize("value", ["fa4", "varlen"])
+def test_a_fixed_resolution_tower_takes_only_auto(cache_dir: str, family: str, value: str) -> None:
+    model = {"family": family, "path": f"builtin:tiny-{family}"}
+    assert make_job(cache_dir, model=model).model.attention == "auto"
+    with pytest.raises(JobError) as error:
+        make_job(cache_dir, model={**model, "attention": value})
+    message = str(error.value)
+    assert f"model.attention = {value!r} applies to the Qwen-VL families only" in message
+    assert "scaled-dot-product attention" in message and "remove model.attention" in message
+
+
+def test_auto_without_the_package_is_varlen_and_says_why(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    without_fa4(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="embedjob.encoders.attention"):
+        assert resolve_backend("auto", True, CUDA, torch.bfloat16) == "varlen"
+    assert "attention: varlen (varlen_attn; model.attention auto; FlashAttention-4 not used: flash-attn-4 is not installed" in caplog.text
+
+
+def test_auto_with_the_package_on_a_gpu_in_half_precision_is_fa4(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    with_fa4(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="embedjob.encoders.attention"):
+        assert resolve_backend("auto", True, CUDA, torch.bfloat16) == "fa4"
+        assert resolve_backend("auto", True, CUDA, torch.float16) == "fa4"
+    assert f"attention: fa4 (FlashAttention-4) where segments may exceed {FA4_MIN_LENGTH} tokens" in caplog.text
+    assert resolve_backend("fa4", True, CUDA, torch.bfloat16) == "fa4"
+    assert resolve_backend("varlen", True, CUDA, torch.bfloat16) == "varlen"
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "capability", "problem"),
+    [
+        (torch.device("cpu"), torch.float32, (9, 0), "cpu is not a CUDA device"),
+        (CUDA, torch.float32, (9, 0), "it takes bfloat16 or float16, not float32"),
+        (CUDA, torch.bfloat16, (7, 5), "a test GPU has compute capability 7.5, below 8.0"),
+    ],
+)
+def test_auto_where_fa4_cannot_run_even_with_the_package_is_varlen(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device, dtype: torch.dtype, capability: tuple[int, int], problem: str
+) -> None:
+    with_fa4(monkeypatch, capability)
+    assert attention.fa4_problem(device, dtype) == problem
+    assert resolve_backend("auto", True, device, dtype) == "varlen"
+    with pytest.raises(JobError, match=problem):
+        resolve_backend("fa4", True, device, dtype)
+
+
+def test_fa4_without_the_package_is_a_job_error_naming_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    without_fa4(monkeypatch)
+    with pytest.raises(JobError) as error:
+        resolve_backend("fa4", True, CUDA, torch.bfloat16)
+    message = str(error.value)
+    assert message.startswith("model.attention: fa4 cannot run here: flash-attn-4 is not installed")
+    assert "pip install 'embedjob[fast]' (flash-attn-4>=4.0.0b36)" in message and "set model.attention: varlen" in message
+
+
+def test_a_fixed_resolution_tower_runs_sdpa_whatever_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    with_fa4(monkeypatch)
+    assert resolve_backend("auto", False, CUDA, torch.bfloat16) == "sdpa"
+
+
+def test_an_fa4_job_without_the_package_stops_before_any_model_is_made(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One line, exit 2, no part and no builtin model made: the job stopped before any work."""
+    without_fa4(monkeypatch)
+    cache = tmp_path / "cache"
+    argv = ["run", DEMO, "--set", f"output.path={tmp_path / 'out'}", "--set", f"runtime.cache_dir={cache}"]
+    assert main([*argv, "--set", "model.attention=fa4"]) == 2
+    err = capsys.readouterr().err
+    assert "model.attention: fa4 cannot run here: cpu is not a CUDA device" in err
+    assert "pip install 'embedjob[fast]'" in err and "set model.attention: varlen" in err
+    assert "model.path" not in err, "the error is the attention's, not the checkpoint's"
+    assert not (cache / "builtin").exists() and not list((tmp_path / "out").glob("part-*.parquet"))
+
+
+def test_a_demo_job_with_auto_runs_varlen_and_its_stats_say_so(tmp_path: Path, cache_dir: str) -> None:
+    argv = ["run", DEMO, "--set", f"output.path={tmp_path}", "--set", f"runtime.cache_dir={cache_dir}", "--set", "runtime.workers=0"]
+    assert main(argv) == 0
+    stats = json.loads((tmp_path / "_embedjob" / "stats-00000.json").read_text())
+    assert stats["attention"] == "varlen"
+
+
+@pytest.mark.parametrize(("family", "expected"), [("qwen2_5_vl", "varlen"), ("siglip", "sdpa")])
+def test_the_stats_name_the_attention_the_adapter_runs(cache_dir: str, family: str, expected: str) -> None:
+    job = make_job(cache_dir, model={"family": family, "path": f"builtin:tiny-{family}"})
+    adapter = load_adapter(job, torch.device("cpu"))
+    assert adapter.attention == expected
+    assert build_encoder(job, adapter, torch.device("cpu")).plan_stats()["attention"] == expected
+
+
+@pytest.mark.parametrize("length", [16, 64, FA4_MIN_LENGTH])
+def test_segments_up_to_the_threshold_run_varlen_attn_with_either_backend(length: int) -> None:
+    assert cuda_kernel("fa4", length) is attention._cuda_varlen
+    assert cuda_kernel("varlen", length) is attention._cuda_varlen
+
+
+@pytest.mark.parametrize("length", [FA4_MIN_LENGTH + 1, 256, 1024, 16384])
+def test_longer_segments_run_fa4_only_where_the_job_chose_it(length: int) -> None:
+    assert cuda_kernel("fa4", length) is attention._fa4_varlen
+    assert cuda_kernel("varlen", length) is attention._cuda_varlen
+
+
+@pytest.mark.parametrize("budget", [64, 128, 256, 512, 1024, 16384])
+def test_qwen2_5_vl_budgets_put_fa4_on_full_attention_and_varlen_on_windows(qwen_adapter, budget: int) -> None:
+    """The length bounds a budget's graph is captured with: its full-attention layers get
+    FA4, its 64-patch windows varlen_attn, for every budget."""
+    constants = qwen_adapter.static_inputs(budget, 16, 16).constants
+    assert cuda_kernel("fa4", constants["max_seqlen"]) is attention._fa4_varlen
+    assert constants["max_window_seqlen"] == 64 and cuda_kernel("fa4", constants["max_window_seqlen"]) is attention._cuda_varlen
+
+
+def test_the_fa4_function_is_registered_under_a_flash_name_and_runs_the_tower_on_the_cpu(cache_dir: str) -> None:
+    """Built with fa4 (which a job only gets on a GPU), the tower still takes the packed
+    path ("flash" in the name) and, on the CPU, gives the varlen tower's rows exactly."""
+    from embedjob.encoders.qwen import build_adapter
+
+    options = AdapterOptions(cache_dir=Path(cache_dir), attention="fa4")
+    fa4 = build_adapter("qwen2_5_vl", "builtin:tiny-qwen2_5_vl", torch.float32, torch.device("cpu"), options)
+    assert fa4.model.config._attn_implementation == "flash_embedjob_fa4" and fa4.attention == "fa4"
+    varlen = build_adapter("qwen2_5_vl", "builtin:tiny-qwen2_5_vl", torch.float32, torch.device("cpu"),
+                           AdapterOptions(cache_dir=Path(cache_dir)))
+    assert varlen.model.config._attn_implementation == "flash_embedjob_varlen"
+    items = [fa4.preprocessor()(random_image(h, w, seed)) for seed, (h, w) in enumerate(SIZES)]
+    with torch.no_grad():
+        assert torch.equal(fa4.forward(fa4.eager_inputs(items)), varlen.forward(varlen.eager_inputs(items)))
+
+
+def test_the_setting_leaves_the_fingerprint_of_earlier_output_unchanged(tmp_path: Path, cache_dir: str) -> None:
+    """A kernel choice, as batching.compile: output written before the key existed, or
+    with another setting, resumes."""
+    table = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"image": [b"x"]}), table)
+    prints = [job_fingerprint(make_job(cache_dir, input={"path": str(table)}, model={"attention": value}))
+              for value in ("auto", "varlen", "fa4")]
+    assert "attention" not in prints[0]["model"] and prints[0] == prints[1] == prints[2]

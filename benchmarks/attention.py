@@ -44,6 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedjob.bench import cuda_time  # noqa: E402
+from embedjob.encoders.attention import fa4_problem  # noqa: E402
 
 HEADS = 16
 QWEN_FULL_IMAGES = [4096, 2048, 2048, 1024, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256, 256, 256, 1024]
@@ -127,24 +128,8 @@ def flex(case: Case, device: torch.device) -> Callable[..., torch.Tensor]:
     return run
 
 
-def fa4_problem(device: torch.device) -> str | None:
-    """Why `fa4` cannot run here, or None."""
-    try:
-        import flash_attn.cute  # noqa: F401
-    except ImportError as exc:
-        installed = f"flash-attn-4 not installed ({exc})"
-    except Exception as exc:  # the CuTe DSL can fail to load for reasons other than absence
-        first = str(exc).strip().splitlines()[0][:80] if str(exc).strip() else ""
-        installed = f"flash_attn.cute does not import: {type(exc).__name__}: {first}"
-    else:
-        installed = None
-    if device.type != "cuda":
-        return f"flash-attn-4 needs CUDA; {installed or 'flash_attn.cute imports'}"
-    return installed
-
-
 def fa4(case: Case, device: torch.device) -> Callable[..., torch.Tensor]:
-    problem = fa4_problem(device)
+    problem = fa4_problem(device, torch.bfloat16)  # its rows run in bf16 on a GPU
     if problem is not None:
         raise RuntimeError(problem)
     from flash_attn.cute import flash_attn_varlen_func

@@ -21,7 +21,7 @@ import torch
 
 from embedjob.config import Job, relative_note
 from embedjob.encoders import epilogues
-from embedjob.encoders.attention import resolve_backend
+from embedjob.encoders.attention import HALF, resolve_backend
 from embedjob.encoders.base import EncoderAdapter, Placement
 from embedjob.encoders.registry import FAMILIES
 
@@ -84,7 +84,7 @@ def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
     adapter = module.build_adapter(job.model.family, job.model.path, dtype, device, options)
     if job.model.precision == "fp8":
         adapter.use_fp8()
-    elif device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and epilogues.EPILOGUES:
+    elif device.type == "cuda" and dtype in HALF and epilogues.EPILOGUES:
         adapter.use_epilogues()
     return adapter
 

@@ -3,7 +3,7 @@
 Usage (from the repository root, one GPU; run the job once before, so the compile
 cache is warm; model.path a checkpoint directory):
 
-    PYTHONPATH=. python3 benchmarks/setup_costs.py JOB.yaml [--rounds 3]
+    PYTHONPATH=. python3 benchmarks/setup_costs.py JOB.yaml [--rounds 3] [--profile 40]
 
 A run overlaps some of these steps (the compiler's import beside the model load, the
 decode workers beside capture) and a spawned rank imports before its first line runs;
@@ -64,6 +64,11 @@ sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 torch.zeros(1, device=device)
 sync()
 step("cuda init")
+profile = None
+if len(sys.argv) > 3:
+    import cProfile
+    profile = cProfile.Profile()
+    profile.enable()
 adapter = pipeline.load_encoder_adapter(job, device)
 sync()
 step("load")
@@ -73,12 +78,16 @@ step("plan")
 encoder.capture()
 sync()
 step("capture")
+if profile is not None:
+    profile.disable()
+    profile.dump_stats(sys.argv[3])
 print(json.dumps(steps))
 """
 
 
-def run_round(job: str, device: str) -> dict[str, float] | str:
-    done = subprocess.run([sys.executable, "-c", ROUND, job, device], cwd=REPO, capture_output=True, text=True, check=False)
+def run_round(job: str, device: str, profile: str | None = None) -> dict[str, float] | str:
+    extra = [profile] if profile else []
+    done = subprocess.run([sys.executable, "-c", ROUND, job, device, *extra], cwd=REPO, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         return (done.stderr.strip().splitlines() or ["no output"])[-1][:160]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -89,6 +98,8 @@ def main() -> int:
     parser.add_argument("job")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cuda", help="cpu to try the script here (capture then replays eagerly)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="one more round under cProfile (load to capture) and print its N costliest functions")
     args = parser.parse_args()
     rounds = [run_round(args.job, args.device) for _ in range(args.rounds)]
     failed = [r for r in rounds if isinstance(r, str)]
@@ -105,7 +116,28 @@ def main() -> int:
     print(f"| total | {statistics.median(totals):.2f} | {', '.join(f'{v:.2f}' for v in totals)} |")
     if failed:
         print(f"\n{len(failed)} round(s) failed: {failed[0]}")
+    if args.profile:
+        print_profile(args.job, args.device, args.profile)
     return 0
+
+
+def print_profile(job: str, device: str, top: int) -> None:
+    """A round from load to capture under cProfile: its costliest functions by their
+    cumulative and by their own seconds (cProfile slows Python-heavy steps, so the shares
+    say where the time goes, not a plain round's length)."""
+    import pstats
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "setup.prof")
+        result = run_round(job, device, path)
+        if isinstance(result, str):
+            print(f"\nthe profiled round failed: {result}")
+            return
+        print(f"\nprofiled round (load to capture): {sum(result[k] for k in ('load', 'plan', 'capture')):.2f} s")
+        for key in ("cumulative", "tottime"):
+            stats = pstats.Stats(path)
+            stats.sort_stats(key).print_stats(top)
 
 
 if __name__ == "__main__":

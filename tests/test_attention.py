@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pyarrow as pa
@@ -138,6 +140,53 @@ def test_a_demo_job_with_auto_runs_varlen_and_its_stats_say_so(tmp_path: Path, c
     assert main(argv) == 0
     stats = json.loads((tmp_path / "_embedjob" / "stats-00000.json").read_text())
     assert stats["attention"] == "varlen"
+
+
+FA4_CACHE_VARIABLES = ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")
+
+
+@pytest.mark.parametrize(("family", "setting", "kept"), [("qwen2_5_vl", "auto", True), ("qwen2_5_vl", "varlen", False), ("siglip", "auto", False)])
+def test_a_tower_that_may_run_fa4_keeps_its_kernels_under_the_cache_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, setting: str, kept: bool
+) -> None:
+    """FlashAttention-4 compiles its kernels in every new process unless its disk cache is
+    on: a Qwen job that may run it turns the cache on under runtime.cache_dir before the
+    package is imported; a varlen job and the fixed towers leave the environment alone."""
+    for name in FA4_CACHE_VARIABLES:  # set first, so the test's own settings are undone after it
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    without_fa4(monkeypatch)
+    model = {"family": family, "path": f"builtin:tiny-{family}"} | ({} if setting == "auto" else {"attention": setting})
+    load_adapter(make_job(str(tmp_path), model=model), torch.device("cpu"))
+    found = {name: os.environ.get(name) for name in FA4_CACHE_VARIABLES}
+    assert found == ({FA4_CACHE_VARIABLES[0]: "1", FA4_CACHE_VARIABLES[1]: str(tmp_path / "fa4")} if kept else dict.fromkeys(FA4_CACHE_VARIABLES))
+
+
+def test_a_users_own_fa4_cache_settings_win(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "/scratch/fa4")
+    attention.prepare_fa4(tmp_path / "fa4")
+    assert [os.environ[name] for name in FA4_CACHE_VARIABLES] == ["0", "/scratch/fa4"]
+
+
+def test_fa4s_per_run_warnings_are_silenced_and_other_warnings_are_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two messages FlashAttention-4's packages print on every run (texts as they
+    print them) no longer reach a user's log; any other warning still does."""
+    for name in FA4_CACHE_VARIABLES:
+        monkeypatch.setenv(name, "")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        attention.prepare_fa4(tmp_path / "fa4")
+        warnings.warn(
+            "Argument aux_data (position 12) cannot be converted to a JitArgument for function '__call__'. "
+            "Its type `<class 'flash_attn.cute.flash_fwd.AuxData'>` is not supported.", UserWarning,
+        )
+        warnings.warn(
+            "cutlass.utils.smem_allocator.SmemAllocator is deprecated; use cutlass.memory.SmemAllocator instead.",
+            DeprecationWarning,
+        )
+        warnings.warn("Argument scale (position 3) cannot be converted to a JitArgument", UserWarning)
+    assert [str(w.message) for w in seen] == ["Argument scale (position 3) cannot be converted to a JitArgument"]
 
 
 @pytest.mark.parametrize(("family", "expected"), [("qwen2_5_vl", "varlen"), ("siglip", "sdpa")])

@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -136,6 +139,26 @@ def test_an_fa4_tower_captured_into_a_nan_filled_pool_replays_like_eager(cache_d
     for replayed, eager in nan_pool_replays(fa4, varlen, PLAN, items):
         rel = float((replayed.float() - eager.float()).norm() / eager.float().norm())
         assert rel < 2e-2, rel
+
+
+@needs_fa4
+def test_an_fa4_job_keeps_its_kernels_for_the_next_process_and_prints_no_fa4_warnings(tmp_path: Path, cache_dir: str) -> None:
+    """The demo with model.attention fa4, run as a user runs it (a process of its own):
+    it reports fa4, FlashAttention-4's compiled kernels land under the cache root where
+    the next process finds them, and neither of the packages' per-run warnings reaches
+    the output."""
+    sets = [f"runtime.cache_dir={cache_dir}", f"output.path={tmp_path / 'out'}", "runtime.device=cuda",
+            "model.dtype=bfloat16", "model.attention=fa4"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASH_ATTENTION_CUTE_DSL_CACHE")}
+    done = subprocess.run(
+        [sys.executable, "-m", "embedjob.cli", "run", str(REPO / "jobs" / "demo.yaml"), *(a for k in sets for a in ("--set", k))],
+        cwd=REPO, env=env, capture_output=True, text=True, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = json.loads(next((tmp_path / "out").glob("_embedjob/stats-*.json")).read_text())
+    assert stats["attention"] == "fa4"
+    assert [p for p in (Path(cache_dir) / "fa4").rglob("*") if p.is_file()]
+    assert "JitArgument" not in done.stderr + done.stdout and "SmemAllocator" not in done.stderr + done.stdout
 
 
 def test_cuda_graph_replay_equals_eager_on_the_same_padded_batch(cuda_manager: GraphManager, items) -> None:

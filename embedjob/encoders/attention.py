@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +64,11 @@ were not measured; 128 (one FA4 tile) splits them.
 """
 FA4_MIN_CAPABILITY = (8, 0)
 """The oldest GPUs FlashAttention-4's kernels build for (it asserts compute capability 8.x or newer)."""
+FA4_NOISE: tuple[tuple[str, type[Warning]], ...] = (
+    (r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument", UserWarning),
+    (r"cutlass\.utils\.smem_allocator\.SmemAllocator", DeprecationWarning),
+)
+"""Warnings FlashAttention-4 4.0.0b36 and its CuTe DSL print once per run (`prepare_fa4`)."""
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float | None], torch.Tensor]
 """A packed kernel: (q, k, v, cumulative offsets, length bound, softmax scale) -> output."""
@@ -149,6 +157,25 @@ def _segmented_sdpa(
         seg = [t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
         out[start:end] = F.scaled_dot_product_attention(*seg, scale=scale)[0].transpose(0, 1)
     return out
+
+
+def prepare_fa4(directory: Path) -> None:
+    """Have FlashAttention-4 keep its compiled kernels in `directory` across processes,
+    and silence the two warnings its packages print on every run.
+
+    Without its cache it compiles every kernel with the CuTe DSL in each new process,
+    about 4 s of a Qwen2.5-VL-7B-size tower's capture on an H200 (benchmarks/RESULTS.md),
+    paid by every rank of every shard; the directory sits under embedjob's cache root, as
+    the compiler's cache does (`EncoderAdapter.compile`). FlashAttention-4 reads these
+    variables when it is imported, so this runs before `fa4_problem`; a user's own
+    settings win. The warnings (an argument its kernels pass that the DSL cannot turn into
+    a JIT argument, a deprecated allocator it calls) say nothing a user can act on, and
+    the kernels they come from are checked against varlen_attn in tests/test_gpu.py.
+    """
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")  # off unless asked for
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(directory))
+    for message, category in FA4_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=category)
 
 
 def fa4_problem(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -176,7 +176,8 @@ def report(activities: list[Activity], stats: dict, steps: list[HostStep], top: 
         f"pipeline {pipeline:.3f} s, device busy {busy:.3f} s ({busy / pipeline:.1%}), idle {pipeline - busy:.3f} s: "
         f"head {head * 1e3:.1f} ms, tail {tail * 1e3:.1f} ms, between activities {sum(g[1] for g in gaps) * 1e3:.1f} ms "
         f"in {len(gaps)} gaps; run: {stats['rows']} rows, {stats['items_per_second']:.1f} rows/s, "
-        f"batches {sum(stats.get('budget_batches', {}).values())}, busy_seconds (events) {rank['busy_seconds']:.3f}",
+        f"batches {sum(stats.get('budget_batches', {}).values())}, busy_seconds (events) {rank['busy_seconds']:.3f}; "
+        f"setup {stats['setup_seconds']:.1f} s {rank.get('setup')}",
         "",
         "| gap length | gaps | idle ms | share of idle |",
         "| --- | ---: | ---: | ---: |",

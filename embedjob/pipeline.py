@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import math
 import threading
@@ -426,7 +427,14 @@ class RankPipeline:
 
     def prepare(self) -> None:
         """Load the model and build the encoder; a job the model cannot serve (a bad
-        checkpoint, budgets the model cannot take) stops here, before any row is read."""
+        checkpoint, budgets the model cannot take) stops here, before any row is read.
+
+        What setup allocates stays alive for the run, so the garbage collector is
+        paused meanwhile (`collector_paused`)."""
+        with collector_paused():
+            self._prepare()
+
+    def _prepare(self) -> None:
         since = time.perf_counter()
         self.stats.started_at = time.time()
         start_worker_server(WORKER_MODULES)
@@ -453,8 +461,11 @@ class RankPipeline:
             self.prepare()
         taken: collections.deque[reader.Chunk] = collections.deque()
         submitted: collections.deque[reader.InputRow] = collections.deque()
-        pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
-        with pool:
+        with collector_paused():
+            pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
+        since = time.perf_counter()
+        with pool, long_lived_heap():
+            self._setup("heap", since)
             self.stats.ready_at = time.time()
             self.stats.timeline.skip_to(self.stats.ready_at)
             self.ready()
@@ -763,6 +774,48 @@ class RankPipeline:
         self.stats.graphs = self.encoder.graph_stats()
         self.stats.plan = self.encoder.plan_stats()
         self._sample()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No garbage collection inside (a collection the caller's code triggers waits until
+    the end); the collector's state is restored on exit.
+
+    Setup (imports, the load, compile and capture) allocates millions of objects that
+    stay alive, so the oldest generation's collections it triggers walk an ever larger
+    heap and free little: five of them took 1.0-1.5 s of a Qwen2.5-VL-7B-size tower's
+    setup on an H200 (benchmarks/RESULTS.md, "The device's idle time on the 224 px
+    mix"). `long_lived_heap` collects once after it.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def long_lived_heap() -> Iterator[None]:
+    """Inside, every object alive on entry (after one collection) is out of the garbage
+    collector's reach; on exit they are handed back to it.
+
+    After setup the process holds millions of long-lived objects (torch, transformers,
+    the tower, the compiler's code); a collection of the oldest generation walks every
+    one of them, a tenth of a second or more with the GIL held, and the thread that
+    launches the graphs waits it out while the device drains its queue. Frozen objects
+    are never scanned, so the run's collections see only what it allocates. Garbage
+    already made (setup's) is collected first, so freezing keeps nothing alive that was
+    dead; the hand-back on exit lets a process that runs many jobs (a test session, a
+    loop over shards) still collect what those runs leave behind.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _items_encoded(encoder: Encoder) -> int:

@@ -3,6 +3,7 @@ failures a user must see as one clear line."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -67,6 +68,36 @@ def test_workers_and_inline_decoding_give_identical_output(demo_out: Path, tmp_p
     for a, b in zip(read(tmp_path), read(demo_out), strict=True):
         ea, eb = (np.array(r.pop("embedding"), dtype=np.float32) for r in (a, b))
         assert a == b and np.array_equal(ea, eb, equal_nan=True)
+
+
+def test_setup_runs_without_collections_and_the_run_keeps_setups_heap_from_the_collector(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load runs with the collector paused; while rows are encoded the objects of
+    setup are frozen, so no collection of the oldest generation walks them between two
+    graph launches; after the run the collector is on and has them all back, so a
+    process that runs job after job (a loop over shards) still frees what they leave."""
+    from embedjob.pipeline import RankPipeline
+
+    seen: dict[str, object] = {}
+    prepare, encode = RankPipeline._prepare, RankPipeline._pipeline
+
+    def preparing(self):
+        seen["collecting during setup"] = gc.isenabled()
+        return prepare(self)
+
+    def encoding(self, *args, **kwargs):
+        seen["frozen while encoding"] = gc.get_freeze_count()
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(RankPipeline, "_prepare", preparing)
+    monkeypatch.setattr(RankPipeline, "_pipeline", encoding)
+    before = gc.get_freeze_count()
+    assert run(tmp_path / "out", cache_dir) == 0
+    assert seen["collecting during setup"] is False
+    assert seen["frozen while encoding"] > before + 10_000
+    assert gc.isenabled() and gc.get_freeze_count() == before
+    assert len(read(tmp_path / "out")) == 12
 
 
 def test_rerun_of_a_finished_shard_does_nothing(demo_out: Path, cache_dir: str, capsys: pytest.CaptureFixture) -> None:

@@ -778,14 +778,13 @@ class RankPipeline:
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """No garbage collection inside (a collection the caller's code triggers waits until
-    the end); the collector's state is restored on exit.
+    """No automatic garbage collection inside; the collector's state is restored on exit.
 
     Setup (imports, the load, compile and capture) allocates millions of objects that
     stay alive, so the oldest generation's collections it triggers walk an ever larger
     heap and free little: five of them took 1.0-1.5 s of a Qwen2.5-VL-7B-size tower's
-    setup on an H200 (benchmarks/RESULTS.md, "The device's idle time on the 224 px
-    mix"). `long_lived_heap` collects once after it.
+    setup on an H200 (benchmarks/RESULTS.md, "Where the device sits idle").
+    `long_lived_heap` collects once after it.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -803,8 +802,8 @@ def long_lived_heap() -> Iterator[None]:
 
     After setup the process holds millions of long-lived objects (torch, transformers,
     the tower, the compiler's code); a collection of the oldest generation walks every
-    one of them, a tenth of a second or more with the GIL held, and the thread that
-    launches the graphs waits it out while the device drains its queue. Frozen objects
+    one of them with the GIL held (0.3 s on an H200, the `heap` step of setup), time in
+    which the thread that launches the graphs cannot run. Frozen objects
     are never scanned, so the run's collections see only what it allocates. Garbage
     already made (setup's) is collected first, so freezing keeps nothing alive that was
     dead; the hand-back on exit lets a process that runs many jobs (a test session, a

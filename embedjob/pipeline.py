@@ -430,9 +430,13 @@ class RankPipeline:
         checkpoint, budgets the model cannot take) stops here, before any row is read.
 
         What setup allocates stays alive for the run, so the garbage collector is
-        paused meanwhile (`collector_paused`)."""
+        paused meanwhile (`collector_paused`), and what it made is frozen before the
+        collector resumes: unfrozen, it would all sit in the youngest generation, whose
+        next collection (before capture) would walk every object of the load.
+        `run` collects once and hands it back (`long_lived_heap`)."""
         with collector_paused():
             self._prepare()
+            gc.freeze()
 
     def _prepare(self) -> None:
         since = time.perf_counter()
@@ -456,6 +460,7 @@ class RankPipeline:
         """Take chunks until there are none; `prepare`s first if the caller did not."""
         first = self.take()
         if first is None:
+            gc.unfreeze()
             return self.stats
         if self.encoder is None:
             self.prepare()
@@ -797,8 +802,8 @@ def collector_paused() -> Iterator[None]:
 
 @contextlib.contextmanager
 def long_lived_heap() -> Iterator[None]:
-    """Inside, every object alive on entry (after one collection) is out of the garbage
-    collector's reach; on exit they are handed back to it.
+    """Inside, every object alive on entry (after one collection of all of them, frozen
+    ones too) is out of the garbage collector's reach; on exit they are handed back to it.
 
     After setup the process holds millions of long-lived objects (torch, transformers,
     the tower, the compiler's code); a collection of the oldest generation walks every
@@ -809,6 +814,7 @@ def long_lived_heap() -> Iterator[None]:
     dead; the hand-back on exit lets a process that runs many jobs (a test session, a
     loop over shards) still collect what those runs leave behind.
     """
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
     try:

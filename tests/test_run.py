@@ -73,7 +73,8 @@ def test_workers_and_inline_decoding_give_identical_output(demo_out: Path, tmp_p
 def test_setup_runs_without_collections_and_the_run_keeps_setups_heap_from_the_collector(
     tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The load runs with the collector paused; while rows are encoded the objects of
+    """The load and capture run with the collector paused, the load's objects frozen
+    before the collector resumes between them; while rows are encoded the objects of
     setup are frozen, so no collection of the oldest generation walks them between two
     graph launches; after the run the collector is on and has them all back, so a
     process that runs job after job (a loop over shards) still frees what they leave."""
@@ -90,11 +91,19 @@ def test_setup_runs_without_collections_and_the_run_keeps_setups_heap_from_the_c
         seen["frozen while encoding"] = gc.get_freeze_count()
         return encode(self, *args, **kwargs)
 
+    def capturing(self, *args, **kwargs):
+        seen["collecting during capture"] = gc.isenabled()
+        seen["frozen before capture"] = gc.get_freeze_count()
+        return capture(self, *args, **kwargs)
+
+    capture = RankPipeline._start_decoding_while_capturing
+    monkeypatch.setattr(RankPipeline, "_start_decoding_while_capturing", capturing)
     monkeypatch.setattr(RankPipeline, "_prepare", preparing)
     monkeypatch.setattr(RankPipeline, "_pipeline", encoding)
     before = gc.get_freeze_count()
     assert run(tmp_path / "out", cache_dir) == 0
-    assert seen["collecting during setup"] is False
+    assert seen["collecting during setup"] is False and seen["collecting during capture"] is False
+    assert seen["frozen before capture"] > before + 10_000  # the load's objects: no young collection walks them
     assert seen["frozen while encoding"] > before + 10_000
     assert gc.isenabled() and gc.get_freeze_count() == before
     assert len(read(tmp_path / "out")) == 12

@@ -466,8 +466,12 @@ class RankPipeline:
             self.prepare()
         taken: collections.deque[reader.Chunk] = collections.deque()
         submitted: collections.deque[reader.InputRow] = collections.deque()
-        with collector_paused():
-            pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
+        try:
+            with collector_paused():
+                pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
+        except BaseException:
+            gc.unfreeze()  # `prepare`'s freeze, which `long_lived_heap` would have undone
+            raise
         since = time.perf_counter()
         with pool, long_lived_heap():
             self._setup("heap", since)

@@ -105,8 +105,24 @@ def test_setup_runs_without_collections_and_the_run_keeps_setups_heap_from_the_c
     assert seen["collecting during setup"] is False and seen["collecting during capture"] is False
     assert seen["frozen before capture"] > before + 10_000  # the load's objects: no young collection walks them
     assert seen["frozen while encoding"] > before + 10_000
-    assert gc.isenabled() and gc.get_freeze_count() == before
+    assert gc.isenabled() and gc.get_freeze_count() == 0
     assert len(read(tmp_path / "out")) == 12
+
+
+def test_a_run_whose_capture_fails_leaves_the_collector_as_it_was(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A capture that fails (out of memory, say) after the load froze its objects: the
+    job fails with its error and the process's heap is not left frozen."""
+    from embedjob.pipeline import RankPipeline
+
+    def failing(self, rows):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(RankPipeline, "_start_decoding_while_capturing", failing)
+    assert run(tmp_path / "out", cache_dir) != 0
+    assert "capture failed" in capsys.readouterr().err
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_rerun_of_a_finished_shard_does_nothing(demo_out: Path, cache_dir: str, capsys: pytest.CaptureFixture) -> None:

@@ -433,7 +433,7 @@ class RankPipeline:
         paused meanwhile (`collector_paused`), and what it made is frozen before the
         collector resumes: unfrozen, it would all sit in the youngest generation, whose
         next collection (before capture) would walk every object of the load.
-        `run` collects once and hands it back (`long_lived_heap`)."""
+        `run` collects once (`settle_heap`) and hands it back."""
         with collector_paused():
             self._prepare()
             gc.freeze()
@@ -457,23 +457,29 @@ class RankPipeline:
         self._setup("plan", since)
 
     def run(self) -> RankStats:
-        """Take chunks until there are none; `prepare`s first if the caller did not."""
+        """Take chunks until there are none; `prepare`s first if the caller did not.
+
+        However it ends, the heap that setup froze (`prepare`, `settle_heap`) is handed
+        back to the collector, so a process that runs many jobs (a test session, a loop
+        over shards) still frees what each leaves behind."""
+        try:
+            return self._run()
+        finally:
+            gc.unfreeze()
+
+    def _run(self) -> RankStats:
         first = self.take()
         if first is None:
-            gc.unfreeze()
             return self.stats
         if self.encoder is None:
             self.prepare()
         taken: collections.deque[reader.Chunk] = collections.deque()
         submitted: collections.deque[reader.InputRow] = collections.deque()
-        try:
-            with collector_paused():
-                pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
-        except BaseException:
-            gc.unfreeze()  # `prepare`'s freeze, which `long_lived_heap` would have undone
-            raise
+        with collector_paused():
+            pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
         since = time.perf_counter()
-        with pool, long_lived_heap():
+        with pool:
+            settle_heap()
             self._setup("heap", since)
             self.stats.ready_at = time.time()
             self.stats.timeline.skip_to(self.stats.ready_at)
@@ -793,7 +799,7 @@ def collector_paused() -> Iterator[None]:
     stay alive, so the oldest generation's collections it triggers walk an ever larger
     heap and free little: five of them took 1.0-1.5 s of a Qwen2.5-VL-7B-size tower's
     setup on an H200 (benchmarks/RESULTS.md, "Where the device sits idle").
-    `long_lived_heap` collects once after it.
+    `settle_heap` collects once after it.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -804,27 +810,20 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-@contextlib.contextmanager
-def long_lived_heap() -> Iterator[None]:
-    """Inside, every object alive on entry (after one collection of all of them, frozen
-    ones too) is out of the garbage collector's reach; on exit they are handed back to it.
+def settle_heap() -> None:
+    """Collect once, then put every object alive out of the garbage collector's reach
+    (`gc.freeze`) until `RankPipeline.run` hands them back.
 
     After setup the process holds millions of long-lived objects (torch, transformers,
     the tower, the compiler's code); a collection of the oldest generation walks every
     one of them with the GIL held (0.3 s on an H200, the `heap` step of setup), time in
-    which the thread that launches the graphs cannot run. Frozen objects
-    are never scanned, so the run's collections see only what it allocates. Garbage
-    already made (setup's) is collected first, so freezing keeps nothing alive that was
-    dead; the hand-back on exit lets a process that runs many jobs (a test session, a
-    loop over shards) still collect what those runs leave behind.
+    which the thread that launches the graphs cannot run. Frozen objects are never
+    scanned, so the run's collections see only what it allocates. The collection covers
+    what `prepare` froze too, so freezing keeps nothing alive that was dead.
     """
     gc.unfreeze()
     gc.collect()
     gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _items_encoded(encoder: Encoder) -> int:

@@ -211,7 +211,9 @@ def fa4_import_problem() -> str | None:
     return None
 
 
-def resolve_backend(setting: str, packed: bool, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_backend(
+    setting: str, packed: bool, device: torch.device, dtype: torch.dtype, kernel_cache: Path | None = None
+) -> str:
     """The attention a tower runs for `model.attention` = `setting`, said in one log line:
     "sdpa" for towers that are not `packed` (CLIP, SigLIP, DINOv2 run transformers'
     scaled-dot-product attention; the job spec refuses any other setting for them), else
@@ -219,11 +221,17 @@ def resolve_backend(setting: str, packed: bool, device: torch.device, dtype: tor
 
     `auto` takes fa4 where it can run (`fa4_problem`) and varlen elsewhere; `fa4` where
     it cannot is a JobError, raised before any model is loaded, naming what to install.
+    Where FlashAttention-4 may run, it keeps its kernels in `kernel_cache` (`prepare_fa4`,
+    before `fa4_problem` imports it).
     """
     if not packed:
         logger.info("attention: sdpa (transformers' scaled-dot-product attention)")
         return SDPA
-    problem = None if setting == VARLEN else fa4_problem(device, dtype)
+    problem = None
+    if setting != VARLEN:
+        if kernel_cache is not None:
+            prepare_fa4(kernel_cache)
+        problem = fa4_problem(device, dtype)
     if setting == FA4 and problem is not None:
         raise JobError(
             f"model.attention: fa4 cannot run here: {problem}; FlashAttention-4 needs a CUDA GPU, model.dtype "

@@ -21,7 +21,7 @@ import torch
 
 from embedjob.config import Job, relative_note
 from embedjob.encoders import epilogues
-from embedjob.encoders.attention import HALF, VARLEN, prepare_fa4, resolve_backend
+from embedjob.encoders.attention import HALF, resolve_backend
 from embedjob.encoders.base import EncoderAdapter, Placement
 from embedjob.encoders.registry import FAMILIES
 
@@ -78,9 +78,9 @@ def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
     if family is None:
         raise ValueError(f"model.family {job.model.family!r} has no adapter")
     dtype = resolve_dtype(job.model.dtype, device)
-    if not family.fixed_resolution and job.model.attention != VARLEN:
-        prepare_fa4(cache_root(job.runtime.cache_dir) / "fa4")
-    attention = resolve_backend(job.model.attention, not family.fixed_resolution, device, dtype)
+    attention = resolve_backend(
+        job.model.attention, not family.fixed_resolution, device, dtype, cache_root(job.runtime.cache_dir) / "fa4"
+    )
     module = importlib.import_module(family.adapter)
     options = AdapterOptions.from_job(job, attention)
     adapter = module.build_adapter(job.model.family, job.model.path, dtype, device, options)

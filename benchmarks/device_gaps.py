@@ -3,7 +3,7 @@
 Usage (from the repository root, one GPU; the job's compile cache warm, e.g. the
 scaling benchmark's job after one of its runs):
 
-    PYTHONPATH=. python3 benchmarks/device_gaps.py JOB.yaml [--set KEY=VALUE ...] [--top 12]
+    PYTHONPATH=. python3 benchmarks/device_gaps.py JOB.yaml [--set KEY=VALUE ...] [--top 12] [--kernels 20]
 
 The job runs in this process under `torch.profiler` with CUDA activity only (kernels,
 copies and memsets on the device, each with its start and end on the device; the
@@ -29,14 +29,23 @@ the graphs waits it out) and the steps of a shard's end (`PROBED`: the writer's 
 groups and commits, the checkpoint's manifest, the rank's last window and its graphs'
 release), timed by wrapping them. The report lists those that ran during the tail or
 overlap one of the longest gaps, and every collection of the oldest generation.
+
+`--kernels N` adds the N activities with the most device time in the pipeline: with
+`preprocess.decoder=gpu`, how much of the device the decode's own kernels take beside
+the encoder's. `--profile-decode N` profiles (cProfile, wall time of that thread only)
+the rank's GPU-decode thread's calls of `rows.decode_on_device` and lists its N
+functions with the most cumulative and the most own time.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import gc
 import importlib
+import io
+import pstats
 import sys
 import tempfile
 import threading
@@ -125,12 +134,51 @@ def host_probe() -> Iterator[list[HostStep]]:
             setattr(owner, method_name, method)
 
 
-def trace(job_path: str, overrides: list[str], output: Path) -> tuple[list[Activity], dict, list[HostStep]]:
-    """Run the job under the profiler; its device activities, statistics and host steps."""
+@contextlib.contextmanager
+def decode_profile(profiler: cProfile.Profile | None) -> Iterator[None]:
+    """`profiler` (if any) enabled inside every call of the pipeline's `decode_on_device`,
+    which only the GPU-decode thread makes (cProfile sees the thread that enables it only)."""
+    import embedjob.pipeline as pipeline
+
+    if profiler is None:
+        yield
+        return
+    original = pipeline.decode_on_device
+
+    def profiled(*args, **kwargs):
+        profiler.enable()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            profiler.disable()
+
+    pipeline.decode_on_device = profiled
+    try:
+        yield
+    finally:
+        pipeline.decode_on_device = original
+
+
+def profile_lines(profiler: cProfile.Profile, count: int) -> list[str]:
+    """The profiled functions with the most cumulative and the most own time."""
+    lines = []
+    for order in ("cumulative", "tottime"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(count)
+        body = text.getvalue()
+        lines += [f"GPU-decode thread, by {order}:", body[body.find("   ncalls"):].rstrip(), ""]
+    return lines
+
+
+def trace(
+    job_path: str, overrides: list[str], output: Path, decoding: cProfile.Profile | None = None
+) -> tuple[list[Activity], dict, list[HostStep]]:
+    """Run the job under the profiler (and `decoding` in the GPU-decode thread); its
+    device activities, statistics and host steps."""
     from torch.profiler import ProfilerActivity, profile
 
     job = load_job(job_path, [*overrides, f"output.path={output}"])
-    with host_probe() as steps, profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with host_probe() as steps, decode_profile(decoding), profile(activities=[ProfilerActivity.CUDA]) as prof:
         stats = run_job(job, overwrite=True)
     base = prof.profiler.kineto_results.trace_start_ns() / 1e9
     activities = [
@@ -166,7 +214,7 @@ def short(name: str, width: int = 48) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
-def report(activities: list[Activity], stats: dict, steps: list[HostStep], top: int) -> str:
+def report(activities: list[Activity], stats: dict, steps: list[HostStep], top: int, kernels: int = 0) -> str:
     rank = stats["ranks"][0]
     begin = rank["ready_at"]
     end = begin + stats["pipeline_seconds"]
@@ -196,7 +244,32 @@ def report(activities: list[Activity], stats: dict, steps: list[HostStep], top: 
     for at, length, before, after in longest:
         lines.append(f"| {at - begin:.3f} | {length * 1e3:.2f} | {short(before)} | {short(after)} |")
     lines += ["", *host_lines(steps, begin, end, end - tail, [(at, at + length) for at, length, *_ in longest if length > 1e-3])]
+    if kernels:
+        lines += ["", *kernel_lines(activities, begin, end, kernels)]
     return "\n".join(lines)
+
+
+def kernel_lines(activities: list[Activity], begin: float, end: float, count: int) -> list[str]:
+    """The `count` activity names with the most device seconds inside [begin, end], as a
+    table. Activities of different streams may overlap (the GPU decoder's beside the
+    graphs'), so the shares are of the summed activity time, not of the busy time."""
+    totals: dict[str, list[float]] = {}
+    for act in activities:
+        seconds = min(act.end, end) - max(act.start, begin)
+        if seconds > 0:
+            entry = totals.setdefault(act.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += seconds
+    summed = max(sum(seconds for _, seconds in totals.values()), 1e-9)
+    lines = [
+        f"activity time in the pipeline: {summed:.3f} s in {sum(n for n, _ in totals.values())} activities of {len(totals)} names",
+        "",
+        "| activity | count | ms | share |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, (n, seconds) in sorted(totals.items(), key=lambda item: -item[1][1])[:count]:
+        lines.append(f"| {short(name, 72)} | {n} | {seconds * 1e3:.1f} | {seconds / summed:.1%} |")
+    return lines
 
 
 def host_lines(steps: list[HostStep], begin: float, end: float, tail_from: float, spans: list[tuple[float, float]]) -> list[str]:
@@ -233,13 +306,18 @@ def main() -> int:
     parser.add_argument("job")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a job override")
     parser.add_argument("--top", type=int, default=12, help="how many of the longest gaps to list")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N", help="also list the N activities with the most device time")
+    parser.add_argument("--profile-decode", type=int, default=0, metavar="N", help="also profile the GPU-decode thread (N functions)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("device_gaps.py traces a GPU's kernels: no CUDA device here")
         return 1
+    decoding = cProfile.Profile() if args.profile_decode else None
     with tempfile.TemporaryDirectory() as tmp:
-        activities, stats, steps = trace(args.job, [*args.set, "runtime.device=cuda"], Path(tmp) / "out")
-    print(report(activities, stats, steps, args.top))
+        activities, stats, steps = trace(args.job, [*args.set, "runtime.device=cuda"], Path(tmp) / "out", decoding)
+    if decoding is not None:
+        print("\n".join(profile_lines(decoding, args.profile_decode)))
+    print(report(activities, stats, steps, args.top, args.kernels))
     return 0
 
 

@@ -37,8 +37,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from embedjob.config import cache_root
 from embedjob.encoders.base import EncoderInput, Placement
-from embedjob.encoders.loading import cache_root
 from embedjob.encoders.qwen import FAMILIES, QwenAdapter, QwenPreprocessor, tune_for_cuda
 from embedjob.engine import packer
 from embedjob.engine.graphs import GraphManager

@@ -162,7 +162,7 @@ class RuntimeConfig:
     workers: Auto | int = key("auto", "decode processes per GPU; auto: the cores shared among the GPUs; 0: inline")
     decode_timeout: float = key(60.0, "seconds one item may take to decode before it is a timeout row")
     gpus: Auto | int = key("auto", "GPUs (one process each) for a shard; auto: every visible GPU")
-    cache_dir: str | None = key(None, "where builtin models and compiled kernels are kept; null: $EMBEDJOB_CACHE or ~/.cache/embedjob")
+    cache_dir: str | None = key(None, "where builtin models, compiled kernels and (where Python writes none) bytecode are kept; null: $EMBEDJOB_CACHE or ~/.cache/embedjob")
     progress: bool = key(True, "show a progress bar")
     max_error_rate: float | None = key(None, "stop the shard (exit 1) once more than this fraction of its rows are errors")
     error_rate_min_rows: int = key(100, "rows a shard writes before max_error_rate applies")
@@ -462,3 +462,17 @@ def _check_columns(job: Job, errors: list[str]) -> None:
     repeated = sorted({c for c in columns if columns.count(c) > 1})
     if repeated:
         errors.append(f"output.columns names {repeated} more than once")
+
+
+def cache_root(configured: str | None) -> Path:
+    """Where builtin models and compiled artefacts are kept.
+
+    The job key wins, then $EMBEDJOB_CACHE, then ~/.cache/embedjob, so cluster users can
+    point every task at one shared directory.
+    """
+    if configured:
+        return Path(configured).expanduser()
+    env = os.environ.get("EMBEDJOB_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "embedjob"

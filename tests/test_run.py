@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -326,3 +330,54 @@ def test_photos_of_one_size_get_a_budget_of_their_own_and_the_same_rows(tmp_path
     for a, b in zip(outputs["true"], outputs["false"], strict=True):
         assert {k: v for k, v in a.items() if k != "embedding"} == {k: v for k, v in b.items() if k != "embedding"}
         assert np.allclose(np.array(a["embedding"], dtype=np.float32), np.array(b["embedding"], dtype=np.float32), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "writes, user_prefix, torch_has_bytecode, kept",
+    [(False, None, False, True), (True, None, False, False), (False, "/theirs", False, False), (False, None, True, False)],
+    ids=["kept", "python-writes-anyway", "users-own-prefix", "installed-with-bytecode"],
+)
+def test_a_run_keeps_pythons_bytecode_under_the_cache_only_where_nothing_else_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writes: bool, user_prefix: str | None, torch_has_bytecode: bool, kept: bool
+) -> None:
+    """Without it, every rank of every run compiles torch's compiler and transformers from
+    source (7-8 s of setup where PYTHONDONTWRITEBYTECODE is set and pip wrote no bytecode);
+    where Python keeps bytecode already, or the user chose where, nothing changes."""
+    from embedjob import cli
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", not writes)
+    monkeypatch.setattr(sys, "pycache_prefix", user_prefix)
+    monkeypatch.setattr(cli, "_torch_has_bytecode", lambda: torch_has_bytecode)
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "unset-below")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
+    cli.keep_bytecode(tmp_path)
+    prefix = str(tmp_path / "pycache")
+    assert (sys.pycache_prefix == prefix) is kept
+    assert sys.dont_write_bytecode is (not writes and not kept)
+    assert (os.environ.get("PYTHONPYCACHEPREFIX") == prefix) is kept
+
+
+def test_the_command_keeps_the_bytecode_of_what_it_imports_and_leaves_the_installed_packages_as_they_were(
+    tmp_path: Path, cache_dir: str
+) -> None:
+    """`embedjob run` in a process of its own, as a cluster's container starts it
+    (PYTHONDONTWRITEBYTECODE set), taken for one whose torch has no bytecode (whether
+    this machine's has is the installer's choice): torch's bytecode goes to the cache's
+    mirror tree, and nothing new appears beside torch's sources."""
+    import torch
+
+    torch_dir = Path(torch.__file__).parent
+    beside_before = sorted(torch_dir.glob("**/__pycache__/*.pyc"))
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_dir, cache)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"} | {"PYTHONDONTWRITEBYTECODE": "1"}
+    sets = [f"output.path={tmp_path / 'out'}", f"runtime.cache_dir={cache}", "runtime.workers=0", "runtime.progress=false"]
+    command = (
+        "import sys, embedjob.cli as cli; cli._torch_has_bytecode = lambda: False; "
+        f"sys.exit(cli.main({['run', DEMO, *(a for k in sets for a in ('--set', k))]!r}))"
+    )
+    done = subprocess.run([sys.executable, "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    mirrored = cache / "pycache" / torch_dir.relative_to(torch_dir.anchor)
+    assert any(mirrored.glob("__init__.*.pyc")), f"no bytecode of torch under {mirrored}"
+    assert sorted(torch_dir.glob("**/__pycache__/*.pyc")) == beside_before

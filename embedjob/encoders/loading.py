@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from embedjob.config import Job, relative_note
+from embedjob.config import Job, cache_root, relative_note
 from embedjob.encoders import epilogues
 from embedjob.encoders.attention import HALF, resolve_backend
 from embedjob.encoders.base import EncoderAdapter, Placement
@@ -116,20 +116,6 @@ def transformers_class(name: str) -> Any:
     import transformers
 
     return getattr(transformers, name)
-
-
-def cache_root(configured: str | None) -> Path:
-    """Where builtin models and compiled artefacts are kept.
-
-    The job key wins, then $EMBEDJOB_CACHE, then ~/.cache/embedjob, so cluster users can
-    point every task at one shared directory.
-    """
-    if configured:
-        return Path(configured).expanduser()
-    env = os.environ.get("EMBEDJOB_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "embedjob"
 
 
 def save_atomically(build: Any, target: Path) -> None:

@@ -32,9 +32,10 @@ overlap one of the longest gaps, and every collection of the oldest generation.
 
 `--kernels N` adds the N activities with the most device time in the pipeline: with
 `preprocess.decoder=gpu`, how much of the device the decode's own kernels take beside
-the encoder's. `--profile-decode N` profiles (cProfile, wall time of that thread only)
-the rank's GPU-decode thread's calls of `rows.decode_on_device` and lists its N
-functions with the most cumulative and the most own time.
+the encoder's. `--profile-decode N` runs cProfile while the rank's GPU-decode thread is
+inside `rows.decode_on_device` and lists the N functions with the most cumulative and the
+most own time. From Python 3.12 cProfile records every thread while it is on, so other
+threads' functions appear too; `decode_on_device`'s own line is the decode thread's time.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def host_probe() -> Iterator[list[HostStep]]:
 @contextlib.contextmanager
 def decode_profile(profiler: cProfile.Profile | None) -> Iterator[None]:
     """`profiler` (if any) enabled inside every call of the pipeline's `decode_on_device`,
-    which only the GPU-decode thread makes (cProfile sees the thread that enables it only)."""
+    which only the GPU-decode thread makes."""
     import embedjob.pipeline as pipeline
 
     if profiler is None:

@@ -32,21 +32,15 @@ overlap one of the longest gaps, and every collection of the oldest generation.
 
 `--kernels N` adds the N activities with the most device time in the pipeline: with
 `preprocess.decoder=gpu`, how much of the device the decode's own kernels take beside
-the encoder's. `--profile-decode N` runs cProfile while the rank's GPU-decode thread is
-inside `rows.decode_on_device` and lists the N functions with the most cumulative and the
-most own time. From Python 3.12 cProfile records every thread while it is on, so other
-threads' functions appear too; `decode_on_device`'s own line is the decode thread's time.
+the encoder's.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
 import gc
 import importlib
-import io
-import pstats
 import sys
 import tempfile
 import threading
@@ -135,51 +129,12 @@ def host_probe() -> Iterator[list[HostStep]]:
             setattr(owner, method_name, method)
 
 
-@contextlib.contextmanager
-def decode_profile(profiler: cProfile.Profile | None) -> Iterator[None]:
-    """`profiler` (if any) enabled inside every call of the pipeline's `decode_on_device`,
-    which only the GPU-decode thread makes."""
-    import embedjob.pipeline as pipeline
-
-    if profiler is None:
-        yield
-        return
-    original = pipeline.decode_on_device
-
-    def profiled(*args, **kwargs):
-        profiler.enable()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            profiler.disable()
-
-    pipeline.decode_on_device = profiled
-    try:
-        yield
-    finally:
-        pipeline.decode_on_device = original
-
-
-def profile_lines(profiler: cProfile.Profile, count: int) -> list[str]:
-    """The profiled functions with the most cumulative and the most own time."""
-    lines = []
-    for order in ("cumulative", "tottime"):
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(count)
-        body = text.getvalue()
-        lines += [f"GPU-decode thread, by {order}:", body[body.find("   ncalls"):].rstrip(), ""]
-    return lines
-
-
-def trace(
-    job_path: str, overrides: list[str], output: Path, decoding: cProfile.Profile | None = None
-) -> tuple[list[Activity], dict, list[HostStep]]:
-    """Run the job under the profiler (and `decoding` in the GPU-decode thread); its
-    device activities, statistics and host steps."""
+def trace(job_path: str, overrides: list[str], output: Path) -> tuple[list[Activity], dict, list[HostStep]]:
+    """Run the job under the profiler; its device activities, statistics and host steps."""
     from torch.profiler import ProfilerActivity, profile
 
     job = load_job(job_path, [*overrides, f"output.path={output}"])
-    with host_probe() as steps, decode_profile(decoding), profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with host_probe() as steps, profile(activities=[ProfilerActivity.CUDA]) as prof:
         stats = run_job(job, overwrite=True)
     base = prof.profiler.kineto_results.trace_start_ns() / 1e9
     activities = [
@@ -308,16 +263,12 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a job override")
     parser.add_argument("--top", type=int, default=12, help="how many of the longest gaps to list")
     parser.add_argument("--kernels", type=int, default=0, metavar="N", help="also list the N activities with the most device time")
-    parser.add_argument("--profile-decode", type=int, default=0, metavar="N", help="also profile the GPU-decode thread (N functions)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("device_gaps.py traces a GPU's kernels: no CUDA device here")
         return 1
-    decoding = cProfile.Profile() if args.profile_decode else None
     with tempfile.TemporaryDirectory() as tmp:
-        activities, stats, steps = trace(args.job, [*args.set, "runtime.device=cuda"], Path(tmp) / "out", decoding)
-    if decoding is not None:
-        print("\n".join(profile_lines(decoding, args.profile_decode)))
+        activities, stats, steps = trace(args.job, [*args.set, "runtime.device=cuda"], Path(tmp) / "out")
     print(report(activities, stats, steps, args.top, args.kernels))
     return 0
 

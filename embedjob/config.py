@@ -465,7 +465,8 @@ def _check_columns(job: Job, errors: list[str]) -> None:
 
 
 def cache_root(configured: str | None) -> Path:
-    """Where builtin models and compiled artefacts are kept.
+    """Where builtin models, compiled artefacts and the bytecode `embedjob run` keeps
+    (`cli.keep_bytecode`) are kept.
 
     The job key wins, then $EMBEDJOB_CACHE, then ~/.cache/embedjob, so cluster users can
     point every task at one shared directory.

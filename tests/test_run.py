@@ -360,10 +360,11 @@ def test_a_run_keeps_pythons_bytecode_under_the_cache_only_where_nothing_else_do
 def test_the_command_keeps_the_bytecode_of_what_it_imports_and_leaves_the_installed_packages_as_they_were(
     tmp_path: Path, cache_dir: str
 ) -> None:
-    """`embedjob run` in a process of its own, as a cluster's container starts it
+    """`embedjob run --gpus 2` in a process of its own, as a cluster's container starts it
     (PYTHONDONTWRITEBYTECODE set), taken for one whose torch has no bytecode (whether
-    this machine's has is the installer's choice): torch's bytecode goes to the cache's
-    mirror tree, and nothing new appears beside torch's sources."""
+    this machine's has is the installer's choice): both ranks run with the bytecode
+    kept, torch's goes to the cache's mirror tree, and nothing new appears beside
+    torch's sources."""
     import torch
 
     torch_dir = Path(torch.__file__).parent
@@ -374,10 +375,11 @@ def test_the_command_keeps_the_bytecode_of_what_it_imports_and_leaves_the_instal
     sets = [f"output.path={tmp_path / 'out'}", f"runtime.cache_dir={cache}", "runtime.workers=0", "runtime.progress=false"]
     command = (
         "import sys, embedjob.cli as cli; cli._torch_has_bytecode = lambda: False; "
-        f"sys.exit(cli.main({['run', DEMO, *(a for k in sets for a in ('--set', k))]!r}))"
+        f"sys.exit(cli.main({['run', DEMO, '--gpus', '2', *(a for k in sets for a in ('--set', k))]!r}))"
     )
     done = subprocess.run([sys.executable, "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
+    assert "2 ranks" in done.stderr
     mirrored = cache / "pycache" / torch_dir.relative_to(torch_dir.anchor)
     assert any(mirrored.glob("__init__.*.pyc")), f"no bytecode of torch under {mirrored}"
     assert sorted(torch_dir.glob("**/__pycache__/*.pyc")) == beside_before

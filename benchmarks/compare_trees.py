@@ -18,8 +18,10 @@ table (the first tree's run of a pair that was cut is then unpaired). `--smoke` 
 on the CPU with tiny towers and 24 images per mix, to check the script without a GPU.
 
 The table, per mix and tree: every run's images/s after setup, their median, that over
-the first tree's median, and per run the pipeline seconds, rank 0's main-thread seconds
-of its own work and its GPU-decode thread's seconds; and per mix and tree against the
+the first tree's median, and per run the pipeline seconds, rank 0's device-busy seconds
+(a device busy for nearly the whole pipeline is what bounds it, whatever the threads
+wait for), its main-thread seconds of its own work, its GPU-decode thread's seconds and
+the main thread's wait for that thread; and per mix and tree against the
 first, how many rows have bitwise-equal embeddings in their last runs and the largest
 relative difference. Also written to `<workdir>/compare_trees.md`.
 """
@@ -40,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.mixes import MIXES, SMOKE_IMAGES, builtin_sources, collect_photos, jpeg_dataset, save_tower  # noqa: E402
 from benchmarks.scaling import NO_MULTICAST, compare, fmt, log, rank0, read_output, run_cli, timed_rows, write_job  # noqa: E402
+from embedjob.pipeline import GPU_DECODE_WAIT  # noqa: E402
 
 
 @dataclass
@@ -96,8 +99,8 @@ def main() -> int:
 
 
 def render(runs: dict[tuple[str, int], TreeRuns], args: argparse.Namespace, trees: list[Path]) -> str:
-    head = ["mix", "tree", "images/s per run", "median", "/ first tree", "pipeline s", "main host s", "GPU-decode thread s",
-            "bitwise rows vs first", "max rel. diff"]
+    head = ["mix", "tree", "images/s per run", "median", "/ first tree", "pipeline s", "device busy s", "main host s",
+            "GPU-decode thread s", "main waits for it s", "bitwise rows vs first", "max rel. diff"]
     lines = [
         f"# trees compared ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
@@ -118,8 +121,10 @@ def render(runs: dict[tuple[str, int], TreeRuns], args: argparse.Namespace, tree
             lines.append("| " + " | ".join([
                 name, f"{k}: {tree.name}", ", ".join(fmt(r, ".1f") for r in mine.rates()), fmt(mine.median(), ".1f"),
                 fmt(ratio, ".3f"), ", ".join(fmt(s["pipeline_seconds"], ".2f") for s in done),
+                ", ".join(fmt(rank0(s).get("busy_seconds"), ".2f") for s in done),
                 ", ".join(fmt(rank0(s).get("host_seconds"), ".2f") for s in done),
                 ", ".join(fmt(rank0(s).get("device_decode_seconds"), ".2f") for s in done),
+                ", ".join(fmt(rank0(s).get("waits", {}).get(GPU_DECODE_WAIT), ".2f") for s in done),
                 "-" if same is None else f"{same.bitwise}/{same.rows}", "-" if same is None else fmt(same.worst, ".2e"),
             ]) + " |")
     return "\n".join(lines)

@@ -11,8 +11,10 @@ through the CLI as a user would (`embedjob run --gpus 1`, bf16, `batching.compil
 `runtime.workers` = `--workers`) `--repeats` times with each of `--decoders` (`preprocess.decoder`:
 cpu, gpu, auto), in turn (one tree's `gpu` runs spread from 0.58 to 0.92 of the encoder
 alone on one H200, so one run per decoder says little), and prints one table: per decoder,
-the run of median images/s after setup (its images/s, that over the encoder-only rate, the
-rows the GPU decoded, auto's last GPU share, rank 0's main-thread ms per row and its seconds
+the run of median images/s after setup (its pipeline seconds and rank 0's device-busy
+seconds, to set beside the encoder-only seconds: equal ones say the device ran the
+encoder's work at its own rate and the rest is the run's head and tail; its images/s,
+that over the encoder-only rate, the rows the GPU decoded, auto's last GPU share, rank 0's main-thread ms per row and its seconds
 in the GPU decode, the workers' decode seconds) with every run's images/s beside it, and,
 per row, the cosine between its embedding in that decoder's run and in the `cpu` run (min
 and median: nvjpeg and libjpeg-turbo round differently; the same model, so that is all that
@@ -244,7 +246,7 @@ def _vectors(table: pa.Table) -> np.ndarray:
 
 
 def render(results: list[MixRuns], args: argparse.Namespace, peak: float | None) -> str:
-    head = ["mix", "decoder", "workers", "rows", "seconds", "images/s", "every run", "/ enc.-only", "GPU-decoded rows",
+    head = ["mix", "decoder", "workers", "rows", "seconds", "device busy s", "images/s", "every run", "/ enc.-only", "GPU-decoded rows",
             "GPU share", "main ms/row", "GPU-decode thread s", "worker decode s", "setup s", "cos min", "cos median", "rows identical", "not finite"]
     lines = [
         f"# preprocess.decoder {' vs '.join(args.decoders)} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
@@ -257,8 +259,8 @@ def render(results: list[MixRuns], args: argparse.Namespace, peak: float | None)
     ]
     for result in results:
         enc = result.encoder.rate if result.encoder is not None else None
-        lines.append(table_row([result.mix, "encoder only", "-", result.rows, fmt(result.encoder and result.encoder.seconds, ".2f"),
-                           fmt(enc, ".1f")] + ["-"] * (len(head) - 6)))
+        seconds = fmt(result.encoder and result.encoder.seconds, ".2f")
+        lines.append(table_row([result.mix, "encoder only", "-", result.rows, seconds, seconds, fmt(enc, ".1f")] + ["-"] * (len(head) - 7)))
         for decoder in args.decoders:
             lines.append(table_row(_run_cells(result, decoder, enc, args.workers)))
     for result in results:
@@ -278,7 +280,7 @@ def _run_cells(result: MixRuns, decoder: str, enc: float | None, workers: int) -
     with every run's images/s beside it."""
     done = sorted((s for s in result.runs.get(decoder, []) if s is not None), key=_rate)
     if not done:
-        return [result.mix, decoder, workers, result.rows, "FAILED"] + ["-"] * 13
+        return [result.mix, decoder, workers, result.rows, "FAILED"] + ["-"] * 14
     stats = done[(len(done) - 1) // 2]
     rate = _rate(stats)
     every = ", ".join(fmt(_rate(s) if s else None, ".1f") for s in result.runs[decoder])
@@ -286,7 +288,8 @@ def _run_cells(result: MixRuns, decoder: str, enc: float | None, workers: int) -
     cos = result.cosines.get(decoder)
     cos = cos if cos is not None and len(cos) else None
     return [
-        result.mix, decoder, workers, stats["rows"], fmt(stats["pipeline_seconds"], ".2f"), fmt(rate, ".1f"), every,
+        result.mix, decoder, workers, stats["rows"], fmt(stats["pipeline_seconds"], ".2f"), fmt(first.get("busy_seconds"), ".2f"),
+        fmt(rate, ".1f"), every,
         fmt(rate / enc if rate and enc else None, ".3f"), stats.get("device_decoded", "-"), fmt(first.get("gpu_share"), ".2f"),
         fmt(first.get("host_seconds", 0) * 1e3 / max(first.get("rows", 1), 1), ".3f"),
         fmt(first.get("device_decode_seconds"), ".2f"), fmt(first.get("decode_seconds"), ".1f"),

@@ -78,6 +78,9 @@ from embedjob.workers.pool import IDLE, DecodePool, start_worker_server
 
 logger = logging.getLogger(__name__)
 
+GPU_DECODE_WAIT = "waiting for the GPU decode"
+"""The main thread's wait for a window's media decoded on the GPU, as `RankStats.waits` names it."""
+
 CHUNK_ROWS = 64
 """Rows a rank takes at a time (fewer when `batching.window` is smaller). Small, so the
 ranks finish close together; a take is one short message, so small costs nothing."""
@@ -678,7 +681,7 @@ class RankPipeline:
     def _decoded(self, window: list[Decoded], future: concurrent.futures.Future) -> list[Decoded]:
         since = time.perf_counter()
         done, event, seconds = future.result()
-        self.clock.add("waiting for the GPU decode", since)
+        self.clock.add(GPU_DECODE_WAIT, since)
         torch.cuda.current_stream(self.device).wait_event(event)
         self.stats.device_decoded += done
         self.stats.device_decode_seconds += seconds

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import multiprocessing
 import platform
 import sys
 from collections.abc import Iterator
@@ -19,6 +20,25 @@ import torch
 
 from embedjob.config import JobError
 from embedjob.parallel.cluster import cpu_share
+
+
+STARTING_PROCESS = (
+    "a job was started while multiprocessing was still starting this process (a decode worker or a rank of a job): "
+    "such a process imports the script that started the job, so a call to embedjob.run at the script's top level "
+    'runs again in each of them; put that call under `if __name__ == "__main__":`'
+)
+
+
+def refuse_starting_process() -> None:
+    """Raise (RuntimeError, STARTING_PROCESS) where multiprocessing is still starting this
+    process, i.e. importing the main script of the process that started it.
+
+    A script that calls `embedjob.run` at its top level would otherwise start the job
+    again in every decode worker and rank it spawns, and they fail on the shard's lock
+    with messages that say nothing of the cause. `_inheriting` is the flag multiprocessing
+    itself reads to refuse starting processes at that moment."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(STARTING_PROCESS)
 
 
 def resolve_device(name: str) -> torch.device:

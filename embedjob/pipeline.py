@@ -53,7 +53,7 @@ from embedjob.decode.nvdec import nvdec_problem
 from embedjob.encoders import EncoderAdapter, load_adapter
 from embedjob.engine.defs import Encoded, Encoder
 from embedjob.engine.encode import build_encoder
-from embedjob.host import device_name, host_threads, resolve_device, resolve_workers
+from embedjob.host import device_name, host_threads, refuse_starting_process, resolve_device, resolve_workers
 from embedjob.io import reader
 from embedjob.io.checkpoint import Checkpoint, job_fingerprint, open_checkpoint
 from embedjob.io.sink import ErrorRate, Progress, Writer
@@ -1025,6 +1025,7 @@ def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[s
 
     Ranks other than 0 (under torchrun) return an empty dict: rank 0 writes everything.
     """
+    refuse_starting_process()
     layout = resolve_layout(job.runtime.gpus, resolve_device(job.runtime.device))
     if layout.world_size == 1:
         return Runner(job, shard, overwrite).run()

@@ -283,20 +283,26 @@ def test_output_columns_are_copied_and_a_missing_one_lists_the_columns_there_are
     assert not (tmp_path / "missing").exists(), "checked before any work"
 
 
-def test_python_api_runs_a_shard_as_the_readme_shows_and_import_loads_no_torch(tmp_path: Path, cache_dir: str) -> None:
+def readme_script(tmp_path: Path, cache_dir: str, guarded: bool) -> subprocess.CompletedProcess:
+    """README's Python example run as a script file (decode workers on: they import it),
+    from the repository, whose paths the demo job names; without its `__main__` guard
+    when not `guarded`."""
     example = re.search(r"```python\n(import embedjob\n.*?)```", README, re.S).group(1)
-    assert len([line for line in example.splitlines() if line.strip()]) == 3
+    assert len([line for line in example.splitlines() if line.strip()]) == 4
     example = example.replace("out/demo-api", str(tmp_path / "api")).replace(
-        '"output.path', f'"runtime.cache_dir={cache_dir}", "runtime.progress=false", "output.path'
+        '"output.path', f'"runtime.cache_dir={cache_dir}", "runtime.progress=false", "runtime.workers=2", "output.path'
     )
-    namespace: dict = {}
-    cwd = os.getcwd()
-    os.chdir(REPO)  # the demo job names its input relative to the repository
-    try:
-        exec(example, namespace)
-    finally:
-        os.chdir(cwd)
-    assert (namespace["stats"]["rows"], namespace["stats"]["error_codes"]) == (12, {"truncated": 1, "unknown_format": 1})
+    if not guarded:
+        example = example.replace('if __name__ == "__main__":\n', "").replace("\n    ", "\n")
+    script = tmp_path / "embed.py"
+    script.write_text(example)
+    return subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_python_api_runs_a_shard_as_the_readme_shows_and_import_loads_no_torch(tmp_path: Path, cache_dir: str) -> None:
+    done = readme_script(tmp_path, cache_dir, guarded=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "12 2 {'truncated': 1, 'unknown_format': 1}"
     spec = {"input": {"path": str(DEMO_DATA), "media_column": "image"}, "model": {"path": "builtin:tiny-qwen2_5_vl"},
             "output": {"path": str(tmp_path / "dict")}}
     first = embedjob.run(spec, overrides=[f"runtime.cache_dir={cache_dir}", "runtime.progress=false"], shard=(0, 1))
@@ -307,6 +313,16 @@ def test_python_api_runs_a_shard_as_the_readme_shows_and_import_loads_no_torch(t
         cwd=REPO, capture_output=True, text=True, check=True,
     )
     assert imported.stdout.strip() == "[]"
+
+
+def test_a_script_that_runs_a_job_at_its_top_level_is_told_to_guard_it(tmp_path: Path, cache_dir: str) -> None:
+    """Each decode worker imports the script that started the job: an unguarded call runs
+    there again, and must say so rather than fail on the shard's lock."""
+    done = readme_script(tmp_path, cache_dir, guarded=False)
+    assert done.returncode != 0
+    assert 'put that call under `if __name__ == "__main__":`' in done.stderr
+    assert "being written by another process" not in done.stderr
+    assert not list((tmp_path / "api").glob("part-*.parquet"))
 
 
 # ---------------------------------------------------------------- 8. progress and rates

@@ -612,7 +612,10 @@ class DecodePool(Generic[T, R]):
             # it forever would hang the job, so after a few tries the job stops.
             self._failed_starts += 1
             if self._failed_starts >= _MAX_FAILED_STARTS:
-                raise RuntimeError(f"decode workers cannot start: {_MAX_FAILED_STARTS} exited (last exit code {code}) before taking a task")
+                raise RuntimeError(
+                    f"decode workers cannot start: {_MAX_FAILED_STARTS} exited (last exit code {code}) before taking a task "
+                    "(what they printed, if anything, is above)"
+                )
         if worker.seq is not None:
             logger.warning("worker died (exit code %s) on task %d", code, worker.seq)
             done[worker.seq] = self._error("decoder_crashed", f"the decoding process died (exit code {code})")

@@ -14,8 +14,9 @@ alone on one H200, so one run per decoder says little), and prints one table: pe
 the run of median images/s after setup (its pipeline seconds and rank 0's device-busy
 seconds, to set beside the encoder-only seconds: equal ones say the device ran the
 encoder's work at its own rate and the rest is the run's head and tail; its images/s,
-that over the encoder-only rate, the rows the GPU decoded, auto's last GPU share, rank 0's main-thread ms per row and its seconds
-in the GPU decode, the workers' decode seconds) with every run's images/s beside it, and,
+that over the encoder-only rate, the rows the GPU decoded, auto's last GPU share, rank 0's
+main-thread ms per row and its seconds in the GPU decode, the workers' decode seconds)
+with every run's images/s beside it, and,
 per row, the cosine between its embedding in that decoder's run and in the `cpu` run (min
 and median: nvjpeg and libjpeg-turbo round differently; the same model, so that is all that
 differs, besides batches). The table is also written to

@@ -337,6 +337,39 @@ def test_min_padding_does_not_explode_into_single_items():
     assert batches == [Batch(tuple(range(15)), 1000, 960, 0)]
 
 
+def _best_split(tokens, frames, plan):
+    """(cost, batches) of the cheapest split of the sorted fitting items into consecutive
+    batches, cost = padding + smallest budget x batches, ties to fewer batches: every
+    split tried, as the definition reads, with none of the packer's shortcuts."""
+    order = sorted(range(len(tokens)), key=tokens.__getitem__)
+    order = [i for i in order if not _is_miss(tokens, frames, plan, i)]
+    best = [(0, 0)] + [None] * len(order)
+    for end in range(1, len(order) + 1):
+        for start in range(max(0, end - plan.max_items), end):
+            group = order[start:end]
+            total = sum(tokens[i] for i in group)
+            if total > plan.token_budgets[-1] or sum(frames[i] for i in group) > plan.max_frames:
+                continue
+            padding = _smallest_fitting(plan.token_budgets, total) - total
+            candidate = (best[start][0] + padding + plan.token_budgets[0], best[start][1] + 1)
+            if best[end] is None or candidate < best[end]:
+                best[end] = candidate
+    return best[-1]
+
+
+@given(data=st.data())
+def test_min_padding_costs_no_more_than_the_best_split_of_the_sorted_items(data):
+    # The packer's split is the optimum of this cost; when that optimum wastes no more
+    # than greedy (so the packer may return it), min_padding must cost no more.
+    plan = data.draw(plans(max_frames=st.integers(0, 24)))
+    tokens, frames = data.draw(items(count=st.integers(0, 40), max_tokens=600, max_video_frames=12))
+    cost, count = _best_split(tokens, frames, plan)
+    greedy = pack(tokens, frames, plan, "greedy")
+    best = [b for b in pack(tokens, frames, plan, "min_padding") if b.budget is not None]
+    if cost - plan.token_budgets[0] * count <= padding_waste(greedy):
+        assert padding_waste(best) + plan.token_budgets[0] * len(best) <= cost
+
+
 def test_min_padding_beats_greedy_on_a_realistic_mix():
     plan = resolve_budgets(None, None, None, 64, 16384, 32, False)
     rng = random.Random(0)

@@ -48,7 +48,7 @@ import itertools
 import logging
 import operator
 from bisect import bisect_left, insort
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -597,100 +597,67 @@ def _min_padding_segments(order: list[int], problem: _Problem) -> Segments:
     into single items to save a few padded tokens). Greedy's batches are such a split,
     so the optimum never costs more than greedy. Ties go to fewer batches.
 
-    Speed: the cost of batch ``(i, j]`` at budget levels ``L`` is
-    ``key[i] + sum(L) - sum_p prefix_p[j] + replay_cost`` with
-    ``key[i] = cost[i] + sum_p prefix_p[i]``, and the ``i`` that select a given level
-    combination form a window whose both ends only move right as ``j`` grows. A
-    monotone deque per combination yields the window minimum in amortised O(1), so the
-    whole split is O(items x live level combinations).
+    Speed: with ``key[i] = cost[i] + sum_p prefix_p[i]``, batch ``(i, j]`` priced at
+    budget levels ``L`` (one per path) costs ``key[i] + sum(L) + replay_cost`` minus a
+    term of ``j`` alone. Pricing a batch at levels above its own only overestimates it,
+    and its own levels are tried too, so each level combination may take the smallest
+    key over every start it can hold: a suffix of the starts, ending at ``j``. Those
+    suffix minima are one increasing stack shared by all combinations, searched by
+    bisection; a level whose suffix equals a smaller level's is never cheaper and is
+    skipped. Cost: O(items x live level combinations x log items), in C-level bisects.
     """
     count = len(order)
     prefixes = [_prefix(toks[i] for i in order) for toks in problem.tokens]
     frame_prefix = _prefix(problem.frames[i] for i in order)
     replay_cost = _replay_cost(problem)
-    lows = [[0] * len(b) for b in problem.budgets]
-    highs = [[0] * len(b) for b in problem.budgets]
-    windows: dict[tuple[int, ...], tuple[deque[int], list[int]]] = {}
     keys: list[tuple[int, int]] = [(0, 0)]
     parent: list[int] = [0]
+    minima: list[int] = [0]  # the suffix minima of keys: ascending starts, ascending keys
     frame_low = 0
     for j in range(1, count + 1):
         while frame_prefix[j] - frame_prefix[frame_low] > problem.max_frames:
             frame_low += 1
-        common_low = max(j - problem.max_items, frame_low)
-        live = [
-            _live_levels(prefix, budgets, low, high, j, common_low)
-            for prefix, budgets, low, high in zip(prefixes, problem.budgets, lows, highs)
-        ]
+        floor = max(j - problem.max_items, frame_low)
+        combos = _level_starts(prefixes[0], problem.budgets[0], j, floor)
+        for prefix, budgets in zip(prefixes[1:], problem.budgets[1:]):
+            levels = _level_starts(prefix, budgets, j, floor)
+            combos = [(max(a, b), x + y) for a, x in combos for b, y in levels]
         best: tuple[int, int] | None = None
         best_parent = j - 1
-        for combo in itertools.product(*live):
-            lo = max(common_low, *(lows[p][level] for p, level in enumerate(combo)))
-            hi = min(j, *(highs[p][level] for p, level in enumerate(combo)))
-            if lo >= hi:
-                continue
-            start = _window_min(windows, combo, keys, lo, hi)
-            level_sum = sum(problem.budgets[p][level] for p, level in enumerate(combo))
-            cost = keys[start][0] + level_sum - sum(p[j] for p in prefixes) + replay_cost
-            candidate = (cost, keys[start][1] + 1)
+        for first, budget in combos:
+            start = minima[bisect_left(minima, first)]
+            candidate = (keys[start][0] + budget, keys[start][1])
             if best is None or candidate < best:
                 best, best_parent = candidate, start
         if best is None:
             raise AssertionError(f"no feasible batch ends at item {j}; singletons always fit")
-        keys.append((best[0] + sum(p[j] for p in prefixes), best[1]))
+        key = (best[0] + replay_cost, best[1] + 1)
+        keys.append(key)
         parent.append(best_parent)
+        while minima and keys[minima[-1]] >= key:
+            minima.pop()
+        minima.append(j)
     return _backtrack(parent, count)
 
 
-def _live_levels(
-    prefix: list[int], budgets: tuple[int, ...], lows: list[int], highs: list[int],
-    j: int, common_low: int,
-) -> list[int]:
-    """Advance one path's window ends for batches ending at ``j``; return usable levels.
+def _level_starts(prefix: list[int], budgets: tuple[int, ...], j: int, floor: int) -> list[tuple[int, int]]:
+    """``(first start, budget)`` per budget level usable by batches ending at ``j``.
 
-    For level ``k`` a batch ``(i, j]`` has that path's budget ``budgets[k]`` iff
-    ``lows[k] <= i < highs[k]``: its token sum is <= budgets[k] and > budgets[k-1].
+    Batch ``(i, j]`` fits level ``k`` on this path iff ``i >= first``, its token sum
+    being <= ``budgets[k]``; no start lies below ``floor`` (the item and frame limits).
+    Ascending budgets, strictly descending first starts: a level whose first start
+    equals a smaller level's holds no further batch, so it is left out.
     """
-    live = []
-    for level, budget in enumerate(budgets):
-        low = lows[level]
-        while prefix[j] - prefix[low] > budget:
-            low += 1
-        lows[level] = low
-        if level == 0:
-            highs[level] = j
-        else:
-            high = highs[level]
-            previous = budgets[level - 1]
-            while high < j and prefix[j] - prefix[high] > previous:
-                high += 1
-            highs[level] = high
-        if max(low, common_low) < highs[level]:
-            live.append(level)
-    return live
-
-
-def _window_min(
-    windows: dict[tuple[int, ...], tuple[deque[int], list[int]]],
-    combo: tuple[int, ...],
-    keys: list[tuple[int, int]],
-    lo: int,
-    hi: int,
-) -> int:
-    """Index with the smallest key in ``[lo, hi)``; both ends never move left per combo."""
-    if combo not in windows:
-        windows[combo] = (deque(), [0])
-    queue, pushed = windows[combo]
-    nxt = max(pushed[0], lo)
-    while nxt < hi:
-        while queue and keys[queue[-1]] >= keys[nxt]:
-            queue.pop()
-        queue.append(nxt)
-        nxt += 1
-    pushed[0] = nxt
-    while queue[0] < lo:
-        queue.popleft()
-    return queue[0]
+    levels = []
+    bound = j
+    for budget in budgets:
+        first = bisect_left(prefix, prefix[j] - budget, floor, j)
+        if first < bound:
+            levels.append((first, budget))
+            bound = first
+        if first == floor:
+            break
+    return levels
 
 
 def _backtrack(parent: list[int], count: int) -> Segments:

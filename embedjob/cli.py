@@ -15,7 +15,6 @@ log only with -v.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import pickle
@@ -26,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from embedjob.config import Job, JobError, cache_root, describe, load_job
+from embedjob.config import Job, JobError, cache_root, describe, keep_bytecode, load_job
 from embedjob.io.checkpoint import OutputError
 from embedjob.io.writer import ErrorRateExceeded
 from embedjob.report.counts import codes_text, plural, route_warnings
@@ -152,37 +151,6 @@ def _setup_logging(verbose: int) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("embedjob").setLevel(logging.DEBUG if verbose else logging.INFO)
     route_warnings(bool(verbose))
-
-
-def keep_bytecode(root: Path) -> None:
-    """Where this environment writes no Python bytecode and torch was installed without
-    it, keep the bytecode of what this process imports under `root`/pycache, for it and
-    for the ranks and decode workers it starts (they read it through the environment).
-
-    PYTHONDONTWRITEBYTECODE is common on clusters and in containers, and pip installs no
-    bytecode under it; every rank then compiles torch's compiler, transformers' modeling
-    code and its own modules from source again, 7-8 s of each run's setup on an H200
-    machine (benchmarks/RESULTS.md, "Python's bytecode"). A mirror tree
-    (`sys.pycache_prefix`) leaves the installed packages untouched. Changes nothing where
-    bytecode is written anyway, where the user chose a prefix (PYTHONPYCACHEPREFIX), or
-    where torch's compiler has its bytecode beside its source."""
-    if not sys.dont_write_bytecode or sys.pycache_prefix is not None or _torch_has_bytecode():
-        return
-    prefix = str(root / "pycache")
-    sys.pycache_prefix = prefix
-    sys.dont_write_bytecode = False
-    os.environ["PYTHONPYCACHEPREFIX"] = prefix
-    logger.debug("keeping Python's bytecode under %s (PYTHONDONTWRITEBYTECODE is set)", prefix)
-
-
-def _torch_has_bytecode() -> bool:
-    """Whether the installed torch.compile's largest module has bytecode beside its
-    source (found without importing torch), as an install that wrote bytecode has."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return True  # nothing to keep: the run stops at its first torch import anyway
-    source = Path(spec.submodule_search_locations[0]) / "_inductor" / "compile_fx.py"
-    return Path(importlib.util.cache_from_source(str(source))).exists()
 
 
 def _quiet_transformers() -> None:

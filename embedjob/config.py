@@ -15,7 +15,10 @@ model.path, output.path, runtime.cache_dir) resolve against the working director
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import logging
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +28,8 @@ from typing import Any, Literal, Union
 import yaml
 
 from embedjob.encoders.registry import FAMILIES, FIXED_RESOLUTION
+
+logger = logging.getLogger(__name__)
 
 
 class JobError(ValueError):
@@ -466,7 +471,7 @@ def _check_columns(job: Job, errors: list[str]) -> None:
 
 def cache_root(configured: str | None) -> Path:
     """Where builtin models, compiled artefacts and the bytecode `embedjob run` keeps
-    (`cli.keep_bytecode`) are kept.
+    (`keep_bytecode`) are kept.
 
     The job key wins, then $EMBEDJOB_CACHE, then ~/.cache/embedjob, so cluster users can
     point every task at one shared directory.
@@ -477,3 +482,34 @@ def cache_root(configured: str | None) -> Path:
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "embedjob"
+
+
+def keep_bytecode(root: Path) -> None:
+    """Where this environment writes no Python bytecode and torch was installed without
+    it, keep the bytecode of what this process imports under `root`/pycache, for it and
+    for the ranks and decode workers it starts (they read it through the environment).
+
+    PYTHONDONTWRITEBYTECODE is common on clusters and in containers, and pip installs no
+    bytecode under it; every rank then compiles torch's compiler, transformers' modeling
+    code and its own modules from source again, 7-8 s of each run's setup on an H200
+    machine (benchmarks/RESULTS.md, "Python's bytecode"). A mirror tree
+    (`sys.pycache_prefix`) leaves the installed packages untouched. Changes nothing where
+    bytecode is written anyway, where the user chose a prefix (PYTHONPYCACHEPREFIX), or
+    where torch's compiler has its bytecode beside its source."""
+    if not sys.dont_write_bytecode or sys.pycache_prefix is not None or _torch_has_bytecode():
+        return
+    prefix = str((root / "pycache").absolute())  # a Ray task leaves the directory it ran from
+    sys.pycache_prefix = prefix
+    sys.dont_write_bytecode = False
+    os.environ["PYTHONPYCACHEPREFIX"] = prefix
+    logger.debug("keeping Python's bytecode under %s (PYTHONDONTWRITEBYTECODE is set)", prefix)
+
+
+def _torch_has_bytecode() -> bool:
+    """Whether the installed torch.compile's largest module has bytecode beside its
+    source (found without importing torch), as an install that wrote bytecode has."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return True  # nothing to keep: the run stops at its first torch import anyway
+    source = Path(spec.submodule_search_locations[0]) / "_inductor" / "compile_fx.py"
+    return Path(importlib.util.cache_from_source(str(source))).exists()

@@ -48,6 +48,7 @@ from embedjob.parallel.ray_engine import (
     reach_token,
     task_shape,
 )
+from embedjob.slurm import Shard
 
 SHARDS = 6
 ROWS_PER_SHARD = 4
@@ -139,6 +140,44 @@ def test_a_task_writes_nothing_into_an_output_that_is_not_the_drivers(tmp_path: 
         with pytest.raises(JobError, match=r"output.path 'out' on node .* is not the directory the driver writes to"):
             probe_task(job, elsewhere)
     assert not list((tmp_path / "out").iterdir()), "the token and the answers go with the run"
+
+
+def test_a_task_keeps_pythons_bytecode_as_a_run_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray starts every GPU task in a new worker process (max_calls=1 for GPU tasks),
+    which imports torch and transformers anew: where Python writes no bytecode (as in
+    many cluster images) each shard compiled them from source, 7-8 s of its setup. The
+    task keeps the bytecode under the job's cache before the shard's pipeline starts,
+    for itself and the processes it starts, as `embedjob run` does."""
+    ray = pytest.importorskip("ray")
+    from embedjob import config, pipeline
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(config, "_torch_has_bytecode", lambda: False)
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "unset-below")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
+    seen = {}
+
+    def run_job(job, shard, overwrite):
+        seen.update(prefix=sys.pycache_prefix, inherited=os.environ.get("PYTHONPYCACHEPREFIX"))
+        return {"shard": shard.index}
+
+    monkeypatch.setattr(pipeline, "run_job", run_job)
+
+    def started(index):
+        raise ray.exceptions.RayError("no board in this test")
+
+    board = types.SimpleNamespace(started=types.SimpleNamespace(remote=started))
+    job = job_from_dict({
+        "input": {"path": "in.parquet", "media_column": "image"}, "model": {"path": "builtin:tiny-qwen2_5_vl"},
+        "output": {"path": "out"}, "runtime": {"cache_dir": str(tmp_path / "cache")},
+    })
+    (tmp_path / "out").mkdir()
+    with reach_token(tmp_path / "out") as token:
+        context = TaskContext(str(tmp_path), str(tmp_path / "out"), token)
+        assert ray_engine.run_shard_task(job, Shard(1, 4), context, board, False) == {"shard": 1}
+    kept = str(tmp_path / "cache" / "pycache")
+    assert seen == {"prefix": kept, "inherited": kept}
 
 
 def node(cpus: float, gpus: float = 0, alive: bool = True) -> dict:

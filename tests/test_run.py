@@ -343,14 +343,14 @@ def test_a_run_keeps_pythons_bytecode_under_the_cache_only_where_nothing_else_do
     """Without it, every rank of every run compiles torch's compiler and transformers from
     source (7-8 s of setup where PYTHONDONTWRITEBYTECODE is set and pip wrote no bytecode);
     where Python keeps bytecode already, or the user chose where, nothing changes."""
-    from embedjob import cli
+    from embedjob import config
 
     monkeypatch.setattr(sys, "dont_write_bytecode", not writes)
     monkeypatch.setattr(sys, "pycache_prefix", user_prefix)
-    monkeypatch.setattr(cli, "_torch_has_bytecode", lambda: torch_has_bytecode)
+    monkeypatch.setattr(config, "_torch_has_bytecode", lambda: torch_has_bytecode)
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", "unset-below")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX")
-    cli.keep_bytecode(tmp_path)
+    config.keep_bytecode(tmp_path)
     prefix = str(tmp_path / "pycache")
     assert (sys.pycache_prefix == prefix) is kept
     assert sys.dont_write_bytecode is (not writes and not kept)
@@ -374,7 +374,7 @@ def test_the_command_keeps_the_bytecode_of_what_it_imports_and_leaves_the_instal
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"} | {"PYTHONDONTWRITEBYTECODE": "1"}
     sets = [f"output.path={tmp_path / 'out'}", f"runtime.cache_dir={cache}", "runtime.workers=0", "runtime.progress=false"]
     command = (
-        "import sys, embedjob.cli as cli; cli._torch_has_bytecode = lambda: False; "
+        "import sys, embedjob.cli as cli, embedjob.config as config; config._torch_has_bytecode = lambda: False; "
         f"sys.exit(cli.main({['run', DEMO, '--gpus', '2', *(a for k in sets for a in ('--set', k))]!r}))"
     )
     done = subprocess.run([sys.executable, "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

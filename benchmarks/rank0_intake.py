@@ -88,25 +88,42 @@ def send(port: int, rank: int, dim: int) -> None:
     link.finish(None)
 
 
-def stand_in(stop: threading.Event, steps: list[int]) -> None:
-    """Rank 0's main thread: Python in 1-ms steps, a short sleep between them."""
-    while not stop.is_set():
-        since = time.perf_counter()
-        total = 0
-        while time.perf_counter() - since < STEP_SECONDS:
-            total += sum(range(50))
-        steps[0] += 1
-        time.sleep(PAUSE_SECONDS)
+class StandIn:
+    """Rank 0's main thread: Python in 1-ms steps, a short sleep between them, counted
+    from its start until `stop`."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._since = time.perf_counter()
+        self._thread.start()
+
+    @property
+    def native_id(self) -> int | None:
+        return self._thread.native_id
+
+    def stop(self) -> float:
+        """Its steps per second."""
+        self._stop.set()
+        self._thread.join()
+        return self.steps / (time.perf_counter() - self._since)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            since = time.perf_counter()
+            total = 0
+            while time.perf_counter() - since < STEP_SECONDS:
+                total += sum(range(50))
+            self.steps += 1
+            time.sleep(PAUSE_SECONDS)
 
 
 def steps_per_second(seconds: float) -> float:
-    stop, steps = threading.Event(), [0]
-    thread = threading.Thread(target=stand_in, args=(stop, steps), daemon=True)
-    thread.start()
+    """The stand-in's rate with nothing else running."""
+    alone = StandIn()
     time.sleep(seconds)
-    stop.set()
-    thread.join()
-    return steps[0] / seconds
+    return alone.stop()
 
 
 class ThreadCpu:
@@ -170,20 +187,17 @@ def run(senders: int, rows: int, dim: int, workdir: Path, idle_rate: float) -> d
     coordinator.open(chunks)
     schema = output_schema(pa.string(), "mean", "float16")
     job = SimpleNamespace(runtime=SimpleNamespace(max_error_rate=None, error_rate_min_rows=0))
-    stop, steps = threading.Event(), [0]
-    main = threading.Thread(target=stand_in, args=(stop, steps), daemon=True)
     cpu = ThreadCpu({threading.get_native_id()})
     coordinator.ready(0)
     coordinator.all_ready()
-    main.start()
+    main = StandIn()
     since = time.perf_counter()
     with tqdm(total=rows, disable=True) as bar:
         writer = Writer(coordinator, checkpoint, schema, ErrorRate(job, Shard(), checkpoint),
                         Progress(bar, lambda: 0), set(), Timeline(time.time()))
         writer.join()
     seconds = time.perf_counter() - since
-    stop.set()
-    main.join()
+    main_rate = main.stop()
     cpu.skip.add(main.native_id)
     hub.wait_done()
     threads = cpu.stop()
@@ -198,7 +212,7 @@ def run(senders: int, rows: int, dim: int, workdir: Path, idle_rate: float) -> d
         "rows/s": writer.rows / seconds,
         "MB/s": writer.rows * dim * 2 / seconds / 1e6,
         **{f"{role} ms/1k": 1e6 * spent / writer.rows for role, spent in threads.items()},
-        "main keeps": steps[0] / seconds / idle_rate,
+        "main keeps": main_rate / idle_rate,
     }
 
 

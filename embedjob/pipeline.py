@@ -63,6 +63,8 @@ from embedjob.report.counts import plural, route_warnings
 from embedjob.rows import (
     WORKER_MODULES,
     Decoded,
+    JpegsAhead,
+    decode_ahead,
     decode_on_device,
     decode_options,
     decode_row,
@@ -623,18 +625,24 @@ class RankPipeline:
 
     def _decoded_on_device(self, windows: Iterator[list[Decoded] | None]) -> Iterator[list[Decoded] | None]:
         """`windows`, with the media the workers left undecoded (`preprocess.decoder`,
-        `video.decoder`) decoded on the GPU by a thread of its own, on a stream of its
-        own, one window ahead: while the main thread launches window k and waits for it,
-        the thread decodes window k + 1, so its host work (the decoders', the resizes'
-        launches) stays off the thread that feeds the device. The device's stream waits
-        for a window's pixels before its batches are assembled. A mid-run capture (added
-        budgets) and a window's decode never overlap (`capture_lock`): capture forbids
-        other CUDA work."""
+        `video.decoder`) decoded on the GPU by two threads of their own, on a stream of
+        their own, one window ahead: while the main thread launches window k and waits
+        for it, one thread finishes window k + 1 (`decode_on_device`) and the other
+        makes window k + 2's first nvjpeg call (`decode_ahead`), so their host work (the
+        decoders', the resizes' launches) stays off the thread that feeds the device, and
+        nvjpeg's wait for a busy device overlaps the finishing. Both threads queue on the
+        one stream, so a picture is ready, and recorded as used, where it is resized.
+        The device's stream waits for a window's pixels before its batches are assembled.
+        A mid-run capture (added budgets) and the threads' work never overlap
+        (`capture_lock`): capture forbids other CUDA work."""
         if not self._gpu_decodes:
             yield from windows
             return
         stream = torch.cuda.Stream(self.device)
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-gpu-decode") as thread:
+        with (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-gpu-decode") as thread,
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-nvjpeg") as nvjpeg,
+        ):
             ahead: tuple[list[Decoded], concurrent.futures.Future] | None = None
             for window in windows:
                 if window is None:
@@ -645,7 +653,8 @@ class RankPipeline:
                     continue
                 if self.decoder == "auto":
                     self.split.count(window)
-                future = thread.submit(self._decode_window, window, stream)
+                first = nvjpeg.submit(self._decode_ahead, window, stream)
+                future = thread.submit(self._decode_window, window, stream, first)
                 if ahead is not None:
                     yield self._decoded(*ahead)
                 ahead = (window, future)
@@ -668,12 +677,22 @@ class RankPipeline:
             return contextlib.nullcontext()
         return torch.cuda.stream(torch.cuda.Stream(self.device))
 
-    def _decode_window(self, window: list[Decoded], stream: torch.cuda.Stream) -> tuple[int, torch.cuda.Event, float]:
-        """On the decode thread: `window`'s deferred JPEGs decoded in place; how many, the
-        event after the last of its kernels, and the thread's seconds."""
+    def _decode_ahead(self, window: list[Decoded], stream: torch.cuda.Stream) -> JpegsAhead:
+        """On the nvjpeg thread: `window`'s first nvjpeg call."""
+        with self.encoder.capture_lock.shared(), torch.cuda.stream(stream):
+            return decode_ahead(window, self.device)
+
+    def _decode_window(
+        self, window: list[Decoded], stream: torch.cuda.Stream, first: concurrent.futures.Future
+    ) -> tuple[int, torch.cuda.Event, float]:
+        """On the decode thread: `window`'s deferred media decoded in place; how many,
+        the event after the last of its kernels, and the thread's seconds (the wait
+        for the nvjpeg thread's call included). That call is awaited before the lock
+        is shared, so a capture is not held off by a thread that only waits."""
         since = time.perf_counter()
-        with self.encoder.capture_lock, torch.cuda.stream(stream):
-            done = decode_on_device(window, self.options, self.preprocess, self.device)
+        ahead = first.result()
+        with self.encoder.capture_lock.shared(), torch.cuda.stream(stream):
+            done = decode_on_device(window, self.options, self.preprocess, self.device, ahead)
             event = torch.cuda.Event()
             event.record(stream)
         return done, event, time.perf_counter() - since

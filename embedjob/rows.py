@@ -182,23 +182,50 @@ def left_for_device(decoded: Decoded) -> bool:
     return decoded.item is not None and (JPEG_KEY in decoded.item.tensors or VIDEO_KEY in decoded.item.tensors)
 
 
-def decode_on_device(window: list[Decoded], options: DecodeOptions, preprocess: Any, device: torch.device) -> int:
+@dataclass
+class JpegsAhead:
+    """A window's deferred JPEGs split for nvjpeg (`groups`: rows, `pixel_groups` of
+    their sizes), with the first group's pictures already decoded (`first`, on the
+    device; empty when the window left no JPEG for the device)."""
+
+    groups: list[list[int]]
+    first: list[torch.Tensor | None]
+
+
+def decode_ahead(window: list[Decoded], device: torch.device) -> JpegsAhead:
+    """The first nvjpeg call of `decode_on_device` for `window`, which a thread of its
+    own can make while another finishes the window before: most of that call is a wait
+    with the GIL released, for a device busy with the encoder, that the finishing work
+    (resizes, Python) can fill. Only the first group is decoded ahead, so at most two
+    groups of full-size pictures exist at a time (this one and the one being finished)."""
+    waiting = [k for k, d in enumerate(window) if left_for_device(d) and JPEG_KEY in d.item.tensors]
+    sizes = torch.stack([window[k].item.tensors[JPEG_SIZE_KEY] for k in waiting]).prod(1).tolist() if waiting else []
+    groups = [[waiting[g] for g in group] for group in pixel_groups(sizes)]
+    return JpegsAhead(groups, _decoded_group(window, groups[0], device) if groups else [])
+
+
+def _decoded_group(window: list[Decoded], rows: list[int], device: torch.device) -> list[torch.Tensor | None]:
+    return decode_jpegs([window[k].item.tensors[JPEG_KEY] for k in rows], device)
+
+
+def decode_on_device(
+    window: list[Decoded], options: DecodeOptions, preprocess: Any, device: torch.device, ahead: JpegsAhead | None = None
+) -> int:
     """Decode, on `device`, the media the workers left undecoded in `window`, in place:
     each such row gets its item with pixels on the device, or, where the GPU's decoder
     refuses the file, what the CPU path makes of it (its item or its error row, as a
     worker would have). Returns how many rows the device decoded.
 
-    Runs on the rank's GPU-decode thread (`RankPipeline._decoded_on_device`), a window
+    Runs on the rank's GPU-decode threads (`RankPipeline._decoded_on_device`), a window
     at a time: JPEGs with a constant number of nvjpeg calls per window (`pixel_groups`
-    bounds the full-size pictures held at once), then the family's resize and patching
-    on the device for the pictures of one size together (`finish_pictures`); videos
-    several at a time (`nvdec.decode_videos`)."""
-    waiting = [k for k, d in enumerate(window) if left_for_device(d) and JPEG_KEY in d.item.tensors]
-    sizes = torch.stack([window[k].item.tensors[JPEG_SIZE_KEY] for k in waiting]).prod(1).tolist() if waiting else []
+    bounds the full-size pictures held at once), the first of them made ahead when
+    `ahead` is given (`decode_ahead` of this window), then the family's resize and
+    patching on the device for the pictures of one size together (`finish_pictures`);
+    videos several at a time (`nvdec.decode_videos`)."""
+    ahead = ahead if ahead is not None else decode_ahead(window, device)
     done = 0
-    for group in pixel_groups(sizes):
-        rows = [waiting[g] for g in group]
-        images = decode_jpegs([window[k].item.tensors[JPEG_KEY] for k in rows], device)
+    for n, rows in enumerate(ahead.groups):
+        images = ahead.first if n == 0 else _decoded_group(window, rows, device)
         done += finish_pictures(window, rows, images, options, preprocess)
     videos = [k for k, d in enumerate(window) if left_for_device(d) and VIDEO_KEY in d.item.tensors]
     for k, decoded in zip(videos, decode_videos([_planned(window[k].item) for k in videos], device, options)):

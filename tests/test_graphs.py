@@ -3,6 +3,8 @@ slicing the CUDA backend uses, checked against eager execution."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from conftest import random_image, random_video
@@ -210,3 +212,44 @@ def test_a_budget_whose_graph_cannot_be_captured_leaves_the_ladder_serving(qwen_
     assert all(failure is None for failure in encoded.failures) and graphs.stats.hits == 24
     assert encoder.added == [] and not encoder.refine and graphs.plan == PLAN
     assert "could not capture the graphs of added budgets [448] (CUDA out of memory)" in caplog.text
+
+
+def test_a_mid_run_capture_waits_for_the_decode_threads_which_never_wait_for_each_other(qwen_adapter) -> None:
+    """The two GPU-decode threads work on the device at once (one inside nvjpeg while
+    the other finishes a window); a capture of added budgets starts only once neither
+    does, and neither starts while it runs: capture forbids other threads' CUDA work."""
+    encoder = one_path_encoder_on(qwen_adapter, PLAN, "replay", refine=True)
+    lock, events = encoder.capture_lock, []
+    second_in, capture_done = threading.Event(), threading.Event()
+
+    def capture() -> None:
+        with lock.exclusive():
+            events.append("capture")
+        capture_done.set()
+
+    def nvjpeg() -> None:
+        with lock.shared():
+            second_in.set()
+            events.append("nvjpeg")
+
+    with lock.shared():
+        threading.Thread(target=nvjpeg).start()
+        assert second_in.wait(5)
+        capturer = threading.Thread(target=capture)
+        capturer.start()
+        assert not capture_done.wait(0.2)
+        events.append("finish")
+    assert capture_done.wait(5)
+    capturer.join()
+    def next_window() -> None:
+        with lock.shared():
+            events.append("next window")
+
+    with lock.exclusive():
+        late = threading.Thread(target=next_window)
+        late.start()
+        late.join(0.2)
+        assert late.is_alive()
+        events.append("second capture")
+    late.join(5)
+    assert events == ["nvjpeg", "finish", "capture", "second capture", "next window"]

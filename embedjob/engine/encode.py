@@ -10,6 +10,7 @@ the plan and the encoder. See ARCHITECTURE.md, rows "packing" and "graphs".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -30,6 +31,43 @@ logger = logging.getLogger(__name__)
 
 # Per path, per item: what the item brings to that path, or None (nothing, e.g. no tiles).
 PathInputs = list[list[EncoderInput | None]]
+
+
+class CaptureLock:
+    """Graph capture against the other threads' CUDA work: any number of threads work
+    on the device at once (`shared`), while capture (`exclusive`) waits until none does
+    and keeps new ones out until it is done. Capture forbids CUDA work on other threads;
+    the GPU-decode threads must not exclude each other, or the one that waits inside
+    nvjpeg would stall the one that could work meanwhile."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._sharing = 0
+        self._capturing = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Any:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._capturing)
+            self._sharing += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._sharing -= 1
+                self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Any:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._capturing and not self._sharing)
+            self._capturing = True
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._capturing = False
+                self._changed.notify_all()
 
 
 class _Collector:
@@ -121,8 +159,8 @@ class BatchEncoder:
         self.items = ItemCounts()
         self.host_seconds: Counter = Counter()
         # Held while graphs are captured mid-run: capture forbids CUDA work on other
-        # threads, so a thread that works on the device beside this one takes it too.
-        self.capture_lock = threading.Lock()
+        # threads, so a thread that works on the device beside this one shares it.
+        self.capture_lock = CaptureLock()
 
     @property
     def plans(self) -> tuple[BudgetPlan, ...]:
@@ -205,7 +243,7 @@ class BatchEncoder:
             return False
         before = packer.padding_share(batches)
         try:
-            with self.capture_lock:
+            with self.capture_lock.exclusive():
                 path.manager.add_budgets(budgets)
         except Exception as exc:  # the ladder still serves every batch: go on without
             logger.warning(

@@ -191,6 +191,12 @@ class JpegsAhead:
     groups: list[list[int]]
     first: list[torch.Tensor | None]
 
+    def take_first(self) -> list[torch.Tensor | None]:
+        """The first group's pictures, which this then lets go of: once resized they
+        are freed, whoever still holds this (the nvjpeg thread's future does)."""
+        first, self.first = self.first, []
+        return first
+
 
 def decode_ahead(window: list[Decoded], device: torch.device) -> JpegsAhead:
     """The first nvjpeg call of `decode_on_device` for `window`, which a thread of its
@@ -225,8 +231,8 @@ def decode_on_device(
     ahead = ahead if ahead is not None else decode_ahead(window, device)
     done = 0
     for n, rows in enumerate(ahead.groups):
-        images = ahead.first if n == 0 else _decoded_group(window, rows, device)
-        done += finish_pictures(window, rows, images, options, preprocess)
+        # The pictures are bound to no name here, so a group's are freed before the next is decoded.
+        done += finish_pictures(window, rows, ahead.take_first() if n == 0 else _decoded_group(window, rows, device), options, preprocess)
     videos = [k for k, d in enumerate(window) if left_for_device(d) and VIDEO_KEY in d.item.tensors]
     for k, decoded in zip(videos, decode_videos([_planned(window[k].item) for k in videos], device, options)):
         window[k], on_device = _video_finished(window[k], decoded, options, preprocess)

@@ -30,7 +30,7 @@ from embedjob.cli import main
 from embedjob.config import JobError, job_from_dict
 from embedjob.decode import DeferredImage, MediaError, decode
 from embedjob.decode import image as image_decode
-from embedjob.decode.device import pixel_groups
+from embedjob.decode.device import GROUP_PIXELS, pixel_groups
 from embedjob.encoders import load_adapter
 from embedjob.encoders.base import JPEG_KEY
 from embedjob.io.checkpoint import job_fingerprint
@@ -144,6 +144,28 @@ def test_a_window_completed_by_the_rank_equals_what_the_workers_make(preprocess)
     assert {"progressive", "gray", "orientation_1", "L_jpeg", "img2dataset_123_456.jpg", "img2dataset_456_123.jpg"} <= deferred
     waiting = len(deferred)
     assert worker.decode_on_device(window, IMAGE, preprocess, torch.device("cpu")) == waiting
+    assert_same_rows(window, want)
+
+
+@pytest.mark.parametrize("limit", [GROUP_PIXELS, 200_000])
+def test_a_window_whose_first_nvjpeg_call_was_made_ahead_is_the_same_window_and_lets_its_pictures_go(
+    preprocess, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    """The rank's nvjpeg thread decodes a window's first group ahead (`decode_ahead`);
+    the window finished from it has the CPU path's rows, with one group or several, and
+    the pictures decoded ahead are no longer held once resized, although the thread's
+    result still is (full-size pictures held longer than their group would break the
+    bound on the device's memory)."""
+    monkeypatch.setattr(worker, "pixel_groups", lambda sizes: pixel_groups(sizes, limit))
+    rows = rows_of(CORPUS)
+    want = [worker.decode_row(row, IMAGE, preprocess) for row in rows]
+    window = [worker.decode_row(row, DEFER, preprocess) for row in rows]
+    waiting = sum(d.item is not None and JPEG_KEY in d.item.tensors for d in window)
+    ahead = worker.decode_ahead(window, torch.device("cpu"))
+    assert sum(map(len, ahead.groups)) == waiting and (len(ahead.groups) > 1) == (limit < GROUP_PIXELS)
+    assert len(ahead.first) == len(ahead.groups[0]) and all(image is not None for image in ahead.first)
+    assert worker.decode_on_device(window, IMAGE, preprocess, torch.device("cpu"), ahead) == waiting
+    assert ahead.first == []
     assert_same_rows(window, want)
 
 

@@ -8,7 +8,9 @@ what they show. Any JPEG nvjpeg refuses gets None here and the caller's CPU path
 
 Decoded images are full size until the caller resizes them, so a batch is cut into
 groups of at most `GROUP_PIXELS` (`pixel_groups`): whatever the window holds, at most
-one group of full-size pictures is on the device at a time.
+two groups of full-size pictures are on the device at a time (the rank's nvjpeg thread
+decodes a window's first group while its decode thread finishes a group of the window
+before, `rows.decode_ahead`).
 
 nvjpeg writes the pictures on a stream of torchvision's own, which waits for nothing the
 caller queued: memory the caller's stream freed while still reading it (the last group's

@@ -80,7 +80,8 @@ class RankStats:
     decode_seconds: float = 0.0
     # Where its JPEGs were decoded ("cpu", "gpu" or "auto", `preprocess.decoder`), with
     # auto the share of rows it last left for the GPU (None before it first chose), how
-    # many rows its GPU decoded and the seconds of the thread that had them decoded.
+    # many rows its GPU decoded and the seconds of the thread that finished them (its
+    # waits for the nvjpeg thread included: rows over seconds is what the two decode).
     decoder: str = "cpu"
     gpu_share: float | None = None
     device_decoded: int = 0

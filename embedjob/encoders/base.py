@@ -294,12 +294,15 @@ class EncoderAdapter(abc.ABC):
 
         fuse_gelu_epilogues(self.compile_units())
 
-    def compile(self, dynamic: bool) -> None:
+    def compile(self, dynamic: bool, mode: str | None = None) -> None:
         """Compile `compile_units` in place with torch.compile.
 
         Graphs captured afterwards replay the compiled (fused) kernels. `dynamic` marks
         the sequence length symbolic, so one compilation serves every budget instead of
         one per budget; compiled artefacts are cached on disk under the cache root.
+        `mode` is torch.compile's (None: its default); "max-autotune-no-cudagraphs" has
+        the compiler time its own GEMM kernels, with the elementwise work around them
+        fused in, against cuBLAS's (benchmarks/fixed_compile.py measures it).
         """
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.cache_dir / "inductor"))
         reduce_rows_in_one_pass(WIDE_ROWS)
@@ -308,7 +311,7 @@ class EncoderAdapter(abc.ABC):
 
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for module in self.compile_units():
-            module.compile(dynamic=dynamic)
+            module.compile(dynamic=dynamic, mode=mode)
 
     def row_counts(self, items: list[EncoderInput]) -> list[int]:
         """How many rows each item has in `forward`'s output, in batch order (real rows

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedjob.bench import FIXED_TOWERS, device_time, fixed_flops, matmul_peak, save_fixed_tower  # noqa: E402
 from embedjob.config import job_from_dict  # noqa: E402
-from embedjob.encoders import EncoderAdapter, EncoderInput, StaticInputs, load_adapter  # noqa: E402
+from embedjob.encoders import EncoderAdapter, EncoderInput, StaticInputs, base, load_adapter  # noqa: E402
 from embedjob.encoders.fixed import FAMILIES, GLOBAL_KEY, load_processing  # noqa: E402
 from embedjob.engine.graphs import GraphManager  # noqa: E402
 from embedjob.engine.packer import BudgetPlan  # noqa: E402
@@ -210,7 +210,11 @@ def static_compile(adapter: EncoderAdapter) -> None:
 
 
 def autotuned_compile(adapter: EncoderAdapter) -> None:
-    adapter.compile(dynamic=False, mode="max-autotune-no-cudagraphs")
+    base.COMPILE_MODE = "max-autotune-no-cudagraphs"
+    try:
+        adapter.compile(dynamic=False)
+    finally:
+        base.COMPILE_MODE = None
 
 
 def whole_compile(adapter: EncoderAdapter) -> None:

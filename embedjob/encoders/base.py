@@ -43,6 +43,12 @@ held whole) rather than in a loop over parts of it; 0 leaves torch's own rule (r
 to 1,024). The towers' norms reduce rows of 1,152 (SigLIP-so400m) and 1,280 (Qwen2.5-VL)
 elements: looped, each norm reads its row twice. Read when an adapter compiles."""
 
+COMPILE_MODE: str | None = None
+"""torch.compile's mode for the blocks (None: its default). "max-autotune-no-cudagraphs"
+has the compiler time its own GEMM kernels, with the elementwise work around them fused
+in, against cuBLAS's: minutes of compiling, measured by `benchmarks/fixed_compile.py` and
+`benchmarks/precision.py` (their `autotuned` variants). Read when an adapter compiles."""
+
 PAD_ZERO = "zero"
 PAD_REPEAT_LAST = "repeat_last"
 JPEG_KEY = "jpeg"
@@ -294,15 +300,12 @@ class EncoderAdapter(abc.ABC):
 
         fuse_gelu_epilogues(self.compile_units())
 
-    def compile(self, dynamic: bool, mode: str | None = None) -> None:
-        """Compile `compile_units` in place with torch.compile.
+    def compile(self, dynamic: bool) -> None:
+        """Compile `compile_units` in place with torch.compile (in `COMPILE_MODE`).
 
         Graphs captured afterwards replay the compiled (fused) kernels. `dynamic` marks
         the sequence length symbolic, so one compilation serves every budget instead of
         one per budget; compiled artefacts are cached on disk under the cache root.
-        `mode` is torch.compile's (None: its default); "max-autotune-no-cudagraphs" has
-        the compiler time its own GEMM kernels, with the elementwise work around them
-        fused in, against cuBLAS's (benchmarks/fixed_compile.py measures it).
         """
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.cache_dir / "inductor"))
         reduce_rows_in_one_pass(WIDE_ROWS)
@@ -311,7 +314,7 @@ class EncoderAdapter(abc.ABC):
 
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for module in self.compile_units():
-            module.compile(dynamic=dynamic, mode=mode)
+            module.compile(dynamic=dynamic, mode=COMPILE_MODE)
 
     def row_counts(self, items: list[EncoderInput]) -> list[int]:
         """How many rows each item has in `forward`'s output, in batch order (real rows

@@ -50,7 +50,7 @@ from embedjob.io.checkpoint import open_checkpoint  # noqa: E402
 from embedjob.io.reader import Chunk  # noqa: E402
 from embedjob.io.sink import ErrorRate, Progress, Writer  # noqa: E402
 from embedjob.io.writer import RowBlock, output_schema  # noqa: E402
-from embedjob.parallel.cluster import Coordinator, Hub, Link, _listen  # noqa: E402
+from embedjob.parallel.cluster import Coordinator, Hub, Link, listen_on_loopback  # noqa: E402
 from embedjob.pipeline import CHUNK_ROWS  # noqa: E402
 from embedjob.slurm import Shard  # noqa: E402
 from embedjob.timeline import Timeline  # noqa: E402
@@ -178,7 +178,7 @@ def run(senders: int, rows: int, dim: int, workdir: Path, idle_rate: float) -> d
     checkpoint = open_checkpoint(output, 0, 1, 0, rows, ROWS_PER_PART, {"benchmark": "rank0_intake"}, False)
     chunks = [Chunk(i, first, min(first + CHUNK_ROWS, rows), ()) for i, first in enumerate(range(0, rows, CHUNK_ROWS))]
     coordinator = Coordinator(world, lookahead=world * 10, head_start=4)
-    hub = Hub(_listen(), TOKEN, world, [])
+    hub = Hub(listen_on_loopback(), TOKEN, world, [])
     spawn = multiprocessing.get_context("spawn")
     processes = [spawn.Process(target=send, args=(hub.port, rank, dim), daemon=True) for rank in range(1, world)]
     for process in processes:

@@ -299,7 +299,7 @@ class Coordinator:
 # --- the links ----------------------------------------------------------------------
 
 
-def _listen() -> socket.socket:
+def listen_on_loopback() -> socket.socket:
     """Rank 0's listening socket: loopback only, an ephemeral port."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((HOST, 0))
@@ -697,7 +697,7 @@ class Cluster:
         if layout.device.type == "cuda":
             torch.cuda.set_device(layout.device)
         if layout.rank == 0:
-            listener = _listen()
+            listener = listen_on_loopback()
             token = secrets.token_hex(16)
             port = listener.getsockname()[1]
             if layout.launched:

@@ -1,7 +1,7 @@
 """How long a window's nvjpeg call takes with the device idle, and beside an encoder's GEMMs.
 
     PYTHONPATH=. python3 benchmarks/nvjpeg_contention.py [--photos DIR ...] [--mixes qwen-224 siglip]
-        [--rows 256] [--repeats 7] [--decoders torchvision torchvision-pinned nvimgcodec nvimgcodec-high]
+        [--rows 256] [--repeats 7] [--decoders torchvision torchvision-pinned torchcodec ...]
 
 With `preprocess.decoder: gpu` the rank decodes each window's JPEGs in one batched call
 while the encoder keeps the device busy (`rows.decode_ahead`). This times that call, on
@@ -16,8 +16,11 @@ Decoders: `torchvision` (the job's call, `decode.device.decode_jpegs`: bytes in 
 memory), `torchvision-pinned` (the same call on views of one pinned buffer: nvjpeg's copy
 of each picture's bytes is then a DMA that need not wait for the stream), and, where
 `nvidia-nvimgcodec-cu12/13` is installed, `nvimgcodec` (its batched decoder, on a stream of
-default priority) and `nvimgcodec-high` (on a stream of the highest priority). Each
-decoder's pictures are compared with torchvision's (largest absolute difference, levels).
+default priority) and `nvimgcodec-high` (on a stream of the highest priority); where
+`torchcodec` is installed, `torchcodec` and `torchcodec-high` (its nvjpeg decode, which
+runs on the caller's current stream, unlike torchvision's: here one of default and one of
+the highest priority, so its kernels can go ahead of the GEMMs'). Each decoder's pictures
+are compared with torchvision's (largest absolute difference, levels).
 
 Needs a CUDA device. The table is printed at the end.
 """
@@ -45,6 +48,7 @@ from embedjob.decode.device import decode_jpegs  # noqa: E402
 LOAD_SHAPE = (16384, 1280, 5120)
 GEMMS_PER_GRAPH = 50
 Decode = Callable[[], list[torch.Tensor]]
+DECODERS = ["torchvision", "torchvision-pinned", "torchcodec", "torchcodec-high", "nvimgcodec", "nvimgcodec-high"]
 
 
 def window_jpegs(mix: str, rows: int, sources: list[Path], workdir: Path) -> list[bytes]:
@@ -92,16 +96,34 @@ def nvimgcodec_decoder(blobs: list[bytes], device: torch.device, priority: int) 
     return decode
 
 
+def torchcodec_decoder(blobs: list[bytes], device: torch.device, priority: int) -> Decode:
+    """torchcodec's batched nvjpeg decode, on a current stream of `priority`."""
+    from torchcodec.decoders import decode_jpeg
+
+    data = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
+    stream = torch.cuda.Stream(device, priority=priority)
+
+    def decode() -> list[torch.Tensor]:
+        with torch.cuda.stream(stream):
+            images = decode_jpeg(data, device=device)
+        stream.synchronize()
+        return images
+
+    return decode
+
+
 def decoders(names: list[str], blobs: list[bytes], device: torch.device) -> dict[str, Decode]:
     made: dict[str, Decode] = {}
     for name in names:
         try:
             if name.startswith("torchvision"):
                 made[name] = torchvision_decoder(blobs, device, pinned=name.endswith("pinned"))
+            elif name.startswith("torchcodec"):
+                made[name] = torchcodec_decoder(blobs, device, priority=-100 if name.endswith("high") else 0)
             else:
                 made[name] = nvimgcodec_decoder(blobs, device, priority=-100 if name.endswith("high") else 0)
         except ImportError as exc:
-            print(f"{name}: not installed ({exc}); pip install nvidia-nvimgcodec-cu13", file=sys.stderr)
+            print(f"{name}: not installed ({exc})", file=sys.stderr)
     return made
 
 
@@ -161,10 +183,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=256, help="pictures per call (the job's window)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/nvjpeg-contention"))
-    parser.add_argument(
-        "--decoders", nargs="+", default=["torchvision", "torchvision-pinned", "nvimgcodec", "nvimgcodec-high"],
-        choices=["torchvision", "torchvision-pinned", "nvimgcodec", "nvimgcodec-high"],
-    )
+    parser.add_argument("--decoders", nargs="+", default=DECODERS, choices=DECODERS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("nvjpeg_contention.py needs a CUDA device")

@@ -114,14 +114,15 @@ def torchcodec_decoder(blobs: list[bytes], device: torch.device, priority: int) 
 
 def decoders(names: list[str], blobs: list[bytes], device: torch.device) -> dict[str, Decode]:
     made: dict[str, Decode] = {}
+    highest = torch.cuda.Stream.priority_range()[1]
     for name in names:
         try:
             if name.startswith("torchvision"):
                 made[name] = torchvision_decoder(blobs, device, pinned=name.endswith("pinned"))
             elif name.startswith("torchcodec"):
-                made[name] = torchcodec_decoder(blobs, device, priority=-100 if name.endswith("high") else 0)
+                made[name] = torchcodec_decoder(blobs, device, priority=highest if name.endswith("high") else 0)
             else:
-                made[name] = nvimgcodec_decoder(blobs, device, priority=-100 if name.endswith("high") else 0)
+                made[name] = nvimgcodec_decoder(blobs, device, priority=highest if name.endswith("high") else 0)
         except ImportError as exc:
             print(f"{name}: not installed ({exc})", file=sys.stderr)
     return made

@@ -17,8 +17,10 @@ images already on the device, each variant its own row:
                               compiles them (`pipeline.compile_if_asked`: dynamic=True), no graphs
   ours_graphs_compiled        the same through `GraphManager`: one graph for the batch, replayed
   ours_graphs_compiled_static the blocks compiled with dynamic=False instead
-  ours_graphs_autotuned       dynamic=False and mode "max-autotune-no-cudagraphs": the compiler's
-                              own GEMM kernels (their epilogues fused) where they time faster
+  ours_graphs_cd_tuned        dynamic=False, inductor's coordinate descent tuning of its kernels'
+                              launch configurations (`encoders.base.TUNED`)
+  ours_graphs_autotuned       dynamic=False, max_autotune as well: the compiler's own GEMM kernels
+                              (their epilogues fused) where they time faster than cuBLAS's
   ours_graphs_whole_compiled  the whole tower compiled (`tower.compile()`) instead of its blocks
   <variant>[cudnn|flash|efficient]  plain_compile and ours_graphs_compiled with SDPA forced to
                               one backend while compiling, capturing and timing
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import importlib.metadata
 import os
@@ -209,12 +212,17 @@ def static_compile(adapter: EncoderAdapter) -> None:
     adapter.compile(dynamic=False)
 
 
-def autotuned_compile(adapter: EncoderAdapter) -> None:
-    base.COMPILE_MODE = "max-autotune-no-cudagraphs"
-    try:
-        adapter.compile(dynamic=False)
-    finally:
-        base.COMPILE_MODE = None
+def tuned_compile(options: dict[str, Any]) -> Callable[[EncoderAdapter], None]:
+    """The blocks compiled static with inductor's `options` (`base.TUNED`)."""
+
+    def compile_(adapter: EncoderAdapter) -> None:
+        base.COMPILE_OPTIONS = options
+        try:
+            adapter.compile(dynamic=False)
+        finally:
+            base.COMPILE_OPTIONS = None
+
+    return compile_
 
 
 def whole_compile(adapter: EncoderAdapter) -> None:
@@ -256,7 +264,7 @@ VARIANTS: dict[str, Callable[[Bench], Run]] = {
     "ours_eager_compiled": ours_eager_compiled,
     "ours_graphs_compiled": lambda b: ours_graphs(b, job_compile),
     "ours_graphs_compiled_static": lambda b: ours_graphs(b, static_compile),
-    "ours_graphs_autotuned": lambda b: ours_graphs(b, autotuned_compile),
+    **{f"ours_graphs_{name.replace('-', '_')}": functools.partial(ours_graphs, compile_=tuned_compile(options)) for name, options in base.TUNED.items()},
     "ours_graphs_whole_compiled": lambda b: ours_graphs(b, whole_compile),
 }
 FORCED = ("plain_compile", "ours_graphs_compiled")  # run again under each SDPA backend

@@ -35,8 +35,9 @@ GELU a kernel of its own instead of the product's epilogue (`epilogues.EPILOGUES
 (`base.WIDE_ROWS` 0: the norms of rows over 1,024 elements loop); `bf16-varlen` runs the
 Qwen-VL towers' attention in varlen_attn on every layer (`model.attention: varlen`), where
 `bf16` runs what `auto` picks (FlashAttention-4 on the long segments where it is installed);
-`bf16-autotuned` compiles the blocks in mode "max-autotune-no-cudagraphs" (`base.COMPILE_MODE`:
-the compiler's own GEMM kernels, tuned for the largest budget, which is captured first).
+`bf16-cd-tuned` and `bf16-autotuned` compile the blocks with inductor's coordinate descent
+tuning, and the latter with max_autotune too (`base.TUNED`: the compiler's own GEMM kernels,
+tuned for the largest budget, which is captured first).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ VARIANTS = {
     "bf16-looped-rows": ("bf16", {(base, "WIDE_ROWS"): 0}),
     "bf16-gelu-apart": ("bf16", {(epilogues, "EPILOGUES"): False}),
     "bf16-varlen": ("bf16", {}, ["model.attention=varlen"]),
-    "bf16-autotuned": ("bf16", {(base, "COMPILE_MODE"): "max-autotune-no-cudagraphs"}),
+    **{f"bf16-{name}": ("bf16", {(base, "COMPILE_OPTIONS"): options}) for name, options in base.TUNED.items()},
     "fp8": ("fp8", {}),
     "fp8-exact-accum": ("fp8", {(fp8, "FAST_ACCUM"): False}),
     "fp8-compiler-quant": ("fp8", {(fp8, "ROW_KERNEL"): False}),

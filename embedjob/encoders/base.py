@@ -43,11 +43,19 @@ held whole) rather than in a loop over parts of it; 0 leaves torch's own rule (r
 to 1,024). The towers' norms reduce rows of 1,152 (SigLIP-so400m) and 1,280 (Qwen2.5-VL)
 elements: looped, each norm reads its row twice. Read when an adapter compiles."""
 
-COMPILE_MODE: str | None = None
-"""torch.compile's mode for the blocks (None: its default). "max-autotune-no-cudagraphs"
-has the compiler time its own GEMM kernels, with the elementwise work around them fused
-in, against cuBLAS's: minutes of compiling, measured by `benchmarks/fixed_compile.py` and
-`benchmarks/precision.py` (their `autotuned` variants). Read when an adapter compiles."""
+COMPILE_OPTIONS: dict[str, Any] | None = None
+"""Inductor's options for compiling the blocks (torch.compile's `options`; None: its
+defaults). {"coordinate_descent_tuning": True} has the compiler time its elementwise and
+reduction kernels' launch configurations; with "max_autotune" it also times its own GEMM
+kernels, with the elementwise work around them fused in, against cuBLAS's (minutes of
+compiling). `benchmarks/fixed_compile.py` and `benchmarks/precision.py` measure both
+(`TUNED`). Read when an adapter compiles."""
+
+TUNED = {
+    "cd-tuned": {"coordinate_descent_tuning": True},
+    "autotuned": {"max_autotune": True, "coordinate_descent_tuning": True},
+}
+"""The `COMPILE_OPTIONS` the benchmarks compare with the defaults, by the name of their variants."""
 
 PAD_ZERO = "zero"
 PAD_REPEAT_LAST = "repeat_last"
@@ -301,7 +309,7 @@ class EncoderAdapter(abc.ABC):
         fuse_gelu_epilogues(self.compile_units())
 
     def compile(self, dynamic: bool) -> None:
-        """Compile `compile_units` in place with torch.compile (in `COMPILE_MODE`).
+        """Compile `compile_units` in place with torch.compile (with `COMPILE_OPTIONS`).
 
         Graphs captured afterwards replay the compiled (fused) kernels. `dynamic` marks
         the sequence length symbolic, so one compilation serves every budget instead of
@@ -314,7 +322,7 @@ class EncoderAdapter(abc.ABC):
 
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for module in self.compile_units():
-            module.compile(dynamic=dynamic, mode=COMPILE_MODE)
+            module.compile(dynamic=dynamic, options=COMPILE_OPTIONS)
 
     def row_counts(self, items: list[EncoderInput]) -> list[int]:
         """How many rows each item has in `forward`'s output, in batch order (real rows

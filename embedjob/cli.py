@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from embedjob.config import Job, JobError, cache_root, describe, keep_bytecode, load_job
+from embedjob.config import Job, JobError, cache_root, describe, keep_bytecode, load_job, spread_device_queues
 from embedjob.io.checkpoint import OutputError
 from embedjob.io.writer import ErrorRateExceeded
 from embedjob.report.counts import codes_text, plural, route_warnings
@@ -192,6 +192,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     gpus = [] if args.gpus is None else [f"runtime.gpus={args.gpus}"]
     job = load_job(args.job, [*args.set, *gpus])
     keep_bytecode(cache_root(job.runtime.cache_dir))
+    spread_device_queues()
     engine = pick_engine(args.engine, args.address, args.max_retries, args.cpus_per_task)
     _quiet_transformers()
     outcomes = engine(job, shards_to_run(job, args.shard, args.shards, args.engine), overwrite=args.overwrite)
@@ -247,6 +248,7 @@ def _ranks(stats: dict[str, Any]) -> str:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     keep_bytecode(cache_root(None))
+    spread_device_queues()
     from embedjob.bench import main as bench_main
 
     _quiet_transformers()

@@ -505,6 +505,26 @@ def keep_bytecode(root: Path) -> None:
     logger.debug("keeping Python's bytecode under %s (PYTHONDONTWRITEBYTECODE is set)", prefix)
 
 
+DEVICE_QUEUES = "32"
+"""Hardware work queues a process's CUDA streams spread over (CUDA's own default is 8,
+its largest value 32); see `spread_device_queues`."""
+
+
+def spread_device_queues() -> None:
+    """Give the CUDA streams of this process, and of the ranks it starts, `DEVICE_QUEUES`
+    hardware work queues, unless the user chose a number (CUDA_DEVICE_MAX_CONNECTIONS).
+
+    Streams beyond the queues' number share one, and a queue starts its work in order. A
+    rank has more streams than CUDA's default 8 queues (torch's pool alone makes dozens),
+    so nvjpeg's stream in the GPU decoder shared a queue with the encoder's graphs, and
+    each picture's kernel waited for the GEMMs queued ahead of it: beside a stream of
+    back-to-back GEMMs a window of 256 JPEGs took 340 ms with 8 queues and 12 ms with 32
+    (7 ms on an idle device), and the rank's main thread stopped waiting for the
+    GPU-decode thread (benchmarks/RESULTS.md, "Hardware work queues"). The driver reads
+    the variable when the process first uses CUDA, so this runs before that."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", DEVICE_QUEUES)
+
+
 def _torch_has_bytecode() -> bool:
     """Whether the installed torch.compile's largest module has bytecode beside its
     source (found without importing torch), as an install that wrote bytecode has."""

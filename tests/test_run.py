@@ -357,6 +357,22 @@ def test_a_run_keeps_pythons_bytecode_under_the_cache_only_where_nothing_else_do
     assert (os.environ.get("PYTHONPYCACHEPREFIX") == prefix) is kept
 
 
+@pytest.mark.parametrize("chosen, queues", [(None, "32"), ("4", "4")], ids=["default", "users-own"])
+def test_a_run_spreads_its_streams_over_more_hardware_queues_unless_the_user_chose(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch, chosen: str | None, queues: str
+) -> None:
+    """With CUDA's 8 queues nvjpeg's stream shares one with the encoder's graphs and each
+    picture waits for the GEMMs queued ahead of it (the GPU decoder ran a window 28x slower
+    beside them); the run sets 32 before anything uses CUDA, and a user's own number stays."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", chosen or "unset-below")
+    if chosen is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    code = main(["run", DEMO, "--set", f"output.path={tmp_path}", "--set", f"runtime.cache_dir={cache_dir}"])
+    assert code == 0
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == queues
+    assert list(tmp_path.glob("part-*.parquet"))
+
+
 def test_the_command_keeps_the_bytecode_of_what_it_imports_and_leaves_the_installed_packages_as_they_were(
     tmp_path: Path, cache_dir: str
 ) -> None:

@@ -35,6 +35,13 @@ from embedjob.engine import packer
 from embedjob.engine.encode import budget_plan
 from embedjob.engine.graphs import GraphManager, pool_rows
 
+TUNED = {
+    "cd-tuned": {"coordinate_descent_tuning": True},
+    "autotuned": {"max_autotune": True, "coordinate_descent_tuning": True},
+}
+"""Inductor options (`encoders.base.COMPILE_OPTIONS`) that `fixed_compile.py` and `precision.py`
+compare with its defaults, by the name of their variants."""
+
 
 @dataclass
 class EncoderOnly:

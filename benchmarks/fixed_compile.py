@@ -18,7 +18,7 @@ images already on the device, each variant its own row:
   ours_graphs_compiled        the same through `GraphManager`: one graph for the batch, replayed
   ours_graphs_compiled_static the blocks compiled with dynamic=False instead
   ours_graphs_cd_tuned        dynamic=False, inductor's coordinate descent tuning of its kernels'
-                              launch configurations (`encoders.base.TUNED`)
+                              launch configurations (`encoder_only.TUNED`)
   ours_graphs_autotuned       dynamic=False, max_autotune as well: the compiler's own GEMM kernels
                               (their epilogues fused) where they time faster than cuBLAS's
   ours_graphs_whole_compiled  the whole tower compiled (`tower.compile()`) instead of its blocks
@@ -59,6 +59,7 @@ import transformers
 # The script runs without installing the package, so the repository root goes first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.encoder_only import TUNED  # noqa: E402
 from embedjob.bench import FIXED_TOWERS, device_time, fixed_flops, matmul_peak, save_fixed_tower  # noqa: E402
 from embedjob.config import job_from_dict  # noqa: E402
 from embedjob.encoders import EncoderAdapter, EncoderInput, StaticInputs, base, load_adapter  # noqa: E402
@@ -213,7 +214,7 @@ def static_compile(adapter: EncoderAdapter) -> None:
 
 
 def tuned_compile(options: dict[str, Any]) -> Callable[[EncoderAdapter], None]:
-    """The blocks compiled static with inductor's `options` (`base.TUNED`)."""
+    """The blocks compiled static with inductor's `options` (`encoder_only.TUNED`)."""
 
     def compile_(adapter: EncoderAdapter) -> None:
         base.COMPILE_OPTIONS = options
@@ -264,7 +265,7 @@ VARIANTS: dict[str, Callable[[Bench], Run]] = {
     "ours_eager_compiled": ours_eager_compiled,
     "ours_graphs_compiled": lambda b: ours_graphs(b, job_compile),
     "ours_graphs_compiled_static": lambda b: ours_graphs(b, static_compile),
-    **{f"ours_graphs_{name.replace('-', '_')}": functools.partial(ours_graphs, compile_=tuned_compile(options)) for name, options in base.TUNED.items()},
+    **{f"ours_graphs_{name.replace('-', '_')}": functools.partial(ours_graphs, compile_=tuned_compile(options)) for name, options in TUNED.items()},
     "ours_graphs_whole_compiled": lambda b: ours_graphs(b, whole_compile),
 }
 FORCED = ("plain_compile", "ours_graphs_compiled")  # run again under each SDPA backend

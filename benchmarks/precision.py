@@ -36,7 +36,7 @@ GELU a kernel of its own instead of the product's epilogue (`epilogues.EPILOGUES
 Qwen-VL towers' attention in varlen_attn on every layer (`model.attention: varlen`), where
 `bf16` runs what `auto` picks (FlashAttention-4 on the long segments where it is installed);
 `bf16-cd-tuned` and `bf16-autotuned` compile the blocks with inductor's coordinate descent
-tuning, and the latter with max_autotune too (`base.TUNED`: the compiler's own GEMM kernels,
+tuning, and the latter with max_autotune too (`encoder_only.TUNED`: the compiler's own GEMM kernels,
 tuned for the largest budget, which is captured first).
 """
 
@@ -56,7 +56,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.encoder_only import EncoderOnly, measure, preprocess_rows  # noqa: E402
+from benchmarks.encoder_only import TUNED, EncoderOnly, measure, preprocess_rows  # noqa: E402
 from benchmarks.mixes import MIXES, builtin_sources, collect_photos, jpeg_dataset, save_tower  # noqa: E402
 from benchmarks.scaling import write_job  # noqa: E402
 from embedjob.bench import largest_batch_kernels  # noqa: E402
@@ -73,7 +73,7 @@ VARIANTS = {
     "bf16-looped-rows": ("bf16", {(base, "WIDE_ROWS"): 0}),
     "bf16-gelu-apart": ("bf16", {(epilogues, "EPILOGUES"): False}),
     "bf16-varlen": ("bf16", {}, ["model.attention=varlen"]),
-    **{f"bf16-{name}": ("bf16", {(base, "COMPILE_OPTIONS"): options}) for name, options in base.TUNED.items()},
+    **{f"bf16-{name}": ("bf16", {(base, "COMPILE_OPTIONS"): options}) for name, options in TUNED.items()},
     "fp8": ("fp8", {}),
     "fp8-exact-accum": ("fp8", {(fp8, "FAST_ACCUM"): False}),
     "fp8-compiler-quant": ("fp8", {(fp8, "ROW_KERNEL"): False}),

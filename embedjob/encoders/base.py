@@ -48,14 +48,9 @@ COMPILE_OPTIONS: dict[str, Any] | None = None
 defaults). {"coordinate_descent_tuning": True} has the compiler time its elementwise and
 reduction kernels' launch configurations; with "max_autotune" it also times its own GEMM
 kernels, with the elementwise work around them fused in, against cuBLAS's (minutes of
-compiling). `benchmarks/fixed_compile.py` and `benchmarks/precision.py` measure both
-(`TUNED`). Read when an adapter compiles."""
-
-TUNED = {
-    "cd-tuned": {"coordinate_descent_tuning": True},
-    "autotuned": {"max_autotune": True, "coordinate_descent_tuning": True},
-}
-"""The `COMPILE_OPTIONS` the benchmarks compare with the defaults, by the name of their variants."""
+compiling). Neither beat the defaults on CLIP-L or the Qwen2.5-VL tower on an H200
+(benchmarks/RESULTS.md, "Hardware work queues"), so jobs keep None; the benchmarks set it
+(`benchmarks/encoder_only.py`, `TUNED`). Read when an adapter compiles."""
 
 PAD_ZERO = "zero"
 PAD_REPEAT_LAST = "repeat_last"

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from embedjob.config import Job, JobError, cache_root, describe, keep_bytecode, load_job, spread_device_queues
+from embedjob.config import Job, JobError, describe, load_job, prepare_process
 from embedjob.io.checkpoint import OutputError
 from embedjob.io.writer import ErrorRateExceeded
 from embedjob.report.counts import codes_text, plural, route_warnings
@@ -191,8 +191,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     gpus = [] if args.gpus is None else [f"runtime.gpus={args.gpus}"]
     job = load_job(args.job, [*args.set, *gpus])
-    keep_bytecode(cache_root(job.runtime.cache_dir))
-    spread_device_queues()
+    prepare_process(job.runtime.cache_dir)
     engine = pick_engine(args.engine, args.address, args.max_retries, args.cpus_per_task)
     _quiet_transformers()
     outcomes = engine(job, shards_to_run(job, args.shard, args.shards, args.engine), overwrite=args.overwrite)
@@ -247,8 +246,7 @@ def _ranks(stats: dict[str, Any]) -> str:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    keep_bytecode(cache_root(None))
-    spread_device_queues()
+    prepare_process(None)
     from embedjob.bench import main as bench_main
 
     _quiet_transformers()

@@ -522,7 +522,30 @@ def spread_device_queues() -> None:
     (7 ms on an idle device), and the rank's main thread stopped waiting for the
     GPU-decode thread (benchmarks/RESULTS.md, "Hardware work queues"). The driver reads
     the variable when the process first uses CUDA, so this runs before that."""
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", DEVICE_QUEUES)
+    if "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ:
+        return
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = DEVICE_QUEUES
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        logger.info(
+            "CUDA was in use in this process before the job started, so its own streams keep "
+            "CUDA's 8 hardware work queues (the ranks it starts get %s); for the GPU decoders' "
+            "full speed set CUDA_DEVICE_MAX_CONNECTIONS=%s before the process first uses CUDA",
+            DEVICE_QUEUES,
+            DEVICE_QUEUES,
+        )
+
+
+def prepare_process(cache_dir: str | None) -> None:
+    """What a process that runs jobs sets up before it imports torch: Python's bytecode
+    kept under the cache (`keep_bytecode`) and CUDA's hardware work queues spread
+    (`spread_device_queues`), for it and for the ranks and decode workers it starts.
+
+    The command, `embedjob.run` and a Ray task each call it first, as both settings are
+    read only once: bytecode when a module is first imported, the queues when the process
+    first uses CUDA."""
+    keep_bytecode(cache_root(cache_dir))
+    spread_device_queues()
 
 
 def _torch_has_bytecode() -> bool:

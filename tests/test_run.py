@@ -357,20 +357,46 @@ def test_a_run_keeps_pythons_bytecode_under_the_cache_only_where_nothing_else_do
     assert (os.environ.get("PYTHONPYCACHEPREFIX") == prefix) is kept
 
 
+@pytest.mark.parametrize("entry", ["command", "python"])
 @pytest.mark.parametrize("chosen, queues", [(None, "32"), ("4", "4")], ids=["default", "users-own"])
 def test_a_run_spreads_its_streams_over_more_hardware_queues_unless_the_user_chose(
-    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch, chosen: str | None, queues: str
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch, chosen: str | None, queues: str, entry: str
 ) -> None:
     """With CUDA's 8 queues nvjpeg's stream shares one with the encoder's graphs and each
     picture waits for the GEMMs queued ahead of it (the GPU decoder ran a window 28x slower
-    beside them); the run sets 32 before anything uses CUDA, and a user's own number stays."""
+    beside them); a run, from the command or from Python, sets 32 before anything uses
+    CUDA, and a user's own number stays."""
+    import embedjob
+
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", chosen or "unset-below")
     if chosen is None:
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    code = main(["run", DEMO, "--set", f"output.path={tmp_path}", "--set", f"runtime.cache_dir={cache_dir}"])
-    assert code == 0
+    sets = [f"output.path={tmp_path}", f"runtime.cache_dir={cache_dir}"]
+    if entry == "command":
+        assert main(["run", DEMO, *[arg for s in sets for arg in ("--set", s)]]) == 0
+    else:
+        assert embedjob.run(DEMO, overrides=sets)["rows"] > 0
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == queues
     assert list(tmp_path.glob("part-*.parquet"))
+
+
+def test_a_python_caller_that_used_cuda_first_is_told_its_own_streams_keep_eight_queues(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The driver reads the variable once, when the process first uses CUDA: a script that
+    did before `embedjob.run` gets the wider queues only in the ranks it starts, and the
+    log says how to get them everywhere."""
+    import torch
+
+    from embedjob import config
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "unset-below")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with caplog.at_level("INFO", logger="embedjob.config"):
+        config.spread_device_queues()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    assert "set CUDA_DEVICE_MAX_CONNECTIONS=32 before the process first uses CUDA" in caplog.text
 
 
 def test_the_command_keeps_the_bytecode_of_what_it_imports_and_leaves_the_installed_packages_as_they_were(

@@ -57,7 +57,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from embedjob.config import Job, JobError, cache_root, keep_bytecode, spread_device_queues
+from embedjob.config import Job, JobError, prepare_process
 from embedjob.io import reader
 from embedjob.io.checkpoint import (
     OutputError,
@@ -336,8 +336,7 @@ def run_shard_task(job: Job, shard: Shard, context: TaskContext, board: Any, ove
         check_reach(job, context)
         # Before torch is imported: each GPU task is a new worker process (Ray gives GPU
         # tasks max_calls=1), so it imports torch and transformers anew, as a run does.
-        keep_bytecode(cache_root(job.runtime.cache_dir))
-        spread_device_queues()
+        prepare_process(job.runtime.cache_dir)
         _quiet_transformers()
         from embedjob.pipeline import run_job
 

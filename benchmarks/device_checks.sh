@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The checks a change to the device path owes before its issue is resolved: the GPU
+# tests, the GPU decoder against the CPU's on 4 cores, and the four mixes end to end.
+# Together they take longer than one 10-minute device command, so each call names the
+# stages it runs, and every stage prints its table again at the end of the call.
+#
+# Here, once (downloads the decord and PyNvVideoCodec wheels into .whl, copies real
+# photos from ../shared/data into bench-data; both kept out of git):
+#     bash benchmarks/device_checks.sh prep
+# On the device, carry [".whl", "bench-data"], one call each (a warm machine keeps /tmp,
+# so `report` can print the mixes of earlier calls):
+#     bash benchmarks/device_checks.sh tests decode
+#     bash benchmarks/device_checks.sh mixes qwen-224 siglip
+#     bash benchmarks/device_checks.sh mixes clip qwen-mixed report
+# Stages: prep, tests (tests/test_gpu.py), decode (benchmarks/gpu_decode.py, qwen-224,
+# 24,576 rows, `gpu` and `cpu`, 4 workers, 2 runs each), mixes NAME... (benchmarks/
+# scaling.py, every GPU count up to those visible, qwen-mixed with one repeat as it takes
+# longest), report (the saved mixes). SMOKE=1 passes --smoke to the benchmarks, so the
+# script can be checked on a machine without a GPU. Logs go to $OUT (or /tmp/device-checks).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/device-checks}"
+work="${DEVICE_CHECKS_WORK:-/tmp/device-checks-work}"
+mkdir -p "$out" "$work"
+smoke=()
+[ "${SMOKE:-0}" = 1 ] && smoke=(--smoke)
+summary=()
+
+prep() {
+  for path in /.whl/ /bench-data/; do
+    grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >>.git/info/exclude
+  done
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl decord==0.6.0 "PyNvVideoCodec>=2.2" || return
+  mkdir -p bench-data
+  cp ../shared/data/parquet/hfhub_huggan-few-shot-cat_train-00000-of-00001.parquet ../shared/data/images/*.jpg bench-data/
+  du -sh .whl bench-data
+}
+
+install_wheels() {
+  # The device's python has torch but neither decord nor PyNvVideoCodec.
+  [ -d .whl ] || return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+}
+
+tests() {
+  timeout 420 python3 -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/tests.log"
+  summary+=("tests/test_gpu.py: $(tail -n 1 "$out/tests.log")")
+}
+
+decode() {
+  local images=24576
+  [ ${#smoke[@]} -gt 0 ] && images=0
+  timeout 560 python3 benchmarks/gpu_decode.py "${smoke[@]}" --photos bench-data --mixes qwen-224 --images "$images" \
+    --workers 4 --decoders gpu cpu --repeats 2 --workdir "$work/decode" 2>&1 | tee "$out/decode.log"
+  summary+=("gpu_decode.py:" "$(cat "$work/decode/gpu_decode.md" 2>/dev/null || echo 'no table: see decode.log')")
+}
+
+mixes() {
+  local mix repeats
+  for mix in "$@"; do
+    repeats=2
+    [ "$mix" = qwen-mixed ] && repeats=1
+    timeout 560 python3 benchmarks/scaling.py "${smoke[@]}" --photos bench-data --workdir "$work/scaling" \
+      --repeats "$repeats" --mixes "$mix" 2>&1 | tee "$out/scaling-$mix.log"
+  done
+  summary+=("scaling.py, $*:" "$(python3 benchmarks/scaling.py "${smoke[@]}" --workdir "$work/scaling" --report --mixes "$@" 2>&1)")
+}
+
+report() {
+  local mix saved=()
+  for mix in qwen-mixed qwen-224 siglip clip; do
+    [ -f "$work/scaling/$mix/result.json" ] && saved+=("$mix")
+  done
+  [ ${#saved[@]} -gt 0 ] || { summary+=("scaling.py: no mix saved under $work/scaling"); return; }
+  summary+=("scaling.py, every mix saved (${saved[*]}):"
+    "$(python3 benchmarks/scaling.py "${smoke[@]}" --workdir "$work/scaling" --report --mixes "${saved[@]}" 2>&1)")
+}
+
+[ $# -gt 0 ] || { sed -n '2,19p' "$0"; exit 2; }
+export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+[ "$1" = prep ] || install_wheels
+while [ $# -gt 0 ]; do
+  stage="$1"
+  shift
+  case "$stage" in
+    prep | tests | decode | report) "$stage" ;;
+    mixes)
+      names=()
+      while [ $# -gt 0 ] && [[ "$1" != prep && "$1" != tests && "$1" != decode && "$1" != report && "$1" != mixes ]]; do
+        names+=("$1")
+        shift
+      done
+      [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: 'mixes' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
+      mixes "${names[@]}"
+      ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, mixes NAME..., report)" >&2; exit 2 ;;
+  esac
+done
+[ ${#summary[@]} -eq 0 ] || { echo; echo "=== device_checks.sh summary ==="; printf '%s\n' "${summary[@]}"; }

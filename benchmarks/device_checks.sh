@@ -39,8 +39,9 @@ prep() {
 }
 
 install_wheels() {
-  # The device's python has torch but neither decord nor PyNvVideoCodec.
-  [ -d .whl ] || return 0
+  # The device's python (3.12) has torch but neither decord nor PyNvVideoCodec; a smoke
+  # run uses the python it finds, with what that has.
+  [ -d .whl ] && [ ${#smoke[@]} -eq 0 ] || return 0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 }

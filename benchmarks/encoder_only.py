@@ -72,18 +72,20 @@ def measure(
     repeats: int,
     prepared: tuple[list[EncoderInput], int] | None = None,
     outputs: list[torch.Tensor] | None = None,
+    rows: int | None = None,
 ) -> EncoderOnly:
     """Load, preprocess, capture, then time every batch of the job's input (see the module
     docstring). `prepared`: the items (and the count of rows that did not decode) of an
     earlier `preprocess_rows` of the same input and preprocessing, to compare variants
-    of one model on the same items; `outputs`: see `_timed`."""
+    of one model on the same items; `outputs`: see `_timed`; `rows`: only the input's
+    first rows (all by default)."""
     start = time.perf_counter()
     adapter = load_adapter(job, device)
     if job.batching.compile and device.type == "cuda":
         torch._dynamo.reset()
         adapter.compile(dynamic=True)
     loaded = time.perf_counter()
-    items, failed = prepared if prepared is not None else preprocess_rows(job, adapter, workers)
+    items, failed = prepared if prepared is not None else preprocess_rows(job, adapter, workers, rows)
     preprocessed = time.perf_counter()
     try:
         with _host_threads(device):
@@ -178,9 +180,10 @@ def _not_measured(items: list[EncoderInput], failed: int, flops: float, seconds:
 # --- preprocessing on the CPU ---------------------------------------------------------
 
 
-def preprocess_rows(job: Job, adapter: Any, workers: int) -> tuple[list[EncoderInput], int]:
-    """Every row of the job's input (one Parquet file, binary media column) decoded and
-    preprocessed by `workers` processes; the items of the rows that decoded, and how many did not."""
+def preprocess_rows(job: Job, adapter: Any, workers: int, rows: int | None = None) -> tuple[list[EncoderInput], int]:
+    """Every row of the job's input (one Parquet file, binary media column), or its first
+    `rows`, decoded and preprocessed by `workers` processes; the items of the rows that
+    decoded, and how many did not."""
     preprocessor = adapter.preprocessor()
     options = DecodeOptions(
         modality=job.input.modality,
@@ -190,7 +193,7 @@ def preprocess_rows(job: Job, adapter: Any, workers: int) -> tuple[list[EncoderI
         frame_multiple=preprocessor.frame_multiple,
     )
     column = job.input.media_column
-    blobs = pq.read_table(Path(job.input.path), columns=[column]).column(column).to_pylist()
+    blobs = pq.read_table(Path(job.input.path), columns=[column]).column(column).slice(0, rows).to_pylist()
     work = functools.partial(_decode_one, options=options, preprocess=preprocessor)
     context = multiprocessing.get_context("forkserver")
     with concurrent.futures.ProcessPoolExecutor(max(1, workers), mp_context=context, initializer=_one_thread) as pool:

@@ -7,10 +7,10 @@ are always used):
     PYTHONPATH=. python3 benchmarks/scaling.py --photos bench-data
 
 Options: `--mixes` (default: all four), `--images NAME=COUNT ...` (rows per mix; a bare
-COUNT sets every mix), `--gpus 1 2` (GPU counts; counts above the visible GPUs are
-skipped and said so), `--repeats 2` (CLI runs per GPU count), `--set KEY=VALUE` (a job
-override for every run and for the encoder-only measurement, e.g. `runtime.workers=8`),
-`--seed`, `--workdir scaling-work`. `--smoke` runs everything on the CPU instead, with
+COUNT sets every mix; the defaults grow x N/2 where N > 2 GPUs run), `--gpus 1 2 4 8`
+(GPU counts; counts above the visible GPUs are skipped and said so), `--repeats 2` (CLI
+runs per GPU count), `--set KEY=VALUE` (a job override for every run and for the
+encoder-only measurement, e.g. `runtime.workers=8`), `--seed`, `--workdir scaling-work`. `--smoke` runs everything on the CPU instead, with
 tiny towers of the same architectures and 24 images per mix (`--gpus N` is then N CPU
 ranks), so the whole script can be checked on a machine without a GPU.
 
@@ -51,11 +51,13 @@ Table columns (one row per mix and GPU count, plus the mix's encoder-only row):
 - images/s: rows encoded after setup / seconds (a rank ready first encodes its head start
   while the others set up: `rows_during_setup`, left out); per GPU: divided by N.
 - scaling eff.: images/s at N / (N x images/s at 1 GPU).
-- MFU: encoder FLOPs of the mix's items encoded after setup (real tokens only; `embedjob.bench.encoder_flops`
-  for Qwen, `embedjob.bench.fixed_flops` for CLIP and SigLIP) / seconds / (N x the bf16 matmul
-  FLOP/s measured with `embedjob.bench.matmul_peak` in the process that ran the mix).
+- MFU: encoder FLOPs per item of the encoder-only measurement (real tokens only;
+  `embedjob.bench.encoder_flops` for Qwen, `embedjob.bench.fixed_flops` for CLIP and SigLIP)
+  x the rows encoded after setup / seconds / (N x the bf16 matmul FLOP/s measured with
+  `embedjob.bench.matmul_peak` in the process that ran the mix).
 - per GPU / enc.-only: images/s per GPU over the encoder-only images/s (at 1 GPU, how
-  close the whole pipeline comes to the encoder alone).
+  close the whole pipeline comes to the encoder alone). The encoder alone runs the mix's
+  first rows, as many as its default count (all of them unless the mix grew).
 - setup s: the run's `setup_seconds`, the best repeat (a warm compile cache); encoder-only row: load, compile and capture.
 - main ms/item: rank 0's main-thread seconds of its own work per row, `ranks[0].host_seconds /
   ranks[0].rows` (preparing, packing and pooling batches, building rows; the seconds inside
@@ -198,7 +200,7 @@ def run_mixes(workdir: Path, args: argparse.Namespace) -> list[MixResult]:
     if not args.smoke and visible == 0:
         raise SystemExit("no CUDA GPU is visible; run with --smoke to exercise the script on the CPU")
     workers = len(os.sched_getaffinity(0))
-    counts = image_counts(args)
+    counts = image_counts(args, visible)
     photos = collect_photos([*builtin_sources(), *args.photos])
     datasets = {}
     for name in args.mixes:  # CPU work first, before this process touches a GPU
@@ -234,7 +236,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--images", nargs="+", action="extend", default=[], metavar="NAME=COUNT", help="rows per mix; a bare COUNT sets every mix"
     )
-    parser.add_argument("--gpus", nargs="+", type=int, default=[1, 2], help="GPU counts (CPU ranks with --smoke)")
+    parser.add_argument(
+        "--gpus", nargs="+", type=int, help="GPU counts (default 1 2 4 8, those visible); CPU ranks with --smoke (default 1 2)"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="CLI runs per GPU count; the median is reported")
     parser.add_argument("--workdir", default="scaling-work")
     parser.add_argument(
@@ -250,15 +254,23 @@ def parse_args() -> argparse.Namespace:
         "encoder code) instead of measuring it; the first CLI run then compiles with a cold cache, so setup is the best repeat's",
     )
     args = parser.parse_args()
+    if args.gpus is None:
+        args.gpus = [1, 2] if args.smoke else [1, 2, 4, 8]
     if any(n < 1 for n in args.gpus) or args.repeats < 1:
         parser.error("--gpus and --repeats take positive numbers")
     args.gpus = sorted(set(args.gpus))
     return args
 
 
-def image_counts(args: argparse.Namespace) -> dict[str, int]:
-    """Rows per mix: the defaults (SMOKE_IMAGES each with --smoke), then `--images`."""
-    counts = {name: SMOKE_IMAGES if args.smoke else mix.images for name, mix in MIXES.items()}
+def image_counts(args: argparse.Namespace, visible: int) -> dict[str, int]:
+    """Rows per mix: the defaults (SMOKE_IMAGES each with --smoke), then `--images`.
+
+    The defaults are sized for two GPUs; beyond that they grow with the most GPUs that
+    will run (x N/2), so a rank of an 8-GPU run still embeds rows past the head start it
+    takes while the others set up (which `images/s` leaves out) instead of little else."""
+    largest = max([n for n in args.gpus if n <= visible], default=1)
+    grow = max(1, largest // 2)
+    counts = {name: SMOKE_IMAGES if args.smoke else mix.images * grow for name, mix in MIXES.items()}
     for item in args.images:
         name, _, value = item.rpartition("=")
         if not value.isdigit() or int(value) < 1 or (name and name not in MIXES):
@@ -301,7 +313,10 @@ def bench_mix(mix: Mix, dataset: Dataset, workdir: Path, visible: int, workers: 
     else:
         log(f"[{mix.name}] encoder only")
         try:
-            result.encoder = measure(load_job(job, args.set), device, workers, ENCODER_PASSES)
+            # The mix's default rows are sample enough, and the passes over a grown mix
+            # would take minutes of an 8-GPU call.
+            rows = None if args.smoke else mix.images
+            result.encoder = measure(load_job(job, args.set), device, workers, ENCODER_PASSES, rows=rows)
         except Exception as exc:
             traceback.print_exc()
             result.encoder_error = f"{type(exc).__name__}: {exc}"
@@ -508,7 +523,7 @@ def _mix_rows(result: MixResult, peak: float | None, smoke: bool) -> list[list[s
     unit = "rank" if smoke else "GPU"
     encoder = result.encoder
     enc_rate = encoder.rate if encoder is not None and encoder.passes else None
-    flops = encoder.flops if encoder is not None else None
+    flops = encoder.flops / encoder.items if encoder is not None and encoder.items else None  # per item
     base = next((run_rate(r) for r in result.runs if r.gpus == 1), None)
     rows = []
     for run in result.runs:
@@ -518,7 +533,7 @@ def _mix_rows(result: MixResult, peak: float | None, smoke: bool) -> list[list[s
             continue
         rate = run_rate(run)
         seconds = median_of(run.stats, lambda s: s["pipeline_seconds"])
-        timed = median_of(run.stats, lambda s: timed_rows(s) / s["rows"])
+        timed = median_of(run.stats, timed_rows)
         c = run.comparison
         rows.append([
             result.mix.name,

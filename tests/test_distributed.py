@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import random
 import re
@@ -37,11 +39,13 @@ from embedjob.parallel.cluster import (
     FAULT_ENV,
     FAULT_EXIT_CODE,
     HELLO,
+    Cluster,
     Coordinator,
     Hub,
     Layout,
     Link,
     RankFailure,
+    _Spawned,
     resolve_layout,
 )
 from embedjob.pipeline import ENCODE_AHEAD, RankPipeline
@@ -386,6 +390,42 @@ def test_a_dying_rank_stops_the_job_with_one_line_and_a_rerun_resumes(
     reference = tmp_path.parent / "reference"
     assert _run(None, reference, cache_dir, "--set", "output.rows_per_part=2") == 0
     _assert_same_output(tmp_path, reference)
+
+
+def test_rank_zero_stops_watching_ranks_that_finished_instead_of_waking_on_them_over_and_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Other ranks end (exit 0) once the chunks run out, while rank 0 still encodes and
+    writes its last ones; its watchdog had kept waiting on their sentinels, which stay
+    ready, and woke at once over and over: a core and the GIL taken from rank 0 (with 8
+    CPU ranks it encoded 130x slower). Now it stops watching ranks that finished."""
+    wakes = []
+    wait = multiprocessing.connection.wait
+
+    def counted(*args: object, **kwargs: object) -> object:
+        if threading.current_thread().name == "embedjob-rank-watchdog":
+            wakes.append(time.monotonic())
+        return wait(*args, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.connection, "wait", counted)
+    context = multiprocessing.get_context("spawn")
+    spawned = []
+    for rank in (1, 2):
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=time.sleep, args=(0.0,))
+        process.start()
+        send.close()
+        spawned.append(_Spawned(rank, process, receive))
+    cluster = Cluster(Layout(3, 0, torch.device("cpu")), spawned)
+    try:
+        for s in spawned:
+            s.process.join(timeout=60)
+            assert s.process.exitcode == 0
+        ended = time.monotonic()
+        time.sleep(1.5)
+        assert len([t for t in wakes if t > ended]) <= 2  # one wake for the last exit, at most
+    finally:
+        cluster.close(ok=True)
 
 
 def test_every_socket_the_ranks_listen_on_is_bound_to_loopback(tmp_path: Path, cache_dir: str) -> None:

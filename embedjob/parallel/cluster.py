@@ -732,11 +732,17 @@ class Cluster:
                 self.link.sock.close()
 
     def _watch(self) -> None:
-        """Rank 0's watchdog over the ranks it spawned (see the module docstring)."""
-        sentinels = [s.process.sentinel for s in self.spawned]
-        while not self._stopping.is_set():
-            multiprocessing.connection.wait(sentinels, timeout=0.5)
-            ended = [s for s in self.spawned if s.process.exitcode not in (None, 0)]
+        """Rank 0's watchdog over the ranks it spawned (see the module docstring).
+
+        It waits on the ranks still running only, and ends when none is: a rank that
+        finished (exit code 0, as every other rank does once the chunks run out while
+        rank 0 still encodes and writes its last ones) leaves a sentinel that stays
+        ready, and waiting on it returned at once, over and over, taking a core and the
+        GIL from rank 0's own work (8 CPU ranks: rank 0 encoded 130x slower)."""
+        running = list(self.spawned)
+        while running and not self._stopping.is_set():
+            multiprocessing.connection.wait([s.process.sentinel for s in running], timeout=0.5)
+            ended = [s for s in running if s.process.exitcode not in (None, 0)]
             if ended and not self._stopping.is_set():
                 if self._stopping.wait(FAILURE_GRACE):
                     return
@@ -744,6 +750,7 @@ class Cluster:
                 logger.error("%s; rank 0 is stuck waiting for it and stops now", message)
                 _terminate(self.spawned)
                 os._exit(1)
+            running = [s for s in running if s.process.exitcode is None]
 
 
 def _torchrun_store(layout: Layout) -> dist.Store:

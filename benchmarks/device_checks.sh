@@ -17,7 +17,10 @@
 # scaling.py, every GPU count up to those visible, qwen-mixed with one repeat as it takes
 # longest), report (the saved mixes). SMOKE=1 passes --smoke to the benchmarks, so the
 # script can be checked on a machine without a GPU. Logs go to $OUT (or /tmp/device-checks).
+# Every stage stops by DEADLINE seconds (570) after the script started, so a call that
+# runs long still prints what it measured before the device's 600-s limit kills it.
 set -uo pipefail
+started=$(date +%s)
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/device-checks}"
 work="${DEVICE_CHECKS_WORK:-/tmp/device-checks-work}"
@@ -25,6 +28,12 @@ mkdir -p "$out" "$work"
 smoke=()
 [ "${SMOKE:-0}" = 1 ] && smoke=(--smoke)
 summary=()
+
+budget() {
+  # Seconds a stage may run: at most $1, and never past the call's deadline.
+  local left=$(( ${DEADLINE:-570} - ($(date +%s) - started) ))
+  [ "$left" -lt "$1" ] && echo $(( left > 1 ? left : 1 )) || echo "$1"
+}
 
 prep() {
   for path in /.whl/ /bench-data/; do
@@ -47,14 +56,14 @@ install_wheels() {
 }
 
 tests() {
-  timeout 420 python3 -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/tests.log"
+  timeout "$(budget 420)" python3 -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/tests.log"
   summary+=("tests/test_gpu.py: $(tail -n 1 "$out/tests.log")")
 }
 
 decode() {
   local images=24576
   [ ${#smoke[@]} -gt 0 ] && images=0
-  timeout 560 python3 benchmarks/gpu_decode.py "${smoke[@]}" --photos bench-data --mixes qwen-224 --images "$images" \
+  timeout "$(budget 560)" python3 benchmarks/gpu_decode.py "${smoke[@]}" --photos bench-data --mixes qwen-224 --images "$images" \
     --workers 4 --decoders gpu cpu --repeats 2 --workdir "$work/decode" 2>&1 | tee "$out/decode.log"
   summary+=("gpu_decode.py:" "$(cat "$work/decode/gpu_decode.md" 2>/dev/null || echo 'no table: see decode.log')")
 }
@@ -64,7 +73,7 @@ mixes() {
   for mix in "$@"; do
     repeats=2
     [ "$mix" = qwen-mixed ] && repeats=1
-    timeout 560 python3 benchmarks/scaling.py "${smoke[@]}" --photos bench-data --workdir "$work/scaling" \
+    timeout "$(budget 560)" python3 benchmarks/scaling.py "${smoke[@]}" --photos bench-data --workdir "$work/scaling" \
       --repeats "$repeats" --mixes "$mix" 2>&1 | tee "$out/scaling-$mix.log"
   done
   summary+=("scaling.py, $*:" "$(python3 benchmarks/scaling.py "${smoke[@]}" --workdir "$work/scaling" --report --mixes "$@" 2>&1)")
@@ -80,7 +89,7 @@ report() {
     "$(python3 benchmarks/scaling.py "${smoke[@]}" --workdir "$work/scaling" --report --mixes "${saved[@]}" 2>&1)")
 }
 
-[ $# -gt 0 ] || { sed -n '2,19p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n "2,21p" "$0"; exit 2; }
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 [ "$1" = prep ] || install_wheels
 while [ $# -gt 0 ]; do

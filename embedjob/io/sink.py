@@ -225,7 +225,6 @@ class Writer:
         self.rows = 0
         self.error_rows = 0
         self.seconds = 0.0
-        self.finished_at: float | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="embedjob-writer", daemon=True)
         self._thread.start()
@@ -255,7 +254,6 @@ class Writer:
                 if block.first_row not in self.own:
                     self.progress.others_written(len(block))
             self._timed(sink.close)
-            self.finished_at = time.time()
         except BaseException as exc:
             self.error = exc
             self.coordinator.fail(exc)

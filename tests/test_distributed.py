@@ -393,12 +393,13 @@ def test_a_dying_rank_stops_the_job_with_one_line_and_a_rerun_resumes(
 
 
 def test_rank_zero_stops_watching_ranks_that_finished_instead_of_waking_on_them_over_and_over(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Other ranks end (exit 0) once the chunks run out, while rank 0 still encodes and
     writes its last ones; its watchdog had kept waiting on their sentinels, which stay
     ready, and woke at once over and over: a core and the GIL taken from rank 0 (with 8
-    CPU ranks it encoded 130x slower). Now it stops watching ranks that finished."""
+    CPU ranks it encoded 130x slower). Now it stops watching ranks that finished, and
+    the end of the job, which reaps them, says nothing of ranks that ended well."""
     wakes = []
     wait = multiprocessing.connection.wait
 
@@ -418,14 +419,47 @@ def test_rank_zero_stops_watching_ranks_that_finished_instead_of_waking_on_them_
         spawned.append(_Spawned(rank, process, receive))
     cluster = Cluster(Layout(3, 0, torch.device("cpu")), spawned)
     try:
-        for s in spawned:
-            s.process.join(timeout=60)
-            assert s.process.exitcode == 0
+        for s in spawned:  # without reaping them: that is the watchdog's, then close's
+            assert multiprocessing.connection.wait([s.process.sentinel], timeout=60)
         ended = time.monotonic()
         time.sleep(1.5)
         assert len([t for t in wakes if t > ended]) <= 2  # one wake for the last exit, at most
     finally:
         cluster.close(ok=True)
+    assert [s.process.exitcode for s in spawned] == [0, 0]
+    assert "exited" not in caplog.text
+
+
+def test_rank_zero_stops_its_watchdog_before_it_reaps_the_ranks(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 0's close reaps the ranks; a watchdog still waking on the same exits reaped
+    them too, and whichever thread came second read no exit code: the job warned that a
+    rank "exited with code 0 after the job finished". Close now stops the watchdog
+    before it reaps, while the ranks still run."""
+    from embedjob.parallel import cluster as cluster_module
+
+    alive_at_reaping = []
+    join = cluster_module._join
+
+    def reap(spawned: list[_Spawned]) -> None:
+        alive_at_reaping.extend(t.is_alive() for t in threading.enumerate() if t.name == "embedjob-rank-watchdog")
+        assert all(s.process.exitcode is None for s in spawned)  # still running: the watchdog had work
+        join(spawned)
+
+    monkeypatch.setattr(cluster_module, "_join", reap)
+    context = multiprocessing.get_context("spawn")
+    spawned = []
+    for rank in (1, 2):
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=time.sleep, args=(2.0,))
+        process.start()
+        send.close()
+        spawned.append(_Spawned(rank, process, receive))
+    Cluster(Layout(3, 0, torch.device("cpu")), spawned).close(ok=True)
+    assert alive_at_reaping == []
+    assert [s.process.exitcode for s in spawned] == [0, 0]
+    assert "exited" not in caplog.text
 
 
 def test_every_socket_the_ranks_listen_on_is_bound_to_loopback(tmp_path: Path, cache_dir: str) -> None:

@@ -674,8 +674,14 @@ class Cluster:
         self.started = started
         """(when rank 0 started this process, when its code began to run), wall-clock:
         given on spawned ranks only, whose statistics then say what their start cost."""
+        # Closing the writer ends the watchdog's wait on the reader at once, so `close`
+        # can stop the watchdog before it reaps the ranks itself: two threads reaping one
+        # process race, and the loser reads no exit code (and warned of a rank that had
+        # ended well).
+        self._wake_reader, self._wake_writer = multiprocessing.Pipe(duplex=False)
+        self._watchdog = threading.Thread(target=self._watch, name="embedjob-rank-watchdog", daemon=True)
         if spawned:
-            threading.Thread(target=self._watch, name="embedjob-rank-watchdog", daemon=True).start()
+            self._watchdog.start()
 
     @property
     def rank(self) -> int:
@@ -721,6 +727,10 @@ class Cluster:
             return
         self._closed = True
         self._stopping.set()
+        self._wake_writer.close()
+        if self._watchdog.is_alive():
+            self._watchdog.join()
+        self._wake_reader.close()
         try:
             if ok:
                 _join(self.spawned)
@@ -741,7 +751,7 @@ class Cluster:
         GIL from rank 0's own work (8 CPU ranks: rank 0 encoded 130x slower)."""
         running = list(self.spawned)
         while running and not self._stopping.is_set():
-            multiprocessing.connection.wait([s.process.sentinel for s in running], timeout=0.5)
+            multiprocessing.connection.wait([s.process.sentinel for s in running] + [self._wake_reader], timeout=0.5)
             ended = [s for s in running if s.process.exitcode not in (None, 0)]
             if ended and not self._stopping.is_set():
                 if self._stopping.wait(FAILURE_GRACE):

@@ -392,6 +392,19 @@ def test_a_dying_rank_stops_the_job_with_one_line_and_a_rerun_resumes(
     _assert_same_output(tmp_path, reference)
 
 
+def _sleeping_ranks(count: int, seconds: float) -> list[_Spawned]:
+    """Ranks 1..count as rank 0 holds them, each a spawned process that sleeps and ends well."""
+    context = multiprocessing.get_context("spawn")
+    spawned = []
+    for rank in range(1, count + 1):
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=time.sleep, args=(seconds,))
+        process.start()
+        send.close()
+        spawned.append(_Spawned(rank, process, receive))
+    return spawned
+
+
 def test_rank_zero_stops_watching_ranks_that_finished_instead_of_waking_on_them_over_and_over(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -409,14 +422,7 @@ def test_rank_zero_stops_watching_ranks_that_finished_instead_of_waking_on_them_
         return wait(*args, **kwargs)
 
     monkeypatch.setattr(multiprocessing.connection, "wait", counted)
-    context = multiprocessing.get_context("spawn")
-    spawned = []
-    for rank in (1, 2):
-        receive, send = context.Pipe(duplex=False)
-        process = context.Process(target=time.sleep, args=(0.0,))
-        process.start()
-        send.close()
-        spawned.append(_Spawned(rank, process, receive))
+    spawned = _sleeping_ranks(2, seconds=0.0)
     cluster = Cluster(Layout(3, 0, torch.device("cpu")), spawned)
     try:
         for s in spawned:  # without reaping them: that is the watchdog's, then close's
@@ -448,14 +454,7 @@ def test_rank_zero_stops_its_watchdog_before_it_reaps_the_ranks(
         join(spawned)
 
     monkeypatch.setattr(cluster_module, "_join", reap)
-    context = multiprocessing.get_context("spawn")
-    spawned = []
-    for rank in (1, 2):
-        receive, send = context.Pipe(duplex=False)
-        process = context.Process(target=time.sleep, args=(2.0,))
-        process.start()
-        send.close()
-        spawned.append(_Spawned(rank, process, receive))
+    spawned = _sleeping_ranks(2, seconds=2.0)
     Cluster(Layout(3, 0, torch.device("cpu")), spawned).close(ok=True)
     assert alive_at_reaping == []
     assert [s.process.exitcode for s in spawned] == [0, 0]

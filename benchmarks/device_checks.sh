@@ -12,6 +12,8 @@
 #     bash benchmarks/device_checks.sh tests decode
 #     bash benchmarks/device_checks.sh mixes qwen-224 siglip
 #     bash benchmarks/device_checks.sh mixes clip qwen-mixed report
+# On 4 or 8 GPUs every mix runs at each GPU count and grows with them (scaling.py), so
+# give each call one mix: `mixes siglip`, ..., the last with `report`.
 # Stages: prep, tests (tests/test_gpu.py), decode (benchmarks/gpu_decode.py, qwen-224,
 # 24,576 rows, `gpu` and `cpu`, 4 workers, 2 runs each), mixes NAME... (benchmarks/
 # scaling.py, every GPU count up to those visible, qwen-mixed with one repeat as it takes
@@ -89,7 +91,7 @@ report() {
     "$(python3 benchmarks/scaling.py "${smoke[@]}" --workdir "$work/scaling" --report --mixes "${saved[@]}" 2>&1)")
 }
 
-[ $# -gt 0 ] || { sed -n "2,21p" "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n "2,23p" "$0"; exit 2; }
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 [ "$1" = prep ] || install_wheels
 while [ $# -gt 0 ]; do

@@ -19,6 +19,7 @@ import gc
 import multiprocessing
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,20 @@ from embedjob.encoders import EncoderInput, load_adapter
 from embedjob.engine import packer
 from embedjob.engine.encode import budget_plan
 from embedjob.engine.graphs import GraphManager, pool_rows
+
+@contextlib.contextmanager
+def module_settings(settings: dict[tuple[Any, str], Any]) -> Iterator[None]:
+    """Module-level settings (`{(module, name): value}`, e.g. `encoders.base.COMPILE_OPTIONS`)
+    in force while inside, the previous values back afterwards."""
+    saved = {(module, key): getattr(module, key) for module, key in settings}
+    for (module, key), value in settings.items():
+        setattr(module, key, value)
+    try:
+        yield
+    finally:
+        for (module, key), value in saved.items():
+            setattr(module, key, value)
+
 
 TUNED = {
     "cd-tuned": {"coordinate_descent_tuning": True},

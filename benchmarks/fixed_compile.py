@@ -59,7 +59,7 @@ import transformers
 # The script runs without installing the package, so the repository root goes first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.encoder_only import TUNED  # noqa: E402
+from benchmarks.encoder_only import TUNED, module_settings  # noqa: E402
 from embedjob.bench import FIXED_TOWERS, device_time, fixed_flops, matmul_peak, save_fixed_tower  # noqa: E402
 from embedjob.config import job_from_dict  # noqa: E402
 from embedjob.encoders import EncoderAdapter, EncoderInput, StaticInputs, base, load_adapter  # noqa: E402
@@ -217,11 +217,8 @@ def tuned_compile(options: dict[str, Any]) -> Callable[[EncoderAdapter], None]:
     """The blocks compiled static with inductor's `options` (`encoder_only.TUNED`)."""
 
     def compile_(adapter: EncoderAdapter) -> None:
-        base.COMPILE_OPTIONS = options
-        try:
+        with module_settings({(base, "COMPILE_OPTIONS"): options}):
             adapter.compile(dynamic=False)
-        finally:
-            base.COMPILE_OPTIONS = None
 
     return compile_
 

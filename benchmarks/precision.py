@@ -56,7 +56,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.encoder_only import TUNED, EncoderOnly, measure, preprocess_rows  # noqa: E402
+from benchmarks.encoder_only import TUNED, EncoderOnly, measure, module_settings, preprocess_rows  # noqa: E402
 from benchmarks.mixes import MIXES, builtin_sources, collect_photos, jpeg_dataset, save_tower  # noqa: E402
 from benchmarks.scaling import write_job  # noqa: E402
 from embedjob.bench import largest_batch_kernels  # noqa: E402
@@ -113,14 +113,8 @@ def free(device: torch.device) -> None:
 def layers_of(name: str):
     """The overrides of variant `name`, with its module settings in force while inside."""
     precision, settings, *extra = VARIANTS[name]
-    saved = {(module, key): getattr(module, key) for module, key in settings}
-    for (module, key), value in settings.items():
-        setattr(module, key, value)
-    try:
+    with module_settings(settings):
         yield [f"model.precision={precision}", *(extra[0] if extra else [])]
-    finally:
-        for (module, key), value in saved.items():
-            setattr(module, key, value)
 
 
 def variant(job_path: Path, overrides: list[str], device: torch.device, prepared, repeats: int) -> tuple[EncoderOnly, np.ndarray]:

@@ -10,9 +10,10 @@ Options: `--mixes` (default: all four), `--images NAME=COUNT ...` (rows per mix;
 COUNT sets every mix; the defaults grow x N/2 where N > 2 GPUs run), `--gpus 1 2 4 8`
 (GPU counts; counts above the visible GPUs are skipped and said so), `--repeats 2` (CLI
 runs per GPU count), `--set KEY=VALUE` (a job override for every run and for the
-encoder-only measurement, e.g. `runtime.workers=8`), `--seed`, `--workdir scaling-work`. `--smoke` runs everything on the CPU instead, with
-tiny towers of the same architectures and 24 images per mix (`--gpus N` is then N CPU
-ranks), so the whole script can be checked on a machine without a GPU.
+encoder-only measurement, e.g. `runtime.workers=8`), `--seed`, `--workdir scaling-work`.
+`--smoke` runs everything on the CPU instead, with tiny towers of the same architectures
+and 24 images per mix (`--gpus N` is then N CPU ranks), so the whole script can be
+checked on a machine without a GPU.
 
 Each mix's result is saved in `<workdir>/<mix>/result.json`, and `--report` prints the
 table of the saved results of `--mixes` without running anything. All four mixes take

@@ -14,11 +14,15 @@
 #     bash benchmarks/device_checks.sh mixes clip qwen-mixed report
 # On 4 or 8 GPUs every mix runs at each GPU count and grows with them (scaling.py), so
 # give each call one mix: `mixes siglip`, ..., the last with `report`.
+# For the encoder's kernels (#19), one call per mix or two:
+#     bash benchmarks/device_checks.sh kernels qwen-mixed siglip
 # Stages: prep, tests (tests/test_gpu.py), decode (benchmarks/gpu_decode.py, qwen-224,
 # 24,576 rows, `gpu` and `cpu`, 4 workers, 2 runs each), mixes NAME... (benchmarks/
 # scaling.py, every GPU count up to those visible, qwen-mixed with one repeat as it takes
-# longest), report (the saved mixes). SMOKE=1 passes --smoke to the benchmarks, so the
-# script can be checked on a machine without a GPU. Logs go to $OUT (or /tmp/device-checks).
+# longest), report (the saved mixes), kernels NAME... (benchmarks/precision.py --kernels:
+# bf16 and fp8 encoder-only on small mixes, each with its largest batch's kernel table).
+# SMOKE=1 passes --smoke to the benchmarks, so the script can be checked on a machine
+# without a GPU. Logs go to $OUT (or /tmp/device-checks).
 # Every stage stops by DEADLINE seconds (570) after the script started, so a call that
 # runs long still prints what it measured before the device's 600-s limit kills it.
 set -uo pipefail
@@ -81,6 +85,15 @@ mixes() {
   summary+=("scaling.py, $*:" "$(python3 benchmarks/scaling.py "${smoke[@]}" --workdir "$work/scaling" --report --mixes "$@" 2>&1)")
 }
 
+kernels() {
+  # Small mixes: the kernel tables and the MFU of the encoder alone, not the pipeline.
+  local counts=(qwen-mixed=96 qwen-224=1024 siglip=512 clip=512) log="$out/kernels-${1}.log"
+  timeout "$(budget 560)" python3 benchmarks/precision.py "${smoke[@]}" --photos bench-data --mixes "$@" --images "${counts[@]}" \
+    --repeats 3 --reference 4 --precisions fp8 --kernels --workdir "$work/precision" 2>&1 | tee "$log"
+  summary+=("precision.py --kernels, $* (the kernel tables are in ${log##*/}):"
+    "$(awk '/^# model.precision/ { table = "" } /^# model.precision/, 0 { table = table $0 "\n" } END { printf "%s", table }' "$log")")
+}
+
 report() {
   local mix saved=()
   for mix in qwen-mixed qwen-224 siglip clip; do
@@ -91,7 +104,7 @@ report() {
     "$(python3 benchmarks/scaling.py "${smoke[@]}" --workdir "$work/scaling" --report --mixes "${saved[@]}" 2>&1)")
 }
 
-[ $# -gt 0 ] || { sed -n "2,23p" "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^set -uo/!p}" "$0"; exit 2; }
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 [ "$1" = prep ] || install_wheels
 while [ $# -gt 0 ]; do
@@ -99,16 +112,16 @@ while [ $# -gt 0 ]; do
   shift
   case "$stage" in
     prep | tests | decode | report) "$stage" ;;
-    mixes)
+    mixes | kernels)
       names=()
-      while [ $# -gt 0 ] && [[ "$1" != prep && "$1" != tests && "$1" != decode && "$1" != report && "$1" != mixes ]]; do
+      while [ $# -gt 0 ] && [[ " prep tests decode report mixes kernels " != *" $1 "* ]]; do
         names+=("$1")
         shift
       done
-      [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: 'mixes' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
-      mixes "${names[@]}"
+      [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: '$stage' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
+      "$stage" "${names[@]}"
       ;;
-    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, mixes NAME..., report)" >&2; exit 2 ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, mixes NAME..., kernels NAME..., report)" >&2; exit 2 ;;
   esac
 done
 [ ${#summary[@]} -eq 0 ] || { echo; echo "=== device_checks.sh summary ==="; printf '%s\n' "${summary[@]}"; }

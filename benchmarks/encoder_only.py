@@ -36,6 +36,7 @@ from embedjob.engine import packer
 from embedjob.engine.encode import budget_plan
 from embedjob.engine.graphs import GraphManager, pool_rows
 
+
 @contextlib.contextmanager
 def module_settings(settings: dict[tuple[Any, str], Any]) -> Iterator[None]:
     """Module-level settings (`{(module, name): value}`, e.g. `encoders.base.COMPILE_OPTIONS`)

@@ -230,8 +230,7 @@ def main() -> int:
         raise SystemExit("nvjpeg_contention.py needs a CUDA device")
     device = torch.device("cuda", torch.cuda.current_device())
     sources = args.photos or builtin_sources()
-    measured: list[tuple[str, str, int, float, float, int]] = []
-    rates: dict[int, float] = {}
+    measured: list[tuple[str, str, int, float, float, float, int]] = []
     for mix in args.mixes:
         blobs = window_jpegs(mix, args.rows, sources, args.workdir)
         calls = decoders(args.decoders, blobs, device)
@@ -249,18 +248,18 @@ def main() -> int:
             idle[name] = median_ms(decode, args.repeats)
         for carveout in args.carveouts:
             load = GemmLoad(device, carveout)
-            rates[carveout] = load.tflops()
+            rate = load.tflops()
             with load:
                 busy = {name: median_ms(decode, args.repeats) for name, decode in calls.items()}
-            measured += [(mix, name, carveout, idle[name], busy[name], differences[name]) for name in calls]
+            measured += [(mix, name, carveout, rate, idle[name], busy[name], differences[name]) for name in calls]
     queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset: CUDA's 8")
     print(f"\n# nvjpeg beside GEMMs ({torch.cuda.get_device_name(device)}; torch {torch.__version__}; {args.rows} distinct JPEGs a call, median of {args.repeats}; CUDA_DEVICE_MAX_CONNECTIONS {queues})\n")
     print(f"command: benchmarks/nvjpeg_contention.py {' '.join(sys.argv[1:])}\n")
     print("| mix | decoder | SMs carved out | GEMM TFLOP/s alone | idle ms | idle ms/row | beside GEMMs ms | beside ms/row | slower | max diff to torchvision |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for mix, name, carveout, idle_ms, busy_ms, difference in measured:
+    for mix, name, carveout, rate, idle_ms, busy_ms, difference in measured:
         row = args.rows
-        print(f"| {mix} | {name} | {carveout} | {rates[carveout]:.0f} | {idle_ms:.1f} | {idle_ms / row:.3f} | {busy_ms:.1f} | {busy_ms / row:.3f} | {busy_ms / idle_ms:.1f}x | {difference} |")
+        print(f"| {mix} | {name} | {carveout} | {rate:.0f} | {idle_ms:.1f} | {idle_ms / row:.3f} | {busy_ms:.1f} | {busy_ms / row:.3f} | {busy_ms / idle_ms:.1f}x | {difference} |")
     return 0
 
 

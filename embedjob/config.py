@@ -89,8 +89,9 @@ class ModelConfig:
     )
     attention: Literal["auto", "varlen", "fa4"] = key(
         "auto",
-        "Qwen-VL: the packed attention kernel: fa4 (FlashAttention-4 on segments over 128 tokens, varlen_attn "
-        "on the windows; pip install 'embedjob[fast]'), varlen (torch's varlen_attn), auto (fa4 where it runs, else varlen)",
+        "Qwen-VL: the packed attention kernel: fa4 (FlashAttention-4 on segments over 128 tokens, the varlen kernels "
+        "on shorter ones; pip install 'embedjob[fast]'), varlen (torch's varlen_attn, and embedjob's Triton kernel on "
+        "64-token windows), auto (fa4 where it runs, else varlen)",
     )
     # DINOv2's image embedding: its CLS token (the model's pooled output) or the mean of
     # its patch tokens; CLIP and SigLIP have one fixed pooled output.

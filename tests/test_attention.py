@@ -75,7 +75,16 @@ def test_auto_without_the_package_is_varlen_and_says_why(monkeypatch: pytest.Mon
     without_fa4(monkeypatch)
     with caplog.at_level(logging.INFO, logger="embedjob.encoders.attention"):
         assert resolve_backend("auto", True, CUDA, torch.bfloat16) == "varlen"
-    assert "attention: varlen (varlen_attn; model.attention auto; FlashAttention-4 not used: flash-attn-4 is not installed" in caplog.text
+    assert (
+        "attention: varlen (segment_attention (Triton) on segments of at most 64 tokens at head dims it takes, "
+        "varlen_attn on the others; model.attention auto; FlashAttention-4 not used: "
+        "flash-attn-4 is not installed"
+    ) in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(attention, "_has_triton", lambda: False)
+    with caplog.at_level(logging.INFO, logger="embedjob.encoders.attention"):
+        assert resolve_backend("auto", True, CUDA, torch.bfloat16) == "varlen"
+    assert "attention: varlen (varlen_attn; segment_attention needs Triton; model.attention auto" in caplog.text
 
 
 def test_auto_with_the_package_on_a_gpu_in_half_precision_is_fa4(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
@@ -197,25 +206,46 @@ def test_the_stats_name_the_attention_the_adapter_runs(cache_dir: str, family: s
     assert build_encoder(job, adapter, torch.device("cpu")).plan_stats()["attention"] == expected
 
 
-@pytest.mark.parametrize("length", [16, 64, FA4_MIN_LENGTH])
-def test_segments_up_to_the_threshold_run_varlen_attn_with_either_backend(length: int) -> None:
-    assert cuda_kernel("fa4", length) is attention._cuda_varlen
-    assert cuda_kernel("varlen", length) is attention._cuda_varlen
+@pytest.mark.parametrize("length", [1, 16, 64])
+def test_windows_run_the_segment_kernel_with_either_backend(length: int) -> None:
+    assert cuda_kernel("fa4", length, 80) is attention._segment_attention
+    assert cuda_kernel("varlen", length, 80) is attention._segment_attention
+    assert cuda_kernel("varlen", length, 64) is attention._segment_attention
+
+
+@pytest.mark.parametrize("length", [65, 100, FA4_MIN_LENGTH])
+def test_segments_past_a_window_up_to_the_fa4_threshold_run_varlen_attn(length: int) -> None:
+    assert cuda_kernel("fa4", length, 80) is attention._cuda_varlen
+    assert cuda_kernel("varlen", length, 80) is attention._cuda_varlen
 
 
 @pytest.mark.parametrize("length", [FA4_MIN_LENGTH + 1, 256, 1024, 16384])
 def test_longer_segments_run_fa4_only_where_the_job_chose_it(length: int) -> None:
-    assert cuda_kernel("fa4", length) is attention._fa4_varlen
-    assert cuda_kernel("varlen", length) is attention._cuda_varlen
+    assert cuda_kernel("fa4", length, 80) is attention._fa4_varlen
+    assert cuda_kernel("varlen", length, 80) is attention._cuda_varlen
+
+
+@pytest.mark.parametrize("length", [1, 16, 64])
+def test_windows_run_varlen_attn_where_the_segment_kernel_cannot(length: int, monkeypatch) -> None:
+    """varlen_attn is the fallback: at head dims the segment kernel does not take
+    (Qwen3-VL's 72), where Triton is not installed (torch's CUDA builds for Linux bring
+    it, others may not), and where benchmarks set SEGMENT_MAX_LENGTH to 0."""
+    assert cuda_kernel("varlen", length, 72) is attention._cuda_varlen
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "_has_triton", lambda: False)
+        assert cuda_kernel("varlen", length, 80) is attention._cuda_varlen
+    monkeypatch.setattr(attention, "SEGMENT_MAX_LENGTH", 0)
+    assert cuda_kernel("varlen", length, 80) is attention._cuda_varlen
 
 
 @pytest.mark.parametrize("budget", [64, 128, 256, 512, 1024, 16384])
-def test_qwen2_5_vl_budgets_put_fa4_on_full_attention_and_varlen_on_windows(qwen_adapter, budget: int) -> None:
+def test_qwen2_5_vl_budgets_put_fa4_on_full_attention_and_the_segment_kernel_on_windows(qwen_adapter, budget: int) -> None:
     """The length bounds a budget's graph is captured with: its full-attention layers get
-    FA4, its 64-patch windows varlen_attn, for every budget."""
+    FA4, its 64-patch windows our segment kernel, for every budget."""
     constants = qwen_adapter.static_inputs(budget, 16, 16).constants
-    assert cuda_kernel("fa4", constants["max_seqlen"]) is attention._fa4_varlen
-    assert constants["max_window_seqlen"] == 64 and cuda_kernel("fa4", constants["max_window_seqlen"]) is attention._cuda_varlen
+    assert cuda_kernel("fa4", constants["max_seqlen"], 80) is attention._fa4_varlen
+    assert constants["max_window_seqlen"] == 64
+    assert cuda_kernel("fa4", constants["max_window_seqlen"], 80) is attention._segment_attention
 
 
 def test_the_fa4_function_is_registered_under_a_flash_name_and_runs_the_tower_on_the_cpu(cache_dir: str) -> None:

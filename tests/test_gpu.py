@@ -28,8 +28,16 @@ from engine_helpers import (
     same_size_items,
 )
 
-from embedjob.encoders import load_adapter
-from embedjob.encoders.attention import _fa4_varlen, _segmented_sdpa, cuda_kernel, fa4_problem, varlen_attention
+from embedjob.encoders import attention, load_adapter
+from embedjob.encoders.attention import (
+    _cuda_varlen,
+    _fa4_varlen,
+    _segment_attention,
+    _segmented_sdpa,
+    cuda_kernel,
+    fa4_problem,
+    varlen_attention,
+)
 from embedjob.engine.graphs import GraphManager
 from embedjob.engine.packer import BudgetPlan, pack
 
@@ -93,6 +101,64 @@ def test_varlen_attention_on_cuda_matches_per_segment_sdpa() -> None:
     assert (out[0].float() - ref).norm() / ref.norm() < 1e-2
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dim", [32, 64, 80])
+@pytest.mark.parametrize(("lengths", "bound"), [
+    ([0, 64, 16, 0, 64, 1, 0, 40, 0, 0], 64),  # Qwen2.5-VL's windows, edge windows and pad slots
+    ([0, 300, 0, 1024, 0, 0, 64, 513, 0, 0], 1536),  # full-attention images, a budget's bound
+])
+def test_segment_attention_equals_the_float32_reference_from_strided_q_k_v(
+    dim: int, lengths: list[int], bound: int, compiled: bool
+) -> None:
+    """Our Triton kernel at the head dims it takes (powers of two, and Qwen2.5-VL's 80,
+    which it splits as 64 + 16), eager and compiled, reading q, k and v straight out of a
+    joined qkv product (token stride 3 x heads x dim) with zero-length segments first,
+    between and last: every row finite and within bf16 rounding of float32 attention and
+    of varlen_attn. Windows are what `cuda_kernel` gives it; longer segments it takes too
+    (benchmarks raise SEGMENT_MAX_LENGTH)."""
+    attention.register()
+    torch.manual_seed(dim + bound)
+    heads, scale = 16, dim**-0.5
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    qkv = torch.randn(sum(lengths), 3, heads, dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(1)
+    assert not q.is_contiguous()
+    assert (cuda_kernel("varlen", bound, dim) is _segment_attention) == (bound <= attention.SEGMENT_MAX_LENGTH)
+    kernel = _segment_attention
+    if compiled:
+        torch._dynamo.reset()
+        kernel = torch.compile(kernel, fullgraph=True, dynamic=True)
+    out = kernel(q, k, v, cu, bound, scale).float()
+    ref = _segmented_sdpa(q.float(), k.float(), v.float(), cu.cpu(), scale)
+    assert torch.isfinite(out).all()
+    assert float((out - ref).norm() / ref.norm()) < 1e-2
+    torch.testing.assert_close(out, _cuda_varlen(q, k, v, cu, bound, scale).float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_segment_kernel_captured_into_a_nan_filled_pool_replays_like_varlen_attn(
+    cache_dir: str, compiled: bool, monkeypatch
+) -> None:
+    """Qwen2.5-VL's tiny tower with its 64-patch windows in our Triton kernel (the
+    default), blocks compiled or not, captured into a pool first filled with NaN: every
+    replay's real rows are finite, equal the padded eager run bit for bit and are close to
+    the rows of the same tower with every layer in varlen_attn."""
+    job = make_job(cache_dir, model={"dtype": "bfloat16", "attention": "varlen"})
+    ours, plain = (load_adapter(job, torch.device("cuda")) for _ in range(2))
+    if compiled:
+        ours.compile(dynamic=True)
+    items = [ours.preprocessor()(m) for m in MEDIA]
+    batched = [[items[i] for i in batch.indices] for batch in pack([i.tokens for i in items], [i.frames for i in items], PLAN)]
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "SEGMENT_MAX_LENGTH", 0)
+        varlen = [torch.cat(GraphManager(plain, PLAN, None).run(chosen, None)).float() for chosen in batched]
+    replays = list(nan_pool_replays(ours, plain, PLAN, items))
+    assert len(replays) == len(varlen)
+    for (replayed, _), want in zip(replays, varlen):
+        rel = float((replayed.float() - want).norm() / want.norm())
+        assert rel < 2e-2, rel
+
+
 FA4_PROBLEM = fa4_problem(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else "no CUDA"
 needs_fa4 = pytest.mark.skipif(FA4_PROBLEM is not None, reason=f"needs FlashAttention-4 ({FA4_PROBLEM}; pip install 'embedjob[fast]')")
 
@@ -109,7 +175,7 @@ def test_fa4_attention_equals_varlen_on_packed_segments_with_zero_length_ones(di
     lengths = [0, 300, 0, 1024, 0, 0, 64, 513, 0, 0]
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(1, heads, sum(lengths), dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    assert cuda_kernel("fa4", bound) is _fa4_varlen
+    assert cuda_kernel("fa4", bound, dim) is _fa4_varlen
     outs = {
         backend: varlen_attention(torch.nn.Module(), q, k, v, None, scaling=scale, cu_seq_lens_q=cu, max_length_q=bound,
                                   backend=backend)[0][0].float()

@@ -5,13 +5,15 @@ captured in a CUDA graph) unless the attention implementation's name contains
 "flash"; then it passes `cu_seq_lens_*` and `max_length_*` straight through. We
 register such a function per backend of `model.attention` (`resolve_backend` picks one):
 
-- `varlen`: on CUDA in half precision `torch.nn.attention.varlen.varlen_attn` (no host
-  sync, capturable); otherwise (a CPU, or float32 on CUDA, which the flash kernels do
-  not take) scaled-dot-product attention per segment, which is exact but reads the
-  segments on the host, so a CUDA graph cannot capture it (`EncoderAdapter.capturable`).
+- `varlen`: on CUDA in half precision `torch.nn.attention.varlen.varlen_attn`, and on
+  segments of at most SEGMENT_MAX_LENGTH tokens (Qwen2.5-VL's windows) our Triton kernel
+  `segment_attention` (`encoders.attention_kernel`, at the tower's own head dim); both
+  without a host sync, capturable. Otherwise (a CPU, or float32 on CUDA, which neither
+  takes) scaled-dot-product attention per segment, which is exact but reads the segments
+  on the host, so a CUDA graph cannot capture it (`EncoderAdapter.capturable`).
 - `fa4`: FlashAttention-4 (`flash_attn.cute.flash_attn_varlen_func`, the optional extra
   `embedjob[fast]`) at call sites whose segments may be longer than `FA4_MIN_LENGTH`,
-  varlen_attn at the others. Only chosen on CUDA in half precision.
+  the `varlen` kernels at the others. Only chosen on CUDA in half precision.
 
 Which kernel a call runs depends only on its length bound (`cuda_kernel`), a Python int
 fixed per budget (`StaticInputs.constants`), so a captured graph holds one kernel per
@@ -19,9 +21,10 @@ layer and every replay runs that one.
 
 Zero-length segments (cumulative offsets that repeat, as static graph buffers are
 padded) are allowed on every path and contribute nothing: the per-segment path skips
-them, and both flash kernels give them no work (FlashAttention-4's own tests run varlen
-batches with zero-length sequences, `zero_lengths_q` in its tests/cute/test_flash_attn.py;
-tests/test_gpu.py checks fa4 and varlen against the per-segment result on such offsets).
+them, the segment kernel gives them no work, and so do both flash kernels
+(FlashAttention-4's own tests run varlen batches with zero-length sequences,
+`zero_lengths_q` in its tests/cute/test_flash_attn.py; tests/test_gpu.py checks every
+CUDA kernel against the per-segment result on such offsets).
 
 flash_attn is imported only where a Qwen-VL tower may use it (`fa4_problem`, `_fa4_varlen`):
 importing it takes seconds. transformers is imported only by `register`, so
@@ -31,6 +34,7 @@ importing it takes seconds. transformers is imported only by `register`, so
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 import warnings
@@ -62,6 +66,17 @@ in FA4 (whose tiles are wider than a window), its full-attention layers over ima
 256-4,096 tokens 0.860 ms in varlen_attn and 0.530 ms in FA4. Lengths between 64 and 256
 were not measured; 128 (one FA4 tile) splits them.
 """
+SEGMENT_MAX_LENGTH = 64
+"""Call sites whose length bound is at most this run `segment_attention` (our Triton
+kernel, `encoders.attention_kernel`) where Triton is installed (it comes with torch's
+CUDA builds on Linux) and the kernel takes the head dim, varlen_attn where not: Qwen2.5-VL's
+64-patch windows, which varlen_attn runs in 128-row tiles at head dim 96 and FA4 in
+tiles wider than a window. Measured on an H200 inside the compiled 7B-size tower
+(benchmarks/RESULTS.md, "A segment kernel for Qwen2.5-VL's windows"): a window layer
+0.325 ms against 0.470 ms in varlen_attn on a batch of 16,320 tokens, 0.083 against
+0.113 ms on one of 4,096, and the tower's encoder-only rate 1.03x on both Qwen mixes.
+Longer segments stay off it: on that 16,320-token batch its full-attention layers
+took 20.4 ms a call in the kernel against 10.7 ms in varlen_attn. Benchmarks set it to 0 or past every length to compare."""
 FA4_MIN_CAPABILITY = (8, 0)
 """The oldest GPUs FlashAttention-4's kernels build for (it asserts compute capability 8.x or newer)."""
 FA4_NOISE: tuple[tuple[str, type[Warning]], ...] = (
@@ -99,19 +114,76 @@ def varlen_attention(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if q.is_cuda and q.dtype in HALF:
         max_len = int(max_length_q)
-        out = cuda_kernel(backend, max_len)(q, k, v, cu_seq_lens_q, max_len, scaling)
+        out = cuda_kernel(backend, max_len, q.shape[-1])(q, k, v, cu_seq_lens_q, max_len, scaling)
     else:
         out = _segmented_sdpa(q, k, v, cu_seq_lens_q, scaling)
     return out.unsqueeze(0), None
 
 
-def cuda_kernel(backend: str, max_length: int) -> Kernel:
+def cuda_kernel(backend: str, max_length: int, head_dim: int) -> Kernel:
     """The kernel of one call site on CUDA in half precision: FlashAttention-4 where the
-    job chose it and the segments may be longer than FA4_MIN_LENGTH, varlen_attn otherwise.
+    job chose it and the segments may be longer than FA4_MIN_LENGTH, else our segment
+    kernel where they are at most SEGMENT_MAX_LENGTH long (windows), Triton is installed
+    and the kernel takes the head dim (64 and 80, not Qwen3-VL's 72:
+    `attention_kernel.head_split`), else varlen_attn.
 
-    A function of values fixed per budget only, so a graph captures one kernel per layer.
+    A function of values fixed per model and budget only, so a graph captures one kernel
+    per layer.
     """
-    return _fa4_varlen if backend == FA4 and max_length > FA4_MIN_LENGTH else _cuda_varlen
+    if backend == FA4 and max_length > FA4_MIN_LENGTH:
+        return _fa4_varlen
+    if max_length <= SEGMENT_MAX_LENGTH and _has_triton() and _segment_dim(head_dim):
+        return _segment_attention
+    return _cuda_varlen
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _segment_dim(head_dim: int) -> bool:
+    from embedjob.encoders.attention_kernel import head_split
+
+    return head_split(head_dim) is not None
+
+
+def _short_kernel() -> str:
+    """What the log calls the kernels of the call sites FlashAttention-4 does not take."""
+    if _has_triton():
+        return f"segment_attention (Triton) on segments of at most {SEGMENT_MAX_LENGTH} tokens at head dims it takes, varlen_attn on the others"
+    return "varlen_attn; segment_attention needs Triton"
+
+
+def _segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None
+) -> torch.Tensor:
+    if not torch.compiler.is_compiling():
+        _register_segment_attention()
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return torch.ops.embedjob.segment_attention(q, k, v, cu.to(torch.int32), max_len, scale)
+
+
+@functools.cache
+def _register_segment_attention() -> None:
+    """Registers `torch.ops.embedjob.segment_attention(q, k, v, cu, max_len, scale)`:
+    attention within each segment of the int32 offsets `cu` over (tokens, heads, dim)
+    q, k, v, read through their strides (no copies), output contiguous. A
+    `torch.library.triton_op`, so compiled blocks call the kernel and CUDA graphs capture
+    it. Registered by `register` (at model load) or by an eager first call, never inside a
+    compiled region: the compiler does not trace `triton_op` itself."""
+    from embedjob.encoders import attention_kernel
+
+    @torch.library.triton_op("embedjob::segment_attention", mutates_args=())
+    def segment_attention(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
+    ) -> torch.Tensor:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        tiles = attention_kernel.tiles_for(max_len)
+        attention_kernel.launch(q, k, v, out, cu, max_len, scale, tiles, wrap=torch.library.wrap_triton)
+        return out
 
 
 def _cuda_varlen(
@@ -239,12 +311,12 @@ def resolve_backend(
         )
     if setting != VARLEN and problem is None:
         logger.info(
-            "attention: fa4 (FlashAttention-4) where segments may exceed %d tokens, varlen_attn on shorter ones "
+            "attention: fa4 (FlashAttention-4) where segments may exceed %d tokens, %s on shorter ones "
             "(model.attention %s)",
-            FA4_MIN_LENGTH, setting,
+            FA4_MIN_LENGTH, _short_kernel(), setting,
         )
         return FA4
-    kernel = "varlen_attn" if device.type == "cuda" and dtype in HALF else "scaled-dot-product attention per segment"
+    kernel = _short_kernel() if device.type == "cuda" and dtype in HALF else "scaled-dot-product attention per segment"
     why = "" if problem is None else f"; FlashAttention-4 not used: {problem}"
     logger.info("attention: varlen (%s; model.attention %s%s)", kernel, setting, why)
     return VARLEN
@@ -256,4 +328,6 @@ def register(backend: str = VARLEN) -> str:
 
     function = varlen_attention if backend == VARLEN else functools.partial(varlen_attention, backend=backend)
     AttentionInterface.register(ATTN_NAMES[backend], function)
+    if _has_triton():
+        _register_segment_attention()
     return ATTN_NAMES[backend]

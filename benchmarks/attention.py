@@ -12,7 +12,10 @@ Cases (bf16, 16 heads, about 16,384 tokens, random q, k, v of a fixed seed):
 - siglip: SigLIP-so400m-384, head dim 72, 22 images of 729 tokens;
 - clip: CLIP-L/14-336, head dim 64, 28 images of 577 tokens.
 
-Backends: `varlen` (torch.nn.attention.varlen.varlen_attn, what the Qwen path runs),
+Backends: `varlen` (torch.nn.attention.varlen.varlen_attn, the Qwen path's fallback),
+`triton` (our segment kernel, `embedjob.encoders.attention_kernel`, in the tiles
+`tiles_for` picks; `triton-<tiles>` the other configurations of TRITON_SWEEP; not at
+head dim 72, which it does not take),
 `flex` (compiled FlexAttention with a block-diagonal mask), and for the fixed-resolution
 cases, whose images are one dense batch, scaled_dot_product_attention restricted to
 `flash`, `efficient` and `cudnn` (the fixed-resolution path runs transformers' `sdpa`,
@@ -47,6 +50,8 @@ from embedjob.bench import cuda_time  # noqa: E402
 from embedjob.encoders.attention import fa4_problem  # noqa: E402
 
 HEADS = 16
+TRITON_SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 3), (128, 64, 8, 4)]
+"""Tile configurations of `segment_attention` timed besides the one `tiles_for` picks."""
 QWEN_FULL_IMAGES = [4096, 2048, 2048, 1024, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256, 256, 256, 1024]
 
 
@@ -146,6 +151,19 @@ def fa4(case: Case, device: torch.device) -> Callable[..., torch.Tensor]:
     return run
 
 
+def triton_tiles(case: Case, tiles: object) -> Callable[..., torch.Tensor]:
+    from embedjob.encoders import attention_kernel
+
+    longest = max(case.segments)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        attention_kernel.launch(q, k, v, out, offsets, longest, case.head_dim**-0.5, tiles)
+        return out
+
+    return run
+
+
 def dense(case: Case, backend: torch.nn.attention.SDPBackend) -> Callable[..., torch.Tensor]:
     images, length = len(case.segments), case.segments[0]
 
@@ -173,6 +191,14 @@ def backends(case: Case, device: torch.device) -> dict[str, Callable[[], Callabl
             names = {"math": SDP.MATH}
         for name, backend in names.items():
             out[f"sdpa-{name}"] = lambda backend=backend: dense(case, backend)
+    if device.type == "cuda":
+        from embedjob.encoders.attention_kernel import Tiles, head_split, tiles_for
+
+        chosen = tiles_for(max(case.segments))
+        sweep = [chosen, *(Tiles(*t) for t in TRITON_SWEEP if Tiles(*t) != chosen)] if head_split(case.head_dim) else []
+        for tiles in sweep:
+            tag = "" if tiles == chosen else f"-{tiles.name}"
+            out[f"triton{tag}"] = lambda tiles=tiles: triton_tiles(case, tiles)
     out["fa4"] = lambda: fa4(case, device)  # last: a faulting kernel leaves this case's other rows
     return out
 

@@ -20,9 +20,11 @@
 # 24,576 rows, `gpu` and `cpu`, 4 workers, 2 runs each), mixes NAME... (benchmarks/
 # scaling.py, every GPU count up to those visible, qwen-mixed with one repeat as it takes
 # longest), report (the saved mixes), kernels NAME... (benchmarks/precision.py --kernels:
-# bf16 and fp8 encoder-only on small mixes, each with its largest batch's kernel table).
-# SMOKE=1 passes --smoke to the benchmarks, so the script can be checked on a machine
-# without a GPU. Logs go to $OUT (or /tmp/device-checks).
+# bf16 and fp8 encoder-only on small mixes, each with its largest batch's kernel table;
+# PRECISIONS="bf16-varlen-attn fp8" picks other variants than fp8), attention
+# (benchmarks/attention.py: every attention kernel on the towers' segment layouts).
+# TESTS="expr" runs only the GPU tests pytest's -k selects. SMOKE=1 passes --smoke to the
+# benchmarks, so the script can be checked on a machine without a GPU. Logs go to $OUT (or /tmp/device-checks).
 # Every stage stops by DEADLINE seconds (570) after the script started, so a call that
 # runs long still prints what it measured before the device's 600-s limit kills it.
 set -uo pipefail
@@ -62,7 +64,7 @@ install_wheels() {
 }
 
 tests() {
-  timeout "$(budget 420)" python3 -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/tests.log"
+  timeout "$(budget 420)" python3 -m pytest -q tests/test_gpu.py ${TESTS:+-k "$TESTS"} 2>&1 | tee "$out/tests.log"
   summary+=("tests/test_gpu.py: $(tail -n 1 "$out/tests.log")")
 }
 
@@ -85,11 +87,17 @@ mixes() {
   summary+=("scaling.py, $*:" "$(python3 benchmarks/scaling.py "${smoke[@]}" --workdir "$work/scaling" --report --mixes "$@" 2>&1)")
 }
 
+attention() {
+  timeout "$(budget 300)" python3 benchmarks/attention.py "${smoke[@]}" 2>&1 | tee "$out/attention.log"
+  summary+=("attention.py:" "$(sed -n '/^attention backends on/,$p' "$out/attention.log")")
+}
+
 kernels() {
   # Small mixes: the kernel tables and the MFU of the encoder alone, not the pipeline.
   local counts=(qwen-mixed=96 qwen-224=1024 siglip=512 clip=512) log="$out/kernels-${1}.log"
+  # shellcheck disable=SC2086  # PRECISIONS is a list of variant names
   timeout "$(budget 560)" python3 benchmarks/precision.py "${smoke[@]}" --photos bench-data --mixes "$@" --images "${counts[@]}" \
-    --repeats 3 --reference 4 --precisions fp8 --kernels --workdir "$work/precision" 2>&1 | tee "$log"
+    --repeats 3 --reference 4 --precisions ${PRECISIONS:-fp8} --kernels --workdir "$work/precision" 2>&1 | tee "$log"
   summary+=("precision.py --kernels, $* (the kernel tables are in ${log##*/}):"
     "$(awk '/^# model.precision/ { table = "" } /^# model.precision/, 0 { table = table $0 "\n" } END { printf "%s", table }' "$log")")
 }
@@ -111,17 +119,17 @@ while [ $# -gt 0 ]; do
   stage="$1"
   shift
   case "$stage" in
-    prep | tests | decode | report) "$stage" ;;
+    prep | tests | decode | attention | report) "$stage" ;;
     mixes | kernels)
       names=()
-      while [ $# -gt 0 ] && [[ " prep tests decode report mixes kernels " != *" $1 "* ]]; do
+      while [ $# -gt 0 ] && [[ " prep tests decode attention report mixes kernels " != *" $1 "* ]]; do
         names+=("$1")
         shift
       done
       [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: '$stage' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
       "$stage" "${names[@]}"
       ;;
-    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, mixes NAME..., kernels NAME..., report)" >&2; exit 2 ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, mixes NAME..., kernels NAME..., report)" >&2; exit 2 ;;
   esac
 done
 [ ${#summary[@]} -eq 0 ] || { echo; echo "=== device_checks.sh summary ==="; printf '%s\n' "${summary[@]}"; }

@@ -33,8 +33,11 @@ keep the fixed-resolution towers' hidden state in the layout their embeddings gi
 GELU a kernel of its own instead of the product's epilogue (`epilogues.EPILOGUES` off);
 `bf16-looped-rows` and `fp8-looped-rows` leave torch's rule for reducing wide rows
 (`base.WIDE_ROWS` 0: the norms of rows over 1,024 elements loop); `bf16-varlen` runs the
-Qwen-VL towers' attention in varlen_attn on every layer (`model.attention: varlen`), where
-`bf16` runs what `auto` picks (FlashAttention-4 on the long segments where it is installed);
+Qwen-VL towers' attention in our Triton segment kernel on every layer (`model.attention:
+varlen`), where `bf16` runs what `auto` picks (FlashAttention-4 on the long segments where
+it is installed); `bf16-varlen-attn` runs it in torch's varlen_attn wherever FA4 does not
+(`attention.SEGMENT_MAX_LENGTH` 0), `bf16-windows-kernel` the segment kernel on the 64-patch
+windows only (`attention.SEGMENT_MAX_LENGTH` 64);
 `bf16-cd-tuned` and `bf16-autotuned` compile the blocks with inductor's coordinate descent
 tuning, and the latter with max_autotune too (`encoder_only.TUNED`: the compiler's own GEMM kernels,
 tuned for the largest budget, which is captured first).
@@ -61,7 +64,7 @@ from benchmarks.mixes import MIXES, builtin_sources, collect_photos, jpeg_datase
 from benchmarks.scaling import write_job  # noqa: E402
 from embedjob.bench import largest_batch_kernels  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
-from embedjob.encoders import base, epilogues, fixed, fp8, load_adapter  # noqa: E402
+from embedjob.encoders import attention, base, epilogues, fixed, fp8, load_adapter  # noqa: E402
 from embedjob.engine.encode import budget_plan  # noqa: E402
 
 SMOKE_IMAGES = 24
@@ -73,6 +76,8 @@ VARIANTS = {
     "bf16-looped-rows": ("bf16", {(base, "WIDE_ROWS"): 0}),
     "bf16-gelu-apart": ("bf16", {(epilogues, "EPILOGUES"): False}),
     "bf16-varlen": ("bf16", {}, ["model.attention=varlen"]),
+    "bf16-varlen-attn": ("bf16", {(attention, "SEGMENT_MAX_LENGTH"): 0}),
+    "bf16-windows-kernel": ("bf16", {(attention, "SEGMENT_MAX_LENGTH"): 64}),
     **{f"bf16-{name}": ("bf16", {(base, "COMPILE_OPTIONS"): options}) for name, options in TUNED.items()},
     "fp8": ("fp8", {}),
     "fp8-exact-accum": ("fp8", {(fp8, "FAST_ACCUM"): False}),

@@ -40,9 +40,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from embedjob.encoders.attention_kernel import Tiles
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -151,7 +155,7 @@ def fa4(case: Case, device: torch.device) -> Callable[..., torch.Tensor]:
     return run
 
 
-def triton_tiles(case: Case, tiles: object) -> Callable[..., torch.Tensor]:
+def triton_tiles(case: Case, tiles: Tiles) -> Callable[..., torch.Tensor]:
     from embedjob.encoders import attention_kernel
 
     longest = max(case.segments)

@@ -24,7 +24,8 @@
 # PRECISIONS="bf16-varlen-attn fp8" picks other variants than fp8), attention
 # (benchmarks/attention.py: every attention kernel on the towers' segment layouts).
 # TESTS="expr" runs only the GPU tests pytest's -k selects. SMOKE=1 passes --smoke to the
-# benchmarks, so the script can be checked on a machine without a GPU. Logs go to $OUT (or /tmp/device-checks).
+# benchmarks, so the script can be checked on a machine without a GPU. Logs go to $OUT
+# (or /tmp/device-checks).
 # Every stage stops by DEADLINE seconds (570) after the script started, so a call that
 # runs long still prints what it measured before the device's 600-s limit kills it.
 set -uo pipefail

@@ -33,11 +33,12 @@ keep the fixed-resolution towers' hidden state in the layout their embeddings gi
 GELU a kernel of its own instead of the product's epilogue (`epilogues.EPILOGUES` off);
 `bf16-looped-rows` and `fp8-looped-rows` leave torch's rule for reducing wide rows
 (`base.WIDE_ROWS` 0: the norms of rows over 1,024 elements loop); `bf16-varlen` runs the
-Qwen-VL towers' attention in our Triton segment kernel on every layer (`model.attention:
-varlen`), where `bf16` runs what `auto` picks (FlashAttention-4 on the long segments where
-it is installed); `bf16-varlen-attn` runs it in torch's varlen_attn wherever FA4 does not
-(`attention.SEGMENT_MAX_LENGTH` 0), `bf16-windows-kernel` the segment kernel on the 64-patch
-windows only (`attention.SEGMENT_MAX_LENGTH` 64);
+Qwen-VL towers' attention without FlashAttention-4 (`model.attention: varlen`: varlen_attn,
+our Triton segment kernel on the 64-patch windows), where `bf16` runs what `auto` picks
+(FA4 on the long segments where it is installed); `bf16-varlen-attn` runs torch's
+varlen_attn on the windows too (`attention.SEGMENT_MAX_LENGTH` 0), `bf16-segments-all` the
+segment kernel on every segment FA4 does not take (`attention.SEGMENT_MAX_LENGTH` past
+every length);
 `bf16-cd-tuned` and `bf16-autotuned` compile the blocks with inductor's coordinate descent
 tuning, and the latter with max_autotune too (`encoder_only.TUNED`: the compiler's own GEMM kernels,
 tuned for the largest budget, which is captured first).
@@ -77,7 +78,7 @@ VARIANTS = {
     "bf16-gelu-apart": ("bf16", {(epilogues, "EPILOGUES"): False}),
     "bf16-varlen": ("bf16", {}, ["model.attention=varlen"]),
     "bf16-varlen-attn": ("bf16", {(attention, "SEGMENT_MAX_LENGTH"): 0}),
-    "bf16-windows-kernel": ("bf16", {(attention, "SEGMENT_MAX_LENGTH"): 64}),
+    "bf16-segments-all": ("bf16", {(attention, "SEGMENT_MAX_LENGTH"): 1 << 30}),
     **{f"bf16-{name}": ("bf16", {(base, "COMPILE_OPTIONS"): options}) for name, options in TUNED.items()},
     "fp8": ("fp8", {}),
     "fp8-exact-accum": ("fp8", {(fp8, "FAST_ACCUM"): False}),

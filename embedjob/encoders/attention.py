@@ -76,7 +76,8 @@ tiles wider than a window. Measured on an H200 inside the compiled 7B-size tower
 0.325 ms against 0.470 ms in varlen_attn on a batch of 16,320 tokens, 0.083 against
 0.113 ms on one of 4,096, and the tower's encoder-only rate 1.03x on both Qwen mixes.
 Longer segments stay off it: on that 16,320-token batch its full-attention layers
-took 20.4 ms a call in the kernel against 10.7 ms in varlen_attn. Benchmarks set it to 0 or past every length to compare."""
+took 20.4 ms a call in the kernel against 10.7 ms in varlen_attn. Benchmarks set it to 0
+or past every length to compare (`benchmarks/precision.py`)."""
 FA4_MIN_CAPABILITY = (8, 0)
 """The oldest GPUs FlashAttention-4's kernels build for (it asserts compute capability 8.x or newer)."""
 FA4_NOISE: tuple[tuple[str, type[Warning]], ...] = (
@@ -152,7 +153,10 @@ def _segment_dim(head_dim: int) -> bool:
 def _short_kernel() -> str:
     """What the log calls the kernels of the call sites FlashAttention-4 does not take."""
     if _has_triton():
-        return f"segment_attention (Triton) on segments of at most {SEGMENT_MAX_LENGTH} tokens at head dims it takes, varlen_attn on the others"
+        return (
+            f"segment_attention (Triton) on segments of at most {SEGMENT_MAX_LENGTH} tokens at head dims it takes, "
+            "varlen_attn on the others"
+        )
     return "varlen_attn; segment_attention needs Triton"
 
 

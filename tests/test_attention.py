@@ -5,6 +5,7 @@ against varlen_attn and inside captured graphs, is checked in test_gpu.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -81,7 +82,7 @@ def test_auto_without_the_package_is_varlen_and_says_why(monkeypatch: pytest.Mon
         "flash-attn-4 is not installed"
     ) in caplog.text
     caplog.clear()
-    monkeypatch.setattr(attention, "_has_triton", lambda: False)
+    monkeypatch.setattr(attention, "TRITON", False)
     with caplog.at_level(logging.INFO, logger="embedjob.encoders.attention"):
         assert resolve_backend("auto", True, CUDA, torch.bfloat16) == "varlen"
     assert "attention: varlen (varlen_attn; segment_attention needs Triton; model.attention auto" in caplog.text
@@ -232,10 +233,36 @@ def test_windows_run_varlen_attn_where_the_segment_kernel_cannot(length: int, mo
     it, others may not), and where benchmarks set SEGMENT_MAX_LENGTH to 0."""
     assert cuda_kernel("varlen", length, 72) is attention._cuda_varlen
     with monkeypatch.context() as patch:
-        patch.setattr(attention, "_has_triton", lambda: False)
+        patch.setattr(attention, "TRITON", False)
         assert cuda_kernel("varlen", length, 80) is attention._cuda_varlen
     monkeypatch.setattr(attention, "SEGMENT_MAX_LENGTH", 0)
     assert cuda_kernel("varlen", length, 80) is attention._cuda_varlen
+
+
+def test_a_compiled_block_chooses_its_kernel_without_looking_for_packages(monkeypatch) -> None:
+    """`cuda_kernel` runs inside every compiled Qwen-VL block. torch 2.11's compiler does
+    not trace importlib's lookups and cut each window block there into six compiled
+    regions (the attention alone in one, its v of unknown alignment), so whether Triton
+    is installed is found once, at import: compiled with fullgraph=True (any graph break
+    fails), the choice looks nothing up."""
+
+    find_spec = importlib.util.find_spec
+
+    def no_triton_lookup(name: str, package: str | None = None):
+        assert name != "triton", "importlib.util.find_spec('triton') on the compiled path"
+        return find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_triton_lookup)
+
+    def choose(x: torch.Tensor, bound: int) -> torch.Tensor:
+        kernel = cuda_kernel("varlen", bound, x.shape[-1])
+        return x * 2 if kernel is attention._segment_attention else x - 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(choose, fullgraph=True, dynamic=True, backend="eager")
+    window = 2.0 if attention.TRITON else 0.0
+    assert torch.equal(compiled(torch.ones(4, 80), 64), torch.full((4, 80), window))
+    assert torch.equal(compiled(torch.ones(6, 80), 1024), torch.zeros(6, 80))
 
 
 @pytest.mark.parametrize("budget", [64, 128, 256, 512, 1024, 16384])

@@ -66,6 +66,11 @@ in FA4 (whose tiles are wider than a window), its full-attention layers over ima
 256-4,096 tokens 0.860 ms in varlen_attn and 0.530 ms in FA4. Lengths between 64 and 256
 were not measured; 128 (one FA4 tile) splits them.
 """
+TRITON = importlib.util.find_spec("triton") is not None
+"""Whether Triton is installed (torch's CUDA builds for Linux bring it). Found once, at
+import: `cuda_kernel` runs inside compiled blocks, and torch 2.11's compiler (not
+2.14.1's) does not trace importlib.util.find_spec; asking there cut every Qwen-VL window
+block into six compiled regions (benchmarks/RESULTS.md, "Graph breaks in the Qwen blocks")."""
 SEGMENT_MAX_LENGTH = 64
 """Call sites whose length bound is at most this run `segment_attention` (our Triton
 kernel, `encoders.attention_kernel`) where Triton is installed (it comes with torch's
@@ -133,14 +138,9 @@ def cuda_kernel(backend: str, max_length: int, head_dim: int) -> Kernel:
     """
     if backend == FA4 and max_length > FA4_MIN_LENGTH:
         return _fa4_varlen
-    if max_length <= SEGMENT_MAX_LENGTH and _has_triton() and _segment_dim(head_dim):
+    if max_length <= SEGMENT_MAX_LENGTH and TRITON and _segment_dim(head_dim):
         return _segment_attention
     return _cuda_varlen
-
-
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
@@ -152,7 +152,7 @@ def _segment_dim(head_dim: int) -> bool:
 
 def _short_kernel() -> str:
     """What the log calls the kernels of the call sites FlashAttention-4 does not take."""
-    if _has_triton():
+    if TRITON:
         return (
             f"segment_attention (Triton) on segments of at most {SEGMENT_MAX_LENGTH} tokens at head dims it takes, "
             "varlen_attn on the others"
@@ -332,6 +332,6 @@ def register(backend: str = VARLEN) -> str:
 
     function = varlen_attention if backend == VARLEN else functools.partial(varlen_attention, backend=backend)
     AttentionInterface.register(ATTN_NAMES[backend], function)
-    if _has_triton():
+    if TRITON:
         _register_segment_attention()
     return ATTN_NAMES[backend]

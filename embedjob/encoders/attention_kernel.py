@@ -1,6 +1,6 @@
 """The Triton kernel behind `torch.ops.embedjob.segment_attention` (`encoders.attention`):
 non-causal attention within packed segments, at the tower's own head dim. Imported only
-where Triton is installed (`attention._has_triton`), as a job runs without it.
+where Triton is installed (`attention.TRITON`), as a job runs without it.
 
 Why a kernel of our own: the flash kernels torch ships round head dims 72 and 80 up to
 96 and work in 128-row tiles, so Qwen2.5-VL's 64-patch windows (28 of its 32 layers)

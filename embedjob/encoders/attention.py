@@ -70,7 +70,8 @@ TRITON = importlib.util.find_spec("triton") is not None
 """Whether Triton is installed (torch's CUDA builds for Linux bring it). Found once, at
 import: `cuda_kernel` runs inside compiled blocks, and torch 2.11's compiler (not
 2.14.1's) does not trace importlib.util.find_spec; asking there cut every Qwen-VL window
-block into six compiled regions (benchmarks/RESULTS.md, "Graph breaks in the Qwen blocks")."""
+block into six compiled regions (benchmarks/RESULTS.md, "The segment kernel on long
+segments; graph breaks in the Qwen blocks")."""
 SEGMENT_MAX_LENGTH = 64
 """Call sites whose length bound is at most this run `segment_attention` (our Triton
 kernel, `encoders.attention_kernel`) where Triton is installed (it comes with torch's

@@ -56,6 +56,11 @@ from embedjob.encoders.attention import fa4_problem  # noqa: E402
 HEADS = 16
 TRITON_SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 3), (128, 64, 8, 4)]
 """Tile configurations of `segment_attention` timed besides the one `tiles_for` picks."""
+HEADER = (
+    "| case | head dim | tokens | backend | ms | TFLOP/s | max abs diff to fp32 | note |\n"
+    "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- |"
+)
+"""The head of `measure`'s table."""
 QWEN_FULL_IMAGES = [4096, 2048, 2048, 1024, 1024, 1024, 1024, 1024, 512, 512, 512, 512, 256, 256, 256, 256, 1024]
 
 
@@ -207,11 +212,25 @@ def backends(case: Case, device: torch.device) -> dict[str, Callable[[], Callabl
     return out
 
 
-def measure(case: Case, device: torch.device, dtype: torch.dtype, repeats: int) -> list[str]:
+def joined(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The same q, k and v read out of one joined qkv product (token stride 3 x heads x
+    dim), as a Qwen block's are."""
+    qkv = torch.stack([q, k, v], 1).contiguous()
+    return qkv[:, 0], qkv[:, 1], qkv[:, 2]
+
+
+def measure(
+    case: Case, device: torch.device, dtype: torch.dtype, repeats: int,
+    makers: dict[str, Callable[[], Callable[..., torch.Tensor]]] | None = None, strided: bool = False,
+) -> list[str]:
+    """One table row per backend of `makers` (default `backends`) on the case's inputs,
+    read out of one joined qkv product where `strided`."""
     q, k, v, offsets = inputs(case, device, dtype)
+    if strided:
+        q, k, v = joined(q, k, v)
     ref = reference(case, q, k, v)
     rows = []
-    for name, make in backends(case, device).items():
+    for name, make in (backends(case, device) if makers is None else makers).items():
         try:
             fn = make()
             out = fn(q, k, v, offsets)
@@ -243,8 +262,7 @@ def main() -> int:
     rows = [row for case in cases(args.smoke) for row in measure(case, device, dtype, args.repeats)]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\nattention backends on {name}, torch {torch.__version__}, {HEADS} heads, {dtype}; median of {args.repeats}")
-    print("| case | head dim | tokens | backend | ms | TFLOP/s | max abs diff to fp32 | note |")
-    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | --- |")
+    print(HEADER)
     print("\n".join(rows))
     return 0
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import attention as bench  # noqa: E402
-from embedjob.bench import cuda_time  # noqa: E402
 from embedjob.encoders import attention_kernel  # noqa: E402
 from embedjob.encoders.attention_kernel import Tiles  # noqa: E402
 
@@ -178,10 +178,32 @@ TILES = [Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 3), Tile
 WINDOW_TILES = [Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 3), Tiles(64, 32, 4, 2)]
 
 
-def strided(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q, k and v read out of one joined qkv product, as a Qwen block's are."""
-    joined = torch.stack([q, k, v], 1).contiguous()
-    return joined[:, 0], joined[:, 1], joined[:, 2]
+CASES = [
+    (bench.Case("qwen-long", 80, QWEN_LONG, False), False),
+    (bench.Case("qwen-long-strided", 80, QWEN_LONG, False), True),
+    (bench.Case("qwen-full", 80, tuple(bench.QWEN_FULL_IMAGES), False), False),
+    (bench.Case("qwen-window", 80, (64,) * 1020, False), True),
+    (bench.Case("clip", 64, (577,) * 28, True), False),
+    (bench.Case("siglip-as-80", 80, (729,) * 22, False), False),
+    (bench.Case("siglip", 72, (729,) * 22, True), False),
+]
+"""(case, q, k and v read out of one joined qkv product)."""
+
+
+def makers(case: bench.Case) -> dict[str, Callable[[], Callable[..., torch.Tensor]]]:
+    """varlen_attn, cuDNN's SDPA on the dense cases, and at the head dims the kernels take
+    the job's kernel in its own tiles and every candidate variant in each of the tiles swept."""
+    out: dict[str, Callable[[], Callable[..., torch.Tensor]]] = {"varlen": lambda: bench.varlen(case)}
+    if case.dense:
+        out["sdpa-cudnn"] = lambda: bench.dense(case, torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+    if attention_kernel.head_split(case.head_dim):
+        chosen = attention_kernel.tiles_for(max(case.segments))
+        out[f"job-{chosen.name}"] = lambda: bench.triton_tiles(case, chosen)
+        for t in WINDOW_TILES if max(case.segments) <= 64 else TILES:
+            for split, trans in ((True, True), (True, False), (False, True)):
+                out[f"candidate-{t.name}-split{int(split)}-trans{int(trans)}"] = (
+                    lambda t=t, split=split, trans=trans: candidate(case, t, split, trans))
+    return out
 
 
 def main() -> None:
@@ -189,47 +211,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
-    cases = [
-        (bench.Case("qwen-long", 80, QWEN_LONG, False), False),
-        (bench.Case("qwen-long-strided", 80, QWEN_LONG, False), True),
-        (bench.Case("qwen-full", 80, tuple(bench.QWEN_FULL_IMAGES), False), False),
-        (bench.Case("qwen-window", 80, (64,) * 1020, False), True),
-        (bench.Case("clip", 64, (577,) * 28, True), False),
-        (bench.Case("siglip-as-80", 80, (729,) * 22, False), False),
-        (bench.Case("siglip", 72, (729,) * 22, True), False),
-    ]
     rows = []
-    for case, use_strided in cases:
-        q, k, v, cu = bench.inputs(case, device, dtype)
-        if use_strided:
-            q, k, v = strided(q, k, v)
-        ref = bench.reference(case, q, k, v)
-        runs = {"varlen": lambda: bench.varlen(case)}
-        if case.dense:
-            runs["sdpa-cudnn"] = lambda: bench.dense(case, torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
-        if attention_kernel.head_split(case.head_dim):
-            tiles = WINDOW_TILES if max(case.segments) <= 64 else TILES
-            chosen = attention_kernel.tiles_for(max(case.segments))
-            runs[f"job-{chosen.name}"] = lambda chosen=chosen: bench.triton_tiles(case, chosen)
-            for t in tiles:
-                for split, trans in ((True, True), (True, False), (False, True)):
-                    runs[f"candidate-{t.name}-split{int(split)}-trans{int(trans)}"] = (
-                        lambda t=t, split=split, trans=trans: candidate(case, t, split, trans))
-        for name, make in runs.items():
-            try:
-                fn = make()
-                out = fn(q, k, v, cu)
-                err = float((out.float() - ref).abs().max())
-                sec = cuda_time(lambda: fn(q, k, v, cu), args.repeats)
-                row = f"| {case.name} | {name} | {1000 * sec:.3f} | {case.flops / sec / 1e12:.1f} | {err:.2e} |"
-            except Exception as exc:  # a variant that cannot run this case is a row, not the end
-                row = f"| {case.name} | {name} | - | - | {str(exc).splitlines()[0][:100] if str(exc) else type(exc).__name__} |"
-            rows.append(row)
-            print(row, file=sys.stderr, flush=True)
-        del ref
+    for case, strided in CASES:
+        rows += bench.measure(case, device, dtype, args.repeats, makers(case), strided)
         torch.cuda.empty_cache()
     print(f"\nsegment kernel candidates, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print("| case | kernel | ms | TFLOP/s | max abs diff |\n| --- | --- | ---: | ---: | ---: |")
+    print(bench.HEADER)
     print("\n".join(rows))
     print("\nptx")
     for key, text in PTX.items():

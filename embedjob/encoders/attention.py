@@ -81,9 +81,12 @@ tiles wider than a window. Measured on an H200 inside the compiled 7B-size tower
 (benchmarks/RESULTS.md, "A segment kernel for Qwen2.5-VL's windows"): a window layer
 0.325 ms against 0.470 ms in varlen_attn on a batch of 16,320 tokens, 0.083 against
 0.113 ms on one of 4,096, and the tower's encoder-only rate 1.03x on both Qwen mixes.
-Longer segments stay off it: on that 16,320-token batch its full-attention layers
-took 20.4 ms a call in the kernel against 10.7 ms in varlen_attn. Benchmarks set it to 0
-or past every length to compare (`benchmarks/precision.py`)."""
+Longer segments stay off it for now: on that 16,320-token batch its full-attention
+layers took 20.4 ms a call in the kernel against 10.7 ms in varlen_attn, but that was
+measured under torch 2.11 with a graph break in front of the kernel (TRITON), and alone
+it is the faster of the two (7.1 against 9.3 ms; benchmarks/RESULTS.md, "The segment
+kernel on long segments; graph breaks in the Qwen blocks"). Benchmarks set it to 0 or
+past every length to compare (`benchmarks/precision.py`)."""
 FA4_MIN_CAPABILITY = (8, 0)
 """The oldest GPUs FlashAttention-4's kernels build for (it asserts compute capability 8.x or newer)."""
 FA4_NOISE: tuple[tuple[str, type[Warning]], ...] = (

@@ -19,6 +19,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 from collections.abc import Callable
 from html.parser import HTMLParser
@@ -362,12 +363,29 @@ addEventListener("load", () => {
 
 
 def browse(browser: str, tmp_path: Path, *args: str) -> str:
-    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-               f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000",
-               "--run-all-compositor-stages-before-draw", *args]
-    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+    """Chromium's output for `args`, from a fresh profile each call and attempt.
+
+    Headless Chromium now and then never exits (seen once in CI, on the third call of
+    the test, after 120 s). A profile of its own per call keeps a browser that is still
+    shutting down from being handed the next page, and the whole process group is
+    killed on a timeout so no renderer lingers; then one more attempt is made. A page
+    that hangs every time still fails the test."""
+    for attempt in range(2):
+        profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
+        command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+                   f"--user-data-dir={profile}", "--virtual-time-budget=10000",
+                   "--run-all-compositor-stages-before-draw", *args]
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as done:
+            try:
+                out, err = done.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(done.pid, signal.SIGKILL)
+                done.communicate()
+                continue
+        assert done.returncode == 0, err[-2000:]
+        return out
+    pytest.fail(f"Chromium did not finish {args} in 60 s, twice")
 
 
 @pytest.mark.slow

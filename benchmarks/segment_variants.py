@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import attention as bench  # noqa: E402
 from embedjob.encoders import attention_kernel  # noqa: E402
+from embedjob.encoders.attention import head_split  # noqa: E402
 from embedjob.encoders.attention_kernel import Tiles  # noqa: E402
 
 QWEN_LONG = (9216, 9216, 8464, 7744, 7056, 6400, 5776, 5184, 6224)
@@ -151,7 +152,7 @@ def candidate(case: bench.Case, tiles: Tiles, split: bool, trans_k: bool):
     """A run of `candidate_kernel` over the case's segments; its first launch per
     configuration records the PTX's product instructions, registers and spills."""
     longest = max(case.segments)
-    main, tail = attention_kernel.head_split(case.head_dim)
+    main, tail = head_split(case.head_dim)
     key = f"{case.head_dim}-{tiles.name}-{int(split)}{int(trans_k)}"
 
     def run(q, k, v, cu):
@@ -196,7 +197,7 @@ def makers(case: bench.Case) -> dict[str, Callable[[], Callable[..., torch.Tenso
     out: dict[str, Callable[[], Callable[..., torch.Tensor]]] = {"varlen": lambda: bench.varlen(case)}
     if case.dense:
         out["sdpa-cudnn"] = lambda: bench.dense(case, torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
-    if attention_kernel.head_split(case.head_dim):
+    if head_split(case.head_dim):
         chosen = attention_kernel.tiles_for(max(case.segments))
         out[f"job-{chosen.name}"] = lambda: bench.triton_tiles(case, chosen)
         for t in WINDOW_TILES if max(case.segments) <= 64 else TILES:

@@ -135,23 +135,29 @@ def cuda_kernel(backend: str, max_length: int, head_dim: int) -> Kernel:
     job chose it and the segments may be longer than FA4_MIN_LENGTH, else our segment
     kernel where they are at most SEGMENT_MAX_LENGTH long (windows), Triton is installed
     and the kernel takes the head dim (64 and 80, not Qwen3-VL's 72:
-    `attention_kernel.head_split`), else varlen_attn.
+    `head_split`), else varlen_attn.
 
     A function of values fixed per model and budget only, so a graph captures one kernel
     per layer.
     """
     if backend == FA4 and max_length > FA4_MIN_LENGTH:
         return _fa4_varlen
-    if max_length <= SEGMENT_MAX_LENGTH and TRITON and _segment_dim(head_dim):
+    if max_length <= SEGMENT_MAX_LENGTH and TRITON and head_split(head_dim) is not None:
         return _segment_attention
     return _cuda_varlen
 
 
-@functools.cache
-def _segment_dim(head_dim: int) -> bool:
-    from embedjob.encoders.attention_kernel import head_split
-
-    return head_split(head_dim) is not None
+def head_split(dim: int) -> tuple[int, int] | None:
+    """(main, tail): main the largest power of two <= dim, tail the rest, which must be 0
+    or a power of two of at least 16; None for other dims, which the caller runs in
+    another kernel. Why no masked columns: head dim 72 as 64 + 16 with 8 columns masked
+    was exact in Triton's interpreter but, compiled by Triton 3.6 on an H200, gave wrong
+    tail columns and illegal memory accesses (tests/test_attention.py keeps 72 off this kernel)."""
+    main = 1 << (dim.bit_length() - 1)
+    rest = dim - main
+    if rest and (rest < 16 or rest & (rest - 1)):
+        return None
+    return main, rest
 
 
 def _short_kernel() -> str:

@@ -9,7 +9,7 @@ fill half a tile and spend most of their time on padding (benchmarks/RESULTS.md,
 of one segment and one head; the head dim is split into a power-of-two main part and a
 power-of-two tail of at least 16 columns (tensor-core products need 16), so 80 runs as
 64 + 16, never 96 or 128. Dims that do not split so (72 = 64 + 8) are not taken:
-masking the tail's columns miscompiled (`head_split`).
+masking the tail's columns miscompiled (`attention.head_split`).
 
 Invariants: q, k, v and the output are (tokens, heads, dim) with unit stride along dim
 (any token and head strides); segment s is rows cu[s]..cu[s+1]; a segment of length 0
@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from embedjob.encoders.attention import head_split
 
 
 @dataclass(frozen=True)
@@ -50,19 +52,6 @@ def tiles_for(max_length: int) -> Tiles:
     return Tiles(128, 64, 4, 3)
 
 
-def head_split(dim: int) -> tuple[int, int] | None:
-    """(main, tail): main the largest power of two <= dim, tail the rest, which must be 0
-    or a power of two of at least 16; None for other dims, which the caller runs in
-    another kernel. Why no masked columns: head dim 72 as 64 + 16 with 8 columns masked
-    was exact in Triton's interpreter but, compiled by Triton 3.6 on an H200, gave wrong
-    tail columns and illegal memory accesses (tests/test_attention.py keeps 72 off this kernel)."""
-    main = 1 << (dim.bit_length() - 1)
-    rest = dim - main
-    if rest and (rest < 16 or rest & (rest - 1)):
-        return None
-    return main, rest
-
-
 def launch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu: torch.Tensor,
     max_length: int, scale: float, tiles: Tiles, wrap: Callable[[Any], Any] = lambda kernel: kernel,
@@ -72,7 +61,7 @@ def launch(
     dim, heads = q.shape[-1], q.shape[1]
     split = head_split(dim)
     if split is None:
-        raise ValueError(f"segment_attention does not take head dim {dim} (see head_split)")
+        raise ValueError(f"segment_attention does not take head dim {dim} (see attention.head_split)")
     main, tail = split
     blocks = triton.cdiv(max(max_length, 1), tiles.block_m)
     wrap(segment_attention_kernel)[(blocks * heads * (cu.shape[0] - 1),)](

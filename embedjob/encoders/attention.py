@@ -152,7 +152,10 @@ def head_split(dim: int) -> tuple[int, int] | None:
     or a power of two of at least 16; None for other dims, which the caller runs in
     another kernel. Why no masked columns: head dim 72 as 64 + 16 with 8 columns masked
     was exact in Triton's interpreter but, compiled by Triton 3.6 on an H200, gave wrong
-    tail columns and illegal memory accesses (tests/test_attention.py keeps 72 off this kernel)."""
+    tail columns and illegal memory accesses (tests/test_attention.py keeps 72 off this kernel).
+
+    Here, not beside the kernel: `cuda_kernel` asks it inside compiled blocks, where only
+    plain arithmetic on ints traces without a Triton import or a cached call."""
     main = 1 << (dim.bit_length() - 1)
     rest = dim - main
     if rest and (rest < 16 or rest & (rest - 1)):

@@ -21,6 +21,7 @@ import random
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Callable
 from html.parser import HTMLParser
 from pathlib import Path
@@ -370,8 +371,8 @@ def browse(browser: str, tmp_path: Path, *args: str) -> str:
     shutting down from being handed the next page, and the whole process group is
     killed on a timeout so no renderer lingers; then one more attempt is made. A page
     that hangs every time still fails the test."""
-    for attempt in range(2):
-        profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
+    for _ in range(2):
+        profile = tempfile.mkdtemp(prefix="profile-", dir=tmp_path)
         command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
                    f"--user-data-dir={profile}", "--virtual-time-budget=10000",
                    "--run-all-compositor-stages-before-draw", *args]

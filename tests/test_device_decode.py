@@ -658,3 +658,14 @@ def test_a_stream_of_more_than_8_bits_gets_a_session_used_once_and_the_kept_one_
     monkeypatch.setattr(StandInDemuxer, "deep", frozenset({(DATA / deep).read_bytes()}))
     names = ["decord_video_0.mov", deep, "decord_video_90.mov", deep, "decord_video_180.mov"]
     assert sessions_made_over(names, preprocess) == [1, 2, 2, 3, 3]
+
+
+def test_the_gpu_tests_take_only_pictures_that_decode() -> None:
+    """tests/test_gpu.py compares nvjpeg with the CPU on every photo it globs; a file
+    from ../shared/data/bad among them would be an error row on both sides and hide a
+    photo nvjpeg got wrong, or fail a test meant for good pictures."""
+    from test_gpu import GPU_JPEGS
+
+    assert GPU_JPEGS and not [p for p in GPU_JPEGS if "bad" in p.parts]
+    for path in GPU_JPEGS:
+        Image.open(path).convert("RGB")

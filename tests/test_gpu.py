@@ -581,7 +581,9 @@ def test_the_fp8_row_kernel_forms_a_gated_mlps_gating_as_the_reference_does(cols
 
 # JPEG decode on the GPU (`preprocess.decoder: gpu`).
 
-GPU_JPEGS = sorted((REPO.parent / "shared" / "data").glob("*/*.jpg")) + sorted((REPO / "tests" / "data").glob("*.jpg"))
+GPU_JPEGS = sorted((REPO.parent / "shared" / "data" / "images").glob("*.jpg")) + sorted((REPO / "tests" / "data").glob("*.jpg"))
+"""Good JPEGs only: ../shared/data/bad holds files that must fail (`bad_media` makes the
+same kinds here), so its folder is never globbed as a source of pictures."""
 MADE_JPEGS = ("progressive", "gray", "orientation_1", "orientation_6", "cmyk", "half_jpeg", "bytes_after_the_end")
 
 

@@ -201,7 +201,7 @@ def backends(case: Case, device: torch.device) -> dict[str, Callable[[], Callabl
         for name, backend in names.items():
             out[f"sdpa-{name}"] = lambda backend=backend: dense(case, backend)
     if device.type == "cuda":
-        from embedjob.encoders.attention import head_split
+        from embedjob.encoders.head_dims import head_split
         from embedjob.encoders.attention_kernel import Tiles, tiles_for
 
         chosen = tiles_for(max(case.segments))

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import attention as bench  # noqa: E402
 from embedjob.encoders import attention_kernel  # noqa: E402
-from embedjob.encoders.attention import head_split  # noqa: E402
+from embedjob.encoders.head_dims import head_split  # noqa: E402
 from embedjob.encoders.attention_kernel import Tiles  # noqa: E402
 
 QWEN_LONG = (9216, 9216, 8464, 7744, 7056, 6400, 5776, 5184, 6224)

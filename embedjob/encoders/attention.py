@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from embedjob.config import JobError
+from embedjob.encoders.head_dims import head_split
 
 logger = logging.getLogger(__name__)
 
@@ -145,22 +146,6 @@ def cuda_kernel(backend: str, max_length: int, head_dim: int) -> Kernel:
     if max_length <= SEGMENT_MAX_LENGTH and TRITON and head_split(head_dim) is not None:
         return _segment_attention
     return _cuda_varlen
-
-
-def head_split(dim: int) -> tuple[int, int] | None:
-    """(main, tail): main the largest power of two <= dim, tail the rest, which must be 0
-    or a power of two of at least 16; None for other dims, which the caller runs in
-    another kernel. Why no masked columns: head dim 72 as 64 + 16 with 8 columns masked
-    was exact in Triton's interpreter but, compiled by Triton 3.6 on an H200, gave wrong
-    tail columns and illegal memory accesses (tests/test_attention.py keeps 72 off this kernel).
-
-    Here, not beside the kernel: `cuda_kernel` asks it inside compiled blocks, where only
-    plain arithmetic on ints traces without a Triton import or a cached call."""
-    main = 1 << (dim.bit_length() - 1)
-    rest = dim - main
-    if rest and (rest < 16 or rest & (rest - 1)):
-        return None
-    return main, rest
 
 
 def _short_kernel() -> str:

@@ -9,7 +9,7 @@ fill half a tile and spend most of their time on padding (benchmarks/RESULTS.md,
 of one segment and one head; the head dim is split into a power-of-two main part and a
 power-of-two tail of at least 16 columns (tensor-core products need 16), so 80 runs as
 64 + 16, never 96 or 128. Dims that do not split so (72 = 64 + 8) are not taken:
-masking the tail's columns miscompiled (`attention.head_split`).
+masking the tail's columns miscompiled (`head_dims.head_split`).
 
 Invariants: q, k, v and the output are (tokens, heads, dim) with unit stride along dim
 (any token and head strides); segment s is rows cu[s]..cu[s+1]; a segment of length 0
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from embedjob.encoders.attention import head_split
+from embedjob.encoders.head_dims import head_split
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def launch(
     dim, heads = q.shape[-1], q.shape[1]
     split = head_split(dim)
     if split is None:
-        raise ValueError(f"segment_attention does not take head dim {dim} (see attention.head_split)")
+        raise ValueError(f"segment_attention does not take head dim {dim} (see head_dims.head_split)")
     main, tail = split
     blocks = triton.cdiv(max(max_length, 1), tiles.block_m)
     wrap(segment_attention_kernel)[(blocks * heads * (cu.shape[0] - 1),)](

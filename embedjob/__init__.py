@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from embedjob.config import Job
 
-__version__ = "0.1.0"
+from embedjob.version import __version__
+
+__all__ = ["__version__", "run"]
 
 
 def run(

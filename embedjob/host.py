@@ -72,7 +72,7 @@ VERSIONED = ("torch", "torchvision", "transformers", "pyarrow", "numpy")
 
 def software_versions() -> dict[str, str]:
     """embedjob's, Python's and VERSIONED's versions, so a report says what made an output."""
-    from embedjob import __version__
+    from embedjob.version import __version__
 
     versions = {"embedjob": __version__, "python": platform.python_version()}
     for name in VERSIONED:

@@ -41,7 +41,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import embedjob
 from embedjob.config import Job, JobError, load_job
 from embedjob.io import reader
 from embedjob.io.checkpoint import (
@@ -294,7 +293,7 @@ def _sbatch_value(value: str, what: str) -> str:
 def task_command(job_file: str | Path, overrides: list[str], job: Job) -> TaskCommand:
     """The task command for `job`, run by this Python from the current directory."""
     workdir = Path.cwd()
-    package_root = str(Path(embedjob.__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parent.parent)
     installed = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(job_file).stem) or "job"
     return TaskCommand(

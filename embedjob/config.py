@@ -74,9 +74,7 @@ class Range:
         return self.high is None or (value < self.high if self.high_open else value <= self.high)
 
     def __str__(self) -> str:
-        """The plain form `inspect` and the messages show: `>= 1`, `> 0`, `0..1`, `>= 0 and < 1`."""
-        if None not in (self.low, self.high) and not (self.low_open or self.high_open):
-            return f"{self.low:g}..{self.high:g}"
+        """The plain form `inspect` and the messages show: `>= 1`, `> 0`, `>= 0 and < 1`."""
         low = [] if self.low is None else [f"{'>' if self.low_open else '>='} {self.low:g}"]
         high = [] if self.high is None else [f"{'<' if self.high_open else '<='} {self.high:g}"]
         return " and ".join(low + high)
@@ -423,6 +421,8 @@ def _fits(value: Any, hint: Any, within: Range | None) -> tuple[bool, Any]:
 
 
 def _admits(within: Range | None, number: float) -> bool:
+    """Whether `number` is in the key's range; a numeric key declared without one is a
+    bug in this module, not in the job."""
     if within is None:
         raise TypeError("a numeric job key without a range: declare one with key(..., within=Range(...))")
     return within.admits(number)
@@ -475,19 +475,22 @@ def _value(job: Job, name: str) -> Any:
 
 def _check_batching(job: Job, errors: list[str]) -> None:
     """Budgets the packer would refuse only once the model is loaded, after the output
-    exists: none at all, or more items per batch than the smallest budget has tokens
-    (a captured batch of that many items must give each at least one)."""
+    exists: none at all, or more items per batch than the smallest budget (the largest,
+    `max_budget`, for automatic ones) has tokens, as a captured batch of that many items
+    must give each at least one."""
     b = job.batching
     if b.token_budgets == []:
         errors.append("key 'batching.token_budgets' = [] is not allowed; expected 'auto' or at least one budget")
     items = b.max_items_per_batch
-    smallest = min(b.token_budgets) if b.token_budgets != "auto" and b.token_budgets else None
-    if items != "auto" and smallest is not None and items > smallest:
+    if items == "auto":
+        return
+    if b.token_budgets != "auto" and b.token_budgets and items > min(b.token_budgets):
+        smallest = min(b.token_budgets)
         errors.append(
             f"batching.max_items_per_batch = {items} is larger than the smallest of batching.token_budgets, {smallest}; "
             f"lower max_items_per_batch to <= {smallest} or raise the smallest budget"
         )
-    if items != "auto" and b.token_budgets == "auto" and b.max_budget is not None and items > b.max_budget:
+    if b.token_budgets == "auto" and b.max_budget is not None and items > b.max_budget:
         errors.append(
             f"batching.max_items_per_batch = {items} is larger than batching.max_budget = {b.max_budget}; "
             f"lower max_items_per_batch to <= {b.max_budget} or raise max_budget"

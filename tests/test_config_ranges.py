@@ -187,7 +187,7 @@ def edge_values(hint: Any, within: Range) -> tuple[list[Any], Any]:
     outside = [NAN, INF, -INF, True, str(least), number(within.low if within.low_open else within.low - step)]
     if within.high is not None:
         outside.append(number(within.high if within.high_open else within.high + step))
-    if typing.get_origin(hint) is not list and list in {typing.get_origin(a) for a in typing.get_args(hint)}:
+    if list in {typing.get_origin(arm) for arm in (hint, *typing.get_args(hint))}:  # a list key: one item
         return [[v] for v in outside], [least]
     return outside, least
 

@@ -1,15 +1,18 @@
 """The job spec: a YAML file of sections, validated before any data is read.
 
 Every key a user may write is a field of one of the dataclasses below, declared with
-`key(default, description)`; the field's type hint is the allowed type. Validation is
-driven by those hints so that a key added here is validated, documented by `describe()`
-(and so by `embedjob inspect`) and overridable with `--set` without further code.
+`key(default, description, within)`; the field's type hint is the allowed type and a
+numeric key's `within` (a `Range`) its allowed numbers (each item's, for a list).
+Validation is driven by those declarations so that a key added here is validated,
+documented by `describe()` (and so by `embedjob inspect`) and overridable with `--set`
+without further code.
 
 Invariants: a `Job` returned by `load_job` has only known keys, values of the declared
-types (after the few lossless coercions below) and passes the cross-field checks in
-`_check`; anything else raises one `JobError` that lists every problem, each naming
-the key and what is allowed. Relative paths in a job (input.path, input.media_root,
-model.path, output.path, runtime.cache_dir) resolve against the working directory.
+types (after the few lossless coercions below) within their declared ranges (so never
+NaN or infinite), and passes the cross-field checks in `_check`; anything else raises
+one `JobError` that lists every problem, each naming the key and what is allowed.
+Relative paths in a job (input.path, input.media_root, model.path, output.path,
+runtime.cache_dir) resolve against the working directory.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import math
 import os
 import sys
 import types
@@ -46,14 +50,51 @@ DEFAULT_MAX_VIDEO_PIXELS = 500_000_000
 """video.max_total_pixels: every sampled frame of one video together (1.5 GB as RGB)."""
 
 
-def key(default: Any, doc: str) -> Any:
-    """A job key: its default and its one-line description (`embedjob inspect`, README).
+@dataclass(frozen=True)
+class Range:
+    """The numbers a numeric key allows: `low` to `high` (None: unbounded on that side),
+    each bound inclusive unless `low_open`/`high_open`.
+
+    NaN and the infinities are never in a range: no key reads infinity as "no limit"
+    (null is that, where a key has one), and NaN passes every comparison a later check
+    could make, so it would reach the pipeline and fail there, after the output exists.
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def admits(self, value: float) -> bool:
+        """Whether `value` (an int, or a float) is finite and within the bounds."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        """The plain form `inspect` and the messages show: `>= 1`, `> 0`, `>= 0 and < 1`."""
+        low = [] if self.low is None else [f"{'>' if self.low_open else '>='} {self.low:g}"]
+        high = [] if self.high is None else [f"{'<' if self.high_open else '<='} {self.high:g}"]
+        return " and ".join(low + high)
+
+
+def key(default: Any, doc: str, within: Range | None = None) -> Any:
+    """A job key: its default, its one-line description (`embedjob inspect`, README) and,
+    for a numeric key, the range its numbers must lie in (`Range`; every numeric key has one).
 
     A list default is copied for each job, so no two jobs share one list.
     """
+    metadata = {"doc": doc, "range": within}
     if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+AT_LEAST_0 = Range(0)
+AT_LEAST_1 = Range(1)
+ABOVE_0 = Range(0, low_open=True)
 
 
 @dataclass
@@ -68,8 +109,8 @@ class InputConfig:
     # A path column reads any file this process can read unless media_root confines it;
     # that must be asked for explicitly.
     allow_any_path: bool = key(False, "read media paths without a media_root (they may name any readable file)")
-    max_item_bytes: int = key(DEFAULT_MAX_ITEM_BYTES, "the largest media item read, in bytes; larger ones are too_large rows")
-    batch_rows: int = key(256, "rows decoded from Parquet at a time")
+    max_item_bytes: int = key(DEFAULT_MAX_ITEM_BYTES, "the largest media item read, in bytes; larger ones are too_large rows", AT_LEAST_1)
+    batch_rows: int = key(256, "rows decoded from Parquet at a time", AT_LEAST_1)
 
 
 @dataclass
@@ -102,11 +143,12 @@ class ModelConfig:
 class PreprocessConfig:
     """Image preprocessing knobs; `None` means the model's own processor default."""
 
-    min_pixels: int | None = key(None, "Qwen-VL: the fewest pixels an image is resized to; null: the model's default")
-    max_pixels: int | None = key(None, "Qwen-VL: the most pixels an image is resized to; null: the model's default")
-    max_image_pixels: int = key(178_956_970, "images larger than this (from their header) are too_large rows")
+    # Pixel counts start at 1: the adapter reads 0 as unset, the model's default.
+    min_pixels: int | None = key(None, "Qwen-VL: the fewest pixels an image is resized to; null: the model's default", AT_LEAST_1)
+    max_pixels: int | None = key(None, "Qwen-VL: the most pixels an image is resized to; null: the model's default", AT_LEAST_1)
+    max_image_pixels: int = key(178_956_970, "images larger than this (from their header) are too_large rows", AT_LEAST_1)
     tiling: Literal["none", "anyres"] = key("none", "CLIP/SigLIP/DINOv2: anyres adds local tiles to the global view")
-    max_tiles: int = key(6, "the most local tiles per image with tiling: anyres")
+    max_tiles: int = key(6, "the most local tiles per image with tiling: anyres", AT_LEAST_1)
     tile_combine: Literal["concat", "mean"] = key("concat", "how the global and tile vectors merge: [global ; tiles] or their mean")
     decoder: Literal["cpu", "gpu", "auto"] = key(
         "cpu", "where JPEGs are decoded: cpu (the decode workers), gpu (nvjpeg on the rank's GPU), auto (both: the GPU takes the share the workers cannot keep up with)"
@@ -117,14 +159,14 @@ class PreprocessConfig:
 class VideoConfig:
     """How frames are sampled from a video."""
 
-    fps: float = key(2.0, "frames sampled per second of video")
-    max_frames: int = key(32, "the most frames sampled from one video")
-    min_pixels: int | None = key(None, "Qwen-VL: the fewest pixels a frame is resized to; null: the model's default")
-    max_pixels: int | None = key(None, "Qwen-VL: the most pixels a frame is resized to; null: the model's default")
+    fps: float = key(2.0, "frames sampled per second of video", ABOVE_0)
+    max_frames: int = key(32, "the most frames sampled from one video", AT_LEAST_1)
+    min_pixels: int | None = key(None, "Qwen-VL: the fewest pixels a frame is resized to; null: the model's default", AT_LEAST_1)
+    max_pixels: int | None = key(None, "Qwen-VL: the most pixels a frame is resized to; null: the model's default", AT_LEAST_1)
     # Checked from the stream header (and the first decoded frame) before the sampled
     # frames are decoded: a larger video is one `too_large` error row.
-    max_pixels_per_frame: int = key(DEFAULT_MAX_FRAME_PIXELS, "videos with larger frames are too_large rows")
-    max_total_pixels: int = key(DEFAULT_MAX_VIDEO_PIXELS, "videos whose sampled frames hold more pixels together are too_large rows")
+    max_pixels_per_frame: int = key(DEFAULT_MAX_FRAME_PIXELS, "videos with larger frames are too_large rows", AT_LEAST_1)
+    max_total_pixels: int = key(DEFAULT_MAX_VIDEO_PIXELS, "videos whose sampled frames hold more pixels together are too_large rows", AT_LEAST_1)
     decoder: Literal["decord", "nvdec"] = key(
         "decord", "where sampled frames are decoded: decord (the decode workers) or nvdec (the rank's GPU; pip install 'embedjob[nvdec]')"
     )
@@ -134,18 +176,20 @@ class VideoConfig:
 class BatchingConfig:
     """Budgets and policy of the packer and graph manager."""
 
-    token_budgets: Auto | list[int] = key("auto", "encoder tokens per batch, one graph each; auto: powers of two")
-    max_items_per_batch: Auto | int = key("auto", "the most items in one batch")
-    max_frames_per_batch: Auto | int = key("auto", "the most video frames in one batch")
+    token_budgets: Auto | list[int] = key("auto", "encoder tokens per batch, one graph each; auto: powers of two", AT_LEAST_1)
+    max_items_per_batch: Auto | int = key("auto", "the most items in one batch", AT_LEAST_1)
+    max_frames_per_batch: Auto | int = key(
+        "auto", "the most video frames in one batch; a video with more runs alone, eagerly (0: every video)", AT_LEAST_0
+    )
     cuda_graphs: bool = key(True, "replay captured graphs (false: every batch runs eagerly at its exact size)")
     policy: Literal["greedy", "min_padding"] = key("min_padding", "how items are packed into batches")
     refine_budgets: bool = key(
         True, "add a budget (and capture its graph) when a window's batches pay over 5% of their tokens in padding"
     )
-    window: int = key(256, "decoded items packed together (the first windows are smaller)")
+    window: int = key(256, "decoded items packed together (the first windows are smaller)", AT_LEAST_1)
     compile: bool = key(False, "compile the encoder's blocks with torch.compile (CUDA only)")
-    min_budget: int | None = key(None, "the smallest automatic budget; null: the model's")
-    max_budget: int | None = key(None, "the largest automatic budget; null: the model's")
+    min_budget: int | None = key(None, "the smallest automatic budget; null: the model's", AT_LEAST_1)
+    max_budget: int | None = key(None, "the largest automatic budget; null: the model's", AT_LEAST_1)
 
 
 @dataclass
@@ -155,7 +199,7 @@ class OutputConfig:
     path: str = key("", "the output directory: parts, and bookkeeping under _embedjob/")
     pooling: Literal["mean", "none"] = key("mean", "mean: one vector per row; none: one vector per output token, with its grid")
     dtype: Literal["float16", "float32"] = key("float16", "the precision of the written vectors")
-    rows_per_part: int = key(10_000, "rows per Parquet part (the unit of commit and resume)")
+    rows_per_part: int = key(10_000, "rows per Parquet part (the unit of commit and resume)", AT_LEAST_1)
     normalize: bool = key(False, "write L2-normalised vectors (each token's with pooling: none)")
     columns: list[str] = key([], "input columns copied into the output, e.g. [url, caption]")
 
@@ -165,13 +209,19 @@ class RuntimeConfig:
     """Process-level settings."""
 
     device: Literal["auto", "cuda", "cpu"] = key("auto", "where the encoder runs; auto: cuda when visible")
-    workers: Auto | int = key("auto", "decode processes per GPU; auto: the cores shared among the GPUs; 0: inline")
-    decode_timeout: float = key(60.0, "seconds one item may take to decode before it is a timeout row")
-    gpus: Auto | int = key("auto", "GPUs (one process each) for a shard; auto: every visible GPU")
+    workers: Auto | int = key(
+        "auto", "decode processes per GPU; auto: the cores shared among the GPUs; 0: inline", AT_LEAST_0
+    )
+    decode_timeout: float = key(60.0, "seconds one item may take to decode before it is a timeout row", ABOVE_0)
+    gpus: Auto | int = key("auto", "GPUs (one process each) for a shard; auto: every visible GPU", AT_LEAST_1)
     cache_dir: str | None = key(None, "where builtin models, compiled kernels and (where Python writes none) bytecode are kept; null: $EMBEDJOB_CACHE or ~/.cache/embedjob")
     progress: bool = key(True, "show a progress bar")
-    max_error_rate: float | None = key(None, "stop the shard (exit 1) once more than this fraction of its rows are errors")
-    error_rate_min_rows: int = key(100, "rows a shard writes before max_error_rate applies")
+    max_error_rate: float | None = key(
+        None,
+        "stop the shard (exit 1) once more than this fraction of its rows are errors; null: no limit",
+        Range(0, 1, high_open=True),
+    )
+    error_rate_min_rows: int = key(100, "rows a shard writes before max_error_rate applies", AT_LEAST_1)
 
 
 @dataclass
@@ -254,20 +304,22 @@ def relative_note(path: str) -> str:
 
 
 def describe() -> str:
-    """Every key with its allowed values, default and description, one per line (for
-    `embedjob inspect`)."""
+    """Every key with its allowed values (a numeric key's range included), default and
+    description, one per line (for `embedjob inspect`)."""
     return "\n".join(f"{name}: {allowed} (default: {default!r}) - {doc}" for name, allowed, default, doc in keys())
 
 
 def keys() -> list[tuple[str, str, Any, str]]:
-    """(section.key, allowed values, default, description) of every key, in spec order."""
+    """(section.key, allowed values, default, description) of every key, in spec order;
+    a numeric key's allowed values name its range, as in `an integer >= 1`."""
     rows = []
     for section in dataclasses.fields(Job):
         cls = section.default_factory  # type: ignore[misc]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-            rows.append((f"{section.name}.{f.name}", _allowed(hints[f.name]), default, f.metadata["doc"]))
+            allowed = _allowed(hints[f.name], f.metadata["range"])
+            rows.append((f"{section.name}.{f.name}", allowed, default, f.metadata["doc"]))
     return rows
 
 
@@ -299,12 +351,12 @@ def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
         errors.append(f"'{prefix}' must be a mapping, got {type(raw).__name__}")
         raw = {}
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     where = f"in section '{prefix}'" if prefix else "at the top level"
-    for unknown in (k for k in raw if k not in names):
-        errors.append(f"unknown key '{_join(prefix, unknown)}' {where}; allowed: {', '.join(names)}")
+    for unknown in (k for k in raw if k not in fields):
+        errors.append(f"unknown key '{_join(prefix, unknown)}' {where}; allowed: {', '.join(fields)}")
     values = {}
-    for name in names:
+    for name, f in fields.items():
         if name not in raw:
             continue
         hint = hints[name]
@@ -312,11 +364,12 @@ def _build(cls: type, raw: Any, prefix: str, errors: list[str]) -> Any:
         if dataclasses.is_dataclass(hint):
             values[name] = _build(hint, raw[name], full, errors)
             continue
-        ok, value = _fits(raw[name], hint)
+        within = f.metadata["range"]
+        ok, value = _fits(raw[name], hint, within)
         if ok:
             values[name] = value
         else:
-            errors.append(f"key '{full}' = {raw[name]!r} is not allowed; expected {_allowed(hint)}")
+            errors.append(f"key '{full}' = {raw[name]!r} is not allowed; expected {_allowed(hint, within)}")
     return cls(**values)
 
 
@@ -324,11 +377,14 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _fits(value: Any, hint: Any) -> tuple[bool, Any]:
+def _fits(value: Any, hint: Any, within: Range | None) -> tuple[bool, Any]:
+    """(whether `value` is of type `hint`, its numbers in `within`; the value as the job
+    keeps it). bool is an int to Python but never a number here: `window: true` is a
+    mistake, not 1."""
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         for arm in typing.get_args(hint):
-            ok, result = _fits(value, arm)
+            ok, result = _fits(value, arm, within)
             if ok:
                 return True, result
         return False, None
@@ -340,7 +396,7 @@ def _fits(value: Any, hint: Any) -> tuple[bool, Any]:
             return False, None
         out = []
         for v in value:
-            ok, r = _fits(v, inner)
+            ok, r = _fits(v, inner, within)
             if not ok:
                 return False, None
             out.append(r)
@@ -350,73 +406,95 @@ def _fits(value: Any, hint: Any) -> tuple[bool, Any]:
     if hint is bool:
         return isinstance(value, bool), value
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
+        return isinstance(value, int) and not isinstance(value, bool) and _admits(within, value), value
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value)
-        return False, None
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return False, None
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond any float: out of every range
+            return False, None
+        return _admits(within, number), number
     if hint is str:
         return isinstance(value, str), value
     return isinstance(value, hint), value
 
 
-def _allowed(hint: Any) -> str:
+def _admits(within: Range | None, number: float) -> bool:
+    """Whether `number` is in the key's range; a numeric key declared without one is a
+    bug in this module, not in the job."""
+    if within is None:
+        raise TypeError("a numeric job key without a range: declare one with key(..., within=Range(...))")
+    return within.admits(number)
+
+
+def _allowed(hint: Any, within: Range | None) -> str:
+    """What `hint` allows in words, numbers with their range: `'auto' or an integer >= 0`."""
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
-        return " or ".join(_allowed(a) for a in typing.get_args(hint))
+        return " or ".join(_allowed(a, within) for a in typing.get_args(hint))
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(hint))
     if origin is list:
-        return f"a list of {_allowed(typing.get_args(hint)[0])}"
+        return f"a list of {_allowed(typing.get_args(hint)[0], within)}"
     if hint is type(None):
         return "null"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
+    if hint in (int, float):
+        return f"{'an integer' if hint is int else 'a finite number'} {within}"
+    return {str: "a string", bool: "true or false"}.get(hint, str(hint))
+
+
+ORDERED = (
+    ("preprocess.min_pixels", "preprocess.max_pixels"),
+    ("video.min_pixels", "video.max_pixels"),
+    ("batching.min_budget", "batching.max_budget"),
+)
+"""Pairs of keys whose first may not exceed the second where both are set (null: the
+model's value, unknown until it loads)."""
 
 
 def _check(job: Job, errors: list[str]) -> None:
-    """Cross-field and range checks that type hints cannot express, each failure added
+    """Cross-field checks, which no one key's type and range express, each failure added
     to `errors`."""
-    positive = {
-        "input.batch_rows": job.input.batch_rows,
-        "input.max_item_bytes": job.input.max_item_bytes,
-        "video.max_pixels_per_frame": job.video.max_pixels_per_frame,
-        "video.max_total_pixels": job.video.max_total_pixels,
-        "video.max_frames": job.video.max_frames,
-        "batching.window": job.batching.window,
-        "output.rows_per_part": job.output.rows_per_part,
-        "preprocess.max_image_pixels": job.preprocess.max_image_pixels,
-        "preprocess.max_tiles": job.preprocess.max_tiles,
-        "runtime.error_rate_min_rows": job.runtime.error_rate_min_rows,
-    }
-    errors += [f"key '{name}' = {value} must be > 0" for name, value in positive.items() if value <= 0]
-    if job.video.fps <= 0:
-        errors.append(f"key 'video.fps' = {job.video.fps} must be > 0")
-    if job.runtime.decode_timeout <= 0:
-        errors.append(f"key 'runtime.decode_timeout' = {job.runtime.decode_timeout} must be > 0 seconds")
+    for low_name, high_name in ORDERED:
+        low, high = _value(job, low_name), _value(job, high_name)
+        if low is not None and high is not None and low > high:
+            errors.append(
+                f"{low_name} = {low} is larger than {high_name} = {high}; "
+                f"lower {low_name.split('.')[1]} or raise {high_name.split('.')[1]}"
+            )
     _check_batching(job, errors)
-    if job.runtime.workers != "auto" and job.runtime.workers < 0:
-        errors.append(f"key 'runtime.workers' = {job.runtime.workers} must be 'auto' or >= 0 (0 decodes in the main process)")
-    if job.runtime.gpus != "auto" and job.runtime.gpus < 1:
-        errors.append(f"key 'runtime.gpus' = {job.runtime.gpus} must be 'auto' or >= 1")
-    rate = job.runtime.max_error_rate
-    if rate is not None and not 0 <= rate < 1:
-        errors.append(f"key 'runtime.max_error_rate' = {rate} must be a fraction in [0, 1) or null (no limit)")
     _check_model(job, errors)
     _check_columns(job, errors)
 
 
+def _value(job: Job, name: str) -> Any:
+    section, key_name = name.split(".")
+    return getattr(getattr(job, section), key_name)
+
+
 def _check_batching(job: Job, errors: list[str]) -> None:
-    for name in ("max_items_per_batch", "max_frames_per_batch"):
-        value = getattr(job.batching, name)
-        if value != "auto" and value < (0 if name == "max_frames_per_batch" else 1):
-            errors.append(f"key 'batching.{name}' = {value} must be 'auto' or a positive integer")
-    budgets = job.batching.token_budgets
-    if budgets != "auto" and (not budgets or any(b <= 0 for b in budgets)):
-        errors.append(f"key 'batching.token_budgets' = {budgets} must be 'auto' or a non-empty list of positive integers")
-    for name in ("min_budget", "max_budget"):
-        value = getattr(job.batching, name)
-        if value is not None and value <= 0:
-            errors.append(f"key 'batching.{name}' = {value} must be a positive integer or null")
+    """Budgets the packer would refuse only once the model is loaded, after the output
+    exists: none at all, or more items per batch than the smallest budget (the largest,
+    `max_budget`, for automatic ones) has tokens, as a captured batch of that many items
+    must give each at least one."""
+    b = job.batching
+    if b.token_budgets == []:
+        errors.append("key 'batching.token_budgets' = [] is not allowed; expected 'auto' or at least one budget")
+    items = b.max_items_per_batch
+    if items == "auto":
+        return
+    if b.token_budgets != "auto" and b.token_budgets and items > min(b.token_budgets):
+        smallest = min(b.token_budgets)
+        errors.append(
+            f"batching.max_items_per_batch = {items} is larger than the smallest of batching.token_budgets, {smallest}; "
+            f"lower max_items_per_batch to <= {smallest} or raise the smallest budget"
+        )
+    if b.token_budgets == "auto" and b.max_budget is not None and items > b.max_budget:
+        errors.append(
+            f"batching.max_items_per_batch = {items} is larger than batching.max_budget = {b.max_budget}; "
+            f"lower max_items_per_batch to <= {b.max_budget} or raise max_budget"
+        )
 
 
 def _check_model(job: Job, errors: list[str]) -> None:
@@ -449,11 +527,6 @@ def _check_model(job: Job, errors: list[str]) -> None:
         errors.append("video.decoder = 'nvdec' decodes on the rank's GPU but runtime.device is 'cpu'; use video.decoder: decord")
     if job.video.decoder == "nvdec" and job.input.modality == "image":
         errors.append("video.decoder = 'nvdec' decodes videos and input.modality is 'image'; remove video.decoder")
-    if pp.min_pixels is not None and pp.max_pixels is not None and pp.min_pixels > pp.max_pixels:
-        errors.append(
-            f"preprocess.min_pixels = {pp.min_pixels} is larger than preprocess.max_pixels = {pp.max_pixels}; "
-            "lower min_pixels or raise max_pixels"
-        )
 
 
 def _check_columns(job: Job, errors: list[str]) -> None:

@@ -51,9 +51,9 @@ def test_override_can_supply_a_missing_required_key() -> None:
         (MINIMAL, ["batching.token_budgets=[64, x]"], "key 'batching.token_budgets'"),
         ({**MINIMAL, "input": {"path": "p"}}, [], "input.media_column is required"),
         ({**MINIMAL, "input": {"media_column": "c"}}, [], "input.path is required"),
-        (MINIMAL, ["video.fps=0"], "'video.fps' = 0.0 must be > 0"),
-        (MINIMAL, ["batching.token_budgets=[]"], "non-empty list of positive integers"),
-        (MINIMAL, ["runtime.workers=-1"], "'runtime.workers' = -1 must be 'auto' or >= 0"),
+        (MINIMAL, ["video.fps=0"], "key 'video.fps' = 0 is not allowed; expected a finite number > 0"),
+        (MINIMAL, ["batching.token_budgets=[]"], "expected 'auto' or at least one budget"),
+        (MINIMAL, ["runtime.workers=-1"], "'runtime.workers' = -1 is not allowed; expected 'auto' or an integer >= 0"),
         (MINIMAL, ["preprocess.min_pixels=100", "preprocess.max_pixels=10"], "lower min_pixels or raise max_pixels"),
         (MINIMAL, ["outputpath=x"], "--set key must be section.key"),
         (MINIMAL, ["output.path"], "--set expects key.sub=value"),
@@ -94,4 +94,4 @@ def test_every_shipped_job_file_is_valid() -> None:
 def test_describe_lists_every_key_with_its_default() -> None:
     text = describe()
     assert "output.pooling: 'mean' | 'none' (default: 'mean')" in text
-    assert "batching.token_budgets: 'auto' or a list of an integer (default: 'auto')" in text
+    assert "batching.token_budgets: 'auto' or a list of an integer >= 1 (default: 'auto')" in text

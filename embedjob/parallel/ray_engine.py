@@ -514,8 +514,15 @@ def check_token(address: str) -> None:
         return
     if address == "auto" and not os.environ.get("RAY_ADDRESS"):
         # As `ray.init` does for a cluster it finds on this machine: a token in
-        # ~/.ray/auth_token turns token authentication on.
-        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        # ~/.ray/auth_token turns token authentication on. Ray's notice of that would
+        # come before, and read as a second cause of, a refusal.
+        notices = logging.getLogger(maybe_enable_token_auth_if_token_available.__module__)
+        level = notices.level
+        notices.setLevel(logging.ERROR)
+        try:
+            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        finally:
+            notices.setLevel(level)
     if address.startswith("ray://"):
         channel = init_grpc_channel(address.removeprefix("ray://"))
         ping = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)

@@ -627,8 +627,8 @@ def _set_environment(values: dict[str, str | None]) -> None:
 def _loopback_node() -> Iterator[None]:
     """Ray reads LOOPBACK_VARIABLE once, on import (the command has imported Ray before
     it knows it needs a local cluster), and without it turns the node address
-    127.0.0.1 into the machine's network address: the flag, as the variable would
-    have set it, while the cluster starts."""
+    127.0.0.1 into the machine's network address: the flag as the variable would have
+    set it, while the local cluster runs."""
     from ray._private import ray_constants
 
     before = ray_constants.ENABLE_RAY_CLUSTER

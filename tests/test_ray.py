@@ -343,6 +343,27 @@ def test_without_an_address_the_engine_starts_a_cluster_of_its_own_on_127_0_0_1_
     assert_untouched(stale_token)
 
 
+@pytest.mark.slow
+def test_a_run_without_an_address_leaves_nothing_in_the_users_home(
+    ray_installed: None, tmp_path: Path, cache_dir: str
+) -> None:
+    """Such a run used to start Ray's default local cluster, which wrote its token into
+    ~/.ray/auth_token: every cluster started on the machine afterwards took that token
+    and wanted it from drivers that did not send it."""
+    inputs = write_photos(tmp_path / "in")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**{name: value for name, value in os.environ.items() if name != LOOPBACK_ONLY}, "HOME": str(home)}
+    done = subprocess.run(
+        [sys.executable, "-m", "embedjob.cli", "run", *job_args(inputs, tmp_path / "out", cache_dir),
+         "--engine", "ray", "--shards", "2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "2 shards: 2 done, 0 running, 0 pending, 0 failed, 0 unfinished; 24 of 24 rows" in done.stderr
+    assert list(home.iterdir()) == [] and (Path(cache_dir) / "ray" / "auth_token").is_file()
+
+
 def _free_ports(count: int) -> list[int]:
     """`count` distinct ports free on 127.0.0.1 now."""
     with contextlib.ExitStack() as stack:

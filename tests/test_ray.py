@@ -11,11 +11,11 @@ recomputes nothing. The driver runs as a user runs it, `embedjob run` in a proce
 its own. Without Ray installed `--engine ray` is a one-line job error.
 
 The cluster has token authentication on, with a token of its own that the head and the
-drivers are given explicitly (RAY_AUTH_MODE, RAY_AUTH_TOKEN); every test here runs with
-a stale token in ~/.ray/auth_token (in the suite's private home), as on a machine where
-a local Ray job ran before, and leaves it as it was. A driver whose token the cluster
-refuses is told so in one line; without `--address` the engine starts a cluster of its
-own, on 127.0.0.1 only, with its token under the job's cache."""
+drivers are given explicitly (RAY_AUTH_MODE, RAY_AUTH_TOKEN); the tests run with a stale
+token in ~/.ray/auth_token (in the suite's private home), as on a machine where a local
+Ray job ran before, and leave it as it was. A driver whose token the cluster refuses is
+told so in one line; without `--address` the engine starts a cluster of its own, on
+127.0.0.1 only, with its token under the job's cache, and writes nothing into a home."""
 
 from __future__ import annotations
 

@@ -174,7 +174,7 @@ def _engine_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--address", metavar="ADDR",
         help="--engine ray: the cluster, ray://HOST:PORT, HOST:PORT or auto "
-        "(default: RAY_ADDRESS, a cluster started on this machine, else a new local one)",
+        "(default: RAY_ADDRESS, else a cluster of the run's own on 127.0.0.1, with token authentication)",
     )
     run.add_argument(
         "--max-retries", type=int, metavar="K",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +17,25 @@ from embedjob.encoders import load_adapter
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The suite's own home and Ray state directory (RAY_TMPDIR), without the user's
+    Ray settings: nothing the suite starts reads or writes the user's ~/.ray or
+    /tmp/ray. A token that a local Ray job had left in ~/.ray/auth_token turned token
+    authentication on for the cluster a test started, and its drivers, which did not
+    send that token, could not connect."""
+    home = tmp_path_factory.mktemp("home")
+    # Short: Ray's socket paths under it must stay within the 107 bytes a Unix socket allows.
+    ray_state = tempfile.mkdtemp(prefix="embedjob-ray-", dir="/tmp")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOME", str(home))
+        patch.setenv("RAY_TMPDIR", ray_state)
+        for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            patch.delenv(name, raising=False)
+        yield home
+    shutil.rmtree(ray_state, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

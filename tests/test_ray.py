@@ -8,7 +8,14 @@ committed parts) and another shard cannot run (its lock is held here: a JobError
 reported without retrying while the other shards finish); the rerun runs only that
 shard, and the output equals the single-process run row for row; a third run
 recomputes nothing. The driver runs as a user runs it, `embedjob run` in a process of
-its own. Without Ray installed `--engine ray` is a one-line job error."""
+its own. Without Ray installed `--engine ray` is a one-line job error.
+
+The cluster has token authentication on, with a token of its own that the head and the
+drivers are given explicitly (RAY_AUTH_MODE, RAY_AUTH_TOKEN); the tests run with a stale
+token in ~/.ray/auth_token (in the suite's private home), as on a machine where a local
+Ray job ran before, and leave it as it was. A driver whose token the cluster refuses is
+told so in one line; without `--address` the engine starts a cluster of its own, on
+127.0.0.1 only, with its token under the job's cache, and writes nothing into a home."""
 
 from __future__ import annotations
 
@@ -16,8 +23,10 @@ import contextlib
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -53,9 +62,10 @@ from embedjob.slurm import Shard
 SHARDS = 6
 ROWS_PER_SHARD = 4
 LOCKED = 5
-LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+LOOPBACK_ONLY = ray_engine.LOOPBACK_VARIABLE
 """Set to 0, Ray takes 127.0.0.1 as the node's address and binds its servers there (a
 Linux node otherwise advertises, and is reached at, its network address)."""
+STALE_TOKEN = "token-of-a-cluster-an-earlier-local-ray-job-started"
 
 # Six row groups of four rows (twice the demo's ten photos and two broken rows), one
 # row per part and one item per window: each shard commits four parts, a few tenths of
@@ -72,6 +82,22 @@ def write_photos(directory: Path) -> Path:
     table = pa.Table.from_pylist(rows, schema=schema)
     pq.write_table(table, directory / "photos.parquet", row_group_size=ROWS_PER_SHARD)
     return directory
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stale_token(private_home: Path) -> Iterator[Path]:
+    """~/.ray/auth_token as a local Ray job leaves it: the token of a cluster long gone,
+    which Ray takes for every cluster and driver not told otherwise."""
+    token = private_home / ".ray" / "auth_token"
+    token.parent.mkdir(exist_ok=True)
+    token.write_text(STALE_TOKEN)
+    yield token
+    token.unlink()
+
+
+def assert_untouched(stale_token: Path) -> None:
+    """The user's ~/.ray is as it was: the stale token, alone and unchanged."""
+    assert list(stale_token.parent.iterdir()) == [stale_token] and stale_token.read_text() == STALE_TOKEN
 
 
 # ---------------------------------------------------------------- without a cluster
@@ -212,7 +238,7 @@ def test_pick_engine_names_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(pick_engine("ray", "auto", 2, 4), RayEngine)
 
 
-def test_a_ray_client_connection_is_tried_again_and_then_named(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_ray_client_connection_is_tried_again_and_then_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Ray Client's server may answer a loaded head's first connection with an
     initialization failure: the driver tries again, and names the address if it never
     connects. A local address is tried once."""
@@ -229,16 +255,113 @@ def test_a_ray_client_connection_is_tried_again_and_then_named(monkeypatch: pyte
     fake.init = init
     monkeypatch.setitem(sys.modules, "ray", fake)
     monkeypatch.setattr(ray_engine.time, "sleep", lambda seconds: None)
-    with ray_engine.connect("ray://127.0.0.1:10001"):
-        assert calls == ["ray://127.0.0.1:10001"] * 2
+    checked: list[str] = []
+    monkeypatch.setattr(ray_engine, "check_token", checked.append)
+    with ray_engine.connect("ray://127.0.0.1:10001", tmp_path):
+        assert calls == ["ray://127.0.0.1:10001"] * 2 and checked == ["ray://127.0.0.1:10001"]
     calls.clear()
     with pytest.raises(RuntimeError, match=r"cannot connect to the Ray cluster at auto: ConnectionError: Initialization"):
-        with ray_engine.connect("auto"):
+        with ray_engine.connect("auto", tmp_path):
             pass
     assert calls == ["auto"]
 
 
+def test_local_clusters_keep_their_token_under_the_cache_for_its_owner_alone(tmp_path: Path) -> None:
+    path = ray_engine.cluster_token(tmp_path / "cache")
+    assert path == tmp_path / "cache" / "ray" / "auth_token"
+    token = path.read_text()
+    assert len(token) == 64 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ray_engine.cluster_token(tmp_path / "cache").read_text() == token  # runs side by side share it
+    assert list(path.parent.iterdir()) == [path]
+
+
 # ---------------------------------------------------------------- a local Ray cluster
+
+
+@pytest.fixture(scope="module")
+def ray_installed() -> None:
+    if importlib.util.find_spec("ray") is None:
+        if os.environ.get("CI"):
+            pytest.fail("Ray is not installed; scripts/setup.sh installs embedjob[test,ray]")
+        pytest.skip("Ray is not installed (pip install -e '.[ray]')")
+
+
+LOCAL_CLUSTER = """
+import json, os, sys
+from pathlib import Path
+from ray._raylet import AuthenticationMode, get_authentication_mode
+from embedjob.parallel import ray_engine
+
+def listening(port):
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                found.append(local.rsplit(":", 1)[0])
+    return found
+
+def auth_settings():
+    return {name: os.environ.get(name) for name in ray_engine.AUTH_VARIABLES}
+
+with ray_engine.connect(None, Path(sys.argv[1])) as ray:
+    node = ray.nodes()[0]
+    gcs_host, gcs_port = ray.get_runtime_context().gcs_address.rsplit(":", 1)
+    ports = [int(gcs_port), node["NodeManagerPort"], node["ObjectManagerPort"]]
+    seen = {"node": node["NodeManagerAddress"], "gcs": gcs_host, "listening": [listening(p) for p in ports],
+            "task": ray.get(ray.remote(auth_settings).remote(), timeout=120)}
+seen["after"] = {**auth_settings(), "loopback": os.environ.get(ray_engine.LOOPBACK_VARIABLE)}
+seen["token_auth_after"] = get_authentication_mode() == AuthenticationMode.TOKEN
+print(json.dumps(seen))
+"""
+"""Connects as the engine does without an address, reports what the cluster looked like
+from inside, and what was left in the process after it."""
+
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+"""127.0.0.1, ::ffff:127.0.0.1 and ::1 as /proc/net/tcp and tcp6 write them."""
+
+
+@pytest.mark.slow
+def test_without_an_address_the_engine_starts_a_cluster_of_its_own_on_127_0_0_1_with_its_token_under_the_cache(
+    ray_installed: None, stale_token: Path, tmp_path: Path
+) -> None:
+    """Ray's own local cluster listens on every interface and takes the token of
+    ~/.ray/auth_token (or writes one there, which the user's next `ray start` takes)."""
+    env = {name: value for name, value in os.environ.items() if name != LOOPBACK_ONLY}
+    done = subprocess.run(
+        [sys.executable, "-c", LOCAL_CLUSTER, str(tmp_path / "cache")], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["node"] == seen["gcs"] == "127.0.0.1"
+    assert all(found and set(found) <= LOOPBACK for found in seen["listening"]), seen["listening"]
+    token = tmp_path / "cache" / "ray" / "auth_token"
+    assert seen["task"] == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": None, "RAY_AUTH_TOKEN_PATH": str(token)}
+    # Nothing that decides how the user's own clusters are reached is left behind.
+    assert seen["after"] == dict.fromkeys([*ray_engine.AUTH_VARIABLES, "loopback"]) and not seen["token_auth_after"]
+    assert_untouched(stale_token)
+
+
+@pytest.mark.slow
+def test_a_run_without_an_address_leaves_nothing_in_the_users_home(
+    ray_installed: None, tmp_path: Path, cache_dir: str
+) -> None:
+    """Such a run used to start Ray's default local cluster, which wrote its token into
+    ~/.ray/auth_token: every cluster started on the machine afterwards took that token
+    and wanted it from drivers that did not send it."""
+    inputs = write_photos(tmp_path / "in")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**{name: value for name, value in os.environ.items() if name != LOOPBACK_ONLY}, "HOME": str(home)}
+    done = subprocess.run(
+        [sys.executable, "-m", "embedjob.cli", "run", *job_args(inputs, tmp_path / "out", cache_dir),
+         "--engine", "ray", "--shards", "2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "2 shards: 2 done, 0 running, 0 pending, 0 failed, 0 unfinished; 24 of 24 rows" in done.stderr
+    assert list(home.iterdir()) == [] and (Path(cache_dir) / "ray" / "auth_token").is_file()
 
 
 def _free_ports(count: int) -> list[int]:
@@ -253,22 +376,24 @@ def _free_ports(count: int) -> list[int]:
 class RayHead:
     """`ray start --head --block` in a session of its own: every process of the
     cluster (its workers included) is in that session, and it is stopped by its
-    process group."""
+    process group. Token authentication is on, with a token of its own (`driver_env`
+    gives it to drivers); its state is under RAY_TMPDIR, where `--address auto` finds it."""
 
     def __init__(self, temp: Path) -> None:
         self.log = temp / "ray-start.log"
         self.port, self.client_port = _free_ports(2)
+        self.token = secrets.token_hex(32)
         command = [
             str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
             "--node-ip-address", "127.0.0.1", "--port", str(self.port),
             "--ray-client-server-port", str(self.client_port),
             "--num-cpus", "3", "--num-gpus", "0", "--include-dashboard", "false",
-            "--object-store-memory", str(200 * 2**20), "--temp-dir", str(temp / "t"), "--disable-usage-stats",
+            "--object-store-memory", str(200 * 2**20), "--disable-usage-stats",
         ]
         with self.log.open("w") as sink:
             self.proc = subprocess.Popen(
                 command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, LOOPBACK_ONLY: "0"},
+                env={**os.environ, **self.driver_env},
             )
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in self.log.read_text():
@@ -279,6 +404,11 @@ class RayHead:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def driver_env(self) -> dict[str, str]:
+        """What a driver of this cluster sets: its token, and its node on 127.0.0.1."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, LOOPBACK_ONLY: "0"}
 
     @property
     def client_address(self) -> str:
@@ -330,18 +460,12 @@ class RayHead:
 
 
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
-    if importlib.util.find_spec("ray") is None:
-        if os.environ.get("CI"):
-            pytest.fail("Ray is not installed; scripts/setup.sh installs embedjob[test,ray]")
-        pytest.skip("Ray is not installed (pip install -e '.[ray]')")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(LOOPBACK_ONLY, "0")  # this process is the driver
-        head = RayHead(tmp_path_factory.mktemp("ray"))
-        try:
-            yield head
-        finally:
-            head.stop()
+def ray_head(ray_installed: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
+    head = RayHead(tmp_path_factory.mktemp("ray"))
+    try:
+        yield head
+    finally:
+        head.stop()
 
 
 class Killer(threading.Thread):
@@ -379,18 +503,18 @@ def part_times(out: Path) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
 
 
-def embedjob(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`embedjob ARGS` in a process of its own, as a user runs it: the Ray driver's
-    state stays out of pytest's process, and a run that hangs fails the test."""
+def embedjob(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`embedjob ARGS` in a process of its own with `env` added, as a user runs it: the
+    Ray driver's state stays out of pytest's process, and a run that hangs fails the test."""
     return subprocess.run(
-        [sys.executable, "-m", "embedjob.cli", *args], cwd=REPO, env={**os.environ, LOOPBACK_ONLY: "0"},
+        [sys.executable, "-m", "embedjob.cli", *args], cwd=REPO, env={**os.environ, **env},
         capture_output=True, text=True, timeout=timeout,
     )
 
 
 @pytest.mark.slow
 def test_a_six_shard_job_on_ray_survives_a_killed_worker_and_equals_the_single_process_run(
-    ray_head: RayHead, tmp_path: Path, cache_dir: str
+    ray_head: RayHead, stale_token: Path, tmp_path: Path, cache_dir: str
 ) -> None:
     inputs = write_photos(tmp_path / "in")
     single = tmp_path / "single"
@@ -405,7 +529,10 @@ def test_a_six_shard_job_on_ray_survives_a_killed_worker_and_equals_the_single_p
     killer = Killer(ray_head, out, spare=LOCKED)
     killer.start()
     try:
-        first = embedjob(*ray_run, "--address", ray_head.address, "--shards", str(SHARDS), "--max-retries", "2")
+        first = embedjob(
+            *ray_run, "--address", ray_head.address, "--shards", str(SHARDS), "--max-retries", "2",
+            env=ray_head.driver_env,
+        )
     finally:
         killer.done.set()
         lock.release()
@@ -428,7 +555,7 @@ def test_a_six_shard_job_on_ray_survives_a_killed_worker_and_equals_the_single_p
     # The rerun (its shard count from the output; through Ray Client this time) runs
     # only the shard that failed.
     before = part_times(out)
-    second = embedjob(*ray_run, "--address", ray_head.client_address)
+    second = embedjob(*ray_run, "--address", ray_head.client_address, env=ray_head.driver_env)
     assert second.returncode == 0, second.stderr
     assert f"{SHARDS} shards: {SHARDS} done, 0 running" in second.stderr
     after = part_times(out)
@@ -438,7 +565,38 @@ def test_a_six_shard_job_on_ray_survives_a_killed_worker_and_equals_the_single_p
 
     # Once every shard is done, nothing is recomputed, and no cluster is even asked:
     # an address where none answers does.
-    third = embedjob(*ray_run, "--address", f"127.0.0.1:{_free_ports(1)[0]}", timeout=120)
+    third = embedjob(*ray_run, "--address", f"127.0.0.1:{_free_ports(1)[0]}", env=ray_head.driver_env, timeout=120)
     assert third.returncode == 0, third.stderr
     assert f"all {SHARDS} shards were already complete; nothing to do" in third.stderr
     assert part_times(out) == after
+    assert_untouched(stale_token)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("how", "auth", "refused"),
+    [
+        ("head", {}, "this driver's request, which carries no token (RAY_AUTH_MODE is not 'token')"),
+        ("client", {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "f" * 64}, "the token in RAY_AUTH_TOKEN"),
+        # `auto` finds the cluster in RAY_TMPDIR, and Ray then sends the token of ~/.ray/auth_token.
+        ("auto", {}, "the token in {stale_token}"),
+    ],
+)
+def test_a_token_the_cluster_refuses_is_one_line_naming_what_to_set(
+    how: str, auth: dict[str, str], refused: str, ray_head: RayHead, stale_token: Path, tmp_path: Path, cache_dir: str
+) -> None:
+    """Ray itself would try for a minute, then say only that it could not connect."""
+    address = {"head": ray_head.address, "client": ray_head.client_address, "auto": "auto"}[how]
+    inputs = write_photos(tmp_path / "in")
+    run = ["run", *job_args(inputs, tmp_path / "out", cache_dir), "--engine", "ray", "--shards", "2", "--address", address]
+    done = embedjob(*run, env={LOOPBACK_ONLY: "0", **auth})
+    assert done.returncode == 1, done.stderr
+    *before, last = done.stderr.strip().splitlines()
+    assert last == (
+        f"embedjob: failed: RuntimeError: cannot connect to the Ray cluster at {address}: it uses token authentication "
+        f"and refused {refused.format(stale_token=stale_token)}; set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the "
+        "cluster's token (or RAY_AUTH_TOKEN_PATH to a file that holds it)"
+    )
+    assert [line for line in before if " INFO embedjob." not in line] == [], "Ray's retries and warnings stay out"
+    assert not list((tmp_path / "out").glob("part-*")) and not list((tmp_path / "out").glob(".embedjob-reach-*"))
+    assert_untouched(stale_token)

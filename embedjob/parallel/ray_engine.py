@@ -18,8 +18,11 @@ The driver (this process):
 1. checks the job, its input and the output's job before queueing anything (as
    `submit` does): a bad spec, an unreadable input or an output of another job stop
    here; shards with `_SUCCESS` are skipped (`--overwrite` recomputes them too);
-2. connects to the cluster (`--address`; none: `RAY_ADDRESS`, a cluster started on
-   this machine, else a new local one);
+2. connects to the cluster (`--address`, else `RAY_ADDRESS`; a cluster with token
+   authentication that refuses this driver's token is one line at once), or, with
+   neither, starts a cluster of its own on this machine for the run: on 127.0.0.1
+   only, with token authentication, its token kept under the job's cache directory
+   (never ~/.ray, which the user's own clusters read);
 3. checks that the output is shared: it writes a random token into output.path, and
    one task shaped like a shard's must find it there and write an answer the driver
    can see (every shard's task checks the token again before it writes anything);
@@ -45,10 +48,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import secrets
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,7 +62,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from embedjob.config import Job, JobError, prepare_process
+from embedjob.config import Job, JobError, cache_root, prepare_process
 from embedjob.io import reader
 from embedjob.io.checkpoint import (
     OutputError,
@@ -143,7 +148,7 @@ class RayEngine:
                 outcomes[shard.index] = ShardOutcome(shard, stats)
         todo = [s for s in shards if s.index not in outcomes]
         if todo:
-            with connect(self.address) as ray:
+            with connect(self.address, cache_root(job.runtime.cache_dir)) as ray:
                 outcomes.update(self._run(ray, job, todo, output, rows, overwrite))
         return [outcomes[s.index] for s in shards]
 
@@ -426,13 +431,23 @@ def _reason(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def connect(address: str | None) -> Iterator[Any]:
-    """The `ray` module, connected to `address` for the run (left connected when the
-    caller had connected already)."""
+def connect(address: str | None, cache: Path) -> Iterator[Any]:
+    """The `ray` module, connected for the run (left connected when the caller had
+    connected already): to `address`, else to RAY_ADDRESS, else to a new cluster on
+    this machine (`local_cluster`, its token kept under `cache`).
+
+    Without an address the run never joins a cluster it finds on this machine: it
+    starts one whose token it knows, so the token files and settings of the user's own
+    clusters neither matter to it nor change (`--address auto` joins the local one)."""
     import ray
 
     if ray.is_initialized():
         yield ray
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        with local_cluster(ray, cache):
+            yield ray
         return
     _init(ray, address)
     try:
@@ -446,16 +461,190 @@ CLIENT_ATTEMPTS = 3
 and, on a loaded head, may answer the first try with an initialization failure."""
 
 
-def _init(ray: Any, address: str | None) -> None:
-    attempts = CLIENT_ATTEMPTS if (address or "").startswith("ray://") else 1
+def _init(ray: Any, address: str) -> None:
+    """`ray.init` for `address`, after `check_token`; a Ray Client connection is tried
+    CLIENT_ATTEMPTS times."""
+    attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1
     for attempt in range(1, attempts + 1):
         try:
+            if attempt == 1:
+                check_token(address)
             ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
             return
         except ConnectionError as exc:
             if attempt == attempts:
-                where = address or "RAY_ADDRESS / this machine"
-                raise RuntimeError(f"cannot connect to the Ray cluster at {where}: {_reason(exc)}") from None
+                raise RuntimeError(f"cannot connect to the Ray cluster at {address}: {_reason(exc)}") from None
             logger.warning("connecting to %s failed (%s); trying again", address, _reason(exc))
             ray.shutdown()
             time.sleep(2.0 * attempt)
+
+
+# ---------------------------------------------------------------- token authentication
+
+TOKEN_CHECK_S = 10.0
+"""How long the token check waits for the cluster's answer; a cluster that does not
+answer in time is left to `ray.init`, which says why it cannot connect."""
+
+AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+"""What Ray (2.52+) reads to authenticate: the mode (`token` or `disabled`), then the
+token from RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names, else ~/.ray/auth_token."""
+
+LOOPBACK_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""At 0, Ray keeps 127.0.0.1 as a node's address (and binds its servers there) rather
+than replacing it with the machine's network address."""
+
+
+def check_token(address: str) -> None:
+    """One line (RuntimeError) if the cluster at `address` refuses this driver's token.
+
+    `ray.init` meets a refused token with a minute of retries, then says only that it
+    could not connect; one call to the cluster (the GCS, or the Ray Client server for
+    `ray://`) on a channel Ray itself builds, so with the token and TLS `ray.init` would
+    use, tells at once. Any other answer, or none, is left to `ray.init`. A Ray without
+    token authentication (before 2.52) has nothing to check."""
+    try:
+        import grpc
+        from ray._private import services
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc, ray_client_pb2, ray_client_pb2_grpc
+    except ImportError:
+        return
+    if address == "auto" and not os.environ.get("RAY_ADDRESS"):
+        # As `ray.init` does for a cluster it finds on this machine: a token in
+        # ~/.ray/auth_token turns token authentication on. Ray's notice of that would
+        # come before, and read as a second cause of, a refusal.
+        notices = logging.getLogger(maybe_enable_token_auth_if_token_available.__module__)
+        level = notices.level
+        notices.setLevel(logging.ERROR)
+        try:
+            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+        finally:
+            notices.setLevel(level)
+    if address.startswith("ray://"):
+        channel = init_grpc_channel(address.removeprefix("ray://"))
+        ping = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
+        call = functools.partial(ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo, ping)
+    else:
+        channel = init_grpc_channel(services.canonicalize_bootstrap_address_or_die(address))
+        request = gcs_service_pb2.GetClusterIdRequest()
+        call = functools.partial(gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId, request)
+    with channel:
+        try:
+            call(timeout=TOKEN_CHECK_S)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise RuntimeError(
+                    f"cannot connect to the Ray cluster at {address}: it uses token authentication and refused "
+                    f"{_what_this_driver_sends()}; set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token "
+                    "(or RAY_AUTH_TOKEN_PATH to a file that holds it)"
+                ) from None
+
+
+def _what_this_driver_sends() -> str:
+    """The token this driver sends, by where Ray takes it from (AUTH_VARIABLES)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return "this driver's request, which carries no token (RAY_AUTH_MODE is not 'token')"
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "the token in RAY_AUTH_TOKEN"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"the token in RAY_AUTH_TOKEN_PATH ({os.environ['RAY_AUTH_TOKEN_PATH']})"
+    if (Path.home() / ".ray" / "auth_token").is_file():
+        return f"the token in {Path.home() / '.ray' / 'auth_token'}"
+    return "this driver's request, which carries no token (none in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+
+
+@contextlib.contextmanager
+def local_cluster(ray: Any, cache: Path) -> Iterator[None]:
+    """A new Ray cluster on this machine, for the run: its servers on 127.0.0.1 only,
+    token authentication on with the token of `cluster_token(cache)`; stopped with the run.
+
+    Ray's own local cluster would listen on every interface, and take (or write) the
+    token of ~/.ray/auth_token, the file every later `ray start` on this machine reads:
+    a cluster the user starts afterwards would then want a token their drivers do not
+    send. The settings apply to this process only while the cluster runs (its
+    processes keep them) and are put back afterwards, as Ray reads them again."""
+    settings = {
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": None,  # it would win over the token file
+        "RAY_AUTH_TOKEN_PATH": str(cluster_token(cache)),
+        LOOPBACK_VARIABLE: "0",
+    }
+    try:
+        with _environment(settings), _loopback_node():
+            _reload_auth_settings()
+            try:
+                ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                         logging_level=logging.WARNING)
+                yield
+            finally:
+                ray.shutdown()
+    finally:
+        _reload_auth_settings()
+
+
+def cluster_token(cache: Path) -> Path:
+    """The token file of the local clusters of runs with this cache: a random token,
+    readable by its owner only, made by the first run and kept (runs side by side
+    share it, so none replaces a token another's cluster still reads)."""
+    path = cache / "ray" / "auth_token"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, draft = tempfile.mkstemp(dir=path.parent, prefix=".auth_token-")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as sink:
+            sink.write(secrets.token_hex(32))
+        with contextlib.suppress(FileExistsError):  # another run made it first: theirs stays
+            os.link(draft, path)
+    finally:
+        os.unlink(draft)
+    return path
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str | None]) -> Iterator[None]:
+    """These environment variables set (None: unset) inside, as they were afterwards."""
+    before = {name: os.environ.get(name) for name in values}
+    _set_environment(values)
+    try:
+        yield
+    finally:
+        _set_environment(before)
+
+
+def _set_environment(values: dict[str, str | None]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """Ray reads LOOPBACK_VARIABLE once, on import (the command has imported Ray before
+    it knows it needs a local cluster), and without it turns the node address
+    127.0.0.1 into the machine's network address: the flag as the variable would have
+    set it, while the local cluster runs."""
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+def _reload_auth_settings() -> None:
+    """Make Ray read AUTH_VARIABLES again: it reads them once per process and keeps the
+    token it loaded (a Ray before 2.52 reads none)."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:
+        return
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()

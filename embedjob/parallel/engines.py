@@ -18,31 +18,15 @@ rather than an engine that waits for the shards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
 from embedjob.config import Job, JobError
 from embedjob.io.checkpoint import read_output_record
+from embedjob.parallel.outcome import Engine, ShardOutcome
 from embedjob.slurm import Shard
 
 ENGINES = ("local", "ray")
 RAY_MISSING = "--engine ray needs Ray, which is not installed here: pip install 'embedjob[ray]'"
-
-
-@dataclass
-class ShardOutcome:
-    """What became of one shard: its statistics (as `run_job` returns them; `skipped`
-    when it was already finished), or, when it failed for good, one line saying why."""
-
-    shard: Shard
-    stats: dict[str, Any] | None = None
-    error: str | None = None
-    attempts: int = 0
-
-
-class Engine(Protocol):
-    def __call__(self, job: Job, shards: list[Shard], overwrite: bool = False) -> list[ShardOutcome]: ...
 
 
 def local_engine(job: Job, shards: list[Shard], overwrite: bool = False) -> list[ShardOutcome]:

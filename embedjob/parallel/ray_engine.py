@@ -72,7 +72,7 @@ from embedjob.io.checkpoint import (
     shard_progress,
     success_name,
 )
-from embedjob.parallel.engines import ShardOutcome
+from embedjob.parallel.outcome import ShardOutcome
 from embedjob.slurm import Shard, shard_ranges
 
 logger = logging.getLogger(__name__)

@@ -38,7 +38,9 @@ from embedjob.io.writer import RowBlock
 from embedjob.parallel.cluster import (
     FAULT_ENV,
     FAULT_EXIT_CODE,
+    HEARTBEAT,
     HELLO,
+    TAKE,
     Cluster,
     Coordinator,
     Hub,
@@ -47,7 +49,9 @@ from embedjob.parallel.cluster import (
     RankFailure,
     _Spawned,
     resolve_layout,
+    send_hello,
 )
+from embedjob.parallel import cluster as cluster_module
 from embedjob.pipeline import ENCODE_AHEAD, RankPipeline
 from embedjob.workers import wire
 
@@ -187,7 +191,7 @@ def test_the_rank_link_listens_on_loopback_only_and_drops_peers_without_the_toke
         wire.send(intruder, HELLO, ("wrong-token", 1))
         assert intruder.recv(1) == b""  # dropped
         member = socket.create_connection(("127.0.0.1", hub.port))
-        wire.send(member, HELLO, ("right-token", 1))
+        send_hello(member, "right-token", 1)
         coordinator = Coordinator(2, lookahead=2)
         hub.serve(coordinator)
         coordinator.open([Chunk(0, 0, 4, ()), Chunk(1, 4, 8, ())])
@@ -209,7 +213,7 @@ def test_every_rank_hears_when_all_are_ready_while_its_take_waits() -> None:
         coordinator = Coordinator(2, lookahead=4, head_start=1)
         hub.serve(coordinator)
         coordinator.open([Chunk(i, i, i + 1, ()) for i in range(4)])
-        link = Link(hub.port, "token", 1)
+        link = Link(hub.port, "token", 1, heartbeat=1.0)
         assert link.take() == Chunk(0, 0, 1, ())
         later: list[Chunk | None] = []
         taker = threading.Thread(target=lambda: later.append(link.take()))
@@ -223,6 +227,142 @@ def test_every_rank_hears_when_all_are_ready_while_its_take_waits() -> None:
         assert later == [Chunk(1, 1, 2, ())]
     finally:
         hub.close()
+
+
+def _listening_hub(token: str, world_size: int) -> Hub:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    return Hub(listener, token, world_size, spawned=[])
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end closed `sock` (a reset when it left bytes unread)."""
+    sock.settimeout(10)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+class _Intrusion:
+    """A pickle that makes a directory when it is unpickled: what a peer without the
+    token could run in rank 0 if rank 0 unpickled its first frame."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return os.mkdir, (str(self.path),)
+
+
+def test_idle_garbage_and_wrong_token_connections_hold_up_no_rank_and_run_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 0 handled one connection at a time and gave each 30 s to say hello: four
+    idle connections made a 2-rank start take two minutes more. Now each handshake has
+    its own thread and a second, so the ranks join at once, the strays are dropped, the
+    first frame is never unpickled, and once every rank is in, the port refuses."""
+    hub = _listening_hub("right-token", world_size=3)
+    strays = [socket.create_connection(("127.0.0.1", hub.port)) for _ in range(4)]  # the first stays idle
+    try:
+        strays[1].sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        send_hello(strays[2], "wrong-token", 1)
+        wire.send(strays[3], HELLO, _Intrusion(tmp_path / "intruded"))
+        coordinator = Coordinator(3, lookahead=3)
+        hub.serve(coordinator)
+        coordinator.open([Chunk(0, 0, 4, ()), Chunk(1, 4, 8, ())])
+        members = [socket.create_connection(("127.0.0.1", hub.port)) for _ in range(2)]
+        for rank, member in enumerate(members, 1):
+            send_hello(member, "right-token", rank)
+            wire.send(member, TAKE, None)
+        # Well under the 30 s a single idle connection used to cost.
+        answers = [wire.receive(member, timeout=10)[1] for member in members]
+        assert sorted(chunk.index for chunk in answers) == [0, 1]
+        assert all(_closed_by_peer(stray) for stray in strays)
+        assert not (tmp_path / "intruded").exists()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", hub.port), timeout=10)
+    finally:
+        hub.close()
+        for sock in strays:
+            sock.close()
+    dropped = [r.getMessage() for r in caplog.records if "rank link" in r.getMessage()]
+    assert len(dropped) == 4 and sum("this run's token" in m for m in dropped) == 2, dropped
+
+
+def test_ranks_that_never_join_stop_the_job_with_one_line_naming_them(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank that never connects (its start hangs) used to leave rank 0 waiting for
+    it for good; now the start-up is bounded and the failure names who is missing,
+    whether it comes before rank 0 serves chunks or after."""
+    monkeypatch.setattr(cluster_module, "JOIN_TIMEOUT", 1.0)
+    missing = "ranks 2, 3 of 4 did not join rank 0 within 1s"
+    late = _listening_hub("token", world_size=4)
+    early = _listening_hub("token", world_size=4)
+    joined = [socket.create_connection(("127.0.0.1", hub.port)) for hub in (early, late)]
+    try:
+        coordinator = Coordinator(4, lookahead=4)
+        early.serve(coordinator)
+        for sock in joined:
+            send_hello(sock, "token", 1)
+        with pytest.raises(RankFailure, match=missing):
+            coordinator.all_ready(timeout=30)
+        with pytest.raises(RankFailure, match=missing):
+            early.wait_done()
+        deadline = time.monotonic() + 30
+        while caplog.text.count(missing) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert caplog.text.count(missing) == 2  # one line per hub, whoever noticed first
+        served_late = Coordinator(4, lookahead=4)
+        late.serve(served_late)
+        with pytest.raises(RankFailure, match=missing):
+            served_late.take(0)
+    finally:
+        early.close()
+        late.close()
+        for sock in joined:
+            sock.close()
+
+
+def test_a_rank_that_goes_silent_is_named_with_its_pid_and_its_return_is_said(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank that sends nothing (stopped, hung) stalled the job for half an hour
+    without a word. Now rank 0 names it, its pid, how long and the rows it holds; a
+    rank that is merely busy keeps quiet warnings away with its heartbeat."""
+    monkeypatch.setattr(cluster_module, "SILENCE_LIMIT", 0.8)
+    hub = _listening_hub("token", world_size=3)
+    busy = Link(hub.port, "token", 1, heartbeat=cluster_module.heartbeat_interval())
+    silent = socket.create_connection(("127.0.0.1", hub.port))
+    try:
+        coordinator = Coordinator(3, lookahead=3)
+        hub.serve(coordinator)
+        coordinator.open([Chunk(0, 0, 4, ()), Chunk(1, 4, 8, ())])
+        send_hello(silent, "token", 2)
+        wire.send(silent, TAKE, None)
+        assert busy.take() is not None and wire.receive(silent, timeout=10)[1] is not None
+        deadline = time.monotonic() + 30
+        while "has sent nothing" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the busy rank has been quiet, but for its heartbeat, as long
+        wire.send(silent, HEARTBEAT, None)
+        while "heard from again" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        hub.close()
+        busy.sock.close()
+        silent.close()
+    lines = [r.getMessage() for r in caplog.records if "rank " in r.getMessage()]
+    assert len(lines) >= 2, lines
+    assert re.fullmatch(
+        rf"rank 2 of 3 \(pid {os.getpid()}\) has sent nothing, not even a heartbeat, for \d+s "
+        r"\(stopped or hung\?\); it holds rows [04]-[37]",
+        lines[0],
+    ), lines[0]
+    assert re.fullmatch(rf"rank 2 of 3 \(pid {os.getpid()}\) is heard from again after \d+s of silence", lines[-1])
+    assert not any("rank 1 " in line for line in lines)
 
 
 @pytest.mark.parametrize("others_ready", [False, True])

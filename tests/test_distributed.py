@@ -15,6 +15,7 @@ import multiprocessing.connection
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -276,8 +277,8 @@ def test_idle_garbage_and_wrong_token_connections_hold_up_no_rank_and_run_nothin
         for rank, member in enumerate(members, 1):
             send_hello(member, "right-token", rank)
             wire.send(member, TAKE, None)
-        # Well under the 30 s a single idle connection used to cost.
-        answers = [wire.receive(member, timeout=10)[1] for member in members]
+            wire.receive_timeout(member, 10)  # well under the 30 s one idle connection cost
+        answers = [wire.receive(member, 10)[1] for member in members]
         assert sorted(chunk.index for chunk in answers) == [0, 1]
         assert all(_closed_by_peer(stray) for stray in strays)
         assert not (tmp_path / "intruded").exists()
@@ -530,6 +531,81 @@ def test_a_dying_rank_stops_the_job_with_one_line_and_a_rerun_resumes(
     reference = tmp_path.parent / "reference"
     assert _run(None, reference, cache_dir, "--set", "output.rows_per_part=2") == 0
     _assert_same_output(tmp_path, reference)
+
+
+def test_idle_connections_to_rank_zero_during_start_up_hold_up_no_rank(
+    single: dict[str, Path], tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Four idle connections to rank 0's port as the ranks started made a 2-rank run of
+    6.7 s take 126 s: each held the rendezvous for 30 s, one after the other. Now rank 1
+    joins as soon as it connects, and the output is whole."""
+    strays: list[socket.socket] = []
+    listen = cluster_module.listen_on_loopback
+
+    def listen_and_crowd() -> socket.socket:
+        listener = listen()
+        strays.extend(socket.create_connection(listener.getsockname()) for _ in range(4))
+        return listener
+
+    monkeypatch.setattr(cluster_module, "listen_on_loopback", listen_and_crowd)
+    try:
+        assert _run(None, tmp_path, cache_dir, "--gpus", "2") == 0
+    finally:
+        for sock in strays:
+            sock.close()
+    assert len(strays) == 4
+    _assert_same_output(tmp_path, single["demo"])
+    join = _stats(tmp_path)["ranks"][1]["setup"]["join"]
+    assert join < 20, join  # from its imports to its first chunk; 120 s and more before
+    assert caplog.text.count("sent no handshake within 1s") == 4
+
+
+def test_a_stopped_rank_is_named_while_the_job_waits_and_the_job_ends_well_once_it_goes_on(
+    single: dict[str, Path], tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A rank stopped (SIGSTOP) with a chunk in hand stalled the job for 30 minutes with
+    no word. Now rank 0 names it, its pid, how long and the rows it holds; after SIGCONT
+    it says the rank is back and the job finishes with every row."""
+    monkeypatch.setattr(cluster_module, "SILENCE_LIMIT", 3.0)
+    stopped: list[int] = []
+    stop = threading.Event()
+    take = Coordinator.take
+
+    def take_then_stop(self: Coordinator, rank: int) -> Chunk | None:
+        chunk = take(self, rank)
+        if rank == 1 and chunk is not None and not stop.is_set():
+            pid = next(p.pid for p in multiprocessing.active_children() if p.name == "embedjob-rank1")
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+            stop.set()
+        return chunk
+
+    def go_on_once_named() -> None:
+        if not stop.wait(120) or not stopped:
+            return  # the run ended before rank 1 took a chunk
+        deadline = time.monotonic() + 60
+        while "has sent nothing" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(stopped[0], signal.SIGCONT)
+
+    monkeypatch.setattr(Coordinator, "take", take_then_stop)
+    waker = threading.Thread(target=go_on_once_named)
+    waker.start()
+    try:
+        assert _run(None, tmp_path, cache_dir, "--gpus", "2") == 0
+    finally:
+        stop.set()
+        waker.join()
+    _assert_same_output(tmp_path, single["demo"])
+    pid = stopped[0]
+    named = re.search(
+        rf"rank 1 of 2 \(pid {pid}\) has sent nothing, not even a heartbeat, for (\d+)s .*; it holds rows \d+-\d+",
+        caplog.text,
+    )
+    assert named and int(named[1]) >= 3, caplog.text
+    assert f"rank 1 of 2 (pid {pid}) is heard from again after" in caplog.text
 
 
 def _sleeping_ranks(count: int, seconds: float) -> list[_Spawned]:

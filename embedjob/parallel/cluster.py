@@ -74,8 +74,8 @@ from embedjob.workers import wire
 logger = logging.getLogger(__name__)
 
 TRANSFER_TIMEOUT = 30 * 60.0
-"""The longest a rank may hold a chunk, and rank 0 wait for the others' statistics.
-It only bounds a hung peer; a dead one is detected at once."""
+"""The longest a rank may hold a chunk, and the longest rank 0 waits for the others'
+statistics. It only bounds a hung peer; a dead one is detected at once."""
 
 HANDSHAKE_TIMEOUT = 1.0
 """Seconds a new connection to rank 0's link gets to present the run's token. A rank

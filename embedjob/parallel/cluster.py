@@ -593,7 +593,8 @@ class Hub:
             with self._cond:
                 for peer in self._peers.values():
                     silent = now - peer.heard
-                    if peer.rank in self._stats or peer.rank in self._ended or silent < max(SILENCE_LIMIT, 2 * peer.warned):
+                    ended = peer.rank in self._stats or peer.rank in self._ended
+                    if ended or silent < max(SILENCE_LIMIT, 2 * peer.warned):
                         continue
                     peer.warned = silent
                     logger.warning(
@@ -633,6 +634,7 @@ def _shut_down(listener: socket.socket) -> None:
 
 
 def _rows(chunks: Iterable[Chunk]) -> str:
+    """The rows of `chunks` for a log line, in chunk order: "rows 0-3, 8-11" or "no rows"."""
     spans = [f"{c.first_row}-{c.end_row - 1}" for c in sorted(chunks, key=lambda c: c.index)]
     return f"rows {', '.join(spans)}" if spans else "no rows"
 

@@ -50,7 +50,7 @@ from embedjob.io.checkpoint import open_checkpoint  # noqa: E402
 from embedjob.io.reader import Chunk  # noqa: E402
 from embedjob.io.sink import ErrorRate, Progress, Writer  # noqa: E402
 from embedjob.io.writer import RowBlock, output_schema  # noqa: E402
-from embedjob.parallel.cluster import Coordinator, Hub, Link, listen_on_loopback  # noqa: E402
+from embedjob.parallel.cluster import Coordinator, Hub, Link, heartbeat_interval, listen_on_loopback  # noqa: E402
 from embedjob.pipeline import CHUNK_ROWS  # noqa: E402
 from embedjob.slurm import Shard  # noqa: E402
 from embedjob.timeline import Timeline  # noqa: E402
@@ -80,7 +80,7 @@ def block_for(chunk: Chunk, vectors: np.ndarray) -> RowBlock:
 def send(port: int, rank: int, dim: int) -> None:
     """One sender: a rank that has its rows ready the moment it takes a chunk."""
     vectors = np.random.default_rng(rank).standard_normal((CHUNK_ROWS, dim)).astype(np.float16)
-    link = Link(port, TOKEN, rank)
+    link = Link(port, TOKEN, rank, heartbeat_interval())
     link.ready()
     link.all_ready()
     while (chunk := link.take()) is not None:

@@ -15,6 +15,7 @@ import multiprocessing.connection
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +39,9 @@ from embedjob.io.writer import RowBlock
 from embedjob.parallel.cluster import (
     FAULT_ENV,
     FAULT_EXIT_CODE,
+    HEARTBEAT,
     HELLO,
+    TAKE,
     Cluster,
     Coordinator,
     Hub,
@@ -47,7 +50,9 @@ from embedjob.parallel.cluster import (
     RankFailure,
     _Spawned,
     resolve_layout,
+    send_hello,
 )
+from embedjob.parallel import cluster as cluster_module
 from embedjob.pipeline import ENCODE_AHEAD, RankPipeline
 from embedjob.workers import wire
 
@@ -187,7 +192,7 @@ def test_the_rank_link_listens_on_loopback_only_and_drops_peers_without_the_toke
         wire.send(intruder, HELLO, ("wrong-token", 1))
         assert intruder.recv(1) == b""  # dropped
         member = socket.create_connection(("127.0.0.1", hub.port))
-        wire.send(member, HELLO, ("right-token", 1))
+        send_hello(member, "right-token", 1)
         coordinator = Coordinator(2, lookahead=2)
         hub.serve(coordinator)
         coordinator.open([Chunk(0, 0, 4, ()), Chunk(1, 4, 8, ())])
@@ -209,7 +214,7 @@ def test_every_rank_hears_when_all_are_ready_while_its_take_waits() -> None:
         coordinator = Coordinator(2, lookahead=4, head_start=1)
         hub.serve(coordinator)
         coordinator.open([Chunk(i, i, i + 1, ()) for i in range(4)])
-        link = Link(hub.port, "token", 1)
+        link = Link(hub.port, "token", 1, heartbeat=1.0)
         assert link.take() == Chunk(0, 0, 1, ())
         later: list[Chunk | None] = []
         taker = threading.Thread(target=lambda: later.append(link.take()))
@@ -223,6 +228,142 @@ def test_every_rank_hears_when_all_are_ready_while_its_take_waits() -> None:
         assert later == [Chunk(1, 1, 2, ())]
     finally:
         hub.close()
+
+
+def _listening_hub(token: str, world_size: int) -> Hub:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    return Hub(listener, token, world_size, spawned=[])
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end closed `sock` (a reset when it left bytes unread)."""
+    sock.settimeout(10)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+class _Intrusion:
+    """A pickle that makes a directory when it is unpickled: what a peer without the
+    token could run in rank 0 if rank 0 unpickled its first frame."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return os.mkdir, (str(self.path),)
+
+
+def test_idle_garbage_and_wrong_token_connections_hold_up_no_rank_and_run_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 0 handled one connection at a time and gave each 30 s to say hello: four
+    idle connections made a 2-rank start take two minutes more. Now each handshake has
+    its own thread and a second, so the ranks join at once, the strays are dropped, the
+    first frame is never unpickled, and once every rank is in, the port refuses."""
+    hub = _listening_hub("right-token", world_size=3)
+    strays = [socket.create_connection(("127.0.0.1", hub.port)) for _ in range(4)]  # the first stays idle
+    try:
+        strays[1].sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        send_hello(strays[2], "wrong-token", 1)
+        wire.send(strays[3], HELLO, _Intrusion(tmp_path / "intruded"))
+        coordinator = Coordinator(3, lookahead=3)
+        hub.serve(coordinator)
+        coordinator.open([Chunk(0, 0, 4, ()), Chunk(1, 4, 8, ())])
+        members = [socket.create_connection(("127.0.0.1", hub.port)) for _ in range(2)]
+        for rank, member in enumerate(members, 1):
+            send_hello(member, "right-token", rank)
+            wire.send(member, TAKE, None)
+            wire.receive_timeout(member, 10)  # well under the 30 s one idle connection cost
+        answers = [wire.receive(member, 10)[1] for member in members]
+        assert sorted(chunk.index for chunk in answers) == [0, 1]
+        assert all(_closed_by_peer(stray) for stray in strays)
+        assert not (tmp_path / "intruded").exists()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", hub.port), timeout=10)
+    finally:
+        hub.close()
+        for sock in strays:
+            sock.close()
+    dropped = [r.getMessage() for r in caplog.records if "rank link" in r.getMessage()]
+    assert len(dropped) == 4 and sum("this run's token" in m for m in dropped) == 2, dropped
+
+
+def test_ranks_that_never_join_stop_the_job_with_one_line_naming_them(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank that never connects (its start hangs) used to leave rank 0 waiting for
+    it for good; now the start-up is bounded and the failure names who is missing,
+    whether it comes before rank 0 serves chunks or after."""
+    monkeypatch.setattr(cluster_module, "JOIN_TIMEOUT", 1.0)
+    missing = "ranks 2, 3 of 4 did not join rank 0 within 1s"
+    late = _listening_hub("token", world_size=4)
+    early = _listening_hub("token", world_size=4)
+    joined = [socket.create_connection(("127.0.0.1", hub.port)) for hub in (early, late)]
+    try:
+        coordinator = Coordinator(4, lookahead=4)
+        early.serve(coordinator)
+        for sock in joined:
+            send_hello(sock, "token", 1)
+        with pytest.raises(RankFailure, match=missing):
+            coordinator.all_ready(timeout=30)
+        with pytest.raises(RankFailure, match=missing):
+            early.wait_done()
+        deadline = time.monotonic() + 30
+        while caplog.text.count(missing) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert caplog.text.count(missing) == 2  # one line per hub, whoever noticed first
+        served_late = Coordinator(4, lookahead=4)
+        late.serve(served_late)
+        with pytest.raises(RankFailure, match=missing):
+            served_late.take(0)
+    finally:
+        early.close()
+        late.close()
+        for sock in joined:
+            sock.close()
+
+
+def test_a_rank_that_goes_silent_is_named_with_its_pid_and_its_return_is_said(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank that sends nothing (stopped, hung) stalled the job for half an hour
+    without a word. Now rank 0 names it, its pid, how long and the rows it holds; a
+    rank that is merely busy keeps quiet warnings away with its heartbeat."""
+    monkeypatch.setattr(cluster_module, "SILENCE_LIMIT", 0.8)
+    hub = _listening_hub("token", world_size=3)
+    busy = Link(hub.port, "token", 1, heartbeat=cluster_module.heartbeat_interval())
+    silent = socket.create_connection(("127.0.0.1", hub.port))
+    try:
+        coordinator = Coordinator(3, lookahead=3)
+        hub.serve(coordinator)
+        coordinator.open([Chunk(0, 0, 4, ()), Chunk(1, 4, 8, ())])
+        send_hello(silent, "token", 2)
+        wire.send(silent, TAKE, None)
+        assert busy.take() is not None and wire.receive(silent, timeout=10)[1] is not None
+        deadline = time.monotonic() + 30
+        while "has sent nothing" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the busy rank has been quiet, but for its heartbeat, as long
+        wire.send(silent, HEARTBEAT, None)
+        while "heard from again" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        hub.close()
+        busy.sock.close()
+        silent.close()
+    lines = [r.getMessage() for r in caplog.records if "rank " in r.getMessage()]
+    assert len(lines) >= 2, lines
+    assert re.fullmatch(
+        rf"rank 2 of 3 \(pid {os.getpid()}\) has sent nothing, not even a heartbeat, for \d+s "
+        r"\(stopped or hung\?\); it holds rows [04]-[37]",
+        lines[0],
+    ), lines[0]
+    assert re.fullmatch(rf"rank 2 of 3 \(pid {os.getpid()}\) is heard from again after \d+s of silence", lines[-1])
+    assert not any("rank 1 " in line for line in lines)
 
 
 @pytest.mark.parametrize("others_ready", [False, True])
@@ -390,6 +531,81 @@ def test_a_dying_rank_stops_the_job_with_one_line_and_a_rerun_resumes(
     reference = tmp_path.parent / "reference"
     assert _run(None, reference, cache_dir, "--set", "output.rows_per_part=2") == 0
     _assert_same_output(tmp_path, reference)
+
+
+def test_idle_connections_to_rank_zero_during_start_up_hold_up_no_rank(
+    single: dict[str, Path], tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Four idle connections to rank 0's port as the ranks started made a 2-rank run of
+    6.7 s take 126 s: each held the rendezvous for 30 s, one after the other. Now rank 1
+    joins as soon as it connects, and the output is whole."""
+    strays: list[socket.socket] = []
+    listen = cluster_module.listen_on_loopback
+
+    def listen_and_crowd() -> socket.socket:
+        listener = listen()
+        strays.extend(socket.create_connection(listener.getsockname()) for _ in range(4))
+        return listener
+
+    monkeypatch.setattr(cluster_module, "listen_on_loopback", listen_and_crowd)
+    try:
+        assert _run(None, tmp_path, cache_dir, "--gpus", "2") == 0
+    finally:
+        for sock in strays:
+            sock.close()
+    assert len(strays) == 4
+    _assert_same_output(tmp_path, single["demo"])
+    join = _stats(tmp_path)["ranks"][1]["setup"]["join"]
+    assert join < 20, join  # from its imports to its first chunk; 120 s and more before
+    assert caplog.text.count("sent no handshake within 1s") == 4
+
+
+def test_a_stopped_rank_is_named_while_the_job_waits_and_the_job_ends_well_once_it_goes_on(
+    single: dict[str, Path], tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A rank stopped (SIGSTOP) with a chunk in hand stalled the job for 30 minutes with
+    no word. Now rank 0 names it, its pid, how long and the rows it holds; after SIGCONT
+    it says the rank is back and the job finishes with every row."""
+    monkeypatch.setattr(cluster_module, "SILENCE_LIMIT", 3.0)
+    stopped: list[int] = []
+    stop = threading.Event()
+    take = Coordinator.take
+
+    def take_then_stop(self: Coordinator, rank: int) -> Chunk | None:
+        chunk = take(self, rank)
+        if rank == 1 and chunk is not None and not stop.is_set():
+            pid = next(p.pid for p in multiprocessing.active_children() if p.name == "embedjob-rank1")
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+            stop.set()
+        return chunk
+
+    def go_on_once_named() -> None:
+        if not stop.wait(120) or not stopped:
+            return  # the run ended before rank 1 took a chunk
+        deadline = time.monotonic() + 60
+        while "has sent nothing" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(stopped[0], signal.SIGCONT)
+
+    monkeypatch.setattr(Coordinator, "take", take_then_stop)
+    waker = threading.Thread(target=go_on_once_named)
+    waker.start()
+    try:
+        assert _run(None, tmp_path, cache_dir, "--gpus", "2") == 0
+    finally:
+        stop.set()
+        waker.join()
+    _assert_same_output(tmp_path, single["demo"])
+    pid = stopped[0]
+    named = re.search(
+        rf"rank 1 of 2 \(pid {pid}\) has sent nothing, not even a heartbeat, for (\d+)s .*; it holds rows \d+-\d+",
+        caplog.text,
+    )
+    assert named and int(named[1]) >= 3, caplog.text
+    assert f"rank 1 of 2 (pid {pid}) is heard from again after" in caplog.text
 
 
 def _sleeping_ranks(count: int, seconds: float) -> list[_Spawned]:

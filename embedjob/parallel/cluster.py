@@ -19,13 +19,18 @@ asking for more waits, whatever the input or the ranks' speeds.
 
 Links. Rank 0 listens on 127.0.0.1 only (an ephemeral port) and each other rank
 connects once and proves it belongs to the run with a random token, which spawned
-ranks get in their arguments and torchrun's ranks through torchrun's store. A link
+ranks get in their arguments and torchrun's ranks through torchrun's store. The first
+frame (HELLO: token, rank, pid) is plain text, read before anything is unpickled, and
+must arrive within `HANDSHAKE_TIMEOUT`; each connection's handshake runs on a thread of
+its own, so a stray or idle connection delays no rank, and every rank must have joined
+within `JOIN_TIMEOUT` of rank 0 listening (then the listener closes). After it a link
 carries `wire` frames: TAKE (a rank asks for a chunk), CHUNK (the answer; None when
 there are no more), READY (the rank has captured its graphs), GO (rank 0 to every rank:
-all are ready), ROWS (a finished chunk), DONE (the rank's statistics, its last message)
-and FAILED (its error). On rank 0 one thread per link reads and another answers TAKEs,
-so a rank that waits for a chunk never holds up the rows it sends; on the other ranks
-one thread reads, so a wait for GO and a wait for a chunk can overlap.
+all are ready), ROWS (a finished chunk), HEARTBEAT (the rank is alive), DONE (the
+rank's statistics, its last message) and FAILED (its error). On rank 0 one thread per
+link reads and another answers TAKEs, so a rank that waits for a chunk never holds up
+the rows it sends; on the other ranks one thread reads, so a wait for GO and a wait for
+a chunk can overlap.
 
 Failures. A rank that dies closes its link: rank 0 stops the job with a `RankFailure`
 naming the rank and its exit code (or its own error message), never a hang; spawned
@@ -33,7 +38,9 @@ ranks end when rank 0 ends, torchrun stops the others under torchrun, and rank 0
 watchdog ends it if its main thread does not notice within `FAILURE_GRACE`. A chunk
 that a live rank holds for longer than `TRANSFER_TIMEOUT` stops the job too. Parts are
 committed by rank 0 alone, so the checkpoint rules are unchanged: committed parts stay
-valid and a rerun resumes.
+valid and a rerun resumes. A rank that is alive but sends nothing, not even its
+heartbeat, for `SILENCE_LIMIT` (a stopped or hung process) is named in a warning, again
+each time its silence doubles, and once more when it is heard from again.
 """
 
 from __future__ import annotations
@@ -45,13 +52,14 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+import re
 import secrets
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -66,8 +74,27 @@ from embedjob.workers import wire
 logger = logging.getLogger(__name__)
 
 TRANSFER_TIMEOUT = 30 * 60.0
-"""The longest a rank may hold a chunk, and the longest a rank may take to connect.
-It only bounds a hung peer; a dead one is detected at once."""
+"""The longest a rank may hold a chunk, and the longest rank 0 waits for the others'
+statistics. It only bounds a hung peer; a dead one is detected at once."""
+
+HANDSHAKE_TIMEOUT = 1.0
+"""Seconds a new connection to rank 0's link gets to present the run's token. A rank
+sends it the moment it connects; anything else (a port scanner, a stray client) is
+dropped after this, on its own thread, without holding up any other connection."""
+
+HANDSHAKE_BYTES = 256
+"""The largest first frame rank 0 reads from a new connection (a HELLO is about 60
+bytes): garbage announcing a huge frame is refused before anything is allocated."""
+
+JOIN_TIMEOUT = 5 * 60.0
+"""Seconds every other rank gets to join rank 0's link, from when rank 0 listens. A
+spawned rank joins once its interpreter and imports are up (seconds; a minute from a
+cold shared file system); past this the job stops with one line naming the missing."""
+
+SILENCE_LIMIT = 60.0
+"""Seconds without a frame from a rank that has joined and not finished before rank 0
+warns of it. Ranks send a heartbeat every `heartbeat_interval()`, so only a stopped or
+hung process stays silent this long; a test shrinks it, and the ranks' heartbeat with it."""
 
 FAILURE_GRACE = 30.0
 """Seconds rank 0's main thread gets to notice a dead rank itself before the watchdog
@@ -82,7 +109,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 RESUME_HINT = "committed parts are kept; rerun the same command to resume"
 HOST = "127.0.0.1"
 
-HELLO, TAKE, CHUNK, ROWS, READY, DONE, FAILED, GO = range(8)
+HELLO, TAKE, CHUNK, ROWS, READY, DONE, FAILED, GO, HEARTBEAT = range(9)
 
 
 class RankFailure(RuntimeError):
@@ -307,12 +334,48 @@ def listen_on_loopback() -> socket.socket:
     return listener
 
 
-class Hub:
-    """Rank 0's end of the links: accepts the other ranks, answers their TAKEs from the
-    coordinator, gives their ROWS to it and keeps their statistics.
+def heartbeat_interval() -> float:
+    """How often a rank tells rank 0 it is alive: a tenth of `SILENCE_LIMIT`, read where
+    rank 0 starts the ranks, so a rank busy for long without a frame to send (loading,
+    capturing, one long window) is never taken for a silent one."""
+    return SILENCE_LIMIT / 10
 
-    Per link, a reader thread takes every frame and a taker thread answers TAKEs one at
-    a time (a take may wait for the writer), sending under the link's lock.
+
+def send_hello(sock: socket.socket, token: str, rank: int) -> None:
+    """A rank's first frame on its link: the run's token, its rank and its process id,
+    as plain text, so that rank 0 unpickles nothing a peer sends before it has proved
+    itself (unpickling runs whatever code the pickle names)."""
+    wire.send_frame(sock, HELLO, f"{token} {rank} {os.getpid()}".encode(), [])
+
+
+@dataclass
+class _Peer:
+    """Rank 0's end of one joined rank's link.
+
+    `heard` (monotonic) is when the rank's last frame arrived, `held` the chunks it took
+    and has not returned rows for, `warned` the silence in seconds that rank 0 last
+    warned of (0: none since the rank's last frame); the Hub's lock guards all three.
+    """
+
+    rank: int
+    pid: int
+    sock: socket.socket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    heard: float = field(default_factory=time.monotonic)
+    held: dict[int, Chunk] = field(default_factory=dict)
+    warned: float = 0.0
+
+
+class Hub:
+    """Rank 0's end of the links: admits the other ranks, answers their TAKEs from the
+    coordinator, gives their ROWS to it, keeps their statistics and warns of a rank it
+    has not heard from for `SILENCE_LIMIT`.
+
+    The accept thread hands each connection to a handshake thread of its own and ends
+    once every rank has joined (closing the listener) or `JOIN_TIMEOUT` has passed
+    (failing the job). Per link, a reader thread takes every frame and a taker thread
+    answers TAKEs one at a time (a take may wait for the writer), sending under the
+    link's lock.
     """
 
     def __init__(self, listener: socket.socket, token: str, world_size: int, spawned: list["_Spawned"]) -> None:
@@ -320,24 +383,26 @@ class Hub:
         self.token = token
         self.world_size = world_size
         self.spawned = spawned
+        self.port: int = listener.getsockname()[1]
         self._coordinator: Coordinator | None = None
         self._served = threading.Event()
         self._cond = threading.Condition()
         self._stats: dict[int, Any] = {}
         self._ended: dict[int, str] = {}
-        self._socks: list[socket.socket] = []
-        self._links: dict[int, tuple[socket.socket, threading.Lock]] = {}
-        self._closed = False
+        self._peers: dict[int, _Peer] = {}
+        self._closed = threading.Event()
         threading.Thread(target=self._accept, name="embedjob-hub", daemon=True).start()
-
-    @property
-    def port(self) -> int:
-        return self.listener.getsockname()[1]
+        threading.Thread(target=self._watch_silence, name="embedjob-silence", daemon=True).start()
 
     def serve(self, coordinator: Coordinator) -> None:
         """Answer the ranks' TAKEs from `coordinator` (they wait until this is called),
-        and send every rank GO once all are ready."""
-        self._coordinator = coordinator
+        and send every rank GO once all are ready. A rank that failed before (one that
+        never joined) fails `coordinator` at once."""
+        with self._cond:
+            self._coordinator = coordinator
+            why = next(iter(self._ended.values()), None)
+        if why is not None:
+            coordinator.fail(RankFailure(why))
         self._served.set()
         threading.Thread(target=self._go, name="embedjob-go", daemon=True).start()
 
@@ -347,10 +412,12 @@ class Hub:
         except BaseException:
             return  # the job is failing; the ranks learn it when rank 0 ends
         # Every other rank said READY (or took nothing) over its link, so all have joined.
-        for sock, lock in list(self._links.values()):
+        with self._cond:
+            peers = list(self._peers.values())
+        for peer in peers:
             try:
-                with lock:
-                    wire.send(sock, GO, None)
+                with peer.lock:
+                    wire.send(peer.sock, GO, None)
             except OSError:
                 pass  # that rank's reader thread reports it
 
@@ -369,8 +436,11 @@ class Hub:
             return [self._stats[rank] for rank in range(1, self.world_size)]
 
     def close(self) -> None:
-        self._closed = True
-        for sock in [self.listener, *self._socks]:
+        self._closed.set()
+        _shut_down(self.listener)  # wakes the accept thread
+        with self._cond:
+            socks = [peer.sock for peer in self._peers.values()]
+        for sock in [self.listener, *socks]:
             try:
                 sock.close()
             except OSError:
@@ -386,51 +456,88 @@ class Hub:
         return None
 
     def _accept(self) -> None:
-        joined: set[int] = set()
-        while len(joined) < self.world_size - 1 and not self._closed:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            rank = self._hello(sock, joined)
-            if rank is None:
-                sock.close()
-                continue
-            joined.add(rank)
-            self._socks.append(sock)
-            lock = threading.Lock()
-            self._links[rank] = (sock, lock)
-            takes: queue.SimpleQueue[bool] = queue.SimpleQueue()
-            threading.Thread(target=self._read, args=(rank, sock, takes), name=f"embedjob-link{rank}", daemon=True).start()
-            threading.Thread(target=self._answer, args=(rank, sock, lock, takes), name=f"embedjob-take{rank}", daemon=True).start()
-
-    def _hello(self, sock: socket.socket, joined: set[int]) -> int | None:
-        """The rank a new connection belongs to, if it proves it with the token."""
+        """Take connections until every rank has joined or `JOIN_TIMEOUT` has passed,
+        each to a handshake thread of its own, so an idle one holds up no other."""
+        deadline = time.monotonic() + JOIN_TIMEOUT
         try:
-            wire.receive_timeout(sock, 30.0)
-            kind, body = wire.receive(sock, 30.0)
+            while not self._all_joined():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._missed_join()
+                    return
+                try:
+                    self.listener.settimeout(left)
+                    sock, _ = self.listener.accept()
+                except socket.timeout:
+                    continue
+                except OSError:
+                    return  # shut down: the last rank joined, or the hub closed
+                threading.Thread(target=self._handshake, args=(sock,), name="embedjob-handshake", daemon=True).start()
+        finally:
+            self.listener.close()
+
+    def _all_joined(self) -> bool:
+        with self._cond:
+            return len(self._peers) == self.world_size - 1
+
+    def _missed_join(self) -> None:
+        with self._cond:
+            missing = [rank for rank in range(1, self.world_size) if rank not in self._peers]
+        which = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        self._end(missing, f"{which} of {self.world_size} did not join rank 0 within {JOIN_TIMEOUT:g}s; {RESUME_HINT}")
+
+    def _handshake(self, sock: socket.socket) -> None:
+        """Admit `sock` as the rank it names if its HELLO proves it in time; else close it."""
+        peer = self._hello(sock)
+        if peer is None:
+            sock.close()
+            return
+        logger.debug("rank %d of %d (pid %d) joined", peer.rank, self.world_size, peer.pid)
+        takes: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        threading.Thread(target=self._read, args=(peer, takes), name=f"embedjob-link{peer.rank}", daemon=True).start()
+        threading.Thread(target=self._answer, args=(peer, takes), name=f"embedjob-take{peer.rank}", daemon=True).start()
+        if self._all_joined():
+            _shut_down(self.listener)  # later connections are refused, not left waiting
+
+    def _hello(self, sock: socket.socket) -> _Peer | None:
+        """The rank a new connection belongs to, registered, if its first frame comes
+        within `HANDSHAKE_TIMEOUT` and carries the token; else None, after one line."""
+        try:
+            wire.receive_timeout(sock, HANDSHAKE_TIMEOUT)
+            kind, payload, buffers = wire.receive_frame(sock, HANDSHAKE_TIMEOUT, HANDSHAKE_BYTES)
             wire.receive_timeout(sock, None)
-            token, rank = body
-        except Exception as exc:
-            logger.warning("a connection to the rank link was dropped: %s", exc)
+        except (EOFError, OSError, ValueError) as exc:
+            logger.warning(
+                "dropped a connection to the rank link that sent no handshake within %gs (%s)", HANDSHAKE_TIMEOUT, exc
+            )
             return None
-        if kind != HELLO or not isinstance(token, str) or not hmac.compare_digest(token, self.token):
+        hello = re.fullmatch(rb"(\S+) (\d+) (\d+)", bytes(payload)) if kind == HELLO and not buffers else None
+        if hello is None or not hmac.compare_digest(hello[1], self.token.encode()):
             logger.warning("a connection to the rank link did not present this run's token; dropped")
             return None
-        if not isinstance(rank, int) or not 0 < rank < self.world_size or rank in joined:
-            logger.warning("a connection claimed rank %r, which is not free; dropped", rank)
-            return None
-        return rank
+        rank, pid = int(hello[2]), int(hello[3])
+        with self._cond:
+            if self._closed.is_set():
+                return None
+            if not 0 < rank < self.world_size or rank in self._peers:
+                logger.warning("a connection claimed rank %d, which is not free; dropped", rank)
+                return None
+            peer = self._peers[rank] = _Peer(rank, pid, sock)
+        return peer
 
-    def _read(self, rank: int, sock: socket.socket, takes: "queue.SimpleQueue[bool]") -> None:
+    def _read(self, peer: _Peer, takes: "queue.SimpleQueue[bool]") -> None:
+        rank = peer.rank
         try:
             while True:
-                kind, body = wire.receive(sock)
+                kind, body = wire.receive(peer.sock)
+                self._heard(peer)
                 if kind == TAKE:
                     takes.put(True)
                 elif kind == ROWS:
                     self._served.wait()
                     index, block = body
+                    with self._cond:
+                        peer.held.pop(index, None)
                     self._coordinator.put(index, block)
                 elif kind == READY:
                     self._served.wait()
@@ -441,34 +548,70 @@ class Hub:
                         self._cond.notify_all()
                     return
                 elif kind == FAILED:
-                    self._end(rank, f"rank {rank} of {self.world_size} failed: {body}; {RESUME_HINT}")
+                    self._end([rank], f"rank {rank} of {self.world_size} failed: {body}; {RESUME_HINT}")
                     return
         except (EOFError, OSError, TimeoutError) as exc:
-            if not self._closed:
-                self._end(rank, self._why_ended(rank, exc))
+            if not self._closed.is_set():
+                self._end([rank], self._why_ended(rank, exc))
         finally:
             takes.put(False)
 
-    def _answer(self, rank: int, sock: socket.socket, lock: threading.Lock, takes: "queue.SimpleQueue[bool]") -> None:
+    def _heard(self, peer: _Peer) -> None:
+        """A frame came from `peer`; of a HEARTBEAT that is all there is to know."""
+        now = time.monotonic()
+        with self._cond:
+            if peer.warned:
+                logger.warning(
+                    "rank %d of %d (pid %d) is heard from again after %.0fs of silence",
+                    peer.rank, self.world_size, peer.pid, now - peer.heard,
+                )
+                peer.warned = 0.0
+            peer.heard = now
+
+    def _answer(self, peer: _Peer, takes: "queue.SimpleQueue[bool]") -> None:
         while takes.get():
             self._served.wait()
             try:
-                chunk = self._coordinator.take(rank)
+                chunk = self._coordinator.take(peer.rank)
             except BaseException:
                 return  # the job is failing; the rank learns it when rank 0 ends
+            if chunk is not None:
+                with self._cond:
+                    peer.held[chunk.index] = chunk
             try:
-                with lock:
-                    wire.send(sock, CHUNK, chunk)
+                with peer.lock:
+                    wire.send(peer.sock, CHUNK, chunk)
             except OSError:
                 return
 
-    def _end(self, rank: int, why: str) -> None:
+    def _watch_silence(self) -> None:
+        """Warn of every rank that has joined, not ended, and sent nothing for
+        `SILENCE_LIMIT`, and again each time its silence doubles: a stopped or hung
+        rank holds the job up to `TRANSFER_TIMEOUT`, and must not do it without a word."""
+        while not self._closed.wait(SILENCE_LIMIT / 4):
+            now = time.monotonic()
+            with self._cond:
+                for peer in self._peers.values():
+                    silent = now - peer.heard
+                    ended = peer.rank in self._stats or peer.rank in self._ended
+                    if ended or silent < max(SILENCE_LIMIT, 2 * peer.warned):
+                        continue
+                    peer.warned = silent
+                    logger.warning(
+                        "rank %d of %d (pid %d) has sent nothing, not even a heartbeat, for %.0fs "
+                        "(stopped or hung?); it holds %s",
+                        peer.rank, self.world_size, peer.pid, silent, _rows(peer.held.values()),
+                    )
+
+    def _end(self, ranks: list[int], why: str) -> None:
         logger.error("%s", why)
         with self._cond:
-            self._ended[rank] = why
+            for rank in ranks:
+                self._ended[rank] = why
+            coordinator = self._coordinator
             self._cond.notify_all()
-        if self._coordinator is not None:
-            self._coordinator.fail(RankFailure(why))
+        if coordinator is not None:
+            coordinator.fail(RankFailure(why))
 
     def _why_ended(self, rank: int, exc: BaseException) -> str:
         """Name the rank's exit, if it was spawned (it may take a moment to be reaped)."""
@@ -481,22 +624,40 @@ class Hub:
         return f"rank {rank} of {self.world_size} closed its link ({type(exc).__name__}: {exc}); {RESUME_HINT}"
 
 
+def _shut_down(listener: socket.socket) -> None:
+    """Stop `listener` taking connections; this wakes a thread blocked in its accept,
+    which closing it from another thread would not."""
+    try:
+        listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # closed already
+
+
+def _rows(chunks: Iterable[Chunk]) -> str:
+    """The rows of `chunks` for a log line, in chunk order: "rows 0-3, 8-11" or "no rows"."""
+    spans = [f"{c.first_row}-{c.end_row - 1}" for c in sorted(chunks, key=lambda c: c.index)]
+    return f"rows {', '.join(spans)}" if spans else "no rows"
+
+
 class Link:
     """A rank's connection to rank 0: `take` chunks, `put` their rows, `finish`.
 
     Rows go out on a sender thread through a short queue, so the pipeline does not wait
     for the socket. A reader thread receives: CHUNK answers go to `take`'s caller (the
     thread that reads the rank's input, the only one that takes, one take at a time),
-    GO sets the event `all_ready` waits on.
+    GO sets the event `all_ready` waits on. A heartbeat thread sends a HEARTBEAT every
+    `heartbeat` seconds until the link's last message (DONE or FAILED), which nothing
+    follows.
     """
 
     QUEUE = 8
 
-    def __init__(self, port: int, token: str, rank: int) -> None:
+    def __init__(self, port: int, token: str, rank: int, heartbeat: float) -> None:
         self.rank = rank
         self.sock = _connect(port)
         self._lock = threading.Lock()
-        self._send(HELLO, (token, rank))
+        self._said_last = threading.Event()
+        send_hello(self.sock, token, rank)
         self._outgoing: queue.Queue[tuple[int, Any] | None] = queue.Queue(self.QUEUE)
         self._error: BaseException | None = None
         self._sender = threading.Thread(target=self._send_queued, name="embedjob-send", daemon=True)
@@ -506,6 +667,7 @@ class Link:
         self._everyone_ready = False
         self._closed: RankFailure | None = None
         threading.Thread(target=self._receive, name="embedjob-receive", daemon=True).start()
+        threading.Thread(target=self._beat, args=(heartbeat,), name="embedjob-heartbeat", daemon=True).start()
         self._taken = 0
 
     def take(self) -> Chunk | None:
@@ -562,17 +724,31 @@ class Link:
         self._outgoing.put(None)
         self._sender.join()
         self._raise_if_failed()
-        self._send(DONE, stats)
+        self._send(DONE, stats, last=True)
 
     def fail(self, message: str) -> None:
         try:
-            self._send(FAILED, message)
+            self._send(FAILED, message, last=True)
         except OSError:
             pass
 
-    def _send(self, kind: int, body: Any) -> None:
+    def _send(self, kind: int, body: Any, last: bool = False) -> None:
         with self._lock:
+            if last:
+                self._said_last.set()
             wire.send(self.sock, kind, body)
+
+    def _beat(self, interval: float) -> None:
+        """Tell rank 0 this rank is alive, however long the pipeline goes without a
+        frame to send: rank 0 warns of a rank silent for SILENCE_LIMIT."""
+        while not self._said_last.wait(interval):
+            with self._lock:
+                if self._said_last.is_set():
+                    return
+                try:
+                    wire.send(self.sock, HEARTBEAT, None)
+                except OSError:
+                    return  # the reader thread reports the closed link
 
     def _send_queued(self) -> None:
         while (message := self._outgoing.get()) is not None:
@@ -590,7 +766,7 @@ class Link:
 def _connect(port: int) -> socket.socket:
     """Connect to rank 0's link, retrying while it starts listening (torchrun's ranks
     start in any order)."""
-    deadline = time.monotonic() + TRANSFER_TIMEOUT
+    deadline = time.monotonic() + JOIN_TIMEOUT
     while True:
         try:
             sock = socket.create_connection((HOST, port), timeout=10.0)
@@ -615,7 +791,7 @@ def _maybe_fail(rank: int, chunk: int) -> None:
 
 @dataclass(frozen=True)
 class _Member:
-    """What a spawned rank needs to join: rank 0's link and its place."""
+    """What a spawned rank needs to join: rank 0's link, its heartbeat and its place."""
 
     port: int
     token: str
@@ -625,6 +801,7 @@ class _Member:
     log_level: int
     threads: int
     spawned_at: float
+    heartbeat: float
 
 
 @dataclass
@@ -706,14 +883,15 @@ class Cluster:
             listener = listen_on_loopback()
             token = secrets.token_hex(16)
             port = listener.getsockname()[1]
+            heartbeat = heartbeat_interval()
             if layout.launched:
-                _torchrun_store(layout).set("link", f"{port} {token}")
+                _torchrun_store(layout).set("link", f"{port} {token} {heartbeat}")
                 spawned = []
             else:
-                spawned = _spawn(layout, port, token, target, args)
+                spawned = _spawn(layout, port, token, heartbeat, target, args)
             return cls(layout, spawned, hub=Hub(listener, token, layout.world_size, spawned))
-        port, token = _torchrun_store(layout).get("link").decode().split()
-        return cls(layout, [], link=Link(int(port), token, layout.rank))
+        port, token, heartbeat = _torchrun_store(layout).get("link").decode().split()
+        return cls(layout, [], link=Link(int(port), token, layout.rank, float(heartbeat)))
 
     def __enter__(self) -> "Cluster":
         return self
@@ -772,7 +950,9 @@ def _torchrun_store(layout: Layout) -> dist.Store:
     return dist.PrefixStore(f"embedjob/{run}/{attempt}/", store)
 
 
-def _spawn(layout: Layout, port: int, token: str, target: Callable[..., None], args: tuple[Any, ...]) -> list[_Spawned]:
+def _spawn(
+    layout: Layout, port: int, token: str, heartbeat: float, target: Callable[..., None], args: tuple[Any, ...]
+) -> list[_Spawned]:
     """Start ranks 1.. with the spawn method: CUDA cannot be used in forked children."""
     context = multiprocessing.get_context("spawn")
     threads = cpu_share(layout.world_size)
@@ -781,7 +961,7 @@ def _spawn(layout: Layout, port: int, token: str, target: Callable[..., None], a
     try:
         for rank in range(1, layout.world_size):
             device = str(_rank_device(layout.device, rank))
-            member = _Member(port, token, layout.world_size, rank, device, level, threads, time.time())
+            member = _Member(port, token, layout.world_size, rank, device, level, threads, time.time(), heartbeat)
             receive, send = context.Pipe(duplex=False)
             process = context.Process(
                 target=_member_main, args=(member, target, args, send), name=f"embedjob-rank{rank}"
@@ -833,7 +1013,7 @@ def _member_main(
             torch.cuda.set_device(device)
         else:
             torch.set_num_threads(member.threads)
-        link = Link(member.port, member.token, member.rank)
+        link = Link(member.port, member.token, member.rank, member.heartbeat)
         layout = Layout(member.world_size, member.rank, device)
         target(Cluster(layout, [], link=link, started=(member.spawned_at, entered_at)), *args)
     except BaseException as exc:

@@ -62,23 +62,35 @@ def send(sock: socket.socket, seq: int, obj: Any) -> None:
     send_frame(sock, seq, *pickled(obj))
 
 
-def receive_frame(sock: socket.socket, timeout: float | None) -> tuple[int, memoryview, list[np.ndarray]]:
+def receive_frame(
+    sock: socket.socket, timeout: float | None, limit: int | None = None
+) -> tuple[int, memoryview, list[np.ndarray]]:
     """(seq, payload, buffers) of the next frame; `unpickle` turns the last two into the object.
 
     Raises EOFError when the peer's end closes before the frame is complete and
     TimeoutError when the frame takes longer than about `timeout` seconds to arrive
-    (None: no limit; the socket's own receive timeout, if any, still applies).
+    (None: no limit; the socket's own receive timeout, if any, still applies). A frame
+    announcing more than `limit` bytes is ValueError before any of it is allocated: a
+    peer not yet trusted could otherwise make this process allocate what it claims.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     prefix = bytearray(FRAME.size)
     _fill(sock, [memoryview(prefix)], deadline, timeout)
     seq, length, count = FRAME.unpack(prefix)
+    _within(limit, 8 * count + length)
     body = bytearray(8 * count + length)
     _fill(sock, [memoryview(body)], deadline, timeout)
+    sizes = struct.unpack_from(f"<{count}Q", body)
+    _within(limit, len(body) + sum(sizes))
     # np.empty: no zero-fill under the GIL; the kernel's copy inside recv touches the pages.
-    buffers = [np.empty(size, dtype=np.uint8) for size in struct.unpack_from(f"<{count}Q", body)]
+    buffers = [np.empty(size, dtype=np.uint8) for size in sizes]
     _fill(sock, [memoryview(b) for b in buffers], deadline, timeout)
     return seq, memoryview(body)[8 * count :], buffers
+
+
+def _within(limit: int | None, size: int) -> None:
+    if limit is not None and size > limit:
+        raise ValueError(f"a frame of {size} bytes, over the {limit}-byte limit")
 
 
 def receive(sock: socket.socket, timeout: float | None = None) -> tuple[int, Any]:

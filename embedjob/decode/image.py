@@ -11,6 +11,9 @@
 - 16-bit samples are scaled to 8 bits with rounding (v * 255 / 65535); grayscale,
   palette and CMYK are expanded to RGB.
 - The pixel count is checked from the header before any pixel is decoded (`too_large`).
+- Memory: Pillow's path holds the decoded image (up to 4 bytes a pixel) and the
+  result (3 bytes a pixel) at once, nothing else of full size (`_pillow_to_rgb`);
+  torchvision's holds a copy of the bytes and the result.
 
 See ARCHITECTURE.md, "decode".
 """
@@ -274,15 +277,32 @@ def _exif_transposed(img: Image.Image) -> Image.Image:
     return img
 
 
+_STRIP_PIXELS = 1 << 20
+"""Pixels converted at a time by `_pillow_to_rgb`: a few MB of temporaries per strip."""
+
+
 def _pillow_to_rgb(img: Image.Image) -> np.ndarray:
+    """A decoded image as (H, W, 3) uint8, converted a strip of rows at a time into one
+    array. Beside Pillow's own pixels (4 bytes a pixel for RGB and RGBA) the only
+    full-size buffer is the result (3 bytes a pixel): converting the whole image at
+    once held two or three more copies (14 bytes a pixel for RGB, 52 for RGBA, whose
+    compositing works in uint32), and every conversion is per pixel, so strips give
+    the same pixels."""
+    width, height = img.size
+    out = np.empty((height, width, 3), np.uint8)
+    rows = max(1, _STRIP_PIXELS // width)
+    for top in range(0, height, rows):
+        out[top : top + rows] = _strip_to_rgb(img.crop((0, top, width, min(top + rows, height))))
+    return out
+
+
+def _strip_to_rgb(img: Image.Image) -> np.ndarray:
     if img.mode in ("I", "I;16", "I;16L", "I;16B", "I;16N"):
         gray = _scale_16bit(np.clip(np.asarray(img, dtype=np.int64), 0, 65535))
         return np.repeat(gray[:, :, None], 3, axis=2)
     if _has_alpha(img):
         return _composite_on_white(np.asarray(img.convert("RGBA")))
-    # np.array, not asarray: Pillow hands numpy read-only memory, and the encoder's
-    # torch.from_numpy would warn about it for every image.
-    return np.array(img.convert("RGB"))
+    return np.asarray(img.convert("RGB"))
 
 
 def _scale_16bit(values: np.ndarray) -> np.ndarray:

@@ -277,7 +277,7 @@ def _exif_transposed(img: Image.Image) -> Image.Image:
     return img
 
 
-_STRIP_PIXELS = 1 << 20
+_STRIP_PIXELS = 1 << 18
 """Pixels converted at a time by `_pillow_to_rgb`: a few MB of temporaries per strip."""
 
 

@@ -29,8 +29,9 @@ Memory: per open file, the footer, plus one row group's media and id column chun
 whose media column holds more than `input.max_item_bytes` bytes uncompressed (its footer
 says so; a cell cannot be longer than the column chunk holding it) may hold a cell over
 the limit, so it is streamed instead: a page at a time, one row per batch, so the reader
-holds at most one cell's compressed page, that page decompressed and the cell's Arrow
-value (3 x the cell; 2 x when stored uncompressed) on top of the footer.
+holds the page being read (compressed and decompressed) and one row's Arrow values on
+top of the footer: 3.4 x a cell over the limit alone in its page (measured), where the
+pre-buffered path held 6.5 x, more when its page holds other large cells too.
 
 Paths in string media cells (and in the `path` field of Hugging Face image structs):
 

@@ -184,5 +184,21 @@ def test_repeated_ids_are_one_warning_with_their_count_and_every_row_is_written(
     with caplog.at_level(logging.WARNING, logger="embedjob"):
         assert run(inputs, out, cache_dir) == 0
     warnings = [r.getMessage() for r in caplog.records if "repeats ids" in r.getMessage()]
-    assert len(warnings) == 1 and "3 rows of this shard's 12 rows carry an id an earlier row has" in warnings[0], warnings
+    assert len(warnings) == 1 and "repeats ids in 3 rows of this shard's 12 (the first is row 2, id 'a')" in warnings[0], warnings
     assert [r["id"] for r in read_output(out)] == ids.to_pylist()
+
+
+def test_integer_ids_repeat_only_where_equal(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """-1 and -2 share Python's hash; as ids they are two different rows."""
+    from embedjob.config import InputConfig
+    from embedjob.io import reader
+
+    path = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"id": [-1, -2, 7, 5, 7], "image": [b"x"] * 5}), path, row_group_size=2)
+    cfg = InputConfig(path=str(path), media_column="image", id_column="id")
+    with caplog.at_level(logging.WARNING, logger="embedjob"):
+        reader.check_ids(cfg, reader.list_fragments(cfg))
+    assert [r.getMessage() for r in caplog.records] == [
+        "input.id_column 'id' repeats ids in 1 row of this shard's 5 (the first is row 4, id 7), each the id of an earlier row; "
+        "every row is still written, with its id"
+    ]

@@ -530,7 +530,8 @@ def _check_model(job: Job, errors: list[str]) -> None:
 
 
 def _check_columns(job: Job, errors: list[str]) -> None:
-    """Copied input columns must name distinct output columns of their own."""
+    """Copied input columns must name distinct output columns of their own; the id
+    column must not be the media column."""
     columns = job.output.columns
     taken = [c for c in columns if c in OUTPUT_COLUMNS]
     if taken:
@@ -541,6 +542,12 @@ def _check_columns(job: Job, errors: list[str]) -> None:
     repeated = sorted({c for c in columns if columns.count(c) > 1})
     if repeated:
         errors.append(f"output.columns names {repeated} more than once")
+    ids = job.input.id_column
+    if ids is not None and ids == job.input.media_column:
+        errors.append(
+            f"input.id_column '{ids}' is input.media_column: each id would be a copy of the media; "
+            "name a column of ids, or null to use the row index"
+        )
 
 
 def cache_root(configured: str | None) -> Path:

@@ -904,6 +904,7 @@ class Runner:
         start, started = time.perf_counter(), time.time()
         listing = reader.scan_input(self.job.input, self.job.output.columns)
         fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
+        reader.check_ids(self.job.input, fragments)  # before the checkpoint: a refused shard writes nothing
         if not fragments:
             self._warn_empty(len(listing.fragments))
         first_row, end_row = self._row_range(fragments)

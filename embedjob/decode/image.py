@@ -11,6 +11,10 @@
 - 16-bit samples are scaled to 8 bits with rounding (v * 255 / 65535); grayscale,
   palette and CMYK are expanded to RGB.
 - The pixel count is checked from the header before any pixel is decoded (`too_large`).
+- Memory: Pillow's path holds the decoded image (up to 4 bytes a pixel) and the
+  result (3 bytes a pixel) at once, nothing else of full size, EXIF turns included
+  (`_pillow_to_rgb`);
+  torchvision's holds a copy of the bytes and the result.
 
 See ARCHITECTURE.md, "decode".
 """
@@ -34,15 +38,18 @@ logger = logging.getLogger(__name__)
 _TORCHVISION_FORMATS = {"JPEG", "MPO"}
 _TRUNCATION_WORDS = ("truncat", "premature end", "incomplete", "not enough data", "unexpected end")
 _EXIF_ORIENTATION = 0x0112
-_EXIF_TRANSPOSE = {
-    2: [Image.Transpose.FLIP_LEFT_RIGHT],
-    3: [Image.Transpose.ROTATE_180],
-    4: [Image.Transpose.FLIP_TOP_BOTTOM],
-    5: [Image.Transpose.TRANSPOSE],
-    6: [Image.Transpose.ROTATE_270],
-    7: [Image.Transpose.TRANSVERSE],
-    8: [Image.Transpose.ROTATE_90],
+_ORIENTATIONS = {
+    1: (False, False, False),
+    2: (False, True, False),  # mirrored left to right
+    3: (True, True, False),  # turned 180 degrees
+    4: (True, False, False),  # mirrored top to bottom
+    5: (False, False, True),  # transposed
+    6: (True, False, True),  # turned 90 degrees clockwise
+    7: (True, True, True),  # transversed
+    8: (False, True, True),  # turned 90 degrees counter-clockwise
 }
+"""EXIF orientation -> (reverse the rows, reverse the columns, then swap rows and
+columns): the image as displayed, what Pillow's `ImageOps.exif_transpose` gives."""
 
 
 def decode_image(data: bytes, options: DecodeOptions, fmt: str | None) -> DecodedImage | DeferredImage:
@@ -256,33 +263,57 @@ def _decode_with_torchvision(data: bytes, img: Image.Image) -> np.ndarray:
 def _decode_with_pillow(img: Image.Image) -> np.ndarray:
     try:
         img.load()
-        img = _exif_transposed(img)
-        return _pillow_to_rgb(img)
+        return _pillow_to_rgb(img, _orientation(img))
     except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
         raise MediaError(_image_error_code(exc), f"{img.format or 'image'}: {exc}") from None
 
 
-def _exif_transposed(img: Image.Image) -> Image.Image:
-    """The image as displayed. An unreadable EXIF block is ignored (the pixels are fine)."""
+def _orientation(img: Image.Image) -> int:
+    """The image's EXIF orientation, 1 where it has none or an unreadable or unknown one
+    (the pixels are fine)."""
     try:
         orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
     except Exception as exc:  # Pillow raises many types on malformed EXIF
         logger.debug("ignoring unreadable EXIF: %s", exc)
-        return img
-    for method in _EXIF_TRANSPOSE.get(orientation, []):
-        img = img.transpose(method)
-    return img
+        return 1
+    return orientation if orientation in _ORIENTATIONS else 1
 
 
-def _pillow_to_rgb(img: Image.Image) -> np.ndarray:
+_STRIP_PIXELS = 1 << 18
+"""Pixels converted at a time by `_pillow_to_rgb`: a few MB of temporaries per strip."""
+
+
+def _pillow_to_rgb(img: Image.Image, orientation: int = 1) -> np.ndarray:
+    """A decoded image as displayed (`orientation`, EXIF's) in (H, W, 3) uint8, converted
+    a strip of rows at a time into one array, each strip turned as it is placed. Beside
+    Pillow's own pixels (4 bytes a pixel for RGB and RGBA) the only full-size buffer is
+    the result (3 bytes a pixel): converting the whole image at once held two or three
+    more copies (14 bytes a pixel for RGB, 52 for RGBA, whose compositing works in
+    uint32, and 4 more for a turned image), and every conversion is per pixel, so strips
+    give the same pixels."""
+    width, height = img.size
+    reverse_rows, reverse_columns, swap = _ORIENTATIONS[orientation]
+    out = np.empty((width, height, 3) if swap else (height, width, 3), np.uint8)
+    rows = max(1, _STRIP_PIXELS // width)
+    for top in range(0, height, rows):
+        bottom = min(top + rows, height)
+        strip = _strip_to_rgb(img.crop((0, top, width, bottom)))
+        first, last = (height - bottom, height - top) if reverse_rows else (top, bottom)
+        strip = strip[::-1 if reverse_rows else 1, ::-1 if reverse_columns else 1]
+        if swap:
+            out[:, first:last] = strip.transpose(1, 0, 2)
+        else:
+            out[first:last] = strip
+    return out
+
+
+def _strip_to_rgb(img: Image.Image) -> np.ndarray:
     if img.mode in ("I", "I;16", "I;16L", "I;16B", "I;16N"):
         gray = _scale_16bit(np.clip(np.asarray(img, dtype=np.int64), 0, 65535))
         return np.repeat(gray[:, :, None], 3, axis=2)
     if _has_alpha(img):
         return _composite_on_white(np.asarray(img.convert("RGBA")))
-    # np.array, not asarray: Pillow hands numpy read-only memory, and the encoder's
-    # torch.from_numpy would warn about it for every image.
-    return np.array(img.convert("RGB"))
+    return np.asarray(img.convert("RGB"))
 
 
 def _scale_16bit(values: np.ndarray) -> np.ndarray:

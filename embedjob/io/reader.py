@@ -25,7 +25,13 @@ Local paths are relative to the working directory; a message about a relative pa
 that does not exist names that directory.
 
 Memory: per open file, the footer, plus one row group's media and id column chunks
-(pyarrow pre-buffers them) and one decoded batch of `input.batch_rows` rows.
+(pyarrow pre-buffers them) and one decoded batch of `input.batch_rows` rows. A row group
+whose media column holds more than `input.max_item_bytes` bytes uncompressed (its footer
+says so; a cell cannot be longer than the column chunk holding it) may hold a cell over
+the limit, so it is streamed instead: a page at a time, one row per batch, so the reader
+holds the page being read (compressed and decompressed) and one row's Arrow values on
+top of the footer: 3.4 x a cell over the limit alone in its page (measured), where the
+pre-buffered path held 6.5 x, more when its page holds other large cells too.
 
 Paths in string media cells (and in the `path` field of Hugging Face image structs):
 
@@ -46,7 +52,12 @@ Paths in string media cells (and in the `path` field of Hugging Face image struc
   opened (`embedjob.decode.read_source` checks the opened file against `local_media_root`).
 
 A media cell of more than `input.max_item_bytes` bytes becomes an error row
-`too_large: ...` here, so it never reaches a decode worker.
+`too_large: ...` here, known from its Arrow length before it is turned into Python bytes,
+so it is never copied out of Arrow and never reaches a decode worker.
+
+Ids: `check_ids` reads a shard's id column (and nothing else) before the shard starts;
+a null id, or a string id that is not valid UTF-8, is a JobError naming the file and
+row, and repeated ids are one warning with their count (some datasets have them).
 
 Input identity: `scan_input` also records each file's size and a hash of its Parquet
 footer (and the store's ETag where fsspec reports one). The footer holds every row
@@ -66,7 +77,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fsspec
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 from pyarrow.fs import FSSpecHandler, PyFileSystem
@@ -85,6 +98,10 @@ SUPPORTED_MEDIA_TYPES = (
 # Errors pyarrow raises while decoding pages: corrupt data (ArrowInvalid, OSError for
 # undecodable page headers) or a failed read of a remote file (OSError).
 _DECODE_ERRORS = (pa.ArrowException, OSError)
+
+_STREAM_BUFFER = 1 << 20
+"""Bytes read at a time from a streamed row group (`_Source.streaming`): pyarrow grows
+it to the page being read, so a huge cell's page is read whole, but never more."""
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _GLOB_CHARS = ("*", "?", "[")
@@ -321,6 +338,96 @@ def read_rows(
             yield from _read_file(cfg, path, wanted, lo, hi, root, tuple(columns))
 
 
+def check_ids(cfg: InputConfig, fragments: Sequence[Fragment]) -> None:
+    """Refuse a shard whose ids cannot identify its rows, before it starts: JobError for
+    a null id or a string id that is not valid UTF-8 (naming the first such row, which
+    no output row could carry); one warning with the count of rows whose id an earlier
+    row of the shard has (some datasets have them; every row is still written).
+
+    Reads only the id column of `fragments` (contiguous, as `assign_shards` makes
+    them), a row group at a time, and keeps 8 bytes a row (each id's hash) to count
+    repeats: holding the ids themselves took 1.7 GB for 10 M ids of 30 bytes. Binary
+    ids are bytes by type: any bytes do.
+    """
+    if cfg.id_column is None:
+        return
+    hashes: list[np.ndarray] = []
+    for path, group in itertools.groupby(fragments, key=lambda f: f.path):
+        with _open(path) as pf:
+            for fragment in group:
+                ids = _ids(pf, fragment, cfg.id_column)
+                _check_id_values(ids, fragment, cfg.id_column)
+                hashes.append(_hashes(ids))
+    if hashes:
+        _warn_repeats(cfg, list(fragments), np.concatenate(hashes))
+
+
+def _ids(pf: pq.ParquetFile, fragment: Fragment, column: str) -> pa.Array:
+    return pf.read_row_group(fragment.row_group, columns=[column]).column(0).combine_chunks()
+
+
+def _hashes(ids: pa.Array) -> np.ndarray:
+    """One int64 a row that equal ids share: integers themselves (an unchecked cast maps
+    distinct ones to distinct int64s), anything else its Python hash (salted per process,
+    which is all a count within one needs)."""
+    if pa.types.is_integer(ids.type):
+        return ids.cast(pa.int64(), safe=False).to_numpy()
+    return np.fromiter(map(hash, ids.to_pylist()), np.int64, len(ids))
+
+
+def _check_id_values(ids: pa.Array, fragment: Fragment, column: str) -> None:
+    where = f"input.id_column '{column}' of {fragment.path}"
+    if ids.null_count:
+        row = fragment.first_row + int(np.flatnonzero(ids.is_null().to_numpy(zero_copy_only=False))[0])
+        raise JobError(
+            f"{where} is null at row {row} ({plural(ids.null_count, 'null id')} in row group {fragment.row_group}); "
+            "every row needs an id: fill them in, or set input.id_column: null to use the row index"
+        )
+    if _is_string(ids.type):
+        try:
+            ids.validate(full=True)
+        except pa.ArrowInvalid:
+            row = fragment.first_row + _first_invalid_utf8(ids)
+            raise JobError(f"{where} holds invalid UTF-8 at row {row}; rewrite the column as valid UTF-8 or as binary") from None
+
+
+def _first_invalid_utf8(ids: pa.Array) -> int:
+    """The offset of the first string of `ids` that is not valid UTF-8, given that one
+    is: a bisection over slices, so the strings are checked by Arrow, not one by one."""
+    lo, hi = 0, len(ids)  # the first invalid string lies in [lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            ids.slice(lo, mid - lo).validate(full=True)
+            lo = mid
+        except pa.ArrowInvalid:
+            hi = mid
+    return lo
+
+
+def _warn_repeats(cfg: InputConfig, fragments: list[Fragment], hashes: np.ndarray) -> None:
+    """One warning for the rows of `fragments` whose id's hash (`hashes`, one a row in
+    order) an earlier row has, naming the first such row and its id (read back). A
+    64-bit hash makes a false repeat among 10 M distinct ids about a one-in-400,000 event."""
+    order = np.argsort(hashes, kind="stable")
+    ordered = hashes[order]
+    repeats = order[1:][ordered[1:] == ordered[:-1]]  # stable: a hash's first row is never among them
+    if not len(repeats):
+        return
+    offset = int(repeats.min())
+    for fragment in fragments:
+        if offset < fragment.num_rows:
+            break
+        offset -= fragment.num_rows
+    with _open(fragment.path) as pf:
+        example = _ids(pf, fragment, str(cfg.id_column))[offset].as_py()
+    logger.warning(
+        "input.id_column '%s' repeats ids in %s of this shard's %d (the first is row %d, id %r), each the id of an earlier row; "
+        "every row is still written, with its id",
+        cfg.id_column, plural(len(repeats), "row"), len(hashes), fragment.first_row + offset, example,
+    )
+
+
 # ---------------------------------------------------------------- finding files
 
 
@@ -397,13 +504,17 @@ def _location(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
 
 
-def _open(location: str) -> pq.ParquetFile:
-    """Open a Parquet file by local path or URI; a bad footer is a JobError naming it."""
+def _open(location: str, streaming: bool = False) -> pq.ParquetFile:
+    """Open a Parquet file by local path or URI; a bad footer is a JobError naming it.
+
+    `streaming` reads column chunks a page at a time instead of pre-buffering each row
+    group's chunks whole (what `_decode` needs for a row group that may hold a huge cell)."""
+    options: dict[str, Any] = {"pre_buffer": False, "buffer_size": _STREAM_BUFFER} if streaming else {}
     try:
         if _SCHEME.match(location):
             fs, path = fsspec.core.url_to_fs(location)
-            return pq.ParquetFile(path, filesystem=PyFileSystem(FSSpecHandler(fs)))
-        return pq.ParquetFile(location)
+            return pq.ParquetFile(path, filesystem=PyFileSystem(FSSpecHandler(fs)), **options)
+        return pq.ParquetFile(location, **options)
     except pa.ArrowInvalid as exc:
         raise JobError(f"{location} is not a Parquet file: {exc}") from None
     except OSError as exc:
@@ -515,6 +626,15 @@ def _media_bytes(group: pq.RowGroupMetaData, column: str) -> int:
     return total
 
 
+def _largest_cell_bound(group: pq.RowGroupMetaData, column: str, kind: str) -> int:
+    """An upper bound on the bytes of any one media cell of a row group, from its footer:
+    the uncompressed size of the chunk holding the bytes (every value lies whole in its
+    pages, plain or dictionary-encoded). Path cells hold no media: 0."""
+    leaf = {"bytes": column, "struct": f"{column}.bytes"}.get(kind)
+    sizes = [group.column(i).total_uncompressed_size for i in range(group.num_columns) if group.column(i).path_in_schema == leaf]
+    return sum(sizes)
+
+
 # ---------------------------------------------------------------- shard balance
 
 
@@ -557,18 +677,29 @@ class _Source:
         self.columns = columns
         self.base = os.path.dirname(location) if not _SCHEME.match(location) else location.rsplit("/", 1)[0]
         self.pf = _open(location)
+        self._streamed: pq.ParquetFile | None = None
         try:
             self.kind = _file_info(location, self.pf, cfg).media_kind
         except JobError:
             self.pf.close()
             raise
 
+    def streaming(self) -> pq.ParquetFile:
+        """The file opened to stream its row groups (`_open(streaming=True)`), opened
+        on first use: most inputs never need it."""
+        if self._streamed is None:
+            self._streamed = _open(self.location, streaming=True)
+        return self._streamed
+
     def reopen(self) -> None:
-        self.pf.close()
+        self.close()
         self.pf = _open(self.location)
 
     def close(self) -> None:
         self.pf.close()
+        if self._streamed is not None:
+            self._streamed.close()
+            self._streamed = None
 
 
 def _read_file(
@@ -633,7 +764,17 @@ def _decode(
     cfg: InputConfig, source: _Source, fragment: Fragment, start: int, stop: int, root: _Root | None
 ) -> Iterator[InputRow]:
     columns = list(dict.fromkeys(c for c in (cfg.media_column, cfg.id_column, *source.columns) if c is not None))
-    batches = source.pf.iter_batches(batch_size=cfg.batch_rows, row_groups=[fragment.row_group], columns=columns)
+    bound = _largest_cell_bound(source.pf.metadata.row_group(fragment.row_group), cfg.media_column, source.kind)
+    if bound > cfg.max_item_bytes:
+        # A cell over the limit may be here: pre-buffering would hold the whole chunk and
+        # a batch of rows every cell of it; one row at a time, one thread, holds one cell.
+        logger.info(
+            "row group %d of %s holds up to %d bytes of media, more than input.max_item_bytes = %d: reading it row by row",
+            fragment.row_group, source.location, bound, cfg.max_item_bytes,
+        )
+        batches = source.streaming().iter_batches(batch_size=1, row_groups=[fragment.row_group], columns=columns, use_threads=False)
+    else:
+        batches = source.pf.iter_batches(batch_size=cfg.batch_rows, row_groups=[fragment.row_group], columns=columns)
     first = fragment.first_row
     for batch in batches:
         if first >= stop:
@@ -649,13 +790,50 @@ def _decode(
 def _batch_rows(
     cfg: InputConfig, source: _Source, batch: pa.RecordBatch, first: int, root: _Root | None
 ) -> Iterator[InputRow]:
-    cells = batch.column(cfg.media_column).to_pylist()
+    media = batch.column(cfg.media_column)
+    oversized = _oversized(media, source.kind, cfg.max_item_bytes)
+    cells = _cells(media, oversized)
     ids = batch.column(cfg.id_column).to_pylist() if cfg.id_column is not None else range(first, first + len(cells))
     copied = list(zip(*(batch.column(c).to_pylist() for c in source.columns))) or itertools.repeat(())
     for offset, (cell, row_id, extra) in enumerate(zip(cells, ids, copied)):
-        row = _make_row(first + offset, row_id, cell, source, cfg, root)
+        if offset in oversized:
+            row = InputRow(first + offset, row_id, None, None, _too_large(oversized[offset], cfg))
+        else:
+            row = _make_row(first + offset, row_id, cell, source, cfg, root)
         row.extra = extra
         yield row
+
+
+def _oversized(media: pa.Array, kind: str, limit: int) -> dict[int, int]:
+    """{offset: bytes} of the cells of `media` holding more than `limit` media bytes,
+    read from Arrow's lengths (no value is copied). Path cells hold none."""
+    if kind == "path":
+        return {}
+    values = pc.struct_field(media, "bytes") if kind == "struct" else media
+    lengths = _lengths(values)
+    over = np.flatnonzero((lengths > limit) & values.is_valid().to_numpy(zero_copy_only=False))
+    return {int(k): int(lengths[k]) for k in over}
+
+
+def _lengths(values: pa.Array) -> np.ndarray:
+    """Each value's byte count (anything where null). Binary views have no length kernel
+    in pyarrow, but each 16-byte view starts with its value's length (int32)."""
+    if pa.types.is_binary_view(values.type):
+        views = np.frombuffer(values.buffers()[1], dtype=np.int32).reshape(-1, 4)
+        return views[values.offset : values.offset + len(values), 0].astype(np.int64)
+    return pc.binary_length(values).fill_null(0).to_numpy().astype(np.int64)
+
+
+def _cells(media: pa.Array, oversized: dict[int, int]) -> list[object]:
+    """The cells as Python values, None in place of each oversized one, which is never
+    copied out of Arrow (as bytes it would be one more copy of the largest cell)."""
+    if not oversized:
+        return media.to_pylist()
+    return [None if k in oversized else media[k].as_py() for k in range(len(media))]
+
+
+def _too_large(size: int, cfg: InputConfig) -> str:
+    return f"too_large: the media cell holds {size} bytes, more than input.max_item_bytes = {cfg.max_item_bytes}"
 
 
 def _make_row(row: int, row_id: object, cell: object, source: _Source, cfg: InputConfig, root: _Root | None) -> InputRow:
@@ -664,7 +842,7 @@ def _make_row(row: int, row_id: object, cell: object, source: _Source, cfg: Inpu
         if cell is None:
             return InputRow(row, row_id, None, None, f"empty: column '{column}' is null")
         if cell.get("bytes"):
-            return _bytes_row(row, row_id, cell["bytes"], cfg)
+            return InputRow(row, row_id, cell["bytes"], None, None)
         if not cell.get("path"):
             return InputRow(row, row_id, None, None, f"empty: column '{column}' has neither bytes nor a path")
         if root is None and not cfg.allow_any_path:
@@ -676,7 +854,7 @@ def _make_row(row: int, row_id: object, cell: object, source: _Source, cfg: Inpu
             return InputRow(row, row_id, None, None, f"empty: column '{column}' is null")
         if not cell:
             return InputRow(row, row_id, None, None, f"empty: column '{column}' holds 0 bytes")
-        return _bytes_row(row, row_id, cell, cfg)
+        return InputRow(row, row_id, cell, None, None)
     if cell is None or not cell.strip():
         return InputRow(row, row_id, None, None, f"empty: column '{column}' holds no path")
     uri, error = _resolve(cell, source.base, root)
@@ -687,15 +865,6 @@ _NO_ROOT = (
     "no_media_root: the row has a path but no bytes, and paths are read only under input.media_root "
     "(or with input.allow_any_path: true)"
 )
-
-
-def _bytes_row(row: int, row_id: object, data: bytes, cfg: InputConfig) -> InputRow:
-    """A row of media bytes, or `too_large` (the bytes are dropped here, so an oversized
-    cell never travels to a decode worker)."""
-    if len(data) > cfg.max_item_bytes:
-        message = f"too_large: the media cell holds {len(data)} bytes, more than input.max_item_bytes = {cfg.max_item_bytes}"
-        return InputRow(row, row_id, None, None, message)
-    return InputRow(row, row_id, data, None, None)
 
 
 # ---------------------------------------------------------------- path resolution

@@ -17,7 +17,9 @@ import pytest
 from conftest import REPO
 from test_resume import debris, interrupt_after_first_part, manifest, snapshot
 from test_shards import assert_same_rows, job_args, read_output
+from test_video_job import HANGING_ID, Entry, decode_or_hang, outcome, run_job, write_bytes_parquet
 
+from embedjob import pipeline
 from embedjob.cli import main
 from embedjob.config import InputConfig
 from embedjob.io.digest import UNREAD, digest_array, media_digest, part_digest, recomputed_digest
@@ -146,6 +148,26 @@ def test_rows_no_worker_finished_are_left_out_of_the_check() -> None:
     assert recomputed_digest(now, 10, []) != part_digest(committed)
     changed = digest_array([media_digest(b"a"), media_digest(b"b"), media_digest(b"d")])
     assert recomputed_digest(changed, 10, [11]) != part_digest(committed)
+
+
+def test_a_row_cut_off_by_its_decode_timeout_does_not_stop_the_resume(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """End to end: the row whose worker hung is committed as unread, and the rerun,
+    which reads that row's media now, keeps the part it lies in."""
+    monkeypatch.setattr(pipeline, "decode_row", decode_or_hang)
+    keys = ["first", HANGING_ID, "after", "last"]
+    data = write_bytes_parquet(tmp_path / "hang.parquet", [Entry(k, r["image"], {}) for k, r in zip(keys, DEMO_ROWS)])
+    settings = {"runtime": {"workers": 1, "decode_timeout": 3.0}, "output": {"rows_per_part": 2}}
+    first = run_job(tmp_path, data, cache_dir, **settings)
+    assert first.code == 0 and outcome(first.rows[1]) == "decode_timeout"
+    out = tmp_path / "out"
+    # The row after it may time out too on a loaded machine (it waits for the new worker).
+    assert 1 in manifest(out)["parts"][0]["unread_rows"]
+    interrupt_after_first_part(out)
+    monkeypatch.undo()
+    again = run_job(tmp_path, data, cache_dir, **settings)
+    assert again.code == 0 and again.rows[:2] == first.rows[:2]
 
 
 def test_ranks_send_the_digests_of_their_rows_to_rank_zero(tmp_path: Path, cache_dir: str) -> None:

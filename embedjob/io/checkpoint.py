@@ -22,6 +22,13 @@ A restart keeps a committed part only while it is intact: same size, same checks
 The first part that is not (truncated, bit-flipped, replaced, gone) is recomputed, with
 a warning naming it, and so is every part after it (parts are contiguous).
 
+A restart also keeps a part only while its input is the one its rows were computed
+from: each record holds a digest of its rows' media bytes (`io/digest.py`), and the
+kept parts of an unfinished shard are checked against the input as it is now. An input
+changed in place where the job fingerprint cannot see it (same size, same footer) is
+refused naming the parts' rows, unless --overwrite: the rerun would write vectors of the
+new media beside those of the old. A finished shard is not checked (no run adds to it).
+
 One output, one job: the first run (or submission) that writes into an output records
 the job's fingerprint (model, preprocessing, pooling, dtype, input and each input
 file's identity) and layout (shard count, part size) in `_embedjob/job.json`; every

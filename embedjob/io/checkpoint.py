@@ -864,7 +864,11 @@ def _refuse_changed_media(cp: Checkpoint, media: MediaDigests) -> None:
         return
     since = time.perf_counter()
     first = digested[0].first_row
-    now = media(first, digested[-1].end_row)
+    try:
+        now = media(first, digested[-1].end_row)
+    except OSError as exc:
+        # Not the output's fault, which `open_checkpoint` would report it as: exit 1 all the same.
+        raise RuntimeError(f"cannot read the input to check shard {cp.shard}'s committed rows against it: {exc}") from None
     changed = [
         p for p in digested
         if recomputed_digest(now[p.first_row - first : p.end_row - first], p.first_row, p.unread_rows) != p.input_digest

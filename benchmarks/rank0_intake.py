@@ -47,6 +47,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedjob.io.checkpoint import open_checkpoint  # noqa: E402
+from embedjob.io.digest import DIGEST_SIZE  # noqa: E402
 from embedjob.io.reader import Chunk  # noqa: E402
 from embedjob.io.sink import ErrorRate, Progress, Writer  # noqa: E402
 from embedjob.io.writer import RowBlock, output_schema  # noqa: E402
@@ -74,6 +75,7 @@ def block_for(chunk: Chunk, vectors: np.ndarray) -> RowBlock:
         [None] * rows,
         np.ones(rows, dtype=np.int64),
         vectors[:rows],
+        digests=np.full((rows, DIGEST_SIZE), 1, dtype=np.uint8),
     )
 
 

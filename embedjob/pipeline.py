@@ -56,6 +56,7 @@ from embedjob.engine.encode import build_encoder
 from embedjob.host import device_name, host_threads, refuse_starting_process, resolve_device, resolve_workers
 from embedjob.io import reader
 from embedjob.io.checkpoint import Checkpoint, job_fingerprint, open_checkpoint
+from embedjob.io.digest import UNREAD, digest_array
 from embedjob.io.sink import ErrorRate, Progress, Writer
 from embedjob.io.writer import RowBlock, output_schema
 from embedjob.parallel.cluster import Cluster, Coordinator, resolve_layout
@@ -69,6 +70,7 @@ from embedjob.rows import (
     decode_options,
     decode_row,
     decode_task,
+    input_digests,
     jpeg_on_rank,
     left_for_device,
     task_on_rank,
@@ -341,6 +343,7 @@ def _row_blocks(window: list[Decoded], encoded: Encoded, rows: np.ndarray, colum
         vectors,
         [d.item.token_grid if d.item is not None else None for d in window],
         {name: [d.extra[k] for d in window] for k, name in enumerate(columns)},
+        digests=digest_array([d.digest for d in window]),
     )
     numbers = np.fromiter((d.row for d in window), dtype=np.int64, count=len(window))
     cuts = [0, *(np.flatnonzero(np.diff(numbers) != 1) + 1).tolist(), len(window)]
@@ -577,7 +580,8 @@ class RankPipeline:
         nothing in hand (the caller then finishes what it holds).
 
         The pool returns a bare MediaError for an item it had to cut off (timeout,
-        crash); the queue of submitted rows tells which row that was.
+        crash); the queue of submitted rows tells which row that was. No worker
+        finished reading that row's media, so its digest is UNREAD (`io/digest.py`).
         """
         sizes = window_sizes(self.job.batching.window)
         size = next(sizes)
@@ -595,7 +599,7 @@ class RankPipeline:
                 continue
             row = submitted.popleft()
             if isinstance(result, MediaError):
-                result = Decoded(row.row, row.id, None, None, str(result), extra=row.extra)
+                result = Decoded(row.row, row.id, None, None, str(result), extra=row.extra, digest=UNREAD)
             window.append(result)
             if len(window) >= size:
                 self.clock.add("waiting for decode", since)
@@ -908,7 +912,7 @@ class Runner:
         if not fragments:
             self._warn_empty(len(listing.fragments))
         first_row, end_row = self._row_range(fragments)
-        checkpoint = self._open_checkpoint(first_row, end_row, listing)
+        checkpoint = self._open_checkpoint(first_row, end_row, listing, fragments)
         if checkpoint.is_done():
             coordinator.open([])
             logger.info("shard %d/%d is already complete in %s", self.shard.index, self.shard.count, self.job.output.path)
@@ -1010,7 +1014,11 @@ class Runner:
             return fragments[0].first_row, fragments[-1].first_row + fragments[-1].num_rows
         return 0, 0
 
-    def _open_checkpoint(self, first_row: int, end_row: int, listing: reader.InputListing) -> Checkpoint:
+    def _open_checkpoint(
+        self, first_row: int, end_row: int, listing: reader.InputListing, fragments: list[reader.Fragment]
+    ) -> Checkpoint:
+        """The shard's checkpoint; the parts it keeps are checked against the media of
+        the shard's `fragments` as they are now."""
         directory = Path(self.job.output.path)
         if "://" in self.job.output.path:
             raise JobError(f"output.path {self.job.output.path!r} must be a local or mounted directory")
@@ -1023,6 +1031,7 @@ class Runner:
             self.job.output.rows_per_part,
             job_fingerprint(self.job, listing),
             self.overwrite,
+            functools.partial(input_digests, self.job.input, fragments),
         )
 
     def _progress(self, total: int) -> tqdm:

@@ -18,9 +18,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from embedjob.config import Job, JobError
+from embedjob.config import InputConfig, Job, JobError
 from embedjob.decode import (
     DecodedVideo,
     DecodeOptions,
@@ -38,6 +39,7 @@ from embedjob.encoders import EncoderAdapter, EncoderInput
 from embedjob.encoders.base import JPEG_KEY, JPEG_SIZE_KEY, VIDEO_KEY
 from embedjob.encoders.registry import ADAPTER_MODULES
 from embedjob.io import reader
+from embedjob.io.digest import NO_MEDIA, UNREAD, digest_array, media_digest
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,9 @@ preprocessing, in the order `worker_preload` gives them."""
 @dataclass
 class Decoded:
     """A row after the decode stage: a preprocessed item or an error, never both, the
-    seconds the worker spent on it, and the row's copied input columns (`extra`)."""
+    seconds the worker spent on it, the row's copied input columns (`extra`) and the
+    digest of the media bytes it was made from (`io/digest.py`; UNREAD where no worker
+    finished the row)."""
 
     row: int
     id: Any
@@ -58,6 +62,7 @@ class Decoded:
     error: str | None
     seconds: float = 0.0
     extra: tuple[Any, ...] = ()
+    digest: bytes = UNREAD
 
 
 @functools.cache
@@ -101,7 +106,7 @@ def jpeg_on_rank(row: reader.InputRow, options: DecodeOptions, preprocess: Any) 
     deferred = deferred_jpeg(row.data, options)
     if deferred is None:
         return None
-    decoded = _preprocessed(row.row, row.id, deferred, preprocess)
+    decoded = _preprocessed(row.row, row.id, deferred, preprocess, media_digest(row.data))
     decoded.seconds = time.perf_counter() - start
     decoded.extra = row.extra
     return decoded
@@ -121,17 +126,43 @@ def _error_modality(options: DecodeOptions) -> str | None:
 def _decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -> Decoded:
     fixed = _error_modality(options)
     if row.error is not None:
-        return Decoded(row.row, row.id, fixed, None, row.error)
+        return Decoded(row.row, row.id, fixed, None, row.error, digest=NO_MEDIA)
     try:
-        data = row.data if row.data is not None else read_source(row.uri or "", options.media_root, options.max_item_bytes)
+        data = _media_bytes(row, options.media_root, options.max_item_bytes)
+    except MediaError as err:
+        return Decoded(row.row, row.id, fixed, None, str(err), digest=NO_MEDIA)
+    digest = media_digest(data)
+    try:
         decoded = decode(data, options)
     except MediaError as err:
-        return Decoded(row.row, row.id, fixed, None, str(err))
-    return _preprocessed(row.row, row.id, decoded, preprocess)
+        return Decoded(row.row, row.id, fixed, None, str(err), digest=digest)
+    return _preprocessed(row.row, row.id, decoded, preprocess, digest)
 
 
-def _preprocessed(row: int, id: Any, decoded: Any, preprocess: Any) -> Decoded:
-    """The row of decoded media: its item, or a preprocess_failed error row."""
+def _media_bytes(row: reader.InputRow, media_root: str | None, max_item_bytes: int | None) -> bytes:
+    """The media bytes of a row the reader gave media: its cell's, or the file its path names."""
+    return row.data if row.data is not None else read_source(row.uri or "", media_root, max_item_bytes)
+
+
+def input_digests(cfg: InputConfig, fragments: list[reader.Fragment], first_row: int, end_row: int) -> np.ndarray:
+    """The media digests (`digest.digest_array`) of global rows [first_row, end_row) as
+    the input holds them now, made as `decode_row` makes them: the resume check
+    (`checkpoint.open_checkpoint`) compares them with those committed. Runs on the rank,
+    one row at a time, reading the media bytes again (a path's file included) without
+    decoding them."""
+    root = reader.local_media_root(cfg)
+    digests = []
+    for row in reader.read_rows(cfg, fragments, first_row, end_row):
+        try:
+            digests.append(NO_MEDIA if row.error is not None else media_digest(_media_bytes(row, root, cfg.max_item_bytes)))
+        except MediaError:
+            digests.append(NO_MEDIA)
+    return digest_array(digests)
+
+
+def _preprocessed(row: int, id: Any, decoded: Any, preprocess: Any, digest: bytes) -> Decoded:
+    """The row of decoded media (whose bytes have `digest`): its item, or a
+    preprocess_failed error row."""
     modality = "video" if isinstance(decoded, (DecodedVideo, DeferredVideo)) else "image"
     try:
         if isinstance(decoded, DeferredImage):
@@ -144,8 +175,8 @@ def _preprocessed(row: int, id: Any, decoded: Any, preprocess: Any) -> Decoded:
         else:
             item = preprocess(decoded)
     except Exception as exc:  # a preprocessing failure is one bad row, not a failed job
-        return Decoded(row, id, modality, None, _preprocess_failed(exc))
-    return Decoded(row, id, modality, item, None)
+        return Decoded(row, id, modality, None, _preprocess_failed(exc), digest=digest)
+    return Decoded(row, id, modality, item, None, digest=digest)
 
 
 def _preprocess_failed(exc: Exception) -> str:
@@ -311,7 +342,8 @@ def _on_cpu(decoded: Decoded, data: bytes, options: DecodeOptions, preprocess: A
         media = decode(data, dataclasses.replace(options, defer_jpeg=False, defer_video=False))
     except MediaError as err:
         return dataclasses.replace(decoded, modality=_error_modality(options), item=None, error=str(err))
-    return dataclasses.replace(_preprocessed(decoded.row, decoded.id, media, preprocess), seconds=decoded.seconds, extra=decoded.extra)
+    made = _preprocessed(decoded.row, decoded.id, media, preprocess, decoded.digest)
+    return dataclasses.replace(made, seconds=decoded.seconds, extra=decoded.extra)
 
 
 def decode_options(job: Job, adapter: EncoderAdapter) -> DecodeOptions:

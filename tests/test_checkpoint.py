@@ -32,6 +32,7 @@ from embedjob.io.checkpoint import (
     stats_name,
     success_name,
 )
+from embedjob.io.digest import digest_array, media_digest
 from embedjob.io.files import file_digest
 from embedjob.io.writer import TMP_MARK, RowBlock, output_schema, part_name
 
@@ -239,7 +240,7 @@ def _rows(first: int, n: int, dim: int = 8, errors: tuple[int, ...] = ()) -> Row
     vectors = np.array([[first + i] * dim for i in range(n) if not failed[i]], dtype=np.float16).reshape(-1, dim)
     return RowBlock(first, list(range(first, first + n)), ["image"] * n, [4] * n, [1] * n,
                     ["truncated: cut short" if f else None for f in failed], np.array([0 if f else 1 for f in failed]),
-                    vectors)
+                    vectors, digests=digest_array([media_digest(bytes([first + i])) for i in range(n)]))
 
 
 def test_a_part_is_written_a_row_group_at_a_time_and_appears_only_when_whole(

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from embedjob.io.digest import digest_array, media_digest
 from embedjob.io.reader import Fragment, plan_chunks
 from embedjob.io.writer import RowBlock, block_to_table, output_schema
 
@@ -67,7 +68,8 @@ def _block(first: int, counts: list[int], dim: int = 3) -> RowBlock:
     vectors = np.arange(sum(counts) * dim, dtype=np.float32).reshape(-1, dim) + first
     errors = [None if c else f"corrupt: row {first + i}" for i, c in enumerate(counts)]
     return RowBlock(first, [f"id-{first + i}" for i in range(n)], ["image"] * n, [c or None for c in counts],
-                    [0] * n, errors, np.array(counts, dtype=np.int64), vectors)
+                    [0] * n, errors, np.array(counts, dtype=np.int64), vectors,
+                    digests=digest_array([media_digest(bytes([first + i])) for i in range(n)]))
 
 
 def test_block_slices_and_concatenations_keep_each_rows_vectors() -> None:

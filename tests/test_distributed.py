@@ -34,6 +34,7 @@ from PIL import Image
 
 from embedjob.cli import main
 from embedjob.config import JobError
+from embedjob.io.digest import DIGEST_SIZE
 from embedjob.io.reader import Chunk
 from embedjob.io.writer import RowBlock
 from embedjob.parallel.cluster import (
@@ -66,7 +67,8 @@ DEMO_PARQUET = REPO / "jobs" / "data" / "demo-images.parquet"
 def _block(chunk: Chunk) -> RowBlock:
     n = chunk.rows
     return RowBlock(chunk.first_row, list(range(chunk.first_row, chunk.end_row)), ["image"] * n, [1] * n, [0] * n,
-                    [None] * n, np.ones(n, dtype=np.int64), np.full((n, 2), chunk.index, dtype=np.float32))
+                    [None] * n, np.ones(n, dtype=np.int64), np.full((n, 2), chunk.index, dtype=np.float32),
+                    digests=np.full((n, DIGEST_SIZE), chunk.index, dtype=np.uint8))
 
 
 @pytest.mark.parametrize("seed", range(4))

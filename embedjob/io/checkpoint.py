@@ -22,6 +22,13 @@ A restart keeps a committed part only while it is intact: same size, same checks
 The first part that is not (truncated, bit-flipped, replaced, gone) is recomputed, with
 a warning naming it, and so is every part after it (parts are contiguous).
 
+A restart also keeps a part only while its input is the one its rows were computed
+from: each record holds a digest of its rows' media bytes (`io/digest.py`), and the
+kept parts of an unfinished shard are checked against the input as it is now. An input
+changed in place where the job fingerprint cannot see it (same size, same footer) is
+refused naming the parts' rows, unless --overwrite: the rerun would write vectors of the
+new media beside those of the old. A finished shard is not checked (no run adds to it).
+
 One output, one job: the first run (or submission) that writes into an output records
 the job's fingerprint (model, preprocessing, pooling, dtype, input and each input
 file's identity) and layout (shard count, part size) in `_embedjob/job.json`; every
@@ -58,15 +65,19 @@ import socket
 import stat
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from embedjob.config import Job, JobError
 from embedjob.io import reader
+from embedjob.io.digest import recomputed_digest
 from embedjob.io.files import file_digest, write_json
 from embedjob.io.writer import TMP_MARK
+from embedjob.report.counts import plural
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +97,7 @@ _OLD_BOOKKEEPING = re.compile(r"^(?:_embedjob\.json|slurm-job\.json|manifest-\d{
 _LAYOUT = ("num_shards", "first_row", "end_row", "rows_per_part")
 _PART_KEYS = {"part", "name", "first_row", "end_row", "errors"}
 _SEAL_KEYS = {"rows", "size", "sha256", "error_codes"}
+_MEDIA_KEYS = {"input_digest", "unread_rows"}
 _NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP)
 _LISTED_FILE_CHANGES = 3
 
@@ -186,7 +198,10 @@ def refuse_old_layout(directory: Path, overwrite: bool) -> None:
 @dataclass
 class PartRecord:
     """A committed part: its file, the global row range [first_row, end_row) it holds,
-    and, sealed at commit, its row count, size in bytes and sha256."""
+    and, sealed at commit, its row count, size in bytes and sha256; and what its rows
+    were computed from: `input_digest`, the digest of their media (`digest.part_digest`),
+    with `unread_rows` the rows no worker finished reading (`digest.UNREAD`). A part
+    committed by an embedjob before media digests has `input_digest` None."""
 
     part: int
     name: str
@@ -197,6 +212,8 @@ class PartRecord:
     size: int | None = None
     sha256: str | None = None
     error_codes: dict[str, int] = field(default_factory=dict)
+    input_digest: str | None = None
+    unread_rows: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -726,10 +743,15 @@ def open_checkpoint(
     rows_per_part: int,
     fingerprint: dict[str, Any],
     overwrite: bool,
+    media: MediaDigests | None = None,
 ) -> Checkpoint:
     """Check the output's job (`claim_output`) and lock the shard, refuse a changed job
     (touching nothing), clean the debris of killed runs, and load (or start) the
     shard's checkpoint, keeping only the committed parts that are intact.
+
+    With `media`, an unfinished shard's kept parts are checked against the input's
+    media as it is now (`_refuse_changed_media`); without it (a caller that has no
+    input, as a benchmark of the writer) they are kept on the fingerprint alone.
 
     With `overwrite`, everything this shard wrote before is removed first (and every
     shard's files, when the output held another job). The returned checkpoint holds
@@ -742,7 +764,7 @@ def open_checkpoint(
         lock = claim_output(directory, OutputRecord(plain, num_shards, rows_per_part), overwrite, shard)
         fresh = Checkpoint(directory, shard, num_shards, first_row, end_row, rows_per_part, _compact(plain), lock=lock)
         try:
-            return _load(fresh, overwrite)
+            return _load(fresh, overwrite, media)
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -751,7 +773,7 @@ def open_checkpoint(
         raise OutputError(f"cannot write to output.path {directory}: {exc.strerror or exc}") from None
 
 
-def _load(fresh: Checkpoint, overwrite: bool) -> Checkpoint:
+def _load(fresh: Checkpoint, overwrite: bool, media: MediaDigests | None) -> Checkpoint:
     """The checkpoint `fresh` describes, filled from the shard's manifest when resuming."""
     directory, shard, end_row = fresh.directory, fresh.shard, fresh.end_row
     manifest = None if overwrite else load_manifest(directory, shard)
@@ -765,15 +787,18 @@ def _load(fresh: Checkpoint, overwrite: bool) -> Checkpoint:
             f"output {directory} holds shard {shard} of a different job ({'; '.join(changes)}); "
             "use a new output.path, or pass --overwrite to replace it"
         )
-    _remove_temporaries(directory, shard)
     if manifest is None:
         # No manifest: nothing of this shard is committed, whatever else lies there.
+        _remove_temporaries(directory, shard)
         _remove_shard_files(directory, shard)
         fresh.start_attempt()
         fresh._save()
         return fresh
     listed = [PartRecord(**p) for p in manifest["parts"]]
     fresh.parts = _valid_prefix(fresh, listed)
+    if media is not None and not fresh.is_done():
+        _refuse_changed_media(fresh, media)
+    _remove_temporaries(directory, shard)
     fresh.attempts = [a for a in manifest.get("attempts", []) if isinstance(a, dict)]
     if fresh.resume_row != end_row:
         (directory / success_name(shard)).unlink(missing_ok=True)
@@ -800,7 +825,8 @@ def load_manifest(directory: Path, shard: int) -> dict[str, Any] | None:
     except (OSError, ValueError) as exc:
         raise JobError(f"cannot read {path} ({exc}); pass --overwrite to recompute shard {shard}") from None
     parts = manifest.get("parts") if isinstance(manifest, dict) else None
-    if not isinstance(parts, list) or not all(isinstance(p, dict) and _PART_KEYS <= set(p) <= _PART_KEYS | _SEAL_KEYS for p in parts):
+    known = _PART_KEYS | _SEAL_KEYS | _MEDIA_KEYS
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and _PART_KEYS <= set(p) <= known for p in parts):
         raise JobError(f"{path} is not an embedjob manifest; pass --overwrite to recompute shard {shard}")
     return manifest
 
@@ -810,6 +836,52 @@ def manifest_changes(manifest: dict[str, Any], current: Checkpoint) -> list[str]
     changes = _leaf_changes(_compact(manifest.get("fingerprint") or {}), current.fingerprint)
     changes += [f"{k}: {manifest.get(k)!r} -> {getattr(current, k)!r}" for k in _LAYOUT if manifest.get(k) != getattr(current, k)]
     return changes
+
+
+MediaDigests = Callable[[int, int], np.ndarray]
+"""The media digests of global rows [first, end) as the input holds them now, one row
+of `digest.DIGEST_SIZE` bytes each (`rows.input_digests`)."""
+
+
+def _refuse_changed_media(cp: Checkpoint, media: MediaDigests) -> None:
+    """JobError naming the kept parts (and their rows) whose input media differ from
+    the media they were computed from; the run would keep their vectors beside vectors
+    of the new media. Only an unfinished shard is checked: a finished one is skipped,
+    so no run mixes anything into it, and the check reads its committed rows' media
+    again (a pass over the shard's input at read speed, no decode).
+
+    Parts committed before media digests existed (`input_digest` None, always a
+    prefix) are kept on the job fingerprint alone, which names each input file by size
+    and footer: an output written by an older embedjob still resumes, and says so once.
+    """
+    digested = [p for p in cp.parts if p.input_digest is not None]
+    if len(digested) < len(cp.parts):
+        logger.info(
+            "shard %d: %s recorded without media digests (an older embedjob) are checked by the input files' size and footer only",
+            cp.shard, plural(len(cp.parts) - len(digested), "committed part"),
+        )
+    if not digested:
+        return
+    since = time.perf_counter()
+    first = digested[0].first_row
+    try:
+        now = media(first, digested[-1].end_row)
+    except OSError as exc:
+        # Not the output's fault, which `open_checkpoint` would report it as: exit 1 all the same.
+        raise RuntimeError(f"cannot read the input to check shard {cp.shard}'s committed rows against it: {exc}") from None
+    changed = [
+        p for p in digested
+        if recomputed_digest(now[p.first_row - first : p.end_row - first], p.first_row, p.unread_rows) != p.input_digest
+    ]
+    if changed:
+        named = [f"rows {p.first_row}-{p.end_row - 1} ({p.name})" for p in changed[:_LISTED_FILE_CHANGES]]
+        if len(changed) > _LISTED_FILE_CHANGES:
+            named.append(plural(len(changed) - _LISTED_FILE_CHANGES, "more part"))
+        raise JobError(
+            f"the input changed under shard {cp.shard} of {cp.directory}: the media of committed {', '.join(named)} "
+            "differ from the media they were computed from; use a new output.path, or pass --overwrite to recompute the shard"
+        )
+    logger.info("shard %d: the media of %d committed rows match the input (%.1f s)", cp.shard, len(now), time.perf_counter() - since)
 
 
 def _valid_prefix(cp: Checkpoint, listed: list[PartRecord]) -> list[PartRecord]:

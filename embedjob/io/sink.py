@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from embedjob.config import Job
 from embedjob.io.checkpoint import Checkpoint, PartRecord, count_codes
+from embedjob.io.digest import part_digest, unread_rows
 from embedjob.io.writer import ErrorRateExceeded, PartFile, RowBlock, part_name
 from embedjob.parallel.cluster import Coordinator
 from embedjob.report.counts import codes_text, count_errors
@@ -51,6 +53,8 @@ class PartSink:
         self.errors: list[str | None] = []
         """The `error` of every row of the part being written that arrived (written or
         buffered), for the part's record."""
+        self.digests: list[np.ndarray] = []
+        """The media digests of those rows, block by block, for the part's record."""
         self._file: PartFile | None = None
 
     @property
@@ -88,6 +92,7 @@ class PartSink:
         self.buffer.append(block)
         self.held_bytes += block.vectors.nbytes
         self.errors += block.errors
+        self.digests.append(block.digests)
 
     def _write(self) -> None:
         if self._file is None:
@@ -100,11 +105,13 @@ class PartSink:
         sealed = self._file.commit()
         part = self.checkpoint.next_part
         codes = count_errors(self.errors)
+        digests = np.concatenate(self.digests)
         record = PartRecord(
-            part, sealed.path.name, first, end, sum(codes.values()), size=sealed.size, sha256=sealed.sha256, error_codes=codes
+            part, sealed.path.name, first, end, sum(codes.values()), size=sealed.size, sha256=sealed.sha256, error_codes=codes,
+            input_digest=part_digest(digests), unread_rows=unread_rows(digests, first),
         )
         self.checkpoint.commit(record)
-        self._file, self.errors = None, []
+        self._file, self.errors, self.digests = None, [], []
 
 
 class ErrorRate:

@@ -88,7 +88,9 @@ class RowBlock:
     `vectors` (1 for a pooled embedding, one per token with `pooling: none`, 0 for an
     error row, whose `errors[i]` is set); the vectors of the rows follow each other in
     row order. `grids[i]` is row i's (t, h, w) token grid (None for an error row, and
-    `grids` None where nobody set them), `extra` the copied input columns by name.
+    `grids` None where nobody set them), `extra` the copied input columns by name, and
+    `digests[i]` (a (rows, `digest.DIGEST_SIZE`) uint8 array) the digest of the media
+    row i was computed from, which the part's record keeps (`io/digest.py`).
     Columns rather than one object per row: a block is built, sent between processes
     and written with a few array operations whatever its length.
     """
@@ -103,6 +105,7 @@ class RowBlock:
     vectors: np.ndarray
     grids: list[tuple[int, ...] | None] | None = None
     extra: dict[str, list[Any]] = field(default_factory=dict)
+    digests: np.ndarray = field(kw_only=True)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -125,6 +128,7 @@ class RowBlock:
             self.vectors[offsets[start] : offsets[stop]],
             None if self.grids is None else self.grids[start:stop],
             {name: values[start:stop] for name, values in self.extra.items()},
+            digests=self.digests[start:stop],
         )
 
     @classmethod
@@ -146,6 +150,7 @@ class RowBlock:
             np.concatenate([b.vectors for b in blocks]),
             None if any(b.grids is None for b in blocks) else [g for b in blocks for g in b.grids],
             {name: [v for b in blocks for v in b.extra[name]] for name in blocks[0].extra},
+            digests=np.concatenate([b.digests for b in blocks]),
         )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from test_shards import assert_same_rows, job_args, read_output, write_inputs
+from test_slurm import stand_in, stand_in_scontrol
 
 from embedjob.cli import main
 from embedjob.io import checkpoint, sink
@@ -128,6 +129,27 @@ def test_a_link_planted_at_the_builtin_models_temporary_name_is_not_built_into(
     model = cache / "builtin" / "tiny-qwen2_5_vl-v1"
     assert model.is_dir() and not model.is_symlink()
     assert_same_rows(read_output(tmp_path / "out"), read_output(reference))
+
+
+def test_submit_refuses_a_logs_folder_that_is_a_link_and_writes_nothing_where_it_points(
+    small: Path, tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`submit` writes the job's copy and its sbatch script under `_embedjob/logs`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    stand_in(bin_dir, "sbatch", f"touch {tmp_path}/sbatch-called; echo 4242")
+    stand_in_scontrol(bin_dir, "exit 1")
+    out = tmp_path / "out"
+    victims(tmp_path / "elsewhere", 1)
+    before = snapshot(tmp_path / "elsewhere")
+    (out / META).mkdir(parents=True)
+    (out / META / "logs").symlink_to(tmp_path / "elsewhere")
+
+    assert main(["submit", *job_args(small, out, cache_dir), "--shards", "2"]) == 2
+    assert f"{out / META / 'logs'} is a symbolic link" in one_line(capsys.readouterr().err)
+    assert snapshot(tmp_path / "elsewhere") == before
+    assert not (tmp_path / "sbatch-called").exists()
 
 
 # ---------------------------------------------------------------- 3. damaged while running

@@ -109,6 +109,10 @@ def test_an_output_whose_bookkeeping_folder_is_a_link_is_refused_and_the_folder_
     assert f"{out / META} is a symbolic link" in line
     assert main(["report", str(out)]) == 2
     assert f"{out / META} is a symbolic link" in one_line(capsys.readouterr().err)
+    assert main(["verify", str(out)]) == 1
+    assert f"{META} is a symbolic link to {elsewhere}" in capsys.readouterr().out
+    assert main(["status", str(out), "--verify"]) == 1
+    assert f"damaged: {META} is a symbolic link to {elsewhere}" in capsys.readouterr().out
     assert snapshot(elsewhere) == before
 
 

@@ -76,10 +76,9 @@ def test_links_planted_mid_run_at_the_next_parts_temporary_names_are_never_writt
         def __init__(self, directory: Path, name: str, schema) -> None:
             if not planted:
                 for part, target in enumerate(targets):
-                    base = f".part-00000-{part:05d}.parquet.tmp-{os.getpid()}"
-                    for link in (base, f"{base}-0"):
-                        (directory / link).symlink_to(target)
-                        planted.append(link)
+                    link = f".part-00000-{part:05d}.parquet.tmp-{os.getpid()}"
+                    (directory / link).symlink_to(target)
+                    planted.append(link)
             super().__init__(directory, name, schema)
 
     planted: list[str] = []

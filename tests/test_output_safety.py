@@ -45,6 +45,13 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
+def shards_done(out: Path, capsys: pytest.CaptureFixture) -> int:
+    """How many shards `embedjob status` calls done."""
+    capsys.readouterr()
+    assert main(["status", str(out), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["counts"]["done"]
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` by relative name, with its bytes."""
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -194,18 +201,12 @@ def test_a_part_damaged_while_the_run_goes_on_fails_the_run_and_the_rerun_recomp
     status = capsys.readouterr().out
     damaged = [line for line in verified.splitlines() if line.startswith("part-")]
     assert damaged and all(f"damaged: {line}" in status for line in damaged)
-    assert "unfinished" in verified and json.loads(main_json(out, capsys))["counts"]["done"] == 0
+    assert "unfinished" in verified and shards_done(out, capsys) == 0
 
     assert run(small, out, cache_dir) == 0
     assert_same_rows(read_output(out), read_output(reference))
     assert main(["verify", str(out)]) == 0
     assert main(["status", str(out), "--verify"]) == 0
-
-
-def main_json(out: Path, capsys: pytest.CaptureFixture) -> str:
-    capsys.readouterr()
-    assert main(["status", str(out), "--json"]) == 0
-    return capsys.readouterr().out
 
 
 def test_a_finished_shard_that_lost_its_statistics_is_completed_by_a_rerun_not_called_complete(
@@ -219,7 +220,7 @@ def test_a_finished_shard_that_lost_its_statistics_is_completed_by_a_rerun_not_c
     stats.unlink()
     assert main(["verify", str(out)]) == 1
     assert main(["status", str(out), "--verify"]) == 1
-    assert json.loads(main_json(out, capsys))["counts"]["done"] == 0
+    assert shards_done(out, capsys) == 0
 
     assert run(small, out, cache_dir) == 0
     assert "already complete" not in capsys.readouterr().err
@@ -227,7 +228,7 @@ def test_a_finished_shard_that_lost_its_statistics_is_completed_by_a_rerun_not_c
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")} == parts, "no part is recomputed"
     assert main(["verify", str(out)]) == 0
     assert main(["status", str(out), "--verify"]) == 0
-    assert json.loads(main_json(out, capsys))["counts"]["done"] == 1
+    assert shards_done(out, capsys) == 1
 
 
 # ---------------------------------------------------------------- 7. a killed run's record

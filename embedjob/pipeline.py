@@ -1003,7 +1003,7 @@ class Runner:
 
     def _finish_without_model(self, checkpoint: Checkpoint, seconds: float) -> dict[str, Any]:
         """An empty shard, or one whose rows are all committed but whose success marker
-        was not written: there is nothing to encode, so no model is loaded (under SLURM
+        was not written or whose statistics were lost: there is nothing to encode, so no model is loaded (under SLURM
         an empty array task would otherwise hold a GPU to load one)."""
         stats = shard_stats(self.job, self.shard, checkpoint, seconds)
         checkpoint.finish(stats)

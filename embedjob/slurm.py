@@ -56,11 +56,11 @@ from embedjob.io.checkpoint import (
     old_layout_message,
     read_output_record,
     refuse_other_job,
+    shard_finished,
     shard_progress,
     shards_in,
-    success_name,
 )
-from embedjob.io.files import write_json
+from embedjob.io.files import own_directory, write_bytes, write_json
 from embedjob.report.counts import codes_text, plural
 
 logger = logging.getLogger(__name__)
@@ -349,7 +349,7 @@ def submit(
             f"output {task.output} belongs to another job whose tasks are still queued or running ({tasks}); "
             "cancel them (scancel) before replacing it"
         )
-    done = [] if replacing else [s for s in range(options.num_shards) if (task.output / success_name(s)).exists()]
+    done = [] if replacing else [s for s in range(options.num_shards) if shard_finished(task.output, s)]
     todo = [s for s in range(options.num_shards) if s not in done and s not in active]
     result = Submission(todo, done, active)
     if not todo:
@@ -362,15 +362,15 @@ def submit(
     _check_array_size(todo[-1])
     claim_output(task.output, record, overwrite)
     logs = task.output / LOGS
-    logs.mkdir(parents=True, exist_ok=True)
+    own_directory(logs)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
     # Tasks may start hours later: they read a copy of the job file as it is now, so an
     # edit in the meantime cannot make one output out of two different jobs.
     snapshot = logs / f"job-{stamp}.yaml"
-    shutil.copyfile(task.job_file, snapshot)
+    write_bytes(snapshot, task.job_file.read_bytes())
     result.script = render_script(replace(task, job_file=snapshot), todo, options)
     result.script_path = logs / f"submit-{stamp}.sbatch"
-    result.script_path.write_text(result.script)
+    write_bytes(result.script_path, result.script.encode())
     result.job_id = _sbatch(result.script_path, task.workdir)
     _record(task, options, result, ranges, snapshot)
     logger.info("submitted job %s: shards %s of %d", result.job_id, array_spec(todo), options.num_shards)

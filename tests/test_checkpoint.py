@@ -33,8 +33,8 @@ from embedjob.io.checkpoint import (
     success_name,
 )
 from embedjob.io.digest import digest_array, media_digest
-from embedjob.io.files import file_digest
-from embedjob.io.writer import TMP_MARK, RowBlock, output_schema, part_name
+from embedjob.io.files import TMP_MARK, file_digest
+from embedjob.io.writer import RowBlock, output_schema, part_name
 
 FINGERPRINT = {"model": {"family": "qwen2_5_vl", "path": "builtin:tiny-qwen2_5_vl"}, "pooling": "mean"}
 

@@ -453,7 +453,8 @@ def test_a_full_disk_is_exit_1_at_start_and_mid_run(
         assert run(small, tmp_path / "start", cache_dir) == 1
     assert "No space left on device" in one_line(capsys.readouterr().err)
 
-    from embedjob.io.writer import TMP_MARK, PartFile
+    from embedjob.io.files import TMP_MARK
+    from embedjob.io.writer import PartFile
 
     real = PartFile.write
     calls = []

@@ -13,6 +13,7 @@ import importlib
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -122,12 +123,18 @@ def save_atomically(build: Any, target: Path) -> None:
     """Run `build(tmpdir)` and rename the result to `target`.
 
     Several SLURM tasks may create the same builtin model at once; the rename makes
-    exactly one of them win and the others find a complete directory.
+    exactly one of them win and the others find a complete directory. The cache may
+    be shared: the temporary directory is created fresh by this call under a name
+    nobody can guess (`mkdtemp`), so a link planted at a name we would use cannot make
+    the build write into the directory it points to. `mkdtemp` makes it private; it is
+    made readable by every user (writable by its owner only) before `build`, as a
+    cache other users' jobs read needs.
     """
     if target.exists():
         return
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
+    os.chmod(tmp, 0o755)
     build(tmp)
     try:
         os.rename(tmp, target)

@@ -13,10 +13,14 @@ row, so part k always covers the same rows and a restart knows, from the manifes
 alone, where to resume. A part is committed when its file has been renamed into place
 AND the manifest lists it (the manifest is replaced atomically after the rename), with
 the file's size, row count and sha256 as committed. A part file the manifest does not
-list, and every temporary file, is debris of a killed run and is removed on open.
-`_SUCCESS-SSSSS` is written last, so it exists only when every part of the shard is
-committed; a marker without a manifest that backs it is removed with the rest of the
-shard's files.
+list, and every temporary file, is debris of a killed run and is removed on open (and
+at the end of a run). `_SUCCESS-SSSSS` is written last, after the statistics and after
+every committed part has been checked once more against its recorded size and sha256,
+so it exists only when every part of the shard is committed and intact; a part damaged
+while the run went on fails the run instead, naming it, and the next run recomputes
+it. A marker without a manifest that backs it is removed with the rest of the shard's
+files; a marker without its statistics does not make a shard finished
+(`shard_finished`): its next run writes them.
 
 A restart keeps a committed part only while it is intact: same size, same checksum.
 The first part that is not (truncated, bit-flipped, replaced, gone) is recomputed, with
@@ -47,6 +51,9 @@ output's record is read and written under `_embedjob/.lock-job`, held for moment
 `lock_holder` tells, read only, whether a shard's lock is held (`embedjob status`).
 Lock files are opened without following a symlink and must be plain files: a link
 planted in a shared output directory cannot make a run truncate the file it points to.
+Nor can a link at `_embedjob/` itself: a run refuses it (`files.own_directory`). The
+output's record is written under its lock only, so a temporary record found under the
+lock is a killed run's, and removed.
 """
 
 from __future__ import annotations
@@ -75,8 +82,7 @@ import numpy as np
 from embedjob.config import Job, JobError
 from embedjob.io import reader
 from embedjob.io.digest import recomputed_digest
-from embedjob.io.files import file_digest, write_json
-from embedjob.io.writer import TMP_MARK
+from embedjob.io.files import TMP_MARK, file_digest, own_directory, write_json
 from embedjob.report.counts import plural
 
 logger = logging.getLogger(__name__)
@@ -461,8 +467,9 @@ def claim_output(directory: Path, record: OutputRecord, overwrite: bool, shard: 
     """
     directory.mkdir(parents=True, exist_ok=True)
     refuse_old_layout(directory, overwrite)
-    (directory / META).mkdir(exist_ok=True)
+    own_directory(directory / META)
     with _output_lock(directory):
+        _remove_record_temporaries(directory)
         if old_layout(directory):
             _retire_old_layout(directory)
         changes = refuse_other_job(directory, record, overwrite)
@@ -478,6 +485,14 @@ def claim_output(directory: Path, record: OutputRecord, overwrite: bool, shard: 
                 own.release()
             raise
         return own
+
+
+def _remove_record_temporaries(directory: Path) -> None:
+    """Temporary files of the output's record left by a killed run. The record is
+    written only under the output's lock, which the caller holds: none is in use."""
+    for path in (directory / META).glob(f".{Path(JOB_RECORD).name}{TMP_MARK}*"):
+        logger.info("removing temporary file %s of a stopped run", path.name)
+        path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -663,7 +678,7 @@ class Checkpoint:
         return start, min(start + self.rows_per_part, self.end_row)
 
     def is_done(self) -> bool:
-        return (self.directory / success_name(self.shard)).exists()
+        return shard_finished(self.directory, self.shard)
 
     def finished_stats(self) -> dict[str, Any]:
         """The statistics a finished shard wrote, marked as skipped by this run."""
@@ -703,15 +718,35 @@ class Checkpoint:
             self._attempt["seconds"] = round(time.monotonic() - self._attempt_started, 3)
 
     def finish(self, stats: dict[str, Any]) -> None:
-        """Write the shard's statistics, then the success marker (last), then unlock.
+        """Check every committed part, write the shard's statistics, then the success
+        marker (last), then unlock.
 
         Raises RuntimeError if the committed parts do not cover the shard: a success
-        marker over missing rows would make every later run skip them.
+        marker over missing rows would make every later run skip them. Raises
+        OutputError (unlocked, no marker) naming the parts that are no longer the files
+        committed (truncated, changed, removed while the run went on): a marker over
+        them would bless them, and the next run recomputes them instead. The check
+        reads every part once more, seconds for a shard of gigabytes against the hours
+        that wrote them.
         """
         if self.resume_row != self.end_row:
             raise RuntimeError(f"shard {self.shard}: rows [{self.resume_row}, {self.end_row}) are not committed")
         self._count_attempt(0)
         self._save()
+        damaged = [f"{p.name} {problem}" for p in self.parts if (problem := part_problem(self.directory, p)) is not None]
+        if damaged:
+            if self.lock is not None:
+                self.lock.release()
+            shown = "; ".join(damaged[:_LISTED_FILE_CHANGES]) + (
+                f"; and {len(damaged) - _LISTED_FILE_CHANGES} more" if len(damaged) > _LISTED_FILE_CHANGES else ""
+            )
+            raise OutputError(
+                f"shard {self.shard}: {len(damaged)} of its committed parts changed while the run went on ({shown}); "
+                "the shard is not marked done: run it again to recompute them"
+            )
+        # Nothing of ours is in flight now; anything else under a temporary name of this
+        # shard (a killed run's, a link someone planted) would read as a leftover part.
+        _remove_temporaries(self.directory, self.shard)
         stats = {**stats, "attempts": self.attempts, "seconds_all_attempts": round(sum(a["seconds"] for a in self.attempts), 3)}
         write_json(self.directory / stats_name(self.shard), stats)
         write_json(self.directory / success_name(self.shard), {"parts": len(self.parts), "rows": self.end_row - self.first_row})
@@ -732,6 +767,16 @@ class Checkpoint:
 
     def _save(self) -> None:
         write_json(self.directory / manifest_name(self.shard), self.manifest())
+
+
+def shard_finished(directory: Path, shard: int) -> bool:
+    """Whether the shard is finished: its success marker and its statistics are there.
+
+    A run writes the statistics before the marker, so a marker without them means the
+    statistics were lost afterwards: the shard is not finished, and its next run
+    writes them again instead of skipping it (every engine and `status` ask here).
+    """
+    return (directory / success_name(shard)).exists() and (directory / stats_name(shard)).exists()
 
 
 def open_checkpoint(
@@ -807,6 +852,8 @@ def _load(fresh: Checkpoint, overwrite: bool, media: MediaDigests | None) -> Che
     elif len(fresh.parts) != len(listed):
         fresh._save()
     _remove_unlisted_parts(directory, shard, {p.name for p in fresh.parts})
+    if fresh.resume_row == end_row and not fresh.is_done() and (directory / success_name(shard)).exists():
+        logger.warning("shard %d: %s is missing; writing it again from the manifest", shard, stats_name(shard))
     if fresh.is_done():
         # From here on a finished shard is only read; releasing now lets a duplicate
         # run of it skip it too instead of failing on the lock.
@@ -951,7 +998,7 @@ class ShardProgress:
 
 def shard_progress(directory: Path, shard: int) -> ShardProgress:
     manifest = load_manifest(directory, shard)
-    done = (directory / success_name(shard)).exists()
+    done = shard_finished(directory, shard)
     if manifest is None:
         return ShardProgress(shard, None, None, 0, 0, 0, done)
     parts = manifest["parts"]

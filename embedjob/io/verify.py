@@ -4,6 +4,7 @@ Read only and without locks, so it may run beside writers; that is why the files
 unfinished shard beyond its manifest are not judged (a writer may be renaming a part
 into place). Each problem is one line that names the file:
 
+- `_embedjob` a symbolic link (its files are another folder's; runs refuse the output);
 - the output's record (`_embedjob/job.json`) unreadable, or left `replacing` by an
   interrupted --overwrite;
 - a shard's manifest unreadable, or of another job or shard layout than the record;
@@ -23,6 +24,7 @@ output is not whole either.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,8 @@ def verify_output(output: Path) -> Verification:
     if names:
         raise JobError(old_layout_message(output, names, "verify it with that embedjob, or rerun the job into a new output.path"))
     problems: list[str] = []
+    if (output / META).is_symlink():
+        problems.append(f"{META} is a symbolic link to {os.readlink(output / META)}: runs refuse this output (remove the link)")
     job = _job_record(output, problems)
     num_shards = job.num_shards if job is not None else _shard_count(output, problems)
     result = Verification(output, num_shards, problems)

@@ -36,9 +36,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-logger = logging.getLogger(__name__)
+from embedjob.io.files import create_new, temporary_path
 
-TMP_MARK = ".tmp-"
+logger = logging.getLogger(__name__)
 
 
 class ErrorRateExceeded(RuntimeError):
@@ -215,14 +215,15 @@ def _grid_array(block: RowBlock) -> pa.Array:
 
 
 class _DigestingFile(io.FileIO):
-    """A file opened for writing that keeps the sha256 and size of what went into it.
+    """A file open for writing (`fd`, which it closes) that keeps the sha256 and size
+    of what went into it.
 
     The Parquet writer only appends, so these are the file's own digest and size when
     it is closed: the part is sealed without reading it back, which at the end of a
     shard was a read of the whole part after the last row group."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, "wb")
+    def __init__(self, fd: int) -> None:
+        super().__init__(fd, "wb", closefd=True)
         self.sha256 = hashlib.sha256()
         self.size = 0
 
@@ -251,13 +252,17 @@ class PartFile:
     """One part being written: row groups appended to a hidden temporary file, which
     becomes `directory/name` only at `commit` (closed, fsynced, renamed), so a part under
     its name is always whole. A run killed before that leaves the temporary file, which
-    the checkpoint removes when the shard is run again."""
+    the checkpoint removes when the shard is run again.
+
+    The temporary file is created by this call under a name nobody can guess
+    (`files.create_new`): a link planted at a name we would use cannot make the job
+    truncate and overwrite the file it points to."""
 
     def __init__(self, directory: Path, name: str, schema: pa.Schema) -> None:
         self.target = directory / name
-        self.tmp = directory / f".{name}{TMP_MARK}{os.getpid()}"
+        self.tmp = temporary_path(self.target)
         self.schema = schema
-        self._file = _DigestingFile(self.tmp)
+        self._file = _DigestingFile(create_new(self.tmp))
         self._writer = pq.ParquetWriter(self._file, schema, **parquet_options(schema))
 
     def write(self, block: RowBlock) -> None:

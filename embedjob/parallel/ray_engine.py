@@ -69,9 +69,10 @@ from embedjob.io.checkpoint import (
     OutputRecord,
     claim_output,
     job_fingerprint,
+    shard_finished,
     shard_progress,
-    success_name,
 )
+from embedjob.io.files import write_new
 from embedjob.parallel.outcome import ShardOutcome
 from embedjob.slurm import Shard, shard_ranges
 
@@ -142,7 +143,7 @@ class RayEngine:
         rows = _claim(job, output, shards[0].count, overwrite)
         outcomes = {}
         for shard in shards:
-            if not overwrite and (output / success_name(shard.index)).exists():
+            if not overwrite and shard_finished(output, shard.index):
                 first, end = rows[shard.index]
                 stats = {"shard": shard.index, "num_shards": shard.count, "rows": end - first, "skipped": True}
                 outcomes[shard.index] = ShardOutcome(shard, stats)
@@ -211,7 +212,7 @@ def reach_token(output: Path) -> Iterator[str]:
     answers tasks wrote next to it) when the run ends."""
     token = secrets.token_hex(8)
     try:
-        (output / f"{REACH}{token}").write_text(token)
+        write_new(output / f"{REACH}{token}", token.encode())
     except OSError as exc:
         raise OutputError(f"cannot write to output.path {output}: {exc.strerror or exc}") from None
     try:
@@ -319,7 +320,7 @@ def probe_task(job: Job, context: TaskContext) -> str:
         here = check_reach(job, context)
         answer = f"{REACH}{context.token}.{secrets.token_hex(4)}"
         try:
-            (here / answer).write_bytes(b"")
+            write_new(here / answer, b"")
         except OSError as exc:
             where = f"output.path {here} on node {node_name()}"
             raise OutputError(f"cannot write to {where}: {exc.strerror or exc}") from None

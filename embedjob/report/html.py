@@ -25,7 +25,7 @@ import yaml
 
 from embedjob.config import JobError
 from embedjob.io.checkpoint import META, OutputError, flatten, read_output_record
-from embedjob.io.files import write_bytes
+from embedjob.io.files import own_directory, write_bytes
 from embedjob.report import figures
 from embedjob.report.counts import codes_text, plural
 from embedjob.report.data import OutputView, ShardView, error_examples, read_output, shards_text
@@ -94,12 +94,16 @@ def write_report(output: Path, destination: Path | None = None) -> Report:
     """Write the report of `output` to `destination` (default: DEFAULT_NAME inside
     the output), its PNGs beside it as `<stem>-<figure>.png`. JobError when `output`
     is not an embedjob output or `destination` is not an .html file name; OutputError
-    when the page cannot be written there (exit 1, as for a run's output)."""
+    when the page cannot be written there (exit 1, as for a run's output). JobError
+    too, by default, when the output's `_embedjob` is a symbolic link: the page would
+    land in the folder it points to."""
     output = Path(output)
     destination = Path(destination) if destination is not None else output / DEFAULT_NAME
     if destination.suffix.lower() not in (".html", ".htm"):
         raise JobError(f"--out {destination}: the report is an HTML file; name it *.html")
     view = read_output(output)
+    if destination.parent == output / META:
+        own_directory(output / META)
     plots = make_plots(view)
     examples = error_examples(output, [s.shard for s in view.status.shards if s.errors], view.status.error_codes())
     page = render(view, plots, examples).encode()

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from embedjob.config import Job, JobError, describe, load_job, prepare_process
+from embedjob.config import Job, JobError, describe, load_job, prepare_process, reference_markdown
 from embedjob.io.checkpoint import OutputError
 from embedjob.io.writer import ErrorRateExceeded
 from embedjob.report.counts import codes_text, plural, route_warnings
@@ -105,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="print the job with every default filled in, or every key")
     inspect.add_argument("job", nargs="?", help="job YAML; without it, list every key and its allowed values")
     inspect.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    inspect.add_argument("--markdown", action="store_true", help="without a job: every key as the tables of docs/configuration.md")
     inspect.set_defaults(func=_cmd_inspect)
     return parser
 
@@ -255,7 +256,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.job is None:
-        print(describe())
+        print(reference_markdown() if args.markdown else describe(), end="\n" * (not args.markdown))
         return 0
     job = load_job(args.job, args.set)
     print(yaml.safe_dump(job.to_dict(), sort_keys=False), end="")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import logging
 import math
 import os
@@ -307,6 +308,44 @@ def describe() -> str:
     """Every key with its allowed values (a numeric key's range included), default and
     description, one per line (for `embedjob inspect`)."""
     return "\n".join(f"{name}: {allowed} (default: {default!r}) - {doc}" for name, allowed, default, doc in keys())
+
+
+REFERENCE_INTRO = """# Configuration
+
+Every key of a job file, as `embedjob inspect` lists them: the values each allows, its
+default and what it does. Generated from the job spec (`embedjob inspect --markdown >
+docs/configuration.md`); a test fails when this page and the spec disagree. A key may be
+set in the job's YAML or on the command line (`--set section.key=value`); a wrong key,
+type or value stops the job before anything is read or written, with one line naming
+every problem (exit 2).
+"""
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: one table per section of the job spec, in spec order, each
+    key with its allowed values (ranges included), default and description."""
+    rows = keys()
+    parts = [REFERENCE_INTRO]
+    for section in dataclasses.fields(Job):
+        doc = inspect.getdoc(section.default_factory) or ""  # type: ignore[misc]
+        parts.append(f"\n## {section.name}\n\n{doc}\n\n| key | allowed | default | what it does |\n| --- | --- | --- | --- |\n")
+        for name, allowed, default, about in rows:
+            if name.startswith(f"{section.name}."):
+                shown = "required" if name in REQUIRED else f"`{_as_yaml(default)}`"
+                parts.append(f"| `{name}` | {_cell(allowed)} | {shown} | {_cell(about)} |\n")
+    return "".join(parts)
+
+
+def _as_yaml(value: Any) -> str:
+    """A default as a job file writes it: null, true/false, numbers and quoted strings."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
+
+
+def _cell(text: str) -> str:
+    """`text` inside a Markdown table cell, whose columns a bare `|` would split."""
+    return text.replace("|", "\\|")
 
 
 def keys() -> list[tuple[str, str, Any, str]]:

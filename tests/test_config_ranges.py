@@ -1,5 +1,5 @@
-"""Numeric job keys: each declares its allowed range once, `inspect` and the README show
-it, and a value outside it (NaN, an infinity, a negative, zero where a count is needed,
+"""Numeric job keys: each declares its allowed range once, `inspect` and
+docs/configuration.md show it, and a value outside it (NaN, an infinity, a negative, zero where a count is needed,
 a bool for an integer, a string for a number) or a pair of keys out of order stops the
 job with one line and exit 2 before the output directory exists."""
 
@@ -16,9 +16,9 @@ import yaml
 from conftest import REPO
 
 from embedjob.cli import main
-from embedjob.config import Job, JobError, Range, job_from_dict, keys
+from embedjob.config import Job, JobError, Range, job_from_dict, keys, reference_markdown
 
-README = (REPO / "README.md").read_text()
+REFERENCE = REPO / "docs" / "configuration.md"
 DEMO = yaml.safe_load((REPO / "jobs" / "demo.yaml").read_text())
 MINIMAL = {
     "input": {"path": "data/*.parquet", "media_column": "image"},
@@ -203,7 +203,7 @@ def test_validation_follows_each_declared_range(name: str, hint: Any, f: datacla
             job_from_dict(with_value(MINIMAL, name, value))
 
 
-def test_inspect_and_the_readme_show_each_range(capsys: pytest.CaptureFixture) -> None:
+def test_inspect_and_the_configuration_page_show_each_range(capsys: pytest.CaptureFixture) -> None:
     assert main(["inspect"]) == 0
     listed = capsys.readouterr().out
     assert "video.fps: a finite number > 0 (default: 2.0)" in listed
@@ -214,5 +214,17 @@ def test_inspect_and_the_readme_show_each_range(capsys: pytest.CaptureFixture) -
     rows = {name: allowed for name, allowed, _, _ in keys()}
     for name, _, f in numeric_keys():
         assert str(f.metadata["range"]) in rows[name] and f"{name}: {rows[name]} (default: " in listed, name
-        assert f"| `{name}` | {rows[name]} |" in README.replace("\\|", "|"), f"README's allowed values of {name}"
+        assert f"| `{name}` | {rows[name]} |" in REFERENCE.read_text().replace("\\|", "|"), f"the page's allowed values of {name}"
+
+
+def test_the_configuration_page_is_the_one_the_spec_generates(capsys: pytest.CaptureFixture) -> None:
+    """docs/configuration.md is what `embedjob inspect --markdown` prints: a key added,
+    removed or redescribed in the spec fails here until the page is generated again."""
+    assert main(["inspect", "--markdown"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == reference_markdown()
+    assert REFERENCE.read_text() == printed, "docs/configuration.md is stale: embedjob inspect --markdown > docs/configuration.md"
+    for section in ("input", "model", "preprocess", "video", "batching", "output", "runtime"):
+        assert f"\n## {section}\n" in printed
+    assert "| `output.path` | a string | required |" in printed and "| `runtime.cache_dir` | a string or null | `null` |" in printed
 

@@ -1,4 +1,4 @@
-"""embedjob's fixed-resolution towers against plain transformers + torch.compile (issue #19 item 7).
+"""Fixed-resolution towers (SigLIP, CLIP) against plain transformers with torch.compile, batch 256 (RESULTS.md section 7).
 
 Usage (from the repository root, on a CUDA machine; --smoke checks the script on the CPU):
 

@@ -1,4 +1,4 @@
-"""`model.precision: fp8` against bf16: encoder-only speed and per-item fidelity (issue #19, items 3 and 4).
+"""Encoder-only speed and fidelity of `model.precision` and the compiler's variants, with kernel tables (RESULTS.md sections 5-7).
 
 On the GPU machine, from the repository root:
 

@@ -1,4 +1,4 @@
-"""The per-GPU pipeline benchmark: `embedjob run --gpus N` on four mixes, against the encoder alone.
+"""End to end: `embedjob run --gpus N` on four mixes, against the encoder alone (RESULTS.md sections 1, 2, 4).
 
 On the GPU machine, from the repository root (`bench-data`: directories of photos and/or
 Parquet files of photos, e.g. a cat dataset; optional, the repository's own few photos
@@ -11,9 +11,10 @@ COUNT sets every mix; the defaults grow x N/2 where N > 2 GPUs run), `--gpus 1 2
 (GPU counts; counts above the visible GPUs are skipped and said so), `--repeats 2` (CLI
 runs per GPU count), `--set KEY=VALUE` (a job override for every run and for the
 encoder-only measurement, e.g. `runtime.workers=8`), `--seed`, `--workdir scaling-work`.
-`--smoke` runs everything on the CPU instead, with tiny towers of the same architectures
-and 24 images per mix (`--gpus N` is then N CPU ranks), so the whole script can be
-checked on a machine without a GPU.
+`--smoke` runs everything on the CPU instead, with tiny towers of the same architectures,
+24 images per mix, one CPU rank and one run unless `--gpus` and `--repeats` say otherwise
+(`--gpus N` is then N CPU ranks), so the whole script can be checked on a machine without
+a GPU.
 
 Each mix's result is saved in `<workdir>/<mix>/result.json`, and `--report` prints the
 table of the saved results of `--mixes` without running anything. All four mixes take

@@ -101,7 +101,10 @@ def test_device_checks_without_a_stage_prints_its_usage_and_exits_2() -> None:
 
 @pytest.mark.slow
 def test_device_checks_smoke_runs_a_stage_and_prints_its_summary(tmp_path: Path) -> None:
-    env = {"SMOKE": "1", "OUT": str(tmp_path / "out"), "DEVICE_CHECKS_WORK": str(tmp_path / "work")}
+    env = {
+        "SMOKE": "1", "OUT": str(tmp_path / "out"), "DEVICE_CHECKS_WORK": str(tmp_path / "work"),
+        "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ["PATH"])),  # its python3: this one
+    }
     done = run(["bash", "benchmarks/device_checks.sh", "attention"], env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "=== device_checks.sh summary ===" in done.stdout

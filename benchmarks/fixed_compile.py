@@ -381,10 +381,13 @@ def main() -> int:
         "--variants", nargs="+", default=None,
         help="only these rows (plus plain_eager), e.g. plain_compile 'ours_graphs_compiled[flash]'; all by default",
     )
-    parser.add_argument("--smoke", action="store_true", help="tiny towers on the CPU: checks the script, measures nothing")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny towers on the CPU, plain_compile and ours_graphs_compiled unless --variants: checks the script")
     parser.add_argument("--out", type=Path, default=None, help="append each finished row to this file")
     args = parser.parse_args()
     args.batch = args.batch or (4 if args.smoke else 256)
+    if args.smoke and args.variants is None:  # compiling every variant on a CPU takes minutes
+        args.variants = ["plain_compile", "ours_graphs_compiled"]
     args.repeats = args.repeats or (2 if args.smoke else 20)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("benchmarks/fixed_compile.py needs a CUDA device (or --smoke)")

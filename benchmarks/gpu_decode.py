@@ -432,7 +432,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mixes", nargs="+", default=["qwen-224", "siglip"], choices=list(MIXES))
     parser.add_argument("--images", type=int, default=0, help="rows per mix (0: the mix's default)")
     parser.add_argument("--workers", type=int, default=4, help="runtime.workers: decode processes for the one GPU")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per decoder, the decoders in turn; the median is reported")
+    parser.add_argument("--repeats", type=int, help="runs per decoder, the decoders in turn; the median is reported (2; 1 with --smoke)")
     parser.add_argument("--decoders", nargs="+", default=["cpu", "gpu", "auto"], choices=["cpu", "gpu", "auto"],
                         help="preprocess.decoder values to run; cosines are against cpu")
     parser.add_argument("--workdir", default="gpu-decode-work")
@@ -443,7 +443,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--contention", action="store_true",
                         help="time one window's nvjpeg call idle and beside GEMMs instead (RESULTS.md section 10)")
     parser.add_argument("--window", type=int, default=256, help="--contention: JPEGs per call (the job's window)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.repeats = args.repeats or (1 if args.smoke else 2)
+    return args
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Attention kernels at the towers' own head dims (issue #19, item 1): what each backend
-that torch ships, and FlashAttention-4 where it is installed, takes per call, on the
-segment layouts the towers run.
+"""Attention kernels at the towers' own head dims, per call on their segment layouts (RESULTS.md section 5).
+
+What each backend that torch ships, our Triton segment kernel, and FlashAttention-4 where
+it is installed take per call, on the segment layouts the towers run.
 
     PYTHONPATH=. python3 benchmarks/attention.py [--repeats 20]     (one GPU)
     PYTHONPATH=. python3 benchmarks/attention.py --smoke            (CPU, tiny, plumbing only)
@@ -255,9 +256,10 @@ def measure(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, help="timed calls per backend, the median reported (20; 2 with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny cases: checks the script, measures nothing")
     args = parser.parse_args()
+    args.repeats = args.repeats or (2 if args.smoke else 20)
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     rows = [row for case in cases(args.smoke) for row in measure(case, device, dtype, args.repeats)]

@@ -1,6 +1,7 @@
-"""Decode and preprocessing per core: what one decode worker does per row of a job.
+"""Decode and preprocessing per core: what one decode worker does per row of a job (RESULTS.md section 8).
 
     PYTHONPATH=. python3 benchmarks/decode_rate.py JOB.yaml [JOB.yaml ...] [--rows 1000] [--repeats 3]
+    PYTHONPATH=. python3 benchmarks/decode_rate.py --smoke      (jobs/demo.yaml, its 12 rows, one pass)
 
 For each job, the first `--rows` rows of its input go through `rows.decode_row` (read,
 decode, the model's preprocessing: exactly a worker's work, without the hand-over to
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from embedjob import rows as worker  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
@@ -74,10 +76,16 @@ def measure(job_path: str, rows: int, repeats: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("jobs", nargs="+")
-    parser.add_argument("--rows", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("jobs", nargs="*", help="job files (with --smoke, default jobs/demo.yaml)")
+    parser.add_argument("--rows", type=int, default=1000, help="rows of each job's input")
+    parser.add_argument("--repeats", type=int, default=3, help="passes; the best is reported")
+    parser.add_argument("--smoke", action="store_true", help="one pass over the demo job's rows")
     args = parser.parse_args()
+    if args.smoke:
+        args.jobs = args.jobs or [str(REPO / "jobs" / "demo.yaml")]
+        args.repeats = 1
+    if not args.jobs:
+        parser.error("name at least one job file (or --smoke)")
     torch.set_num_threads(1)
     lines = [measure(job, args.rows, args.repeats) for job in args.jobs]
     print("| job | family | rows | error rows | items/s per core | ms per item | decode share |")

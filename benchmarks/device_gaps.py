@@ -1,4 +1,4 @@
-"""When the GPU sits idle during one `embedjob run`: its kernels traced, the gaps between them measured.
+"""Where the device sits idle during one `embedjob run`: its kernels traced, the gaps between them measured (RESULTS.md section 3).
 
 Usage (from the repository root, one GPU; the job's compile cache warm, e.g. the
 scaling benchmark's job after one of its runs):
@@ -33,6 +33,10 @@ overlap one of the longest gaps, and every collection of the oldest generation.
 `--kernels N` adds the N activities with the most device time in the pipeline: with
 `preprocess.decoder=gpu`, how much of the device the decode's own kernels take beside
 the encoder's.
+
+`--smoke` runs the job (`jobs/demo.yaml` unless one is named) on the CPU with the host
+probe but without the profiler, says that it skipped the device trace, and prints the
+report with no device activity: every idle second is then the head.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import skipped  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
 from embedjob.pipeline import run_job  # noqa: E402
 
@@ -127,6 +132,14 @@ def host_probe() -> Iterator[list[HostStep]]:
         gc.callbacks.remove(on_gc)
         for owner, method_name, method in originals:
             setattr(owner, method_name, method)
+
+
+def untraced(job_path: str, overrides: list[str], output: Path) -> tuple[list[Activity], dict, list[HostStep]]:
+    """`--smoke`: the job with the host probe only, so no device activity."""
+    job = load_job(job_path, [*overrides, f"output.path={output}"])
+    with host_probe() as steps:
+        stats = run_job(job, overwrite=True)
+    return [], stats, steps
 
 
 def trace(job_path: str, overrides: list[str], output: Path) -> tuple[list[Activity], dict, list[HostStep]]:
@@ -259,16 +272,24 @@ def host_lines(steps: list[HostStep], begin: float, end: float, tail_from: float
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("job")
+    parser.add_argument("job", nargs="?", help="the job file (with --smoke, default jobs/demo.yaml)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a job override")
     parser.add_argument("--top", type=int, default=12, help="how many of the longest gaps to list")
     parser.add_argument("--kernels", type=int, default=0, metavar="N", help="also list the N activities with the most device time")
+    parser.add_argument("--smoke", action="store_true", help="on the CPU, without the device trace")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("device_gaps.py traces a GPU's kernels: no CUDA device here")
+    if args.job is None and not args.smoke:
+        parser.error("the job file is required without --smoke")
+    if not args.smoke and not torch.cuda.is_available():
+        print("device_gaps.py traces a GPU's kernels: no CUDA device here (--smoke checks the script on a CPU)")
         return 1
     with tempfile.TemporaryDirectory() as tmp:
-        activities, stats, steps = trace(args.job, [*args.set, "runtime.device=cuda"], Path(tmp) / "out")
+        if args.smoke:
+            skipped("device_gaps", "the device trace", "torch.profiler's CUDA activity needs a GPU")
+            job = args.job or str(REPO / "jobs" / "demo.yaml")
+            activities, stats, steps = untraced(job, [*args.set, "runtime.device=cpu"], Path(tmp) / "out")
+        else:
+            activities, stats, steps = trace(args.job, [*args.set, "runtime.device=cuda"], Path(tmp) / "out")
     print(report(activities, stats, steps, args.top, args.kernels))
     return 0
 

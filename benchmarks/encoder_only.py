@@ -1,4 +1,12 @@
-"""The encoder-only rate of a job's rows on one device: the bound `embedjob run` is measured against.
+"""Encoder only: a mix's rows decoded beforehand, then encoded alone (the bound of RESULTS.md sections 1, 5-7, 9, 11).
+
+    PYTHONPATH=. python3 benchmarks/encoder_only.py --photos bench-data [--mixes qwen-224 ...] [--repeats 3]
+    PYTHONPATH=. python3 benchmarks/encoder_only.py --smoke        (CPU, tiny towers)
+
+The other benchmarks import `measure` to set a run beside the encoder alone; run as a
+script it prints one table of the mixes of `benchmarks/mixes.py`: items, median seconds
+of a pass, images/s, MFU against the matmul rate of this process, batches, graph hit
+rate, padding and setup (load, compile, capture).
 
 Every row is decoded and preprocessed on the CPU first (`embedjob.decode.decode` and the
 adapter's own preprocessor, in a process pool), so the timed part is the encoder alone:
@@ -12,12 +20,15 @@ batches after one warm-up pass: CUDA events on a GPU, wall time on a CPU.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import contextlib
 import functools
 import gc
 import multiprocessing
+import os
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,14 +38,18 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 
-from benchmarks.mixes import items_flops
-from embedjob.bench import device_passes
-from embedjob.config import Job
-from embedjob.decode import DecodeOptions, MediaError, decode
-from embedjob.encoders import EncoderInput, load_adapter
-from embedjob.engine import packer
-from embedjob.engine.encode import budget_plan
-from embedjob.engine.graphs import GraphManager, pool_rows
+# The script runs without installing the package, so the repository root goes first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import builtin_sources, collect_photos, fmt, matmul_peak, table  # noqa: E402
+from benchmarks.mixes import MIXES, SMOKE_IMAGES, items_flops, jpeg_dataset, save_tower, write_job  # noqa: E402
+from embedjob.bench import device_passes  # noqa: E402
+from embedjob.config import Job, load_job  # noqa: E402
+from embedjob.decode import DecodeOptions, MediaError, decode  # noqa: E402
+from embedjob.encoders import EncoderInput, load_adapter  # noqa: E402
+from embedjob.engine import packer  # noqa: E402
+from embedjob.engine.encode import budget_plan  # noqa: E402
+from embedjob.engine.graphs import GraphManager, pool_rows  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -192,7 +207,6 @@ def _not_measured(items: list[EncoderInput], failed: int, flops: float, seconds:
     return EncoderOnly(len(items), failed, float("nan"), [], flops, 0, None, None, [], seconds[0], seconds[1], note)
 
 
-
 # --- preprocessing on the CPU ---------------------------------------------------------
 
 
@@ -229,3 +243,50 @@ def _decode_one(data: bytes, options: DecodeOptions, preprocess: Any) -> Encoder
         return preprocess(decode(data, options))
     except MediaError:
         return None
+
+
+# --- the command line ------------------------------------------------------------------------
+
+HEAD = ["mix", "items", "not decoded", "seconds", "images/s", "MFU", "batches", "hit rate", "padding", "setup s"]
+
+
+def table_rows(name: str, result: EncoderOnly, peak: float) -> list[str]:
+    """One mix's row of the table."""
+    return [
+        name, str(result.items), str(result.failed), fmt(result.seconds, ".3f"), fmt(result.rate, ".1f"),
+        fmt(result.flops / result.seconds / peak, ".1%"), str(result.batches), fmt(result.hit_rate, ".0%"),
+        fmt(result.padding, ".1%"), f"{result.setup_seconds:.1f}",
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mixes", nargs="+", default=["qwen-224"], choices=list(MIXES))
+    parser.add_argument("--images", type=int, default=0, help="rows per mix (0: the mix's default; 24 with --smoke)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes; the median is reported")
+    parser.add_argument("--photos", nargs="+", action="extend", type=Path, default=[], help="directories or files of photos")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a job override, e.g. model.precision=fp8")
+    parser.add_argument("--workdir", default="encoder-only-work")
+    parser.add_argument("--smoke", action="store_true", help="CPU only: tiny towers, no compile")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    workdir = Path(args.workdir).resolve()
+    cores = len(os.sched_getaffinity(0))
+    photos = collect_photos([*builtin_sources(), *args.photos])
+    peak = matmul_peak(device, "encoder_only")
+    rows = []
+    for name in args.mixes:
+        mix = MIXES[name]
+        count = args.images or (SMOKE_IMAGES if args.smoke else mix.images)
+        dataset = jpeg_dataset(mix, count, 0, photos, workdir / "data", cores)
+        tower = save_tower(mix.tower, workdir / "towers", args.smoke)
+        job = write_job(workdir / name, mix, tower, dataset.path, workdir / "cache", args.smoke)
+        rows.append(table_rows(name, measure(load_job(job, args.set), device, cores, args.repeats), peak))
+    print(f"\n# encoder only on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, median of {args.repeats} passes\n")
+    print(f"command: {' '.join(sys.argv)}\n")
+    print("\n".join(table(HEAD, rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""embedjob's fixed-resolution towers against plain transformers + torch.compile (issue #19 item 7).
+"""Fixed-resolution towers (SigLIP, CLIP) against plain transformers with torch.compile, batch 256 (RESULTS.md section 7).
 
 Usage (from the repository root, on a CUDA machine; --smoke checks the script on the CPU):
 
@@ -60,7 +60,8 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.encoder_only import TUNED, module_settings  # noqa: E402
-from embedjob.bench import FIXED_TOWERS, device_time, fixed_flops, matmul_peak, save_fixed_tower  # noqa: E402
+from benchmarks.common import matmul_peak  # noqa: E402
+from embedjob.bench import FIXED_TOWERS, device_time, fixed_flops, save_fixed_tower  # noqa: E402
 from embedjob.config import job_from_dict  # noqa: E402
 from embedjob.encoders import EncoderAdapter, EncoderInput, StaticInputs, base, load_adapter  # noqa: E402
 from embedjob.encoders.fixed import FAMILIES, GLOBAL_KEY, load_processing  # noqa: E402
@@ -334,12 +335,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def cpu_matmul_peak(size: int = 1024, repeats: int = 5) -> float:
-    """float32 matmul FLOP/s on the CPU: --smoke's MFU denominator (only to fill the column)."""
-    a, c = torch.randn(size, size), torch.randn(size, size)
-    return 2 * size**3 / median_seconds(lambda: a @ c, repeats, torch.device("cpu"))
-
-
 # --- output ---------------------------------------------------------------------------
 
 COLUMNS = f"{'model':<18} {'variant':<34} {'images/s':>9} {'ms/batch':>9} {'MFU':>6} {'vs plain_compile':>16} {'min cos':>9} {'setup s':>8}  note"
@@ -386,10 +381,13 @@ def main() -> int:
         "--variants", nargs="+", default=None,
         help="only these rows (plus plain_eager), e.g. plain_compile 'ours_graphs_compiled[flash]'; all by default",
     )
-    parser.add_argument("--smoke", action="store_true", help="tiny towers on the CPU: checks the script, measures nothing")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny towers on the CPU, plain_compile and ours_graphs_compiled unless --variants: checks the script")
     parser.add_argument("--out", type=Path, default=None, help="append each finished row to this file")
     args = parser.parse_args()
     args.batch = args.batch or (4 if args.smoke else 256)
+    if args.smoke and args.variants is None:  # compiling every variant on a CPU takes minutes
+        args.variants = ["plain_compile", "ours_graphs_compiled"]
     args.repeats = args.repeats or (2 if args.smoke else 20)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("benchmarks/fixed_compile.py needs a CUDA device (or --smoke)")
@@ -400,7 +398,7 @@ def main() -> int:
     # bf16 on the GPU; float32 on the CPU, where load_adapter computes in float32 whatever the job says.
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar per variant buries the rows
-    peak = matmul_peak() if device.type == "cuda" else cpu_matmul_peak()
+    peak = matmul_peak(device, "fixed_compile")
     lines = header(device, dtype, peak, args.batch)
     append(args.out, [*lines, COLUMNS])
     rows: list[Row] = []

@@ -1,4 +1,4 @@
-"""`preprocess.decoder: cpu` against `gpu` and `auto` on the scaling benchmark's mixes, with few decode cores.
+"""JPEG decode on the GPU: `preprocess.decoder` cpu, gpu and auto with few decode cores (RESULTS.md sections 9, 10).
 
 On the GPU machine, from the repository root:
 
@@ -24,6 +24,13 @@ differs, besides batches). The table is also written to
 `--smoke` runs it on the CPU with tiny towers (the GPU decoder then stops with its job
 error, which the table shows), to check the script without a GPU.
 
+`--contention` times instead one window (`--window`, 256) of each mix's JPEGs through the
+job's batched nvjpeg call, on an idle device and beside a stream replaying a graph of 50
+back-to-back GEMMs of the 7B tower's MLP shape, median of `--repeats`; run it once with
+CUDA_DEVICE_MAX_CONNECTIONS unset and once with 32 to see what sharing a hardware work
+queue with the encoder costs. With `--smoke` it makes the windows and prints the table's
+header, and says that it skipped the timings.
+
 `--profile N` adds, per mix, where the GPU decode's time goes on its thread: the first N
 rows left undecoded by `rows.decode_row` (as workers leave them), then, a window of 256
 at a time, nvjpeg's batched call alone (wall and this thread's CPU seconds, the device
@@ -46,8 +53,11 @@ import dataclasses
 import io
 import os
 import pstats
+import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,17 +70,32 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import (  # noqa: E402
+    NO_MULTICAST,
+    builtin_sources,
+    collect_photos,
+    cosine,
+    fmt,
+    matmul_peak,
+    median_seconds,
+    rank0,
+    read_output,
+    run_cli,
+    skipped,
+    table,
+    table_row,
+    timed_rows,
+)
+from benchmarks.common import log as _log  # noqa: E402
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
-from benchmarks.mixes import MIXES, SMOKE_IMAGES, builtin_sources, collect_photos, jpeg_dataset, save_tower  # noqa: E402
-from benchmarks.scaling import NO_MULTICAST, fmt, log, matmul_peak, rank0, read_output, run_cli, timed_rows, write_job  # noqa: E402
+from benchmarks.mixes import MIXES, SMOKE_IMAGES, jpeg_dataset, save_tower, write_job  # noqa: E402
 from embedjob import rows as worker  # noqa: E402
+from embedjob.bench import wall_passes  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
 from embedjob.decode.device import decode_jpegs  # noqa: E402
 from embedjob.encoders import load_adapter  # noqa: E402
 from embedjob.encoders.base import JPEG_KEY  # noqa: E402
 from embedjob.io.reader import InputRow  # noqa: E402
-
-
 
 @dataclass
 class MixRuns:
@@ -87,6 +112,11 @@ class MixRuns:
     trace: str = ""
 
 
+def log(message: str) -> None:
+    """Progress on stderr."""
+    _log("gpu_decode", message)
+
+
 def main() -> int:
     args = parse_args()
     for key, value in NO_MULTICAST.items():
@@ -94,9 +124,11 @@ def main() -> int:
     workdir = Path(args.workdir).resolve()
     cores = len(os.sched_getaffinity(0))
     photos = collect_photos([*builtin_sources(), *args.photos])
+    if args.contention:
+        return contention(args, photos, workdir, cores)
     counts = {name: args.images or (SMOKE_IMAGES if args.smoke else MIXES[name].images) for name in args.mixes}
     datasets = {name: jpeg_dataset(MIXES[name], counts[name], 0, photos, workdir / "data", cores) for name in args.mixes}
-    peak = None if args.smoke else matmul_peak()
+    peak = None if args.smoke else matmul_peak(torch.device("cuda"), "gpu_decode")
     results: list[MixRuns] = []
     for name in args.mixes:
         results.append(bench_mix(name, datasets[name].path, counts[name], workdir, cores, args))
@@ -229,9 +261,7 @@ def compare(cpu: pa.Table, gpu: pa.Table) -> tuple[bool, np.ndarray, int]:
     a = _vectors(cpu)[good].astype(np.float64)
     b = _vectors(gpu)[good].astype(np.float64)
     finite = np.isfinite(a).all(axis=1) & np.isfinite(b).all(axis=1)
-    a, b = a[finite], b[finite]
-    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    return same, cos, int((~finite).sum())
+    return same, cosine(a[finite], b[finite]), int((~finite).sum())
 
 
 def _vectors(table: pa.Table) -> np.ndarray:
@@ -301,9 +331,100 @@ def _run_cells(result: MixRuns, decoder: str, enc: float | None, workers: int) -
     ]
 
 
-def table_row(cells: list[Any]) -> str:
-    """One Markdown table row."""
-    return "| " + " | ".join(str(c) for c in cells) + " |"
+# --- --contention: one window's nvjpeg call beside the encoder's GEMMs ------------------------
+
+LOAD_SHAPE = (16384, 1280, 5120)
+"""The Qwen2.5-VL-7B tower's MLP product (tokens x width x MLP width), bf16."""
+GEMMS_PER_GRAPH = 50
+CONTENTION_HEAD = ["mix", "CUDA_DEVICE_MAX_CONNECTIONS", "GEMM graph alone TFLOP/s", "idle ms", "beside GEMMs ms", "slower"]
+
+
+class GemmLoad:
+    """A stream replaying a graph of GEMMs back to back until stopped, as the encoder's
+    graphs keep the SMs busy."""
+
+    def __init__(self, device: torch.device) -> None:
+        m, k, n = LOAD_SHAPE
+        self.stream = torch.cuda.Stream(device)
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+        with torch.cuda.stream(self.stream):
+            for _ in range(3):
+                a @ b
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=self.stream):
+                for _ in range(GEMMS_PER_GRAPH):
+                    a @ b
+        torch.cuda.synchronize(device)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def tflops(self, replays: int = 5) -> float:
+        """The graph's GEMM rate alone."""
+        m, k, n = LOAD_SHAPE
+        with torch.cuda.stream(self.stream):
+            seconds = median_seconds(self.graph.replay, replays, self.stream.device)
+        return 2 * m * k * n * GEMMS_PER_GRAPH / seconds / 1e12
+
+    def _run(self) -> None:
+        with torch.cuda.stream(self.stream):
+            while not self.stop.is_set():
+                self.graph.replay()
+                self.stream.synchronize()
+
+    def __enter__(self) -> GemmLoad:
+        self.thread.start()
+        time.sleep(0.3)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def window_decode(blobs: list[bytes], device: torch.device) -> Callable[[], list[torch.Tensor]]:
+    """The job's batched call (`decode.device.decode_jpegs`) on one window, waited for."""
+    data = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
+
+    def decode() -> list[torch.Tensor]:
+        images = decode_jpegs(data, device)
+        torch.cuda.current_stream(device).synchronize()
+        return images
+
+    return decode
+
+
+def wall_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall milliseconds: the call waits for its own stream, not for the load's,
+    which CUDA events on the current stream would not tell apart."""
+    return statistics.median(wall_passes(fn, repeats, warmup=0)) * 1e3
+
+
+def contention(args: argparse.Namespace, photos: list[Any], workdir: Path, cores: int) -> int:
+    """`--contention`: one window of each mix's JPEGs decoded by the job's nvjpeg call on an
+    idle device and beside `GemmLoad`, median of `--repeats` (RESULTS.md, "Hardware work
+    queues"). Run it once per CUDA_DEVICE_MAX_CONNECTIONS, which it leaves as it finds it."""
+    windows = {name: jpeg_dataset(MIXES[name], args.window, 0, photos, workdir / "data", cores) for name in args.mixes}
+    queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)")
+    rows: list[list[Any]] = []
+    if args.smoke or not torch.cuda.is_available():
+        skipped("gpu_decode", "--contention's timings", "nvjpeg and the GEMM load need a CUDA device")
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
+        for name, dataset in windows.items():
+            decode = window_decode(pq.read_table(dataset.path).column("image").to_pylist(), device)
+            for _ in range(3):
+                decode()
+            idle = wall_ms(decode, args.repeats)
+            load = GemmLoad(device)
+            rate = load.tflops()
+            with load:
+                busy = wall_ms(decode, args.repeats)
+            rows.append([name, queues, f"{rate:.0f}", f"{idle:.1f}", f"{busy:.1f}", f"{busy / idle:.1f}x"])
+    print(f"\n# nvjpeg beside GEMMs: {args.window} distinct JPEGs a call, median of {args.repeats}\n")
+    print(f"command: {' '.join(sys.argv)}\n")
+    print("\n".join(table(CONTENTION_HEAD, rows, text_columns=2)))
+    return 0
 
 
 def parse_args() -> argparse.Namespace:
@@ -311,7 +432,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mixes", nargs="+", default=["qwen-224", "siglip"], choices=list(MIXES))
     parser.add_argument("--images", type=int, default=0, help="rows per mix (0: the mix's default)")
     parser.add_argument("--workers", type=int, default=4, help="runtime.workers: decode processes for the one GPU")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per decoder, the decoders in turn; the median is reported")
+    parser.add_argument("--repeats", type=int, help="runs per decoder, the decoders in turn; the median is reported (2; 1 with --smoke)")
     parser.add_argument("--decoders", nargs="+", default=["cpu", "gpu", "auto"], choices=["cpu", "gpu", "auto"],
                         help="preprocess.decoder values to run; cosines are against cpu")
     parser.add_argument("--workdir", default="gpu-decode-work")
@@ -319,7 +440,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="CPU only: tiny towers, 24 images per mix")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile the GPU decode of N rows per mix")
     parser.add_argument("--trace", action="store_true", help="trace the gpu job's threads' CUDA runtime calls")
-    return parser.parse_args()
+    parser.add_argument("--contention", action="store_true",
+                        help="time one window's nvjpeg call idle and beside GEMMs instead (RESULTS.md section 10)")
+    parser.add_argument("--window", type=int, default=256, help="--contention: JPEGs per call (the job's window)")
+    args = parser.parse_args()
+    args.repeats = args.repeats or (1 if args.smoke else 2)
+    return args
 
 
 if __name__ == "__main__":

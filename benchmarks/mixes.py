@@ -27,7 +27,6 @@ import math
 import multiprocessing
 import os
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
+from benchmarks.common import Photo, open_photo, readable
+
 ROW_GROUP = 128
 GENERATOR_VERSION = 1
 """Bumped whenever the JPEG recipe changes, so cached files made the old way are not reused."""
@@ -173,85 +173,6 @@ MIXES = {
 SMOKE_IMAGES = 24
 
 
-# --- photos --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Photo:
-    """A real photo's encoded bytes and where they came from."""
-
-    name: str
-    data: bytes
-
-
-def builtin_sources() -> list[Path]:
-    """The repository's real photos: the demo dataset (whose two broken rows are dropped
-    as unreadable) and the test images."""
-    tests = sorted(p for p in (REPO / "tests" / "data").iterdir() if p.suffix.lower() in (".jpg", ".png"))
-    return [REPO / "jobs" / "data" / "demo-images.parquet", *tests]
-
-
-def collect_photos(sources: Sequence[Path]) -> list[Photo]:
-    """Every candidate photo in `sources` (image files, Parquet files, directories of
-    either, searched recursively), in a fixed order; unreadable ones are not yet removed."""
-    photos: list[Photo] = []
-    for source in sources:
-        if source.is_dir():
-            files = sorted(p for p in source.rglob("*") if p.is_file())
-        elif source.exists():
-            files = [source]
-        else:
-            raise SystemExit(f"--photos: {source} does not exist")
-        for path in files:
-            if path.suffix.lower() == ".parquet":
-                photos += _parquet_photos(path)
-            elif path.suffix.lower() in IMAGE_SUFFIXES:
-                photos.append(Photo(str(path), path.read_bytes()))
-    return photos
-
-
-def _parquet_photos(path: Path) -> list[Photo]:
-    """The image bytes of a Parquet file: its binary column, or the `bytes` of an HF
-    image struct<bytes, path> (a column named like an image column wins if several)."""
-    schema = pq.read_schema(path)
-    found = [f for f in schema if _image_field(f.type) is not None]
-    if not found:
-        raise SystemExit(f"--photos: {path} has no binary or struct<bytes, path> column")
-    named = [f for f in found if f.name.lower() in ("image", "img", "jpg", "jpeg", "png", "photo")]
-    column = (named or found)[0]
-    values = pq.read_table(path, columns=[column.name]).column(column.name).combine_chunks()
-    if pa.types.is_struct(column.type):
-        values = values.field("bytes")
-    return [Photo(f"{path}#{i}", blob) for i, blob in enumerate(values.to_pylist()) if blob]
-
-
-def _image_field(kind: pa.DataType) -> str | None:
-    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
-        return "binary"
-    if pa.types.is_struct(kind):
-        index = kind.get_field_index("bytes")
-        if index >= 0 and (pa.types.is_binary(kind.field(index).type) or pa.types.is_large_binary(kind.field(index).type)):
-            return "struct"
-    return None
-
-
-def _open_photo(data: bytes) -> Any:
-    """The photo upright (EXIF orientation applied) in RGB; raises on anything unreadable."""
-    from PIL import Image, ImageOps
-
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    return ImageOps.exif_transpose(image).convert("RGB")
-
-
-def _readable(data: bytes) -> bool:
-    try:
-        _open_photo(data)
-    except Exception:
-        return False
-    return True
-
-
 # --- JPEGs ---------------------------------------------------------------------------
 
 
@@ -275,10 +196,10 @@ def jpeg_dataset(mix: Mix, count: int, seed: int, candidates: list[Photo], direc
         return Dataset(path, json.loads(sidecar.read_text()))
     directory.mkdir(parents=True, exist_ok=True)
     with _pool(workers) as pool:
-        readable = [p for p, ok in zip(candidates, pool.map(_readable, [p.data for p in candidates], chunksize=4)) if ok]
-        if not readable:
+        usable = [p for p, ok in zip(candidates, pool.map(readable, [p.data for p in candidates], chunksize=4)) if ok]
+        if not usable:
             raise SystemExit("no readable photo in the sources")
-        blobs = _make_jpegs(pool, mix, count, seed, readable)
+        blobs = _make_jpegs(pool, mix, count, seed, usable)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pq.write_table(pa.table({"image": pa.array(blobs, type=pa.binary())}), tmp, row_group_size=ROW_GROUP)
     os.rename(tmp, path)
@@ -287,8 +208,8 @@ def jpeg_dataset(mix: Mix, count: int, seed: int, candidates: list[Photo], direc
         "rows": count,
         "seed": seed,
         "sides": list(mix.sides),
-        "photos": len(readable),
-        "unreadable_photos": len(candidates) - len(readable),
+        "photos": len(usable),
+        "unreadable_photos": len(candidates) - len(usable),
         "distinct_jpegs": len({hashlib.sha256(b).digest() for b in blobs}),
         "megabytes": round(sum(map(len, blobs)) / 1e6, 1),
     }
@@ -317,7 +238,7 @@ def _make_jpegs(pool: concurrent.futures.Executor, mix: Mix, count: int, seed: i
 def _jpeg_rows(task: tuple[bytes, list[int], tuple[int, int], int, int]) -> list[tuple[int, bytes]]:
     """Worker: the JPEGs of some rows, all cut from one photo."""
     data, rows, sides, seed, salt = task
-    photo = _open_photo(data)
+    photo = open_photo(data)
     return [(row, _jpeg(photo, np.random.default_rng([seed, salt, row]), sides)) for row in rows]
 
 
@@ -362,3 +283,21 @@ def items_flops(adapter: Any, items: list[Any]) -> float:
     projection = adapter.projection.out_features if adapter.projection is not None else None
     per_image = fixed_flops(adapter.family, adapter.tower.config, projection)
     return per_image * sum(item.tokens // adapter.tokens_per_image for item in items)
+
+
+# --- jobs ----------------------------------------------------------------------------
+
+
+def write_job(mixdir: Path, mix: Mix, tower: Path, parquet: Path, cache: Path, smoke: bool) -> Path:
+    """The mix's job file: what a user would write for this checkpoint and dataset."""
+    job = {
+        "input": {"path": str(parquet), "media_column": "image"},
+        "model": {"family": mix.tower.family, "path": str(tower), "dtype": "bfloat16"},
+        "output": {"path": str(mixdir / "out"), "rows_per_part": 100_000},
+        "batching": {"compile": not smoke},
+        "runtime": {"device": "cpu" if smoke else "cuda", "progress": False, "cache_dir": str(cache)},
+    }
+    mixdir.mkdir(parents=True, exist_ok=True)
+    path = mixdir / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path

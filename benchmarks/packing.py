@@ -1,6 +1,7 @@
-"""Compare the packing policies on realistic item mixes; prints one table and a verdict.
+"""Padding and graph hits: the budgets added for items of one size, the packing policies, thumbnails (RESULTS.md section 12).
 
-Usage (from the repository root): ``python benchmarks/packing.py``
+Usage (from the repository root): ``python benchmarks/packing.py [--smoke]``;
+``python -m benchmarks.packing --thumbnails 3000 30000 [--device cuda]``.
 
 Mixes are generated with a fixed seed so runs are comparable. Token counts follow
 Qwen2.5-VL: an image of h x w pixels (sides rounded to multiples of 28) yields
@@ -16,13 +17,27 @@ pack again; it prints the padding before and after and the budgets added. The si
 the 1080p clip of issue #19 (7 s at 2 fps, 4,320 tokens), a 640x480 photo (391 tokens),
 a 1280x720 frame (1,196 tokens), a 448x448 image (256 tokens: a power of two), and a
 mix of 224-1344 px photos.
+
+`--thumbnails N ...` runs instead N distinct 32x32 JPEGs cut from real photos (the
+generator of `benchmarks/mixes.py`) through `embedjob.run` with a Qwen2.5-VL tower (the
+builtin tiny one unless `--model` names a checkpoint directory), and prints what decides
+whether thumbnails replay their graphs: hit rate, batches that fell back to eager because
+they needed more attention segments than the budget's buffers hold
+(`capacity_fallbacks`), padding, and rows per second. The packing and the budget buffers
+are the same on the CPU as on a GPU, so the hit rate is too.
+
+`--smoke` packs fewer items (256 a table row, 512 of each size, 10 random mixes) and, with
+`--thumbnails`, runs at most 64 thumbnails.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +45,11 @@ from pathlib import Path
 # The script runs without installing the package, so the repository root goes first.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import embedjob  # noqa: E402
+from benchmarks.common import builtin_sources, collect_photos  # noqa: E402
+from benchmarks.common import table as markdown  # noqa: E402
+from benchmarks.mixes import TOWERS, jpeg_dataset  # noqa: E402
+from benchmarks.mixes import Mix as JpegMix  # noqa: E402
 from embedjob.engine.packer import (  # noqa: E402
     MAX_ADDED_BUDGETS,
     POLICIES,
@@ -104,7 +124,7 @@ def timed_pack(tokens: list[int], frames: list[int], plan: BudgetPlan, policy: s
     return batches, best * 1000
 
 
-def table() -> bool:
+def table(items: int) -> bool:
     """Print the table; True when min_padding never wasted more than greedy."""
     header = (
         f"{'mix':<16} {'budgets':<16} {'policy':<12} {'items':>6} {'batches':>7} "
@@ -114,7 +134,7 @@ def table() -> bool:
     print("-" * len(header))
     never_worse = True
     for kind in MIX_KINDS:
-        tokens, frames = mix(random.Random(f"{SEED}-{kind}"), ITEMS, kind)
+        tokens, frames = mix(random.Random(f"{SEED}-{kind}"), items, kind)
         for plan_name, plan in plans().items():
             waste = {}
             for policy in POLICIES:
@@ -132,12 +152,12 @@ def table() -> bool:
     return never_worse
 
 
-def random_mixes() -> tuple[int, int, int, int, int]:
+def random_mixes(count: int) -> tuple[int, int, int, int, int]:
     """(worse, better, equal, greedy batches, min_padding batches) over random mixes."""
     rng = random.Random(SEED)
     plan_list = list(plans().values())
     worse = better = equal = greedy_batches = best_batches = 0
-    for _ in range(RANDOM_MIXES):
+    for _ in range(count):
         tokens, frames = mix(rng, rng.randint(1, 1500), rng.choice(MIX_KINDS))
         plan = rng.choice(plan_list)
         greedy = pack(tokens, frames, plan, "greedy")
@@ -179,25 +199,73 @@ def refined_padding(tokens: list[int], frames: list[int], plan: BudgetPlan) -> t
     return before / real, after / real, sorted(added)
 
 
-def refined_table() -> None:
-    print(f"{'items (2,048 each)':<24} {'padding, ladder':>15} {'padding, refined':>16}  budgets added")
+def refined_table(count: int) -> None:
+    print(f"{f'items ({count:,} each)':<24} {'padding, ladder':>15} {'padding, refined':>16}  budgets added")
     plan = plans()["auto 64..16384"]
-    mixes = {name: ([t] * 2048, [f] * 2048) for name, (t, f) in REPEATED.items()}
-    mixes["photos 224-1344"] = mix(random.Random(f"{SEED}-refine"), 2048, "images 224-1344")
+    mixes = {name: ([t] * count, [f] * count) for name, (t, f) in REPEATED.items()}
+    mixes["photos 224-1344"] = mix(random.Random(f"{SEED}-refine"), count, "images 224-1344")
     for name, (tokens, frames) in mixes.items():
         before, after, added = refined_padding(tokens, frames, plan)
         print(f"{name:<24} {100 * before:>14.1f}% {100 * after:>15.1f}%  {added or '-'}")
 
 
+THUMBNAIL_HEAD = ["images", "rows", "hit rate", "graph batches", "eager batches", "capacity fallbacks", "padding / real tokens", "rows/s"]
+
+
+def thumbnails(count: int, args: argparse.Namespace, work: Path) -> dict:
+    """`count` distinct thumbnails through `embedjob.run`: its statistics."""
+    jpegs = JpegMix(f"thumbnails-{args.side}", TOWERS["qwen"], (args.side, args.side), count)
+    data = jpeg_dataset(jpegs, count, 0, collect_photos([*builtin_sources(), *args.photos]), work / "data", os.cpu_count() or 1)
+    job = {
+        "input": {"path": str(data.path), "media_column": "image"},
+        "model": {"path": args.model or "builtin:tiny-qwen2_5_vl", "family": "qwen2_5_vl"},
+        "output": {"path": str(work / f"out-{count}")},
+        "runtime": {"device": args.device, "cache_dir": str(work / "cache"), "progress": False},
+    }
+    return embedjob.run(job, overwrite=True)
+
+
+def thumbnail_table(args: argparse.Namespace) -> int:
+    """`--thumbnails`: one row per count."""
+    counts = [min(c, 64) for c in args.thumbnails] if args.smoke else args.thumbnails
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.workdir or tmp)
+        results = [(count, thumbnails(count, args, work)) for count in counts]
+    rows = [
+        [count, s["rows"], f"{s['hit_rate']:.1%}", s["graph_batches"], s["eager_batches"], s["capacity_fallbacks"],
+         f"{s['padding_waste'] / max(1, s['real_tokens']):.1%}", f"{s['items_per_second']:.0f}"]
+        for count, s in results
+    ]
+    print(f"\n{args.side}x{args.side} JPEGs, {args.model or 'builtin:tiny-qwen2_5_vl'}, device {args.device}\n")
+    print("\n".join(markdown(THUMBNAIL_HEAD, rows, text_columns=0)))
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="fewer items: checks the script in seconds")
+    parser.add_argument("--thumbnails", type=int, nargs="+", metavar="N", help="run N thumbnails through embedjob.run instead")
+    parser.add_argument("--side", type=int, default=32, help="--thumbnails: their side in pixels")
+    parser.add_argument("--device", default="cpu", help="--thumbnails: runtime.device")
+    parser.add_argument("--model", help="--thumbnails: a Qwen2.5-VL checkpoint directory (default: the builtin tiny tower)")
+    parser.add_argument("--photos", type=Path, nargs="*", default=[], help="--thumbnails: more photos to cut them from")
+    parser.add_argument("--workdir", type=Path, help="--thumbnails: default a temporary directory")
+    return parser.parse_args()
+
+
 def main() -> int:
-    refined_table()
+    args = parse_args()
+    if args.thumbnails:
+        return thumbnail_table(args)
+    items, repeated, random_count = (256, 512, 10) if args.smoke else (ITEMS, 2048, RANDOM_MIXES)
+    refined_table(repeated)
     print()
-    table_ok = table()
-    worse, better, equal, greedy_batches, best_batches = random_mixes()
+    table_ok = table(items)
+    worse, better, equal, greedy_batches, best_batches = random_mixes(random_count)
     print()
     print(f"min_padding never worse than greedy on the table's mixes: {table_ok}")
     print(
-        f"min_padding never worse than greedy on {RANDOM_MIXES} random mixes: {worse == 0} "
+        f"min_padding never worse than greedy on {random_count} random mixes: {worse == 0} "
         f"(better {better}, equal {equal}, worse {worse}; batches "
         f"greedy {greedy_batches}, min_padding {best_batches})"
     )

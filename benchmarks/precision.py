@@ -1,4 +1,4 @@
-"""`model.precision: fp8` against bf16: encoder-only speed and per-item fidelity (issue #19, items 3 and 4).
+"""Encoder-only speed and fidelity of `model.precision` and the compiler's variants, with kernel tables (RESULTS.md sections 5-7).
 
 On the GPU machine, from the repository root:
 
@@ -61,8 +61,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.encoder_only import TUNED, EncoderOnly, measure, module_settings, preprocess_rows  # noqa: E402
-from benchmarks.mixes import MIXES, builtin_sources, collect_photos, jpeg_dataset, save_tower  # noqa: E402
-from benchmarks.scaling import write_job  # noqa: E402
+from benchmarks.common import builtin_sources, collect_photos, cosine, matmul_peak  # noqa: E402
+from benchmarks.common import log as _log  # noqa: E402
+from benchmarks.mixes import MIXES, jpeg_dataset, save_tower, write_job  # noqa: E402
 from embedjob.bench import largest_batch_kernels  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
 from embedjob.encoders import attention, base, epilogues, fixed, fp8, load_adapter  # noqa: E402
@@ -96,7 +97,8 @@ made, with their values[, further job overrides])."""
 
 
 def log(message: str) -> None:
-    print(f"precision: {message}", file=sys.stderr, flush=True)
+    """Progress on stderr."""
+    _log("precision", message)
 
 
 def fresh_compiles() -> None:
@@ -142,10 +144,6 @@ def kernel_table(job_path: Path, name: str, device: torch.device, items: list, r
     del adapter
     free(device)
     return f"{name}, one batch of {batch.tokens} tokens ({len(batch.indices)} items):\n{table}"
-
-
-def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
 
 
 def relative_error(a: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -271,9 +269,7 @@ def main() -> int:
     photos = collect_photos([*builtin_sources(), *args.photos])
     peak = None
     if not args.smoke:
-        from embedjob.bench import matmul_peak
-
-        peak = matmul_peak()
+        peak = matmul_peak(device, "precision")
         free(device)
     rows = []
     for name in args.mixes:  # the table so far after each mix: a run cut short keeps what it measured

@@ -1,4 +1,4 @@
-"""The per-GPU pipeline benchmark: `embedjob run --gpus N` on four mixes, against the encoder alone.
+"""End to end: `embedjob run --gpus N` on four mixes, against the encoder alone (RESULTS.md sections 1, 2, 4).
 
 On the GPU machine, from the repository root (`bench-data`: directories of photos and/or
 Parquet files of photos, e.g. a cat dataset; optional, the repository's own few photos
@@ -11,9 +11,10 @@ COUNT sets every mix; the defaults grow x N/2 where N > 2 GPUs run), `--gpus 1 2
 (GPU counts; counts above the visible GPUs are skipped and said so), `--repeats 2` (CLI
 runs per GPU count), `--set KEY=VALUE` (a job override for every run and for the
 encoder-only measurement, e.g. `runtime.workers=8`), `--seed`, `--workdir scaling-work`.
-`--smoke` runs everything on the CPU instead, with tiny towers of the same architectures
-and 24 images per mix (`--gpus N` is then N CPU ranks), so the whole script can be
-checked on a machine without a GPU.
+`--smoke` runs everything on the CPU instead, with tiny towers of the same architectures,
+24 images per mix, one CPU rank and one run unless `--gpus` and `--repeats` say otherwise
+(`--gpus N` is then N CPU ranks), so the whole script can be checked on a machine without
+a GPU.
 
 Each mix's result is saved in `<workdir>/<mix>/result.json`, and `--report` prints the
 table of the saved results of `--mixes` without running anything. All four mixes take
@@ -87,7 +88,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -98,28 +98,29 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
-import yaml
 
 # The script runs without installing the package, so the repository root goes first.
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
-from benchmarks.mixes import (  # noqa: E402
-    MIXES,
-    SMOKE_IMAGES,
-    Dataset,
-    Mix,
+from benchmarks.common import (  # noqa: E402
+    NO_MULTICAST,
     builtin_sources,
     collect_photos,
-    jpeg_dataset,
-    save_tower,
+    fmt,
+    matmul_peak,
+    rank0,
+    read_output,
+    run_cli,
+    table_row,
+    timed_rows,
 )
+from benchmarks.common import log as _log  # noqa: E402
+from benchmarks.mixes import MIXES, SMOKE_IMAGES, Dataset, Mix, jpeg_dataset, save_tower, write_job  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ENCODER_PASSES = 3
 
 
@@ -207,7 +208,7 @@ def run_mixes(workdir: Path, args: argparse.Namespace) -> list[MixResult]:
     for name in args.mixes:  # CPU work first, before this process touches a GPU
         log(f"[{name}] {counts[name]} JPEGs")
         datasets[name] = jpeg_dataset(MIXES[name], counts[name], args.seed, photos, workdir / "data", workers)
-    peak = None if args.smoke else matmul_peak()
+    peak = None if args.smoke else matmul_peak(torch.device("cuda"), "scaling")
     results = []
     for name in args.mixes:
         result = bench_mix(MIXES[name], datasets[name], workdir, visible, workers, args)
@@ -238,9 +239,9 @@ def parse_args() -> argparse.Namespace:
         "--images", nargs="+", action="extend", default=[], metavar="NAME=COUNT", help="rows per mix; a bare COUNT sets every mix"
     )
     parser.add_argument(
-        "--gpus", nargs="+", type=int, help="GPU counts (default 1 2 4 8, those visible); CPU ranks with --smoke (default 1 2)"
+        "--gpus", nargs="+", type=int, help="GPU counts (default 1 2 4 8, those visible); CPU ranks with --smoke (default 1)"
     )
-    parser.add_argument("--repeats", type=int, default=2, help="CLI runs per GPU count; the median is reported")
+    parser.add_argument("--repeats", type=int, help="CLI runs per GPU count, the median reported (default 2; 1 with --smoke)")
     parser.add_argument("--workdir", default="scaling-work")
     parser.add_argument(
         "--photos", nargs="+", action="extend", type=Path, default=[], help="directories or files of photos or Parquet files"
@@ -256,7 +257,9 @@ def parse_args() -> argparse.Namespace:
     )
     args = parser.parse_args()
     if args.gpus is None:
-        args.gpus = [1, 2] if args.smoke else [1, 2, 4, 8]
+        args.gpus = [1] if args.smoke else [1, 2, 4, 8]
+    if args.repeats is None:
+        args.repeats = 1 if args.smoke else 2
     if any(n < 1 for n in args.gpus) or args.repeats < 1:
         parser.error("--gpus and --repeats take positive numbers")
     args.gpus = sorted(set(args.gpus))
@@ -281,17 +284,9 @@ def image_counts(args: argparse.Namespace, visible: int) -> dict[str, int]:
     return counts
 
 
-def matmul_peak() -> float:
-    from embedjob.bench import matmul_peak as measure_peak
-
-    peak = measure_peak()
-    torch.cuda.empty_cache()
-    log(f"bf16 matmul: {peak / 1e12:.0f} TFLOP/s")
-    return peak
-
-
 def log(message: str) -> None:
-    print(f"scaling: {message}", file=sys.stderr, flush=True)
+    """Progress on stderr."""
+    _log("scaling", message)
 
 
 # --- one mix ---------------------------------------------------------------------------
@@ -342,42 +337,6 @@ def bench_mix(mix: Mix, dataset: Dataset, workdir: Path, visible: int, workers: 
     return result
 
 
-def write_job(mixdir: Path, mix: Mix, tower: Path, parquet: Path, cache: Path, smoke: bool) -> Path:
-    """The mix's job file: what a user would write for this checkpoint and dataset."""
-    job = {
-        "input": {"path": str(parquet), "media_column": "image"},
-        "model": {"family": mix.tower.family, "path": str(tower), "dtype": "bfloat16"},
-        "output": {"path": str(mixdir / "out"), "rows_per_part": 100_000},
-        "batching": {"compile": not smoke},
-        "runtime": {"device": "cpu" if smoke else "cuda", "progress": False, "cache_dir": str(cache)},
-    }
-    mixdir.mkdir(parents=True, exist_ok=True)
-    path = mixdir / "job.yaml"
-    path.write_text(yaml.safe_dump(job, sort_keys=False))
-    return path
-
-
-def run_cli(job: Path, output: Path, gpus: int, overrides: list[str], logfile: Path, tree: Path = REPO) -> dict[str, Any] | None:
-    """One `embedjob run` through the CLI of the source tree `tree` (this checkout by
-    default), its output in `logfile`; its statistics, or None if it failed."""
-    command = [sys.executable, "-m", "embedjob.cli", "run", str(job), "--gpus", str(gpus), "--overwrite"]
-    for override in [*overrides, f"output.path={output}"]:
-        command += ["--set", override]
-    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**NO_MULTICAST, **os.environ, "PYTHONPATH": path}
-    logfile.parent.mkdir(parents=True, exist_ok=True)
-    with logfile.open("w") as out:
-        out.write(" ".join(command) + "\n")
-        out.flush()
-        code = subprocess.run(command, env=env, cwd=tree, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
-    stats = sorted(output.glob("_embedjob/stats-*.json"))
-    if code != 0 or not stats:
-        tail = logfile.read_text().splitlines()[-15:]
-        log(f"run failed (exit code {code}); last lines of {logfile}:\n" + "\n".join(tail))
-        return None
-    return json.loads(stats[0].read_text())
-
-
 def _seconds_line(stats: dict[str, Any] | None, logfile: Path) -> str:
     if stats is None:
         return f"FAILED (log: {logfile})"
@@ -385,10 +344,6 @@ def _seconds_line(stats: dict[str, Any] | None, logfile: Path) -> str:
 
 
 # --- outputs compared --------------------------------------------------------------------
-
-
-def read_output(directory: Path) -> pa.Table:
-    return pa.concat_tables([pq.read_table(p) for p in sorted(directory.glob("part-*.parquet"))])
 
 
 def compare(reference: pa.Table, table: pa.Table, against: int) -> Comparison:
@@ -436,13 +391,6 @@ def _compare_rows(same: bool, a_rows: list[Any], b_rows: list[Any]) -> Compariso
 # --- the report --------------------------------------------------------------------------
 
 
-def fmt(value: Any, spec: str = "") -> str:
-    """A value for the table, or `-` where the statistics do not have it."""
-    if value is None or (isinstance(value, float) and not np.isfinite(value)):
-        return "-"
-    return format(value, spec)
-
-
 def median_of(runs: list[dict[str, Any]], pick: Callable[[dict[str, Any]], Any]) -> float | None:
     """The median over the repeats of what `pick` finds; None when no repeat has it."""
     values = [v for v in (_safely(pick, s) for s in runs) if isinstance(v, (int, float))]
@@ -454,16 +402,6 @@ def _safely(pick: Callable[[dict[str, Any]], Any], stats: dict[str, Any]) -> Any
         return pick(stats)
     except (KeyError, IndexError, TypeError, ZeroDivisionError):
         return None
-
-
-def rank0(stats: dict[str, Any]) -> dict[str, Any]:
-    return (stats.get("ranks") or [{}])[0]
-
-
-def timed_rows(stats: dict[str, Any]) -> int:
-    """Rows encoded after setup: ranks ready first encode their head start while the others
-    still set up (`rows_during_setup`, absent from statistics older than that key)."""
-    return stats["rows"] - stats.get("rows_during_setup", 0)
 
 
 def run_rate(run: Run) -> float | None:
@@ -482,7 +420,7 @@ def render(results: list[MixResult], args: argparse.Namespace, wall: float) -> s
     lines = _header(results, args, wall)
     lines += ["", "| " + " | ".join(c for c, _ in COLUMNS) + " |", "| " + " | ".join(a for _, a in COLUMNS) + " |"]
     for result in results:
-        lines += [_table_row(cells) for cells in _mix_rows(result, result.peak, args.smoke)]
+        lines += [table_row(cells) for cells in _mix_rows(result, result.peak, args.smoke)]
     for result in results:
         lines += ["", *_details(result, args.smoke)]
     return "\n".join(lines)
@@ -571,10 +509,6 @@ def _encoder_row(result: MixResult, peak: float | None, smoke: bool) -> list[str
         fmt(e.hit_rate, ".0%"), fmt(e.padding, ".1%"), "-", "-", "-",
     ]
     return cells
-
-
-def _table_row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
 
 
 def _details(result: MixResult, smoke: bool) -> list[str]:

@@ -1,4 +1,4 @@
-"""Seconds of 1080p video embedded per second: `video.decoder: decord` against `nvdec`.
+"""Video decode: seconds of 1080p video embedded per second with `video.decoder` decord and nvdec (RESULTS.md section 11).
 
 Two steps. Make the clips from real photos, on any machine with `pip install
 imageio-ffmpeg` (its FFmpeg has libx264; the H200 has no video encoder of its own), one
@@ -22,11 +22,9 @@ seconds of video embedded per second of pipeline (the clips' durations over
 GPU decoded, the workers' and the GPU-decode thread's seconds, the per-clip cosine of
 the nvdec run's embeddings to the decord run's (min and median), and what the rank's main
 thread waited for (its `waits`, in seconds). The table is written to
-`<workdir>/video_decode.md` and printed first; `--sample` then runs the nvdec job once
-more in its own process under `profile_run.py` (every thread's stack sampled, and a
-cProfile), appended to that file. CUDA's profiler is not used there: the nvdec job
-crashed under it (a segmentation fault, on an H200). `--smoke` runs it on the CPU with the tiny tower
-(the nvdec run then stops with its job error, which the table shows).
+`<workdir>/video_decode.md` and printed. `--smoke` runs it on the CPU with the tiny tower
+on a few of the test clips when `--clips` has none, 2 workers, and skips the nvdec run
+(it needs a GPU), saying so.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import argparse
 import io
 import multiprocessing
 import os
-import subprocess
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -50,10 +48,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import NO_MULTICAST, collect_photos, fmt, rank0, run_cli, skipped, table_row  # noqa: E402
+from benchmarks.common import log as _log  # noqa: E402
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
-from benchmarks.gpu_decode import compare, table_row  # noqa: E402
-from benchmarks.mixes import TOWERS, collect_photos, save_tower  # noqa: E402
-from benchmarks.scaling import NO_MULTICAST, fmt, log, rank0, run_cli  # noqa: E402
+from benchmarks.gpu_decode import compare  # noqa: E402
+from benchmarks.mixes import TOWERS, save_tower  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
 
 FPS = 30
@@ -69,7 +68,10 @@ def main() -> int:
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)
     workdir = Path(args.workdir).resolve()
-    parquet, seconds = clips_parquet(Path(args.clips), workdir)
+    clips = Path(args.clips)
+    if args.smoke and not clips.is_dir():
+        clips = smoke_clips(workdir / "clips")
+    parquet, seconds = clips_parquet(clips, workdir)
     job = write_job(workdir, parquet, args.smoke)
     device = torch.device("cpu" if args.smoke else "cuda")
     log(f"[video] encoder only on {parquet}")
@@ -77,6 +79,10 @@ def main() -> int:
     runs: dict[str, dict[str, Any] | None] = {}
     outputs: dict[str, pa.Table] = {}
     for decoder, workers in zip(DECODERS, (args.workers, args.nvdec_workers)):
+        if decoder == "nvdec" and args.smoke:
+            skipped("video_decode", "the nvdec run", "NVDEC needs a CUDA device")
+            runs[decoder] = None
+            continue
         output = workdir / f"out-{decoder}"
         overrides = [f"runtime.workers={workers}", f"video.decoder={decoder}"]
         runs[decoder] = run_cli(job, output, 1, overrides, workdir / "logs" / f"{decoder}.log")
@@ -85,26 +91,26 @@ def main() -> int:
         log(f"[video] decoder {decoder}: {'done' if runs[decoder] else 'FAILED'}")
     cosines = compare(outputs["decord"], outputs["nvdec"]) if len(outputs) == 2 else None
     text = render(seconds, encoder, runs, cosines, args)
-    table = workdir / "video_decode.md"
-    table.write_text(text + "\n")
+    (workdir / "video_decode.md").write_text(text + "\n")
     print(text, flush=True)
-    if args.sample:
-        profile = sample_nvdec_job(job, workdir, args.nvdec_workers)
-        table.write_text(text + "\n\n## the nvdec job's threads sampled (profile_run.py)\n\n```\n" + profile + "\n```\n")
-        print(profile)
     return 0
 
 
-def sample_nvdec_job(job: Path, workdir: Path, workers: int) -> str:
-    """The nvdec job once more under `profile_run.py`, in its own process (a crash there
-    leaves the table written), as that script's report."""
-    report = workdir / "nvdec-profile.txt"
-    command = [sys.executable, str(REPO / "benchmarks" / "profile_run.py"), str(job), "--top", "20", "--out", str(report),
-               "--set", f"runtime.workers={workers}", "--set", "video.decoder=nvdec", "--set", f"output.path={workdir / 'out-sampled'}"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0 or not report.exists():
-        return f"profile_run.py exited with {done.returncode}: {done.stderr[-2000:]}"
-    return report.read_text()
+def log(message: str) -> None:
+    """Progress on stderr."""
+    _log("video_decode", message)
+
+
+SMOKE_CLIPS = ("decord_video_0.mov", "torchcodec_h265_video.mp4")
+"""Test clips decord reads, for `--smoke` without clips of 1080p."""
+
+
+def smoke_clips(directory: Path) -> Path:
+    """A directory of a few of the repository's test clips."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in SMOKE_CLIPS:
+        shutil.copyfile(REPO / "tests" / "data" / name, directory / name)
+    return directory
 
 
 # --- the clips --------------------------------------------------------------------------
@@ -290,12 +296,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=7.0, help="seconds per clip")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--clips", default="bench-data/clips", help="directory of the clips to embed")
-    parser.add_argument("--workers", type=int, default=16, help="runtime.workers of the decord run")
+    parser.add_argument("--workers", type=int, help="runtime.workers of the decord run (16; 2 with --smoke)")
     parser.add_argument("--nvdec-workers", type=int, default=4, help="runtime.workers of the nvdec run")
     parser.add_argument("--workdir", default="video-decode-work")
-    parser.add_argument("--smoke", action="store_true", help="CPU only: the tiny tower")
-    parser.add_argument("--sample", action="store_true", help="then sample the nvdec job's threads (profile_run.py)")
-    return parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="CPU only: the tiny tower, test clips where --clips has none")
+    args = parser.parse_args()
+    args.workers = args.workers or (2 if args.smoke else 16)
+    return args
 
 
 if __name__ == "__main__":

@@ -1,0 +1,211 @@
+"""Helpers every benchmark shares: photos, timing, the matmul reference, CLI runs, tables.
+
+One module, so that a figure in `benchmarks/RESULTS.md` is timed, referenced and printed
+the same way whichever script made it. Benchmarks import from `embedjob`; `embedjob` never
+imports from here.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[1]
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"}
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""NVLink multicast off: the lent machines do not support it, and NCCL would try it."""
+
+
+def log(script: str, message: str) -> None:
+    """Progress on stderr, so stdout keeps only the table."""
+    print(f"{script}: {message}", file=sys.stderr, flush=True)
+
+
+def skipped(script: str, what: str, why: str) -> None:
+    """The line a GPU-only measurement prints in `--smoke` instead of its numbers."""
+    print(f"{script}: skipped {what}: {why}", flush=True)
+
+
+# --- tables ------------------------------------------------------------------------------
+
+
+def fmt(value: Any, spec: str = "") -> str:
+    """A value for a table, or `-` where there is none."""
+    if value is None or (isinstance(value, float) and not np.isfinite(value)):
+        return "-"
+    return format(value, spec)
+
+
+def table_row(cells: Sequence[Any]) -> str:
+    """One Markdown table row."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def table(head: Sequence[str], rows: Sequence[Sequence[Any]], text_columns: int = 1) -> list[str]:
+    """A Markdown table: the first `text_columns` columns left-aligned, the numbers right."""
+    rule = ["---" if k < text_columns else "---:" for k in range(len(head))]
+    return [table_row(head), table_row(rule), *(table_row(r) for r in rows)]
+
+
+# --- timing and the matmul reference -------------------------------------------------------
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, device: Any, warmup: int = 1) -> float:
+    """Median seconds of `fn`: CUDA events on a GPU, wall time on a CPU (`embedjob.bench`)."""
+    from embedjob.bench import device_time
+
+    return device_time(fn, repeats, device, warmup)
+
+
+def matmul_peak(device: Any, script: str) -> float:
+    """The MFU denominator, measured in this process: a bf16 8192³ matmul on a GPU; on a
+    CPU (`--smoke`) a float32 1024³ one, only so the column has a number."""
+    import torch
+
+    if device.type == "cuda":
+        from embedjob.bench import matmul_peak as bf16_peak
+
+        peak = bf16_peak()
+        torch.cuda.empty_cache()
+    else:
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        peak = 2 * 1024**3 / median_seconds(lambda: a @ b, 5, device)
+    log(script, f"{'bf16' if device.type == 'cuda' else 'float32 CPU'} matmul: {peak / 1e12:.3g} TFLOP/s")
+    return peak
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity, in float64."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+# --- jobs through the command line ----------------------------------------------------------
+
+
+def run_cli(job: Path, output: Path, gpus: int, overrides: list[str], logfile: Path, tree: Path = REPO) -> dict[str, Any] | None:
+    """One `embedjob run` through the CLI of the source tree `tree`, as a user runs it, its
+    output in `logfile`; its statistics, or None if it failed."""
+    command = [sys.executable, "-m", "embedjob.cli", "run", str(job), "--gpus", str(gpus), "--overwrite"]
+    for override in [*overrides, f"output.path={output}"]:
+        command += ["--set", override]
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**NO_MULTICAST, **os.environ, "PYTHONPATH": path}
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    with logfile.open("w") as out:
+        out.write(" ".join(command) + "\n")
+        out.flush()
+        code = subprocess.run(command, env=env, cwd=tree, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    stats = sorted(output.glob("_embedjob/stats-*.json"))
+    if code != 0 or not stats:
+        tail = logfile.read_text().splitlines()[-15:]
+        log("run_cli", f"run failed (exit code {code}); last lines of {logfile}:\n" + "\n".join(tail))
+        return None
+    return json.loads(stats[0].read_text())
+
+
+def read_output(directory: Path) -> pa.Table:
+    """A job's output parts, in order, as one table."""
+    return pa.concat_tables([pq.read_table(p) for p in sorted(directory.glob("part-*.parquet"))])
+
+
+def rank0(stats: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's statistics of a shard's stats-*.json."""
+    return (stats.get("ranks") or [{}])[0]
+
+
+def timed_rows(stats: dict[str, Any]) -> int:
+    """Rows encoded after setup: ranks ready first encode their head start while the others
+    still set up (`rows_during_setup`, absent from statistics older than that key)."""
+    return stats["rows"] - stats.get("rows_during_setup", 0)
+
+
+# --- photos ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Photo:
+    """A real photo's encoded bytes and where they came from."""
+
+    name: str
+    data: bytes
+
+
+def builtin_sources() -> list[Path]:
+    """The repository's real photos: the demo dataset (whose two broken rows are dropped
+    as unreadable) and the test images."""
+    tests = sorted(p for p in (REPO / "tests" / "data").iterdir() if p.suffix.lower() in (".jpg", ".png"))
+    return [REPO / "jobs" / "data" / "demo-images.parquet", *tests]
+
+
+def collect_photos(sources: Sequence[Path]) -> list[Photo]:
+    """Every candidate photo in `sources` (image files, Parquet files, directories of
+    either, searched recursively), in a fixed order; unreadable ones are not yet removed."""
+    photos: list[Photo] = []
+    for source in sources:
+        if source.is_dir():
+            files = sorted(p for p in source.rglob("*") if p.is_file())
+        elif source.exists():
+            files = [source]
+        else:
+            raise SystemExit(f"--photos: {source} does not exist")
+        for path in files:
+            if path.suffix.lower() == ".parquet":
+                photos += _parquet_photos(path)
+            elif path.suffix.lower() in IMAGE_SUFFIXES:
+                photos.append(Photo(str(path), path.read_bytes()))
+    return photos
+
+
+def _parquet_photos(path: Path) -> list[Photo]:
+    """The image bytes of a Parquet file: its binary column, or the `bytes` of an HF
+    image struct<bytes, path> (a column named like an image column wins if several)."""
+    schema = pq.read_schema(path)
+    found = [f for f in schema if _image_field(f.type) is not None]
+    if not found:
+        raise SystemExit(f"--photos: {path} has no binary or struct<bytes, path> column")
+    named = [f for f in found if f.name.lower() in ("image", "img", "jpg", "jpeg", "png", "photo")]
+    column = (named or found)[0]
+    values = pq.read_table(path, columns=[column.name]).column(column.name).combine_chunks()
+    if pa.types.is_struct(column.type):
+        values = values.field("bytes")
+    return [Photo(f"{path}#{i}", blob) for i, blob in enumerate(values.to_pylist()) if blob]
+
+
+def _image_field(kind: pa.DataType) -> str | None:
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return "binary"
+    if pa.types.is_struct(kind):
+        index = kind.get_field_index("bytes")
+        if index >= 0 and (pa.types.is_binary(kind.field(index).type) or pa.types.is_large_binary(kind.field(index).type)):
+            return "struct"
+    return None
+
+
+def open_photo(data: bytes) -> Any:
+    """The photo upright (EXIF orientation applied) in RGB; raises on anything unreadable."""
+    from PIL import Image, ImageOps
+
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return ImageOps.exif_transpose(image).convert("RGB")
+
+
+def readable(data: bytes) -> bool:
+    """Whether Pillow opens the photo."""
+    try:
+        open_photo(data)
+    except Exception:
+        return False
+    return True

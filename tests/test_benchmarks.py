@@ -1,0 +1,111 @@
+"""The maintained benchmarks run: `--help` and `--smoke` of each script in `benchmarks/`.
+
+Each script runs in a subprocess from the repository root, as RESULTS.md's commands run
+it, and must exit 0 and print its table's header; on a CPU a GPU-only measurement says
+what it skipped. The numbers are not checked: benchmarks print them, tests do not time.
+The smoke runs start jobs and worker processes, so they are `slow`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = [
+    "attention", "decode_rate", "device_gaps", "encoder_only", "fixed_compile",
+    "gpu_decode", "packing", "precision", "scaling", "video_decode",
+]
+SMOKE_SECONDS = 600
+
+
+def run(args: list[str], timeout: float = SMOKE_SECONDS, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """A command from the repository root with the repository on PYTHONPATH."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.run(
+        args, cwd=REPO, env={**os.environ, "PYTHONPATH": path, **(env or {})},
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )
+
+
+def script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return run([sys.executable, f"benchmarks/{name}.py", *args])
+
+
+def test_every_script_in_benchmarks_is_a_maintained_one_or_a_helper() -> None:
+    """A new script comes with its smoke test here (and its table in RESULTS.md)."""
+    found = {p.stem for p in (REPO / "benchmarks").glob("*.py")}
+    assert found == {*SCRIPTS, "common", "mixes"}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_names_what_the_script_measures_and_its_results_section(name: str) -> None:
+    done = script(name, "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage:")
+    assert "RESULTS.md section" in " ".join(done.stdout.split())
+
+
+SMOKES = {
+    "attention": (["--smoke", "--repeats", "1"], ["| case | head dim | tokens | backend |"]),
+    "decode_rate": (["--smoke"], ["| job | family | rows |"]),
+    "device_gaps": (["--smoke"], ["skipped the device trace", "| gap length | gaps |"]),
+    "encoder_only": (["--smoke", "--images", "8"], ["| mix | items | not decoded |"]),
+    "fixed_compile": (["--smoke", "--models", "clip", "--variants", "ours_graphs_compiled", "--repeats", "1"], ["variant", "images/s"]),
+    "gpu_decode": (["--smoke", "--mixes", "qwen-224", "--images", "8", "--decoders", "cpu", "--repeats", "1"], ["| mix | decoder | workers |"]),
+    "packing": (["--smoke"], ["padding, ladder", "min_padding never worse than greedy"]),
+    "precision": (["--smoke", "--mixes", "qwen-224", "--images", "qwen-224=8", "--reference", "2", "--repeats", "1", "--precisions", "bf16-varlen-attn"], ["| mix | precision |"]),
+    "scaling": (["--smoke", "--mixes", "qwen-224", "--images", "8"], ["| mix | run | rows |"]),
+    "video_decode": (["--smoke"], ["skipped the nvdec run", "| decoder | workers |"]),
+}
+WORKDIRS = {"encoder_only", "gpu_decode", "precision", "scaling", "video_decode"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_smoke_runs_on_the_cpu_and_prints_the_table(name: str, tmp_path: Path) -> None:
+    args, expected = SMOKES[name]
+    if name in WORKDIRS:
+        args = [*args, "--workdir", str(tmp_path)]
+    done = script(name, *args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for text in expected:
+        assert text in done.stdout, done.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_the_nvjpeg_contention_mode_makes_its_windows_and_says_it_skipped_the_timings(tmp_path: Path) -> None:
+    done = script("gpu_decode", "--contention", "--smoke", "--mixes", "qwen-224", "--window", "8", "--workdir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "skipped --contention's timings" in done.stdout
+    assert "| mix | CUDA_DEVICE_MAX_CONNECTIONS |" in done.stdout
+
+
+@pytest.mark.slow
+def test_thumbnails_replay_their_graphs(tmp_path: Path) -> None:
+    done = script("packing", "--smoke", "--thumbnails", "16", "--workdir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| images | rows | hit rate |" in done.stdout
+    assert "| 16 | 16 | 100.0% |" in done.stdout
+
+
+def test_device_checks_without_a_stage_prints_its_usage_and_exits_2() -> None:
+    done = run(["bash", "benchmarks/device_checks.sh"], timeout=60)
+    assert done.returncode == 2
+    assert "SMOKE=1" in done.stdout
+
+
+@pytest.mark.slow
+def test_device_checks_smoke_runs_a_stage_and_prints_its_summary(tmp_path: Path) -> None:
+    env = {
+        "SMOKE": "1", "OUT": str(tmp_path / "out"), "DEVICE_CHECKS_WORK": str(tmp_path / "work"),
+        "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ["PATH"])),  # its python3: this one
+    }
+    done = run(["bash", "benchmarks/device_checks.sh", "attention"], env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "=== device_checks.sh summary ===" in done.stdout
+    assert "attention backends on cpu" in done.stdout

@@ -104,14 +104,14 @@ def host_threads(device: torch.device) -> Iterator[None]:
     - torch's CPU threads are limited while it feeds a GPU: its own CPU work is copying
       items into batches. The decode workers already run one per core, and torch's
       default of one OpenMP thread per core, which spin between parallel regions, takes
-      cores from them and from the other ranks (benchmarks/RESULTS.md measured it). On
+      cores from them and from the other ranks (measured; the figures are in git history). On
       a CPU the encoder itself needs the threads.
     - The GIL is handed over sooner. The decode pool's service thread releases it at
       every send, receive and wait, several times per item, and each time must get it
       back from whichever thread runs Python meanwhile (the main thread packing, the
       writer, the chunk reader): at the default interval that is up to 5 ms per
-      hand-over, which bounds the whole pipeline's decode rate
-      (`benchmarks/decode_pool.py`).
+      hand-over, which bounds the whole pipeline's decode rate (68 against 492 items/s
+      in a one-off benchmark, now in git history).
     """
     before, interval = torch.get_num_threads(), sys.getswitchinterval()
     if device.type == "cuda":

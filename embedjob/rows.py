@@ -99,7 +99,7 @@ def jpeg_on_rank(row: reader.InputRow, options: DecodeOptions, preprocess: Any) 
     (`deferred_jpeg`), None for every other row (a worker's). Sent to a worker, such a
     row cost the rank's process 0.13 ms (its bytes out and back, in frames the pool's
     threads pickle and read under the GIL the thread feeding the device needs) for
-    0.01 ms of work (benchmarks/jpeg_handover.py)."""
+    0.01 ms of work (measured by a one-off benchmark, now in git history)."""
     start = time.perf_counter()
     if row.error is not None or row.data is None or options.modality == "video":
         return None

@@ -274,7 +274,7 @@ def test_a_process_feeding_a_gpu_uses_a_few_cpu_threads_and_gets_its_setting_bac
 
 def test_a_run_hands_the_gil_over_quickly_and_gives_a_calling_process_its_interval_back() -> None:
     """At CPython's 5 ms default the decode pool's service thread starves behind any
-    thread running Python (68 against 492 items/s in benchmarks/decode_pool.py); a
+    thread running Python (68 against 492 items/s, measured when the interval was set); a
     notebook that calls the job gets its own setting back."""
     import sys
 

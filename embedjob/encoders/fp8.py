@@ -84,7 +84,7 @@ ROW_KERNEL = True
 the compiler's fused reduction (see the module docstring). Read when a layer is made."""
 ROW_WARPS: int | None = None
 """Warps per row of the row kernel; None: 8 for rows wider than 2,048 columns without an
-activation, else 4 (benchmarks/row_kernel.py: 8 warps read 3,456-column rows at 1.12x the
+activation, else 4 (a one-off benchmark, now in git history: 8 warps read 3,456-column rows at 1.12x the
 speed of 4, but with a GELU 4 warps are 1.14x faster on 4,304 and 4,096 columns; a gated
 row counts as one with an activation, not measured). Read at each launch."""
 

@@ -612,7 +612,7 @@ def keep_bytecode(root: Path) -> None:
     PYTHONDONTWRITEBYTECODE is common on clusters and in containers, and pip installs no
     bytecode under it; every rank then compiles torch's compiler, transformers' modeling
     code and its own modules from source again, 7-8 s of each run's setup on an H200
-    machine (benchmarks/RESULTS.md, "Python's bytecode"). A mirror tree
+    machine (benchmarks/RESULTS.md, section 4). A mirror tree
     (`sys.pycache_prefix`) leaves the installed packages untouched. Changes nothing where
     bytecode is written anyway, where the user chose a prefix (PYTHONPYCACHEPREFIX), or
     where torch's compiler has its bytecode beside its source."""

@@ -61,8 +61,8 @@ FAST_EXTRA = "pip install 'embedjob[fast]'"
 FA4_MIN_LENGTH = 128
 """Call sites whose length bound exceeds this run FlashAttention-4, the others varlen_attn.
 
-Measured on an H200 at Qwen2.5-VL's head dim 80 (benchmarks/RESULTS.md, "FlashAttention-4
-at the towers' head dims"): its 64-token windows take 0.191 ms in varlen_attn and 0.522 ms
+Measured on an H200 at Qwen2.5-VL's head dim 80 (benchmarks/RESULTS.md,
+section 5): its 64-token windows take 0.191 ms in varlen_attn and 0.522 ms
 in FA4 (whose tiles are wider than a window), its full-attention layers over images of
 256-4,096 tokens 0.860 ms in varlen_attn and 0.530 ms in FA4. Lengths between 64 and 256
 were not measured; 128 (one FA4 tile) splits them.
@@ -71,22 +71,20 @@ TRITON = importlib.util.find_spec("triton") is not None
 """Whether Triton is installed (torch's CUDA builds for Linux bring it). Found once, at
 import: `cuda_kernel` runs inside compiled blocks, and torch 2.11's compiler (not
 2.14.1's) does not trace importlib.util.find_spec; asking there cut every Qwen-VL window
-block into six compiled regions (benchmarks/RESULTS.md, "The segment kernel on long
-segments; graph breaks in the Qwen blocks")."""
+block into six compiled regions (benchmarks/RESULTS.md's git history)."""
 SEGMENT_MAX_LENGTH = 64
 """Call sites whose length bound is at most this run `segment_attention` (our Triton
 kernel, `encoders.attention_kernel`) where Triton is installed (it comes with torch's
 CUDA builds on Linux) and the kernel takes the head dim, varlen_attn where not: Qwen2.5-VL's
 64-patch windows, which varlen_attn runs in 128-row tiles at head dim 96 and FA4 in
 tiles wider than a window. Measured on an H200 inside the compiled 7B-size tower
-(benchmarks/RESULTS.md, "A segment kernel for Qwen2.5-VL's windows"): a window layer
+(benchmarks/RESULTS.md, section 5): a window layer
 0.325 ms against 0.470 ms in varlen_attn on a batch of 16,320 tokens, 0.083 against
 0.113 ms on one of 4,096, and the tower's encoder-only rate 1.03x on both Qwen mixes.
 Longer segments stay off it for now: on that 16,320-token batch its full-attention
 layers took 20.4 ms a call in the kernel against 10.7 ms in varlen_attn, but that was
 measured under torch 2.11 with a graph break in front of the kernel (TRITON), and alone
-it is the faster of the two (7.1 against 9.3 ms; benchmarks/RESULTS.md, "The segment
-kernel on long segments; graph breaks in the Qwen blocks"). Benchmarks set it to 0 or
+it is the faster of the two (7.1 against 9.3 ms; benchmarks/RESULTS.md's git history). Benchmarks set it to 0 or
 past every length to compare (`benchmarks/precision.py`)."""
 FA4_MIN_CAPABILITY = (8, 0)
 """The oldest GPUs FlashAttention-4's kernels build for (it asserts compute capability 8.x or newer)."""

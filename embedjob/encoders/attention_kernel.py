@@ -5,7 +5,7 @@ where Triton is installed (`attention.TRITON`), as a job runs without it.
 Why a kernel of our own: the flash kernels torch ships round head dims 72 and 80 up to
 96 and work in 128-row tiles, so Qwen2.5-VL's 64-patch windows (28 of its 32 layers)
 fill half a tile and spend most of their time on padding (benchmarks/RESULTS.md,
-"A segment kernel for Qwen2.5-VL's windows"). Here a program covers BLOCK_M query rows
+section 5). Here a program covers BLOCK_M query rows
 of one segment and one head; the head dim is split into a power-of-two main part and a
 power-of-two tail of at least 16 columns (tensor-core products need 16), so 80 runs as
 64 + 16, never 96 or 128. Dims that do not split so (72 = 64 + 8) are not taken:

@@ -3,7 +3,7 @@
 In SigLIP's blocks the first MLP layer's output, the widest tensor of the block (4,304
 columns on SigLIP-so400m), is written by the product, read back by the compiler's GELU
 kernel and written again: on the SigLIP-so400m-size tower that kernel took 29 ms of a
-390-ms batch of 186,624 tokens (benchmarks/RESULTS.md). cuBLASLt can apply a GELU, in the
+390-ms batch of 186,624 tokens (benchmarks/RESULTS.md's git history). cuBLASLt can apply a GELU, in the
 tanh approximation, to the product's float32 accumulator before it stores the result
 (`torch._addmm_activation(..., use_gelu=True)`, which torch's compiler calls as it is), so
 the pre-activation tensor is never written. That GELU is the tanh approximation, so only

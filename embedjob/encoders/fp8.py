@@ -15,14 +15,14 @@ once. Left to the compiler, the quantisation fuses into the kernel that makes it
 (a norm, an activation) as a looped reduction that reads the row twice: on the
 SigLIP-so400m-size tower the GELU and the scales of the down projection's input took
 3.7 ms a block of a 186,624-token batch, against 1.0 ms for the GELU and 0.29 ms for the
-row kernel's average call (benchmarks/RESULTS.md).
+row kernel's average call (benchmarks/RESULTS.md's git history).
 
 Sibling layers that a block calls on one and the same input (`JOINT_GROUPS`: the
 separate q, k and v projections of SigLIP, CLIP and DINOv2, the gate and up projections
 of the gated MLPs) share one quantisation of it and one product of their joined weights
 (`Fp8Joint`): the first of them called on an input computes every sibling's output, the
 others take their columns. On the SigLIP-so400m-size tower the row kernel's time fell
-from 47 to 37 ms of the batch and the tower ran 4 % faster (benchmarks/RESULTS.md).
+from 47 to 37 ms of the batch and the tower ran 4 % faster (benchmarks/RESULTS.md's git history).
 
 An MLP's activation is applied by the layer that reads it (`ACTIVATION_INTO`: fc1, the
 activation, fc2 in turn, as in SigLIP, CLIP, DINOv2 and Qwen2-VL): fc2 quantises the

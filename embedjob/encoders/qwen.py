@@ -707,7 +707,7 @@ class LinearPatchEmbed(torch.nn.Module):
     The tower's Conv3d has kernel == stride over exactly one patch, so it is a matmul
     of each flattened patch (C, T, P, P order, as the processor flattens it) with the
     reshaped kernel; cuDNN runs that Conv3d as a slow implicit GEMM, cuBLAS runs the
-    matmul at full rate (benchmarks/RESULTS.md, the kernel table).
+    matmul at full rate (the kernel table in benchmarks/RESULTS.md's git history).
     """
 
     def __init__(self, conv: torch.nn.Conv3d) -> None:
@@ -727,8 +727,8 @@ def pad_mlp(mlp: torch.nn.Module, multiple: int) -> None:
     """Pad the MLP's hidden width to a multiple of `multiple` with zero channels.
 
     Qwen2.5-VL's 3420 is not a multiple of 8, so its rows are not 16-byte aligned and
-    cuBLAS falls back to its slower pre-Hopper kernels (benchmarks/RESULTS.md, the kernel
-    table). A zero channel has zero input weights
+    cuBLAS falls back to its slower pre-Hopper kernels (the kernel table in
+    benchmarks/RESULTS.md's git history). A zero channel has zero input weights
     and bias, every activation here maps 0 to 0, and its output weights are zero, so the
     padded MLP computes the same function.
     """

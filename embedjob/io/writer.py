@@ -62,7 +62,7 @@ def parquet_options(schema: pa.Schema) -> dict[str, Any]:
     The vectors' statistics serve no query (no reader skips a row group by the smallest
     element of any embedding), and computing them took a third of the writer's time: a
     row group of 4,096 x 3,584 float16 vectors took 67 us a row with them and 42 without
-    (benchmarks/RESULTS.md, "Rank 0's intake"). On N GPUs one writer thread writes every
+    (benchmarks/RESULTS.md's git history). On N GPUs one writer thread writes every
     rank's rows. The other columns keep theirs, so readers still skip row groups by
     `row`, `id` or a copied column."""
     kept = [path for path in _leaf_paths(schema) if path.split(".")[0] != "embedding"]

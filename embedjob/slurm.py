@@ -62,7 +62,7 @@ from embedjob.io.checkpoint import (
     success_name,
 )
 from embedjob.io.files import write_json
-from embedjob.report.counts import codes_text, plural
+from embedjob.report.counts import codes_text, error_share_warning, plural
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,12 @@ class ShardStatus:
     holder: str | None = None
     error_codes: dict[str, int] = field(default_factory=dict)
 
+    def warning(self) -> str | None:
+        """A finished shard with many error rows (`error_share_warning`), else None."""
+        if self.state != "done" or self.rows is None:
+            return None
+        return error_share_warning(self.shard, self.errors, self.rows, self.error_codes)
+
 
 @dataclass
 class OutputStatus:
@@ -196,7 +202,12 @@ class OutputStatus:
         data["rows"] = sum(s.rows or 0 for s in self.shards)
         data["committed"] = sum(s.committed for s in self.shards)
         data["error_codes"] = self.error_codes()
+        data["warnings"] = self.warnings()
         return data
+
+    def warnings(self) -> list[str]:
+        """One line per finished shard whose rows are errors too often."""
+        return [w for w in (s.warning() for s in self.shards) if w is not None]
 
     def error_codes(self) -> dict[str, int]:
         """Error rows per code over every shard's committed parts, most frequent first."""
@@ -611,6 +622,7 @@ def format_status(status: OutputStatus) -> str:
     codes = status.error_codes()
     if codes:
         lines.append(f"errors by code: {codes_text(codes)}")
+    lines += [f"warning: {w}" for w in status.warnings()]
     for s in status.shards:
         if s.state == "failed" and s.slurm_task:
             lines.append(f"shard {s.shard} failed; its log: {log_path(status.output, s.slurm_task)}")

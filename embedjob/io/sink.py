@@ -111,8 +111,10 @@ class ErrorRate:
     """The shard's error rate as rows are written, against `runtime.max_error_rate`.
 
     It counts the rows committed by earlier runs too (a rerun after a stop stops again
-    unless the job changed), and applies once `runtime.error_rate_min_rows` rows are in:
-    a few broken rows at the start say nothing about the input.
+    unless the job changed), and applies once `runtime.error_rate_min_rows` rows are in
+    (a few broken rows at the start say nothing about the input) and, whatever its
+    size, to the whole shard before its last rows are written: a shard of 68 rows that
+    all failed must not finish as a success because it is small.
     """
 
     def __init__(self, job: Job, shard: Shard, checkpoint: Checkpoint) -> None:
@@ -120,6 +122,7 @@ class ErrorRate:
         self.min_rows = job.runtime.error_rate_min_rows
         self.shard = shard
         self.rows = checkpoint.resume_row - checkpoint.first_row
+        self.total = checkpoint.end_row - checkpoint.first_row
         self.codes: collections.Counter[str] = collections.Counter(count_codes(p.error_codes for p in checkpoint.parts))
 
     @property
@@ -130,13 +133,14 @@ class ErrorRate:
         """Count a written block; ErrorRateExceeded once the rate is above the limit."""
         self.rows += len(block)
         self.codes.update(count_errors(block.errors))
-        if self.limit is None or self.rows < self.min_rows or self.errors <= self.limit * self.rows:
+        few = self.rows < min(self.min_rows, self.total)
+        if self.limit is None or few or self.errors <= self.limit * self.rows:
             return
         raise ErrorRateExceeded(
             f"shard {self.shard.index}/{self.shard.count} stopped: {self.errors} of {self.rows} rows are errors "
             f"({self.errors / self.rows:.1%}), above runtime.max_error_rate = {self.limit:g} "
-            f"(most frequent: {codes_text(dict(self.codes))}); committed parts are kept: fix the input or the job "
-            "and run again (it resumes), or raise runtime.max_error_rate"
+            f"({codes_text(dict(self.codes))}); committed parts are kept: fix the input or the job "
+            "(input.media_root, input.media_column?) and run again, or set runtime.max_error_rate higher (null: no limit)"
         )
 
 

@@ -30,13 +30,16 @@ def run(
     `"I/N"` or `(I, N)` (default: SLURM's array task, else the whole input). Raises
     `embedjob.config.JobError` for a job that cannot run as written (a bad spec, input or
     model: the command's exit 2) and RuntimeError when a run fails (a full disk, a dead
-    rank, more error rows than runtime.max_error_rate allows: exit 1). Like the command,
+    rank, more error rows than runtime.max_error_rate allows: exit 1), and
+    `embedjob.stopping.Stopped` (a KeyboardInterrupt) when SIGTERM or SIGINT stopped it
+    from the main thread, after committing what it had encoded. Like the command,
     it sets up the process first (`config.prepare_process`: CUDA_DEVICE_MAX_CONNECTIONS=32
     unless set, Python's bytecode kept where none is written), which takes full effect only
     where the calling process has not used CUDA yet.
     """
     from embedjob.config import Job, job_from_dict, load_job, prepare_process
     from embedjob.slurm import Shard
+    from embedjob.stopping import on_signals
 
     if isinstance(job_or_path, Job):
         job = job_from_dict(job_or_path.to_dict(), overrides)
@@ -48,4 +51,5 @@ def run(
     from embedjob.pipeline import run_job
 
     text = f"{shard[0]}/{shard[1]}" if isinstance(shard, tuple) else shard
-    return run_job(job, Shard.parse(text), overwrite=overwrite)
+    with on_signals():
+        return run_job(job, Shard.parse(text), overwrite=overwrite)

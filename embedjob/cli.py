@@ -7,7 +7,9 @@ unpickle included), an output.path that holds another job's output or a shard an
 process writes; 1 when the job could not run for another reason (a full disk or an
 unwritable output, at start as mid-run; a failed rank; a shard that `run --engine ray`
 could not finish; sbatch failing; more error rows than `runtime.max_error_rate`
-allows), or `verify` (`status --verify`) found a damaged output. Every failure prints one
+allows), or `verify` (`status --verify`) found a damaged output; 143 (SIGTERM) or 130
+(SIGINT, Ctrl-C) when a signal stopped a run, which commits what it had encoded first
+(`stopping`). Every failure prints one
 line (a Ray run: one per shard that failed, then one); the libraries' warnings go to the
 log only with -v.
 """
@@ -19,6 +21,7 @@ import logging
 import os
 import pickle
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,8 +32,12 @@ from embedjob.config import Job, JobError, describe, load_job, prepare_process
 from embedjob.io.checkpoint import OutputError
 from embedjob.io.writer import ErrorRateExceeded
 from embedjob.report.counts import codes_text, plural, route_warnings
+from embedjob.stopping import Stopped, on_signals
 
 logger = logging.getLogger("embedjob")
+
+STOPPED_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+"""The exit codes of a run a signal stopped (130, 143)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embedjob: failed: {_failure(exc)}", file=sys.stderr)
         logger.debug("traceback", exc_info=True)
         return 1
+    except Stopped as exc:
+        print(f"embedjob: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("embedjob: interrupted; committed parts are kept and a rerun resumes", file=sys.stderr)
         return 130
@@ -194,7 +204,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     prepare_process(job.runtime.cache_dir)
     engine = pick_engine(args.engine, args.address, args.max_retries, args.cpus_per_task)
     _quiet_transformers()
-    outcomes = engine(job, shards_to_run(job, args.shard, args.shards, args.engine), overwrite=args.overwrite)
+    shards = shards_to_run(job, args.shard, args.shards, args.engine)
+    with on_signals():
+        outcomes = engine(job, shards, overwrite=args.overwrite)
     if len(outcomes) > 1:
         print(status_report(job, outcomes), file=sys.stderr)
     elif outcomes[0].stats:  # empty on the ranks of a torchrun group that only encode
@@ -380,5 +392,19 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def command() -> None:
+    """The `embedjob` command: `main`, then the process ends. A run a signal stopped ends
+    at once, without the interpreter's teardown of torch and the model (seconds, many
+    more on a busy node), so it is gone well before SLURM's SIGKILL; its parts and
+    manifest are already on disk and its last line written."""
+    code = main()
+    if code in STOPPED_CODES:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

@@ -34,6 +34,7 @@ import functools
 import gc
 import logging
 import math
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +47,7 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
+from embedjob import stopping
 from embedjob.config import Job, JobError
 from embedjob.decode import DecodeOptions, MediaError
 from embedjob.decode.device import nvjpeg_problem
@@ -95,6 +97,9 @@ ENCODE_AHEAD = 2
 """Windows of rows a rank ready first encodes while the others set up. Its head start
 (`Runner._head_start`) is that and the two windows its workers hold in flight, so it
 waits for the others with those decoded."""
+
+STOP_POLL = 0.1
+"""Seconds between looks at `stopping.requested` while a rank waits for the others."""
 
 FIRST_WINDOW = 32
 """The smallest first window that ramps up (see `window_sizes`)."""
@@ -377,8 +382,14 @@ class ChunkAssembler:
             self._have += take
             block = block.slice(take, len(block))
             if self._have == chunk.rows:
-                self.deliver(chunk.index, RowBlock.concat(self._parts))
-                self._chunk, self._parts, self._have = None, [], 0
+                self.flush()
+
+    def flush(self) -> None:
+        """Hand on the rows of the chunk in hand: all of them, or, when the run stops
+        (`stopping`), the first ones, so rank 0 commits them as a short part."""
+        if self._parts:
+            self.deliver(self._chunk.index, RowBlock.concat(self._parts))
+            self._chunk, self._parts, self._have = None, [], 0
 
 
 # --- one rank's pipeline ------------------------------------------------------------
@@ -398,6 +409,10 @@ class RankPipeline:
     A rank ready before the others encodes at most ENCODE_AHEAD windows' rows, then
     waits for them with the next windows decoded: had it encoded everything it may
     take, its device would start the run after setup with nothing decoded.
+
+    Asked to stop (`stopping.requested`, checked between windows), it takes no more
+    rows, finishes the windows on the device, hands on what they encoded (the last
+    chunk short) and returns with `stopped` set.
     """
 
     def __init__(
@@ -429,6 +444,7 @@ class RankPipeline:
         self.decoder = "cpu"
         self.defer = False
         self.split = JpegSplit()
+        self.stopped = False
 
     def prepare(self) -> None:
         """Load the model and build the encoder; a job the model cannot serve (a bad
@@ -474,7 +490,7 @@ class RankPipeline:
 
     def _run(self) -> RankStats:
         first = self.take()
-        if first is None:
+        if first is None or self._stop_requested():
             return self.stats
         if self.encoder is None:
             self.prepare()
@@ -617,7 +633,9 @@ class RankPipeline:
                 if not self.all_ready(0):
                     yield None
                     since = time.perf_counter()
-                    self.all_ready(None)
+                    # In steps, so a signal (`stopping`) stops a rank waiting for slower ones.
+                    while not self.all_ready(STOP_POLL) and not self._stop_requested():
+                        pass
                     self.clock.add("waiting for every rank", since)
                 ahead = math.inf
             rows += len(window or ())
@@ -710,6 +728,8 @@ class RankPipeline:
         """decode (workers) | enqueue window k (device) | finalise window k-1 | hand over."""
         pending: PendingWindow | None = None
         for window in windows:
+            if self._stop_requested():
+                break
             current = None
             if window is not None:
                 since, cpu = time.perf_counter(), time.thread_time()
@@ -722,6 +742,19 @@ class RankPipeline:
             pending = current
         if pending is not None:
             self._emit(pending, encoder, chunks)
+        if self.stopped:
+            chunks.flush()
+
+    def _stop_requested(self) -> bool:
+        """Whether a signal asked the run to stop (`stopping`); `stopped` says so from then on."""
+        signum = stopping.requested()
+        if signum is not None and not self.stopped:
+            self.stopped = True
+            logger.warning(
+                "%s: taking no more rows; the windows on the device finish and what is encoded is committed "
+                "(a second signal stops at once)", stopping.signal_name(signum),
+            )
+        return self.stopped
 
     def _emit(self, pending: PendingWindow, encoder: WindowEncoder, chunks: ChunkAssembler) -> None:
         since = time.perf_counter()
@@ -983,6 +1016,8 @@ class Runner:
                 # The writer's failure (e.g. the error rate) is the cause; the pipeline's
                 # is its echo through the coordinator.
                 raise writer.error or exc from None
+            if pipeline.stopped:
+                self._end_early(writer, checkpoint, progress)
             try:
                 writer.join()
             finally:
@@ -995,6 +1030,25 @@ class Runner:
         stats = shard_stats(self.job, self.shard, checkpoint, time.perf_counter() - start, run)
         checkpoint.finish(stats)
         return stats
+
+    def _end_early(self, writer: Writer, checkpoint: Checkpoint, progress: Progress) -> None:
+        """A signal stopped rank 0's pipeline: commit every row handed over so far (the
+        last part short) and raise `stopping.Stopped`. Other ranks' chunks not yet
+        written are recomputed by the next run. Returns only where the writer had
+        written the whole shard already (the signal came after the last window)."""
+        signum = stopping.requested()
+        reason = stopping.Stopped(signum, "")
+        writer.end_early(reason)
+        if writer.error is not reason:
+            return
+        progress.close(writer.rows)
+        done, total = checkpoint.resume_row - checkpoint.first_row, checkpoint.end_row - checkpoint.first_row
+        raise stopping.Stopped(
+            signum,
+            f"stopped by {stopping.signal_name(signum)}: shard {self.shard.index}/{self.shard.count} has {done} of "
+            f"{plural(total, 'row')} committed ({plural(writer.rows, 'row')} by this run); "
+            "rerun the same command to resume after them",
+        ) from None
 
     def _finish_without_model(self, checkpoint: Checkpoint, seconds: float) -> dict[str, Any]:
         """An empty shard, or one whose rows are all committed but whose success marker
@@ -1060,6 +1114,9 @@ def serve_rank(cluster: Cluster, job: Job) -> None:
     # A rank's stderr is the job's too (a rank started by the command has not been
     # through its logging setup; one under torchrun has, and this changes nothing).
     route_warnings(logger.isEnabledFor(logging.DEBUG))
+    # SLURM's SIGTERM reaches every process of the job: rank 0 decides what stops and
+    # commits what is encoded (`stopping`); this rank ends when rank 0 does.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     link = cluster.link
     with host_threads(cluster.device):
         workers = resolve_workers(job.runtime.workers, cluster.world_size)

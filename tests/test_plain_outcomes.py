@@ -5,15 +5,22 @@ say of the output, the files a signal leaves."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import REPO
+from test_shards import assert_same_rows, job_args, read_output, write_inputs
 
 from embedjob.cli import main
-from embedjob.io.checkpoint import META
+from embedjob.io.checkpoint import META, PartRecord, open_checkpoint
+from embedjob.io.writer import part_name
 
 DEMO = REPO / "jobs" / "demo.yaml"
 DEMO_DATA = REPO / "jobs" / "data" / "demo-images.parquet"
@@ -97,3 +104,91 @@ def test_the_report_does_not_show_such_a_shard_as_a_green_success(failing_output
     assert 'id="warnings"' in page and "7 of 12 rows as errors" in page
     assert 'class="text state-warned" data-key="state">done' in page
 
+
+# ---------------------------------------------------------------- 7. SIGTERM and SIGINT keep the work done
+
+
+def signal_job_args(inputs: Path, out: Path, cache_dir: str) -> list[str]:
+    """A CPU job over `inputs` in windows (and chunks) of 4 rows and parts of 5, so
+    rows are committed soon after the start and a stop falls inside a part."""
+    return [*job_args(inputs, out, cache_dir), "--set", "batching.window=4", "--set", "output.rows_per_part=5"]
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's photos ten times over (120 rows): long enough to stop in the middle."""
+    return write_inputs(tmp_path_factory.mktemp("many"), copies=10, videos=False)
+
+
+def wait_for_committed_part(out: Path, process: subprocess.Popen, limit: float = 300.0) -> None:
+    """Until the run's manifest lists a part (the run is encoding), or fail."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1]
+        try:
+            if json.loads((out / META / "manifest-00000.json").read_text())["parts"]:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    pytest.fail("no part was committed")
+
+
+def stop_a_run(inputs: Path, out: Path, cache_dir: str, signum: int) -> tuple[int, str, float]:
+    """`embedjob run` in a process of its own, sent `signum` once it has committed a
+    part: its exit code, its stderr and the seconds from the signal to its exit."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "embedjob.cli", "run", *signal_job_args(inputs, out, cache_dir)]
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    wait_for_committed_part(out, process)
+    process.send_signal(signum)
+    sent = time.monotonic()
+    _, err = process.communicate(timeout=120)
+    return process.returncode, err, time.monotonic() - sent
+
+
+def committed_rows(out: Path) -> int:
+    parts = json.loads((out / META / "manifest-00000.json").read_text())["parts"]
+    return sum(p["end_row"] - p["first_row"] for p in parts)
+
+
+def test_sigterm_commits_what_is_encoded_exits_143_soon_and_a_rerun_gives_the_uninterrupted_output(
+    many: Path, tmp_path: Path, cache_dir: str
+) -> None:
+    out = tmp_path / "out"
+    code, err, seconds = stop_a_run(many, out, cache_dir, signal.SIGTERM)
+    assert code == 143, err
+    assert seconds < 20, "SLURM sends SIGKILL 30 s after SIGTERM"
+    line = one_line(err)
+    committed = committed_rows(out)
+    assert 0 < committed < 120 and f"has {committed} of 120 rows committed" in line, line
+    assert "stopped by SIGTERM" in line and "rerun the same command" in line
+    assert not (out / META / "_SUCCESS-00000").exists()
+    assert main(["verify", str(out)]) == 1  # unfinished, nothing damaged
+
+    assert main(["run", *signal_job_args(many, out, cache_dir)]) == 0
+    reference = tmp_path / "reference"
+    assert main(["run", *signal_job_args(many, reference, cache_dir)]) == 0
+    assert_same_rows(read_output(out), read_output(reference))
+    assert main(["verify", str(out)]) == 0
+
+
+def test_ctrl_c_commits_what_is_encoded_and_exits_130(many: Path, tmp_path: Path, cache_dir: str) -> None:
+    code, err, seconds = stop_a_run(many, tmp_path / "out", cache_dir, signal.SIGINT)
+    assert code == 130 and seconds < 20, err
+    assert "stopped by SIGINT" in one_line(err) and "Traceback" not in err
+    assert committed_rows(tmp_path / "out") > 0
+
+
+def test_a_short_part_is_kept_and_the_next_part_starts_after_it(tmp_path: Path) -> None:
+    """What a stopped run leaves: a part shorter than rows_per_part; the next run
+    resumes after it and its parts start where it ends."""
+    cp = open_checkpoint(tmp_path, 0, 1, 0, 12, 5, {"input": {"rows": 12}}, overwrite=False)
+    for part, (first, end) in enumerate([(0, 5), (5, 7)]):
+        (tmp_path / part_name(0, part)).write_bytes(b"parquet")
+        cp.commit(PartRecord(part, part_name(0, part), first, end, errors=0))
+    cp.lock.release()
+    again = open_checkpoint(tmp_path, 0, 1, 0, 12, 5, {"input": {"rows": 12}}, overwrite=False)
+    assert (again.resume_row, again.next_bounds()) == (7, (7, 12))
+    with pytest.raises(ValueError, match="out of order"):
+        again.commit(PartRecord(2, part_name(0, 2), 10, 12, errors=0))

@@ -60,7 +60,7 @@ class PartSink:
 
     def add(self, block: RowBlock) -> None:
         while len(block):
-            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
+            first, end = self.checkpoint.next_bounds()
             if block.first_row != first + self.rows:
                 raise RuntimeError(f"row {block.first_row} arrived where part [{first}, {end}) needs row {first + self.rows}")
             take = min(len(block), end - block.first_row)
@@ -75,8 +75,18 @@ class PartSink:
     def close(self) -> None:
         """Check that the last part was committed: it ends at the shard's last row."""
         if self.rows:
-            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
+            first, end = self.checkpoint.next_bounds()
             raise RuntimeError(f"part [{first}, {end}) ends at row {first + self.rows - 1}: rows are missing")
+
+    def commit_short(self) -> None:
+        """Commit the rows that arrived as a part shorter than a full one (the run was
+        stopped by a signal: what it encoded is kept, and the next run starts after it)."""
+        if not self.rows:
+            return
+        first, _ = self.checkpoint.next_bounds()
+        if self.buffer:
+            self._write()
+        self._commit(first, first + self.rows)
 
     def abandon(self) -> None:
         """Drop the part being written (the run failed; committed parts stay)."""
@@ -230,6 +240,7 @@ class Writer:
         self.error_rows = 0
         self.seconds = 0.0
         self.error: BaseException | None = None
+        self._ending: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="embedjob-writer", daemon=True)
         self._thread.start()
 
@@ -241,6 +252,14 @@ class Writer:
     def stop(self, error: BaseException) -> None:
         """Stop writing because the job failed; a part being written is finished first."""
         self.coordinator.fail(error)
+        self._thread.join()
+
+    def end_early(self, reason: BaseException) -> None:
+        """Write every row handed over before now, commit them (the last part short),
+        and stop: the run was asked to stop and keeps what it did. `error` is `reason`
+        unless the writer had already written the whole shard (or failed)."""
+        self._ending = reason
+        self.coordinator.fail(reason)
         self._thread.join()
 
     def _run(self) -> None:
@@ -261,7 +280,18 @@ class Writer:
         except BaseException as exc:
             self.error = exc
             self.coordinator.fail(exc)
-            sink.abandon()
+            self._close(sink, exc)
+
+    def _close(self, sink: PartSink, exc: BaseException) -> None:
+        """After the stream ended with `exc`: keep what arrived when the run was asked to
+        stop (`end_early`), drop it when it failed."""
+        if exc is self._ending:
+            try:
+                self._timed(sink.commit_short)
+                return
+            except BaseException as failed:  # a full disk: that is what the run failed of
+                self.error = failed
+        sink.abandon()
 
     def _timed(self, write: Callable[..., None], *args: Any) -> None:
         since = time.perf_counter()

@@ -85,7 +85,7 @@ def _failure(exc: BaseException) -> str:
     """The first line of an unexpected failure (-v logs the traceback); our own
     OutputError already says what it is."""
     first = (str(exc).strip().splitlines() or [""])[0]
-    return first if isinstance(exc, (OutputError, ErrorRateExceeded)) else f"{type(exc).__name__}: {first}"
+    return first if isinstance(exc, (OutputError, ErrorRateExceeded, NoCuda)) else f"{type(exc).__name__}: {first}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -104,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--gpus", type=int, metavar="N", help="GPUs (one process each) for this shard; same as --set runtime.gpus=N"
+    )
+    run.add_argument(
+        "--require-cuda", action="store_true",
+        help="fail (exit 1) where no CUDA device is visible, unless runtime.device is cpu (embedjob submit's tasks pass it)",
     )
     _engine_arguments(run)
     run.set_defaults(func=_cmd_run)
@@ -202,6 +206,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     gpus = [] if args.gpus is None else [f"runtime.gpus={args.gpus}"]
     job = load_job(args.job, [*args.set, *gpus])
     prepare_process(job.runtime.cache_dir)
+    if args.require_cuda:
+        _require_cuda(job)
     engine = pick_engine(args.engine, args.address, args.max_retries, args.cpus_per_task)
     _quiet_transformers()
     shards = shards_to_run(job, args.shard, args.shards, args.engine)
@@ -222,6 +228,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 1 if failed else 0
+
+
+class NoCuda(RuntimeError):
+    """A task given GPUs (`--require-cuda`) whose job runs on CUDA sees none (exit 1)."""
+
+
+def _require_cuda(job: Job) -> None:
+    """A task SLURM was asked to give GPUs: a job on CUDA (`runtime.device` auto or
+    cuda) that finds none fails now (exit 1) rather than run for hours on the node's
+    CPU; `runtime.device: cpu` runs as asked."""
+    if job.runtime.device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise NoCuda(
+            f"this task was to run on a GPU but sees none (runtime.device: {job.runtime.device}, CUDA_VISIBLE_DEVICES="
+            f"{visible if visible is not None else 'unset'}); check the partition and --gpus-per-task of embedjob submit, "
+            "or set runtime.device: cpu to run on the CPU"
+        )
 
 
 def _summary(job: Job, stats: dict[str, Any]) -> str:
@@ -278,7 +305,10 @@ def _slurm_commands(sub: Any) -> None:
     submit = sub.add_parser("submit", help="submit a job to SLURM: one array task per shard, unfinished shards only")
     _job_arguments(submit)
     submit.add_argument("--shards", type=int, required=True, metavar="N", help="number of shards (array tasks)")
-    submit.add_argument("--gpus-per-task", type=int, default=0, metavar="G", help="GPUs per task (default 0: no GPU lines)")
+    submit.add_argument(
+        "--gpus-per-task", type=int, metavar="G",
+        help="GPUs per task (default: runtime.gpus when a number, else 1; none for runtime.device: cpu; 0: no GPU lines)",
+    )
     submit.add_argument("--partition", metavar="P", help="SLURM partition")
     submit.add_argument("--time", metavar="T", help="time limit per task, e.g. 4:00:00")
     submit.add_argument("--cpus-per-task", type=int, metavar="C", help="CPUs per task (decode workers)")

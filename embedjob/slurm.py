@@ -69,6 +69,8 @@ logger = logging.getLogger(__name__)
 RECORD_NAME = f"{META}/slurm-job.json"
 LOGS = f"{META}/logs"
 LOG_PATTERN = "shard-%5a-job-%A.log"
+REQUIRE_CUDA = "--require-cuda"
+"""What a task given GPUs passes to `embedjob run` when its job runs on CUDA."""
 SLURM_TIMEOUT_S = 30
 
 RUNNING_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SIGNALING", "STAGE_OUT", "SUSPENDED", "STOPPED", "RESIZING"}
@@ -126,7 +128,8 @@ class SubmitOptions:
     """What `embedjob submit` asks of SLURM besides the job itself."""
 
     num_shards: int
-    gpus_per_task: int = 0
+    gpus_per_task: int | None = None
+    """None: what the job needs (`task_gpus`)."""
     partition: str | None = None
     time: str | None = None
     cpus_per_task: int | None = None
@@ -147,6 +150,9 @@ class TaskCommand:
     python: str
     python_path: str | None
     job_name: str
+    cuda: bool = False
+    """The job runs on CUDA (`runtime.device` auto or cuda): a task given GPUs that finds
+    none must fail, not run on the node's CPU for hours."""
 
 
 @dataclass
@@ -244,8 +250,9 @@ def render_script(task: TaskCommand, shards: list[int], options: SubmitOptions) 
     """The sbatch script: one array task per shard in `shards`.
 
     GPU lines appear only when `options.gpus_per_task` > 0 (a GPU request on a node
-    without GPUs is refused at submission). Raises JobError for values sbatch could
-    not take safely from an `#SBATCH` line.
+    without GPUs is refused at submission); the task then runs with `--require-cuda`
+    when its job runs on CUDA. Raises JobError for values sbatch could not take safely
+    from an `#SBATCH` line.
     """
     directives = [
         f"--job-name={task.job_name}",
@@ -263,13 +270,15 @@ def render_script(task: TaskCommand, shards: list[int], options: SubmitOptions) 
         directives.append(f"--time={_sbatch_value(options.time, '--time')}")
     if options.cpus_per_task is not None:
         directives.append(f"--cpus-per-task={options.cpus_per_task}")
-    if options.gpus_per_task > 0:
-        directives.append(f"--gpus-per-task={options.gpus_per_task}")
+    gpus = options.gpus_per_task or 0
+    if gpus > 0:
+        directives.append(f"--gpus-per-task={gpus}")
     for extra in options.sbatch_options:
         if not extra.startswith("-") or any(c in extra for c in "\n\r\0"):
             raise JobError(f"--sbatch-option {extra!r} must be one sbatch option, e.g. --sbatch-option=--account=proj")
         directives.append(extra)
     run = shlex.join([task.python, "-m", "embedjob.cli", "run", str(task.job_file)])
+    require = f" {REQUIRE_CUDA}" if gpus > 0 and task.cuda else ""
     # The only word bash may expand: the task id.
     shard = f'--shard "${{SLURM_ARRAY_TASK_ID}}/{options.num_shards}"'
     overrides = "".join(f" --set {shlex.quote(o)}" for o in task.overrides)
@@ -284,7 +293,7 @@ def render_script(task: TaskCommand, shards: list[int], options: SubmitOptions) 
     if task.python_path:
         lines.append(f"export PYTHONPATH={shlex.quote(task.python_path)}${{PYTHONPATH:+:$PYTHONPATH}}")
     lines.append('echo "embedjob: shard ${SLURM_ARRAY_TASK_ID} on $(hostname), attempt $((${SLURM_RESTART_COUNT:-0} + 1))" >&2')
-    lines.append(f"exec {run} {shard}{overrides}")
+    lines.append(f"exec {run} {shard}{require}{overrides}")
     return "\n".join(lines) + "\n"
 
 
@@ -318,7 +327,18 @@ def task_command(job_file: str | Path, overrides: list[str], job: Job) -> TaskCo
         # same embedjob as the submitter, whatever their working directory.
         python_path=None if package_root in installed else package_root,
         job_name=f"embedjob-{name}",
+        cuda=job.runtime.device != "cpu",
     )
+
+
+def task_gpus(job: Job, asked: int | None) -> int:
+    """GPUs per task: `asked` (`--gpus-per-task`), else none for a job on the CPU
+    (`runtime.device: cpu`), else `runtime.gpus` when it is a number, else one."""
+    if asked is not None:
+        return asked
+    if job.runtime.device == "cpu":
+        return 0
+    return job.runtime.gpus if isinstance(job.runtime.gpus, int) else 1
 
 
 def output_dir(job: Job) -> Path:
@@ -344,11 +364,12 @@ def submit(
     """
     if options.num_shards < 1:
         raise JobError(f"--shards must be >= 1, got {options.num_shards}")
-    if options.gpus_per_task < 0:
+    if options.gpus_per_task is not None and options.gpus_per_task < 0:
         raise JobError(f"--gpus-per-task must be >= 0, got {options.gpus_per_task}")
     if options.cpus_per_task is not None and options.cpus_per_task < 1:
         raise JobError(f"--cpus-per-task must be >= 1, got {options.cpus_per_task}")
     job = load_job(job_file, overrides)
+    options = replace(options, gpus_per_task=task_gpus(job, options.gpus_per_task))
     task = task_command(job_file, overrides, job)
     listing = reader.scan_input(job.input, job.output.columns)
     ranges = shard_ranges(listing.fragments, options.num_shards)

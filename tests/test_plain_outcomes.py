@@ -192,3 +192,38 @@ def test_a_short_part_is_kept_and_the_next_part_starts_after_it(tmp_path: Path) 
     assert (again.resume_row, again.next_bounds()) == (7, (7, 12))
     with pytest.raises(ValueError, match="out of order"):
         again.commit(PartRecord(2, part_name(0, 2), 10, 12, errors=0))
+
+
+# ---------------------------------------------------------------- 2. submit asks SLURM for a GPU
+
+
+def submitted_script(tmp_path: Path, capsys: pytest.CaptureFixture, *extra: str) -> tuple[list[str], str]:
+    """`embedjob submit --dry-run` of the demo: the #SBATCH options and the task's command line."""
+    capsys.readouterr()
+    assert main(["submit", str(DEMO), "--shards", "2", "--dry-run", "--set", f"output.path={tmp_path / 'out'}", *extra]) == 0
+    script = capsys.readouterr().out.splitlines()
+    options = [line.removeprefix("#SBATCH ") for line in script if line.startswith("#SBATCH ")]
+    (command,) = [line for line in script if line.startswith("exec ")]
+    return options, command
+
+
+def test_submit_asks_for_one_gpu_per_task_unless_the_job_runs_on_the_cpu(tmp_path: Path, capsys) -> None:
+    options, command = submitted_script(tmp_path, capsys)
+    assert "--gpus-per-task=1" in options and " run " in command and "--require-cuda" in command
+    options, _ = submitted_script(tmp_path, capsys, "--set", "runtime.gpus=2")
+    assert "--gpus-per-task=2" in options
+    for extra in (("--set", "runtime.device=cpu"), ("--gpus-per-task", "0")):
+        options, command = submitted_script(tmp_path, capsys, *extra)
+        assert not [o for o in options if o.startswith(("--gpu", "--gres"))] and "--require-cuda" not in command
+
+
+def test_a_task_that_requires_cuda_and_finds_none_stops_with_exit_1(tmp_path: Path, cache_dir: str, capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = tmp_path / "out"
+    assert run(DEMO, out, cache_dir, "--require-cuda") == 1
+    line = one_line(capsys.readouterr().err)
+    assert "sees none" in line and "runtime.device: cpu" in line and not out.exists()
+    assert run(DEMO, out, cache_dir, "--require-cuda", "--set", "runtime.device=cpu") == 0, "asked for the CPU: runs"

@@ -47,7 +47,7 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-from embedjob import stopping
+from embedjob import __version__, stopping
 from embedjob.config import Job, JobError
 from embedjob.decode import DecodeOptions, MediaError
 from embedjob.decode.device import nvjpeg_problem
@@ -59,7 +59,7 @@ from embedjob.host import device_name, host_threads, refuse_starting_process, re
 from embedjob.io import reader
 from embedjob.io.checkpoint import Checkpoint, job_fingerprint, open_checkpoint
 from embedjob.io.sink import ErrorRate, Progress, Writer
-from embedjob.io.writer import RowBlock, output_schema
+from embedjob.io.writer import RowBlock, described, output_schema
 from embedjob.parallel.cluster import Cluster, Coordinator, resolve_layout
 from embedjob.report.counts import plural, route_warnings
 from embedjob.rows import (
@@ -241,6 +241,23 @@ def check_video_decoder(job: Job, device: torch.device) -> None:
     problem = nvdec_problem(device)
     if problem is not None:
         raise JobError(f"video.decoder = 'nvdec' cannot run here: {problem}; or use video.decoder: decord")
+
+
+def vector_description(job: Job, model: dict[str, Any]) -> dict[str, Any]:
+    """What every part says of its vectors (its schema's `embedjob` metadata): which
+    model made them, how, and their width, so a reader needs neither the job nor the
+    width of the model (`model`: the loaded adapter's `describe()`)."""
+    return {
+        "model_path": job.model.path,
+        "family": model["family"],
+        "precision": job.model.precision,
+        "model_dtype": model["dtype"],
+        "pooling": job.output.pooling,
+        "normalize": job.output.normalize,
+        "dtype": job.output.dtype,
+        "width": model["embed_dim"],
+        "embedjob_version": __version__,
+    }
 
 
 def output_dtype(job: Job) -> torch.dtype:
@@ -437,6 +454,8 @@ class RankPipeline:
         self.clock = StageClock()
         self.reading = StageClock()
         self.encoder: Any = None
+        self.model: dict[str, Any] = {}
+        """The loaded encoder's `describe()` (family, dtype, embed_dim), once prepared."""
         self.options: DecodeOptions | None = None
         self.preprocess: Any = None
         self._unencoded = 0
@@ -475,6 +494,7 @@ class RankPipeline:
         self.stats.decoder = self.decoder
         self.preprocess = adapter.preprocessor()
         self.encoder = build_encoder(self.job, adapter, self.device)
+        self.model = adapter.describe()
         self._setup("plan", since)
 
     def run(self) -> RankStats:
@@ -1001,6 +1021,7 @@ class Runner:
             functools.partial(coordinator.take, 0), deliver, ready, coordinator.all_ready,
         )
         pipeline.prepare()
+        schema = described(schema, vector_description(self.job, pipeline.model))
         resumed = checkpoint.resume_row
         if resumed > checkpoint.first_row:
             logger.info("resuming shard %d at row %d (%d rows committed)", self.shard.index, resumed, resumed - checkpoint.first_row)

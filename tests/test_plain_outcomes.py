@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from embedjob.io.writer import part_name
 
 DEMO = REPO / "jobs" / "demo.yaml"
 DEMO_DATA = REPO / "jobs" / "data" / "demo-images.parquet"
+README = (REPO / "README.md").read_text()
 
 
 def run(job: Path, out: Path, cache_dir: str, *extra: str) -> int:
@@ -227,3 +229,43 @@ def test_a_task_that_requires_cuda_and_finds_none_stops_with_exit_1(tmp_path: Pa
     line = one_line(capsys.readouterr().err)
     assert "sees none" in line and "runtime.device: cpu" in line and not out.exists()
     assert run(DEMO, out, cache_dir, "--require-cuda", "--set", "runtime.device=cpu") == 0, "asked for the CPU: runs"
+
+
+# ---------------------------------------------------------------- 6. parts that describe their vectors
+
+
+@pytest.fixture(scope="module")
+def clip_output(tmp_path_factory: pytest.TempPathFactory, cache_dir: str) -> Path:
+    """The CLIP demo's output: 48-wide vectors, its last two rows errors."""
+    out = tmp_path_factory.mktemp("clip") / "out"
+    assert run(REPO / "jobs" / "demo-clip.yaml", out, cache_dir, "--set", "output.normalize=true") == 0
+    return out
+
+
+def test_every_part_says_which_model_made_its_vectors_how_and_how_wide_they_are(clip_output: Path) -> None:
+    files = sorted(clip_output.glob("part-*.parquet"))
+    assert len(files) > 1
+    for path in files:
+        described = json.loads(pq.read_schema(path).metadata[b"embedjob"])
+        assert described["width"] == 48 and described["family"] == "clip"
+        assert described["model_path"] == "builtin:tiny-clip" and described["pooling"] == "mean"
+        assert described["normalize"] is True and described["dtype"] == "float16" and described["precision"] == "bf16"
+    vectors = [r["embedding"] for r in pq.read_table(files).to_pylist() if r["embedding"] is not None]
+    assert {len(v) for v in vectors} == {48}
+
+
+def test_the_readme_duckdb_recipe_works_for_any_width(clip_output: Path) -> None:
+    section = README[README.index("### Output\n") :]
+    recipe = re.findall(r"```python\n(.*?)```", section, re.S)[1]
+    assert "duckdb" in recipe and "FLOAT[128]" not in recipe
+    names: dict = {}
+    exec(recipe.replace("out/demo", str(clip_output)), names)
+    assert names["nearest"][0][0] == 0 and all(error is None for _, _, error, _ in names["nearest"])
+
+
+def test_tokens_and_frames_read_as_nullable_integers_in_pandas(clip_output: Path) -> None:
+    import pandas as pd
+
+    df = pd.read_parquet(clip_output).sort_values("row")
+    assert str(df.tokens.dtype) == "Int32" and str(df.frames.dtype) == "Int32"
+    assert df.tokens.isna().tolist()[-2:] == [True, True] and (df.tokens.dropna() > 0).all()

@@ -7,6 +7,7 @@ load when a job runs.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +36,25 @@ def run(
     from the main thread, after committing what it had encoded. Like the command,
     it sets up the process first (`config.prepare_process`: CUDA_DEVICE_MAX_CONNECTIONS=32
     unless set, Python's bytecode kept where none is written), which takes full effect only
-    where the calling process has not used CUDA yet.
+    where the calling process has not used CUDA yet. An exception it raises carries no
+    traceback through embedjob's own code unless the `embedjob` logger is at DEBUG.
     """
+    try:
+        return _run(job_or_path, overrides, shard, overwrite)
+    except Exception as exc:
+        if logging.getLogger("embedjob").isEnabledFor(logging.DEBUG):
+            raise
+        # The message says what went wrong and what to do; a script's traceback through
+        # embedjob's internals (a hundred lines) only buries it. DEBUG keeps it.
+        raise exc.with_traceback(None) from None
+
+
+def _run(
+    job_or_path: "Job | dict[str, Any] | str | os.PathLike[str]",
+    overrides: list[str] | tuple[str, ...],
+    shard: str | tuple[int, int] | None,
+    overwrite: bool,
+) -> dict[str, Any]:
     from embedjob.config import Job, job_from_dict, load_job, prepare_process
     from embedjob.slurm import Shard
     from embedjob.stopping import on_signals

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from embedjob.config import Job, JobError, describe, load_job, prepare_process
+from embedjob.config import Job, JobError, RunFailure, describe, load_job, prepare_process
 from embedjob.io.checkpoint import OutputError
 from embedjob.io.writer import ErrorRateExceeded
 from embedjob.report.counts import codes_text, plural, route_warnings
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embedjob: error: {_unsafe_checkpoint(exc)}", file=sys.stderr)
         logger.debug("traceback", exc_info=True)
         return 2
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:
+        # Whatever a library raised (a network error, a bug): one line; -v logs the traceback.
         print(f"embedjob: failed: {_failure(exc)}", file=sys.stderr)
         logger.debug("traceback", exc_info=True)
         return 1
@@ -83,9 +84,9 @@ def _unsafe_checkpoint(exc: pickle.UnpicklingError) -> str:
 
 def _failure(exc: BaseException) -> str:
     """The first line of an unexpected failure (-v logs the traceback); our own
-    OutputError already says what it is."""
+    failures (OutputError, RunFailure, ...) already say what they are."""
     first = (str(exc).strip().splitlines() or [""])[0]
-    return first if isinstance(exc, (OutputError, ErrorRateExceeded, NoCuda)) else f"{type(exc).__name__}: {first}"
+    return first if isinstance(exc, (OutputError, ErrorRateExceeded, RunFailure)) else f"{type(exc).__name__}: {first}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -230,7 +231,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-class NoCuda(RuntimeError):
+class NoCuda(RunFailure):
     """A task given GPUs (`--require-cuda`) whose job runs on CUDA sees none (exit 1)."""
 
 

@@ -36,6 +36,11 @@ class JobError(ValueError):
     """A job spec that cannot run; the message says which key and what to change."""
 
 
+class RunFailure(RuntimeError):
+    """A job that could not run for a reason its message already names, with what to
+    do (exit 1, the message printed as it is)."""
+
+
 Auto = Literal["auto"]
 
 DEFAULT_MAX_ITEM_BYTES = 512 * 2**20
@@ -202,6 +207,19 @@ OUTPUT_COLUMNS = ("id", "row", "modality", "tokens", "frames", "grid", "embeddin
 """The columns embedjob writes itself; `output.columns` may not reuse their names."""
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: where (line and column, 1-based), what it expected
+    and what it was parsing (its own text spans lines and quotes the file)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(exc).split())
+    context = getattr(exc, "context", None)
+    started = getattr(exc, "context_mark", None)
+    where = f" (from line {started.line + 1}, column {started.column + 1})" if context and started is not None else ""
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f", {context}{where}" if context else "")
+
+
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Job:
     """Read a YAML job file, apply `key.sub=value` overrides, validate and return it."""
     path = Path(path)
@@ -212,7 +230,7 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> J
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise JobError(f"job file {path} is not valid YAML: {exc}") from None
+        raise JobError(f"job file {path} is not valid YAML: {yaml_problem(exc)}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

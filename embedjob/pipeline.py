@@ -48,14 +48,21 @@ import torch
 from tqdm import tqdm
 
 from embedjob import __version__, stopping
-from embedjob.config import Job, JobError
+from embedjob.config import Job, JobError, RunFailure
 from embedjob.decode import DecodeOptions, MediaError
 from embedjob.decode.device import nvjpeg_problem
 from embedjob.decode.nvdec import nvdec_problem
 from embedjob.encoders import EncoderAdapter, load_adapter
 from embedjob.engine.defs import Encoded, Encoder
 from embedjob.engine.encode import build_encoder
-from embedjob.host import device_name, host_threads, refuse_starting_process, resolve_device, resolve_workers
+from embedjob.host import (
+    device_name,
+    host_threads,
+    main_script_hidden,
+    refuse_starting_process,
+    resolve_device,
+    resolve_workers,
+)
 from embedjob.io import reader
 from embedjob.io.checkpoint import Checkpoint, job_fingerprint, open_checkpoint
 from embedjob.io.sink import ErrorRate, Progress, Writer
@@ -481,7 +488,8 @@ class RankPipeline:
     def _prepare(self) -> None:
         since = time.perf_counter()
         self.stats.started_at = time.time()
-        start_worker_server(WORKER_MODULES)
+        with stopping.held_from_children():
+            start_worker_server(WORKER_MODULES)
         compiler = self.job.batching.compile and self.device.type == "cuda"
         threading.Thread(target=_warm_imports, args=(compiler,), name="embedjob-import", daemon=True).start()
         adapter = load_encoder_adapter(self.job, self.device)
@@ -955,7 +963,7 @@ class Runner:
 
     def _run(self, device: torch.device, coordinator: Coordinator) -> dict[str, Any]:
         start, started = time.perf_counter(), time.time()
-        listing = reader.scan_input(self.job.input, self.job.output.columns)
+        listing = scan_input(self.job)
         fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
         if not fragments:
             self._warn_empty(len(listing.fragments))
@@ -1114,20 +1122,39 @@ class Runner:
         )
 
 
+def scan_input(job: Job) -> reader.InputListing:
+    """The job's input listing. A failure the reader did not put in words (a network
+    library's own error, an hf:// or s3:// input listed offline) is a RunFailure that
+    names input.path, not a traceback."""
+    try:
+        return reader.scan_input(job.input, job.output.columns)
+    except JobError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise RunFailure(
+            f"cannot list input.path {job.input.path!r}: {type(exc).__name__}: {first}; check the network or the "
+            "credentials (a hub input already in the local cache is read offline with HF_HUB_OFFLINE=1)"
+        ) from exc
+
+
 def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[str, Any]:
     """Run one shard of `job` on `runtime.gpus` ranks; the statistics it wrote.
 
     Ranks other than 0 (under torchrun) return an empty dict: rank 0 writes everything.
     """
     refuse_starting_process()
-    layout = resolve_layout(job.runtime.gpus, resolve_device(job.runtime.device))
-    if layout.world_size == 1:
-        return Runner(job, shard, overwrite).run()
-    with Cluster.start(layout, serve_rank, (job,)) as cluster:
-        if cluster.rank == 0:
-            return Runner(job, shard, overwrite, cluster).run()
-        serve_rank(cluster, job)
-        return {}
+    with main_script_hidden():
+        layout = resolve_layout(job.runtime.gpus, resolve_device(job.runtime.device))
+        if layout.world_size == 1:
+            return Runner(job, shard, overwrite).run()
+        with stopping.held_from_children():
+            cluster = Cluster.start(layout, serve_rank, (job,))
+        with cluster:
+            if cluster.rank == 0:
+                return Runner(job, shard, overwrite, cluster).run()
+            serve_rank(cluster, job)
+            return {}
 
 
 def serve_rank(cluster: Cluster, job: Job) -> None:

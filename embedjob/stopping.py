@@ -7,7 +7,8 @@ windows, stops taking rows, finishes the windows already on the device, and rank
 commits what is encoded as a short part before the run raises `Stopped` (exit 143 for
 SIGTERM, 130 for SIGINT). A second signal stops at once (committed parts are kept).
 
-Handlers are process-wide and Python runs them on the main thread only, so `on_signals`
+`held_from_children` keeps both away from the processes a run starts while they
+start. Handlers are process-wide and Python runs them on the main thread only, so `on_signals`
 installs them only there (the command, `embedjob.run` called from a script's main
 thread) and gives the previous ones back after; elsewhere (a Ray task's thread, a rank
 other than 0) the flag is never set and a run ends as it would have. No torch here:
@@ -81,3 +82,27 @@ def on_signals() -> Iterator[None]:
             # None: a handler set from C, which Python cannot put back; the default is nearest.
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         _STATE.signum = None
+
+
+@contextlib.contextmanager
+def held_from_children() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored by the processes started inside, and held back
+    (blocked) for this one meanwhile.
+
+    A child started through an exec keeps the signals its parent ignores (not the mask),
+    so the decode workers' server and spawned ranks are never interrupted half-way
+    through their imports (Ctrl-C reaches the whole process group: each printed a
+    traceback); they ignore both from then on anyway, rank 0 decides. A signal that
+    came meanwhile is pending, not lost (a blocked signal is never discarded as
+    ignored), and this process receives it when the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)

@@ -269,3 +269,87 @@ def test_tokens_and_frames_read_as_nullable_integers_in_pandas(clip_output: Path
     df = pd.read_parquet(clip_output).sort_values("row")
     assert str(df.tokens.dtype) == "Int32" and str(df.frames.dtype) == "Int32"
     assert df.tokens.isna().tolist()[-2:] == [True, True] and (df.tokens.dropna() > 0).all()
+
+
+# ---------------------------------------------------------------- 3. every failure is one line
+
+
+def test_a_broken_yaml_file_is_one_line_naming_the_file_and_the_place(tmp_path: Path, capsys) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("input:\n  path: x.parquet\n  media_column: [image\nmodel:\n  path: builtin:tiny-clip\n")
+    assert main(["run", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"job file {job} is not valid YAML: line 4, column 6: expected ',' or ']'" in err
+
+
+def test_an_input_a_network_library_cannot_list_is_one_line_naming_input_path(
+    tmp_path: Path, cache_dir: str, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What an hf:// input offline raised: the HTTP library's own error, no OSError."""
+    from embedjob.io import reader
+
+    class ConnectError(Exception):
+        pass
+
+    def offline(*args, **kwargs):
+        raise ConnectError("[Errno -2] Name or service not known\nmore lines of the library's message")
+
+    monkeypatch.setattr(reader, "scan_input", offline)
+    code = run(DEMO, tmp_path / "out", cache_dir, "--set", "input.path=hf://datasets/someone/photos/data.parquet")
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "cannot list input.path 'hf://datasets/someone/photos/data.parquet': ConnectError: [Errno -2]" in err
+
+
+SCRIPT_RUN = (
+    "embedjob.run({job!r}, ['output.path={out}', 'runtime.workers=1', 'runtime.progress=false', "
+    "'runtime.cache_dir={cache}'])"
+)
+
+
+def run_script(source: str, *, stdin: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`source` run by Python from a file (or fed on stdin), from the repository."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if stdin:
+        return subprocess.run([sys.executable, "-"], input=source, capture_output=True, text=True, env=env,
+                              cwd=REPO, timeout=timeout)
+    path = Path(env.get("TMPDIR", "/tmp")) / f"embedjob-script-{os.getpid()}-{time.monotonic_ns()}.py"
+    path.write_text(source)
+    try:
+        return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, cwd=REPO,
+                              timeout=timeout)
+    finally:
+        path.unlink()
+
+
+def test_a_top_level_embedjob_run_fails_in_a_few_lines_that_say_what_to_do(tmp_path: Path, cache_dir: str) -> None:
+    call = SCRIPT_RUN.format(job=str(DEMO), out=tmp_path / "out", cache=cache_dir)
+    done = run_script(f"import embedjob\n{call}\n")
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) < 20 and "embedjob/pipeline.py" not in done.stderr, done.stderr
+    assert any(line.startswith("embedjob: error: ") and 'if __name__ == "__main__":' in line for line in lines)
+
+
+def test_a_script_fed_on_stdin_runs_its_job(tmp_path: Path, cache_dir: str) -> None:
+    call = SCRIPT_RUN.format(job=str(DEMO), out=tmp_path / "out", cache=cache_dir)
+    done = run_script(f"import embedjob\nif __name__ == '__main__':\n    print({call}['rows'])\n", stdin=True)
+    assert done.returncode == 0 and done.stdout.split() == ["12"], done.stderr
+
+
+def test_ctrl_c_during_start_up_prints_one_line_and_no_worker_traceback(tmp_path: Path, cache_dir: str) -> None:
+    """Ctrl-C reaches the whole process group, the decode workers' server importing torch included."""
+    sets = {"output.path": tmp_path / "out", "runtime.workers": 2, "runtime.cache_dir": cache_dir}
+    command = [sys.executable, "-m", "embedjob.cli", "run", str(DEMO), *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))]
+    process = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    for line in process.stderr:
+        if "embedjob.io.reader: input" in line:
+            break
+    time.sleep(0.5)  # into the model's load, while the workers' server imports torch
+    os.killpg(process.pid, signal.SIGINT)
+    err = process.stderr.read()
+    assert process.wait(timeout=120) == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert one_line(err).startswith("embedjob: stopped by SIGINT")

@@ -353,3 +353,22 @@ def test_ctrl_c_during_start_up_prints_one_line_and_no_worker_traceback(tmp_path
     assert process.wait(timeout=120) == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert one_line(err).startswith("embedjob: stopped by SIGINT")
+
+
+# ---------------------------------------------------------------- 4. the summary names every error code
+
+
+def test_the_summary_and_status_name_every_error_code_up_to_ten() -> None:
+    from embedjob.cli import _summary
+    from embedjob.config import job_from_dict
+    from embedjob.report.counts import codes_text
+
+    five = {"too_large": 2, "truncated": 2, "corrupt": 1, "not_found": 1, "unknown_format": 1}
+    assert codes_text(five) == "too_large 2, truncated 2, corrupt 1, not_found 1, unknown_format 1"
+    stats = {"rows": 20, "errors": 7, "error_codes": five, "rows_this_run": 20, "pipeline_seconds": 1.0,
+             "setup_seconds": 1.0, "items_per_second": 13.0, "num_graphs": 2, "hit_rate": 1.0, "padding_waste": 0}
+    job = job_from_dict({"input": {"path": "in.parquet", "media_column": "image"}, "model": {"path": "builtin:tiny-clip"},
+                         "output": {"path": "out"}})
+    assert "7 errors (too_large 2, truncated 2, corrupt 1, not_found 1, unknown_format 1)" in _summary(job, stats)
+    twelve = {f"code_{k:02d}": 12 - k for k in range(12)}
+    assert codes_text(twelve).endswith("code_09 3, 2 more codes")

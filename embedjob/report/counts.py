@@ -11,8 +11,10 @@ import logging
 from collections import Counter
 from collections.abc import Iterable
 
-SHOWN_CODES = 3
-"""Error codes a summary line names; the rest are counted as "N more"."""
+SHOWN_CODES = 10
+"""Error codes a summary line names; the rest (an output with more kinds of failure
+than a line can hold) are counted as "N more". Ten: the decoders' codes rarely come
+to that many, so a summary names every code a user must look at."""
 
 HIGH_ERROR_SHARE = 0.1
 """The share of error rows above which a finished shard is flagged (`status`, `verify`,

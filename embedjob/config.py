@@ -174,7 +174,7 @@ class RuntimeConfig:
     decode_timeout: float = key(60.0, "seconds one item may take to decode before it is a timeout row")
     gpus: Auto | int = key("auto", "GPUs (one process each) for a shard; auto: every visible GPU")
     cache_dir: str | None = key(None, "where builtin models, compiled kernels and (where Python writes none) bytecode are kept; null: $EMBEDJOB_CACHE or ~/.cache/embedjob")
-    progress: bool = key(True, "show a progress bar")
+    progress: bool = key(True, "show a progress bar (where stderr is no terminal: a log line every 30 s)")
     max_error_rate: float | None = key(0.5, "stop the shard (exit 1) once more than this fraction of its rows are errors; null: no limit")
     error_rate_min_rows: int = key(100, "rows a shard writes before max_error_rate applies (a shard's last row: always)")
 

@@ -35,6 +35,7 @@ import gc
 import logging
 import math
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1034,7 +1035,9 @@ class Runner:
         if resumed > checkpoint.first_row:
             logger.info("resuming shard %d at row %d (%d rows committed)", self.shard.index, resumed, resumed - checkpoint.first_row)
         with self._progress(checkpoint.end_row - resumed) as bar:
-            progress = Progress(bar, pipeline.rows_done)
+            logged = self.job.runtime.progress and bar.disable
+            label = f"shard {self.shard.index}/{self.shard.count}" if logged else None
+            progress = Progress(bar, pipeline.rows_done, label, checkpoint.end_row - resumed)
             rate = ErrorRate(self.job, self.shard, checkpoint)
             writer = Writer(coordinator, checkpoint, schema, rate, progress, own, Timeline(started))
             try:
@@ -1110,12 +1113,13 @@ class Runner:
     def _progress(self, total: int) -> tqdm:
         """The bar: an average rate (smoothing 0), so what it shows at the end is this
         run's rows over its pipeline seconds, as the summary says; every update shown
-        (miniters 1: `Progress` already updates it only every PROGRESS_INTERVAL)."""
+        (miniters 1: `Progress` already updates it only every PROGRESS_INTERVAL). Only
+        on a terminal: elsewhere (a SLURM log) `Progress` logs a line now and then."""
         return tqdm(
             total=total,
             unit="row",
             desc=f"shard {self.shard.index}/{self.shard.count}",
-            disable=not self.job.runtime.progress,
+            disable=not self.job.runtime.progress or not sys.stderr.isatty(),
             dynamic_ncols=True,
             smoothing=0,
             miniters=1,

@@ -372,3 +372,28 @@ def test_the_summary_and_status_name_every_error_code_up_to_ten() -> None:
     assert "7 errors (too_large 2, truncated 2, corrupt 1, not_found 1, unknown_format 1)" in _summary(job, stats)
     twelve = {f"code_{k:02d}": 12 - k for k in range(12)}
     assert codes_text(twelve).endswith("code_09 3, 2 more codes")
+
+
+# ---------------------------------------------------------------- 5. no carriage returns in a log
+
+
+def test_where_stderr_is_no_terminal_progress_is_a_log_line_with_rows_rate_and_time_left(
+    tmp_path: Path, cache_dir: str, capsys, caplog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from embedjob.encoders.qwen import QwenAdapter
+    from embedjob.io import sink
+
+    forward = QwenAdapter.forward
+
+    def slow_forward(self, inputs):
+        time.sleep(0.2)  # a run long enough for a few progress lines
+        return forward(self, inputs)
+
+    monkeypatch.setattr(QwenAdapter, "forward", slow_forward)
+    monkeypatch.setattr(sink, "PROGRESS_LOG_INTERVAL", 0.1)
+    caplog.set_level("INFO", logger="embedjob.io.sink")
+    sets = ("--set", "runtime.progress=true", "--set", "batching.max_items_per_batch=1", "--set", "batching.cuda_graphs=false")
+    assert run(DEMO, tmp_path / "out", cache_dir, *sets) == 0
+    assert "\r" not in capsys.readouterr().err, "a bar redrawn in a log file"
+    lines = [r.getMessage() for r in caplog.records if r.name == "embedjob.io.sink"]
+    assert lines and all(re.fullmatch(r"shard 0/1: \d+ of 12 rows done, \d+ errors?; [\d.]+ rows/s, \S+ left", m) for m in lines), lines

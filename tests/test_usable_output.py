@@ -344,6 +344,7 @@ def test_the_bar_advances_per_batch_and_its_rate_is_the_summarys(
 
     monkeypatch.setattr(QwenAdapter, "forward", slow_forward)
     monkeypatch.setattr(sink, "PROGRESS_INTERVAL", 0.02)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # the bar is for terminals
     sets = ("--set", "runtime.progress=true", "--set", "batching.max_items_per_batch=1", "--set", "batching.cuda_graphs=false")
     assert run(DEMO, tmp_path / "out", cache_dir, *sets) == 0
     err = capsys.readouterr().err

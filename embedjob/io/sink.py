@@ -14,6 +14,7 @@ atomic write): the checkpoint builds on that module, and this one on the checkpo
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,9 +26,11 @@ from embedjob.config import Job
 from embedjob.io.checkpoint import Checkpoint, PartRecord, count_codes
 from embedjob.io.writer import ErrorRateExceeded, PartFile, RowBlock, part_name
 from embedjob.parallel.cluster import Coordinator
-from embedjob.report.counts import codes_text, count_errors
+from embedjob.report.counts import codes_text, count_errors, plural
 from embedjob.slurm import Shard
 from embedjob.timeline import Timeline
+
+logger = logging.getLogger(__name__)
 
 ROW_GROUP_BYTES = 8 << 20
 """Vector bytes per row group of a part: the most rows held before they are written,
@@ -158,6 +161,10 @@ PROGRESS_INTERVAL = 0.5
 """Seconds between updates of the progress bar: often enough to follow the batches,
 rarely enough to cost nothing."""
 
+PROGRESS_LOG_INTERVAL = 30.0
+"""Seconds between progress lines where stderr is no terminal (a SLURM log, a file): a
+bar redrawn with carriage returns there is one unreadable line of every update."""
+
 
 class Progress:
     """The progress bar of a shard: rows done, their rate and the time left.
@@ -169,22 +176,35 @@ class Progress:
     run from `start`, the moment rank 0 is ready to encode: the statistics' pipeline
     seconds start there too, so the bar's rate is the summary's, setup left out. The
     writer keeps `errors` (the shard's error rows written so far) for the bar to show.
+
+    With `log_as` (a label; the bar is then disabled), the same counts go to the log
+    as a line every PROGRESS_LOG_INTERVAL seconds instead: rows, rate and time left.
     """
 
-    def __init__(self, bar: tqdm, own: Callable[[], int]) -> None:
+    def __init__(self, bar: tqdm, own: Callable[[], int], log_as: str | None = None, total: int = 0) -> None:
         self.bar = bar
         self.own = own
+        self.log_as = log_as
+        self.total = total
         self.others = 0
         self.errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._started = 0.0
 
     def start(self) -> None:
         """Start counting (and timing) from now."""
-        if self.bar.disable or self._thread is not None:
+        if self._thread is not None:
             return
-        self.bar.reset(total=self.bar.total)
-        self._thread = threading.Thread(target=self._follow, name="embedjob-progress", daemon=True)
+        if not self.bar.disable:
+            self.bar.reset(total=self.bar.total)
+            follow = self._follow
+        elif self.log_as is not None:
+            self._started = time.monotonic()
+            follow = self._log
+        else:
+            return
+        self._thread = threading.Thread(target=follow, name="embedjob-progress", daemon=True)
         self._thread.start()
 
     def others_written(self, rows: int) -> None:
@@ -205,6 +225,17 @@ class Progress:
             if done > self.bar.n:  # drawn only when it moved: a batch log gets no idle lines
                 self.bar.set_postfix(errors=self.errors, refresh=False)
                 self.bar.update(done - self.bar.n)
+
+    def _log(self) -> None:
+        while not self._stop.wait(PROGRESS_LOG_INTERVAL):
+            done = min(self.own() + self.others, self.total)
+            seconds = time.monotonic() - self._started
+            rate = done / seconds if seconds > 0 else 0.0
+            left = tqdm.format_interval((self.total - done) / rate) if rate > 0 else "unknown"
+            logger.info(
+                "%s: %d of %s done, %s; %.1f rows/s, %s left",
+                self.log_as, done, plural(self.total, "row"), plural(self.errors, "error"), rate, left,
+            )
 
 
 class Writer:

@@ -27,7 +27,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from embedjob.encoders.registry import FAMILIES, FIXED_RESOLUTION
+from embedjob.encoders.registry import FAMILIES, FIXED_RESOLUTION, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ModelConfig:
     """Which encoder, from where, in which precision."""
 
     family: Literal[tuple(FAMILIES)] = key(  # type: ignore[valid-type]
-        "qwen2_5_vl", "the encoder family of model.path"
+        "qwen2_5_vl", "the encoder family of model.path; left out: the one its config.json (or builtin name) names"
     )
     # Required: a job without a model must not embed with random weights.
     path: str = key("", "the checkpoint: a local directory or a hub id; builtin:tiny-<family> is a random-weight demo model")
@@ -249,6 +249,7 @@ def job_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = 
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     for item in overrides:
         _apply_override(raw, item, errors)
+    _find_family(raw)
     job = _build(Job, raw, "", errors)
     for name in REQUIRED:
         section, field_name = name.split(".")
@@ -261,6 +262,17 @@ def job_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = 
             f"({n}) {e}" for n, e in enumerate(errors, 1)
         ))
     return job
+
+
+def _find_family(raw: dict[str, Any]) -> None:
+    """A model section that leaves `family` out gets the one its checkpoint names
+    (`registry.family_of`); where none can be told, the default stays, and a checkpoint
+    of another family is the loader's error, naming the family to set."""
+    model = raw.get("model")
+    if isinstance(model, dict) and "family" not in model and isinstance(model.get("path"), str):
+        family = family_of(model["path"])
+        if family is not None:
+            model["family"] = family
 
 
 def relative_note(path: str) -> str:

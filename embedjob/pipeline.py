@@ -967,7 +967,7 @@ class Runner:
         listing = scan_input(self.job)
         fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
         if not fragments:
-            self._warn_empty(len(listing.fragments))
+            self._warn_empty(listing)
         first_row, end_row = self._row_range(fragments)
         checkpoint = self._open_checkpoint(first_row, end_row, listing)
         if checkpoint.is_done():
@@ -989,9 +989,18 @@ class Runner:
                 checkpoint.lock.release()
             raise
 
-    def _warn_empty(self, row_groups: int) -> None:
+    def _warn_empty(self, listing: reader.InputListing) -> None:
         """A shard gets whole row groups, so with more shards than row groups the last
-        shards are empty: say so, and how to spread the input over every shard."""
+        shards are empty: say so, and how to spread the input over every shard. An input
+        without a row gets no advice about shards: it is the input to look at."""
+        if not sum(f.num_rows for f in listing.fragments):
+            logger.warning(
+                "input.path %r has no rows: nothing to embed, shard %d/%d finishes empty; check input.path "
+                "(a glob that matched the wrong files, an empty export)",
+                self.job.input.path, self.shard.index, self.shard.count,
+            )
+            return
+        row_groups = len(listing.fragments)
         most = max(row_groups, 1)
         logger.warning(
             "shard %d/%d has no rows: the input has %s for %s, and a shard is made of whole row groups; "
@@ -1099,6 +1108,11 @@ class Runner:
         directory = Path(self.job.output.path)
         if "://" in self.job.output.path:
             raise JobError(f"output.path {self.job.output.path!r} must be a local or mounted directory")
+        if directory.exists() and not directory.is_dir():
+            raise JobError(
+                f"output.path {self.job.output.path!r} is a file, not a directory: name a directory for the parts "
+                "(it is created where it does not exist)"
+            )
         return open_checkpoint(
             directory,
             self.shard.index,

@@ -509,7 +509,7 @@ def output_status(output: Path) -> OutputStatus:
     """The state of every shard of `output`, from its files and (if it can) from SLURM."""
     output = Path(output)
     if not output.is_dir():
-        raise JobError(f"output {output} does not exist")
+        raise JobError(f"output {output} {'is a file, not an output directory' if output.exists() else 'does not exist'}")
     names = old_layout(output)
     if names:
         raise JobError(old_layout_message(output, names, "read its status with that embedjob, or rerun the job into a new output.path"))
@@ -628,11 +628,13 @@ def format_status(status: OutputStatus) -> str:
     counts = status.counts()
     total = sum(s.rows or 0 for s in status.shards)
     committed = sum(s.committed for s in status.shards)
-    unknown = any(s.rows is None for s in status.shards)
+    unknown = sum(s.rows is None for s in status.shards)
+    # Shards not started yet (and never submitted) have no known row count.
+    rows = f"at least {plural(total, 'row')} ({plural(unknown, 'shard')} not started)" if unknown else plural(total, "row")
     lines = [
         f"{status.output}: {plural(status.num_shards, 'shard')}: "
         + ", ".join(f"{counts[state]} {state}" for state in STATES)
-        + f"; {committed} of {plural(total, 'row')}{'+' if unknown else ''} committed (from {status.scheduler})",
+        + f"; {committed} of {rows} committed (from {status.scheduler})",
         f"{'shard':>5}  {'state':<10} {'rows':>17}  {'errors':>6}  slurm",
     ]
     for s in status.shards:

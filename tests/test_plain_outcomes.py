@@ -397,3 +397,61 @@ def test_where_stderr_is_no_terminal_progress_is_a_log_line_with_rows_rate_and_t
     assert "\r" not in capsys.readouterr().err, "a bar redrawn in a log file"
     lines = [r.getMessage() for r in caplog.records if r.name == "embedjob.io.sink"]
     assert lines and all(re.fullmatch(r"shard 0/1: \d+ of 12 rows done, \d+ errors?; [\d.]+ rows/s, \S+ left", m) for m in lines), lines
+
+
+# ---------------------------------------------------------------- 8. small ones
+
+
+def test_model_family_may_be_left_out_where_the_checkpoint_names_it(tmp_path: Path) -> None:
+    from embedjob.config import job_from_dict
+
+    def family(model: dict) -> str:
+        raw = {"input": {"path": "in.parquet", "media_column": "image"}, "model": model, "output": {"path": "out"}}
+        return job_from_dict(raw).model.family
+
+    assert family({"path": "builtin:tiny-clip"}) == "clip"
+    checkpoint = tmp_path / "siglip-checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "siglip_vision_model"}))
+    assert family({"path": str(checkpoint)}) == "siglip"
+    assert family({"path": str(checkpoint), "family": "dinov2"}) == "dinov2", "a family given is kept (the loader checks it)"
+
+
+def test_a_mistyped_builtin_model_names_the_family_it_would_need(tmp_path: Path, cache_dir: str, capsys) -> None:
+    assert run(DEMO, tmp_path / "out", cache_dir, "--set", "model.path=builtin:tiny-clip-vit") == 2
+    line = one_line(capsys.readouterr().err)
+    assert "unknown builtin model 'builtin:tiny-clip-vit'; did you mean builtin:tiny-clip (model.family: clip)?" in line
+
+
+def test_status_says_how_many_shards_have_no_known_row_count_yet(tmp_path: Path) -> None:
+    from embedjob.slurm import OutputStatus, ShardStatus, format_status
+
+    status = OutputStatus(tmp_path, 2, [ShardStatus(0, "done", 34, 34, 0), ShardStatus(1, "unfinished", None, 0, 0)], "files")
+    first = format_status(status).splitlines()[0]
+    assert "34 of at least 34 rows (1 shard not started) committed" in first and "rows+" not in first
+
+
+def test_an_output_path_that_is_a_file_says_so(tmp_path: Path, cache_dir: str, capsys) -> None:
+    target = tmp_path / "embeddings.parquet"
+    target.write_bytes(b"someone's file")
+    assert run(DEMO, target, cache_dir) == 2
+    line = one_line(capsys.readouterr().err)
+    assert f"output.path '{target}' is a file, not a directory" in line
+    assert target.read_bytes() == b"someone's file"
+    assert main(["status", str(target)]) == 2
+    assert "is a file, not an output directory" in capsys.readouterr().err
+
+
+def test_an_empty_input_says_it_is_empty_without_advice_about_shards(tmp_path: Path, cache_dir: str, caplog) -> None:
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "image": pa.array([], pa.binary())}), empty)
+    caplog.set_level("WARNING", logger="embedjob")
+    assert run(DEMO, tmp_path / "out", cache_dir, "--set", f"input.path={empty}") == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("has no rows: nothing to embed" in w and str(empty) in w for w in warnings), warnings
+    assert not any("row group" in w for w in warnings), warnings
+
+
+def test_the_readme_first_screen_says_the_first_demo_is_mostly_pip() -> None:
+    first = README[: README.index("\n## ", README.index("## Two commands") + 1)]
+    assert "The first `scripts/demo.sh` is mostly pip" in first and "under a minute" in first

@@ -85,7 +85,7 @@ def verify_output(output: Path) -> Verification:
     """
     output = Path(output)
     if not output.is_dir():
-        raise JobError(f"output {output} does not exist")
+        raise JobError(f"output {output} {'is a file, not an output directory' if output.exists() else 'does not exist'}")
     names = old_layout(output)
     if names:
         raise JobError(old_layout_message(output, names, "verify it with that embedjob, or rerun the job into a new output.path"))

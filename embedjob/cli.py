@@ -17,6 +17,7 @@ log only with -v.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import pickle
@@ -212,7 +213,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     engine = pick_engine(args.engine, args.address, args.max_retries, args.cpus_per_task)
     _quiet_transformers()
     shards = shards_to_run(job, args.shard, args.shards, args.engine)
-    with on_signals():
+    # The local engine's pipeline stops on a signal and keeps its work; Ray's driver
+    # only waits, and Ctrl-C there cancels its tasks (KeyboardInterrupt, as before).
+    with on_signals() if args.engine == "local" else contextlib.nullcontext():
         outcomes = engine(job, shards, overwrite=args.overwrite)
     if len(outcomes) > 1:
         print(status_report(job, outcomes), file=sys.stderr)

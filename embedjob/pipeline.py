@@ -1150,10 +1150,12 @@ def scan_input(job: Job) -> reader.InputListing:
         raise
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0]
-        raise RunFailure(
-            f"cannot list input.path {job.input.path!r}: {type(exc).__name__}: {first}; check the network or the "
-            "credentials (a hub input already in the local cache is read offline with HF_HUB_OFFLINE=1)"
-        ) from exc
+        remote = "://" in job.input.path
+        advice = (
+            "check the network or the credentials (a hub input already in the local cache is read offline with "
+            "HF_HUB_OFFLINE=1)" if remote else "check that it can be read from here"
+        )
+        raise RunFailure(f"cannot list input.path {job.input.path!r}: {type(exc).__name__}: {first}; {advice}") from exc
 
 
 def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[str, Any]:

@@ -7,7 +7,9 @@ unpickle included), an output.path that holds another job's output or a shard an
 process writes; 1 when the job could not run for another reason (a full disk or an
 unwritable output, at start as mid-run; a failed rank; a shard that `run --engine ray`
 could not finish; sbatch failing; more error rows than `runtime.max_error_rate`
-allows), or `verify` (`status --verify`) found a damaged output. Every failure prints one
+allows), or `verify` (`status --verify`) found a damaged output; 143 (SIGTERM) or 130
+(SIGINT, Ctrl-C) when a signal stopped a run, which commits what it had encoded first
+(`stopping`). Every failure prints one
 line (a Ray run: one per shard that failed, then one); the libraries' warnings go to the
 log only with -v.
 """
@@ -15,22 +17,28 @@ log only with -v.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import pickle
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from embedjob.config import Job, JobError, describe, load_job, prepare_process, reference_markdown
+from embedjob.config import Job, JobError, RunFailure, describe, load_job, prepare_process, reference_markdown
 from embedjob.io.checkpoint import OutputError
 from embedjob.io.writer import ErrorRateExceeded
 from embedjob.report.counts import codes_text, plural, route_warnings
+from embedjob.stopping import Stopped, on_signals
 
 logger = logging.getLogger("embedjob")
+
+STOPPED_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+"""The exit codes of a run a signal stopped (130, 143)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,10 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embedjob: error: {_unsafe_checkpoint(exc)}", file=sys.stderr)
         logger.debug("traceback", exc_info=True)
         return 2
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:
+        # Whatever a library raised (a network error, a bug): one line; -v logs the traceback.
         print(f"embedjob: failed: {_failure(exc)}", file=sys.stderr)
         logger.debug("traceback", exc_info=True)
         return 1
+    except Stopped as exc:
+        print(f"embedjob: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("embedjob: interrupted; committed parts are kept and a rerun resumes", file=sys.stderr)
         return 130
@@ -73,9 +85,9 @@ def _unsafe_checkpoint(exc: pickle.UnpicklingError) -> str:
 
 def _failure(exc: BaseException) -> str:
     """The first line of an unexpected failure (-v logs the traceback); our own
-    OutputError already says what it is."""
+    failures (OutputError, RunFailure, ...) already say what they are."""
     first = (str(exc).strip().splitlines() or [""])[0]
-    return first if isinstance(exc, (OutputError, ErrorRateExceeded)) else f"{type(exc).__name__}: {first}"
+    return first if isinstance(exc, (OutputError, ErrorRateExceeded, RunFailure)) else f"{type(exc).__name__}: {first}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--gpus", type=int, metavar="N", help="GPUs (one process each) for this shard; same as --set runtime.gpus=N"
+    )
+    run.add_argument(
+        "--require-cuda", action="store_true",
+        help="fail (exit 1) where no CUDA device is visible, unless runtime.device is cpu (embedjob submit's tasks pass it)",
     )
     _engine_arguments(run)
     run.set_defaults(func=_cmd_run)
@@ -193,9 +209,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     gpus = [] if args.gpus is None else [f"runtime.gpus={args.gpus}"]
     job = load_job(args.job, [*args.set, *gpus])
     prepare_process(job.runtime.cache_dir)
+    if args.require_cuda:
+        _require_cuda(job)
     engine = pick_engine(args.engine, args.address, args.max_retries, args.cpus_per_task)
     _quiet_transformers()
-    outcomes = engine(job, shards_to_run(job, args.shard, args.shards, args.engine), overwrite=args.overwrite)
+    shards = shards_to_run(job, args.shard, args.shards, args.engine)
+    # The local engine's pipeline stops on a signal and keeps its work; Ray's driver
+    # only waits, and Ctrl-C there cancels its tasks (KeyboardInterrupt, as before).
+    with on_signals() if args.engine == "local" else contextlib.nullcontext():
+        outcomes = engine(job, shards, overwrite=args.overwrite)
     if len(outcomes) > 1:
         print(status_report(job, outcomes), file=sys.stderr)
     elif outcomes[0].stats:  # empty on the ranks of a torchrun group that only encode
@@ -211,6 +233,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 1 if failed else 0
+
+
+class NoCuda(RunFailure):
+    """A task given GPUs (`--require-cuda`) whose job runs on CUDA sees none (exit 1)."""
+
+
+def _require_cuda(job: Job) -> None:
+    """A task SLURM was asked to give GPUs: a job on CUDA (`runtime.device` auto or
+    cuda) that finds none fails now (exit 1) rather than run for hours on the node's
+    CPU; `runtime.device: cpu` runs as asked."""
+    if job.runtime.device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise NoCuda(
+            f"this task was to run on a GPU but sees none (runtime.device: {job.runtime.device}, CUDA_VISIBLE_DEVICES="
+            f"{visible if visible is not None else 'unset'}); check the partition and --gpus-per-task of embedjob submit, "
+            "or set runtime.device: cpu to run on the CPU"
+        )
 
 
 def _summary(job: Job, stats: dict[str, Any]) -> str:
@@ -267,7 +310,10 @@ def _slurm_commands(sub: Any) -> None:
     submit = sub.add_parser("submit", help="submit a job to SLURM: one array task per shard, unfinished shards only")
     _job_arguments(submit)
     submit.add_argument("--shards", type=int, required=True, metavar="N", help="number of shards (array tasks)")
-    submit.add_argument("--gpus-per-task", type=int, default=0, metavar="G", help="GPUs per task (default 0: no GPU lines)")
+    submit.add_argument(
+        "--gpus-per-task", type=int, metavar="G",
+        help="GPUs per task (default: runtime.gpus when a number, else 1; none for runtime.device: cpu; 0: no GPU lines)",
+    )
     submit.add_argument("--partition", metavar="P", help="SLURM partition")
     submit.add_argument("--time", metavar="T", help="time limit per task, e.g. 4:00:00")
     submit.add_argument("--cpus-per-task", type=int, metavar="C", help="CPUs per task (decode workers)")
@@ -381,5 +427,19 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def command() -> None:
+    """The `embedjob` command: `main`, then the process ends. A run a signal stopped ends
+    at once, without the interpreter's teardown of torch and the model (seconds, many
+    more on a busy node), so it is gone well before SLURM's SIGKILL; its parts and
+    manifest are already on disk and its last line written."""
+    code = main()
+    if code in STOPPED_CODES:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

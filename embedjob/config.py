@@ -32,13 +32,18 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from embedjob.encoders.registry import FAMILIES, FIXED_RESOLUTION
+from embedjob.encoders.registry import FAMILIES, FIXED_RESOLUTION, family_of
 
 logger = logging.getLogger(__name__)
 
 
 class JobError(ValueError):
     """A job spec that cannot run; the message says which key and what to change."""
+
+
+class RunFailure(RuntimeError):
+    """A job that could not run for a reason its message already names, with what to
+    do (exit 1, the message printed as it is)."""
 
 
 Auto = Literal["auto"]
@@ -119,7 +124,7 @@ class ModelConfig:
     """Which encoder, from where, in which precision."""
 
     family: Literal[tuple(FAMILIES)] = key(  # type: ignore[valid-type]
-        "qwen2_5_vl", "the encoder family of model.path"
+        "qwen2_5_vl", "the encoder family of model.path; left out: the one its config.json (or builtin name) names"
     )
     # Required: a job without a model must not embed with random weights.
     path: str = key("", "the checkpoint: a local directory or a hub id; builtin:tiny-<family> is a random-weight demo model")
@@ -216,13 +221,15 @@ class RuntimeConfig:
     decode_timeout: float = key(60.0, "seconds one item may take to decode before it is a timeout row", ABOVE_0)
     gpus: Auto | int = key("auto", "GPUs (one process each) for a shard; auto: every visible GPU", AT_LEAST_1)
     cache_dir: str | None = key(None, "where builtin models, compiled kernels and (where Python writes none) bytecode are kept; null: $EMBEDJOB_CACHE or ~/.cache/embedjob")
-    progress: bool = key(True, "show a progress bar")
+    progress: bool = key(True, "show a progress bar (where stderr is no terminal: a log line every 30 s)")
     max_error_rate: float | None = key(
-        None,
+        0.5,
         "stop the shard (exit 1) once more than this fraction of its rows are errors; null: no limit",
         Range(0, 1, high_open=True),
     )
-    error_rate_min_rows: int = key(100, "rows a shard writes before max_error_rate applies", AT_LEAST_1)
+    error_rate_min_rows: int = key(
+        100, "rows a shard writes before max_error_rate applies (a shard's last row: always)", AT_LEAST_1
+    )
 
 
 @dataclass
@@ -253,6 +260,19 @@ OUTPUT_COLUMNS = ("id", "row", "modality", "tokens", "frames", "grid", "embeddin
 """The columns embedjob writes itself; `output.columns` may not reuse their names."""
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: where (line and column, 1-based), what it expected
+    and what it was parsing (its own text spans lines and quotes the file)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(exc).split())
+    context = getattr(exc, "context", None)
+    started = getattr(exc, "context_mark", None)
+    where = f" (from line {started.line + 1}, column {started.column + 1})" if context and started is not None else ""
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f", {context}{where}" if context else "")
+
+
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Job:
     """Read a YAML job file, apply `key.sub=value` overrides, validate and return it."""
     path = Path(path)
@@ -263,7 +283,7 @@ def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> J
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise JobError(f"job file {path} is not valid YAML: {exc}") from None
+        raise JobError(f"job file {path} is not valid YAML: {yaml_problem(exc)}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -282,6 +302,7 @@ def job_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = 
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     for item in overrides:
         _apply_override(raw, item, errors)
+    _find_family(raw)
     job = _build(Job, raw, "", errors)
     for name in REQUIRED:
         section, field_name = name.split(".")
@@ -294,6 +315,17 @@ def job_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = 
             f"({n}) {e}" for n, e in enumerate(errors, 1)
         ))
     return job
+
+
+def _find_family(raw: dict[str, Any]) -> None:
+    """A model section that leaves `family` out gets the one its checkpoint names
+    (`registry.family_of`); where none can be told, the default stays, and a checkpoint
+    of another family is the loader's error, naming the family to set."""
+    model = raw.get("model")
+    if isinstance(model, dict) and "family" not in model and isinstance(model.get("path"), str):
+        family = family_of(model["path"])
+        if family is not None:
+            model["family"] = family
 
 
 def relative_note(path: str) -> str:

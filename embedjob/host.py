@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import logging
 import multiprocessing
 import platform
 import sys
@@ -21,6 +22,7 @@ import torch
 from embedjob.config import JobError
 from embedjob.parallel.cluster import cpu_share
 
+logger = logging.getLogger(__name__)
 
 STARTING_PROCESS = (
     "a job was started while multiprocessing was still starting this process (a decode worker or a rank of a job): "
@@ -30,15 +32,40 @@ STARTING_PROCESS = (
 
 
 def refuse_starting_process() -> None:
-    """Raise (RuntimeError, STARTING_PROCESS) where multiprocessing is still starting this
-    process, i.e. importing the main script of the process that started it.
+    """End this process (exit 1, STARTING_PROCESS logged as one line) where
+    multiprocessing is still starting it, i.e. importing the main script of the process
+    that started it.
 
     A script that calls `embedjob.run` at its top level would otherwise start the job
     again in every decode worker and rank it spawns, and they fail on the shard's lock
     with messages that say nothing of the cause. `_inheriting` is the flag multiprocessing
-    itself reads to refuse starting processes at that moment."""
+    itself reads to refuse starting processes at that moment. SystemExit, not an
+    exception: the starting process prints no traceback, and the job that started it
+    fails on its workers' exit, with this line above its own."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise RuntimeError(STARTING_PROCESS)
+        logger.error("embedjob: error: %s", STARTING_PROCESS)
+        raise SystemExit(1)
+
+
+@contextlib.contextmanager
+def main_script_hidden() -> Iterator[None]:
+    """Within, a main script that is no file (`python - < script.py`: its `__file__` is
+    '<stdin>') is hidden from the processes a job starts.
+
+    Processes multiprocessing starts run the main script's file again (to find what it
+    defines), which fails with FileNotFoundError '<stdin>' before they do anything; the
+    decode workers and ranks need nothing of it, and without a `__file__` they do not
+    look (as with `python -c`). The `__file__` is put back after."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    hidden = path is not None and getattr(main, "__spec__", None) is None and not Path(path).is_file()
+    if hidden:
+        del main.__file__
+    try:
+        yield
+    finally:
+        if hidden:
+            main.__file__ = path
 
 
 def resolve_device(name: str) -> torch.device:

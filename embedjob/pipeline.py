@@ -34,6 +34,8 @@ import functools
 import gc
 import logging
 import math
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,19 +48,27 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-from embedjob.config import Job, JobError
+from embedjob import stopping
+from embedjob.config import Job, JobError, RunFailure
 from embedjob.decode import DecodeOptions, MediaError
 from embedjob.decode.device import nvjpeg_problem
 from embedjob.decode.nvdec import nvdec_problem
 from embedjob.encoders import EncoderAdapter, load_adapter
 from embedjob.engine.defs import Encoded, Encoder
 from embedjob.engine.encode import build_encoder
-from embedjob.host import device_name, host_threads, refuse_starting_process, resolve_device, resolve_workers
+from embedjob.host import (
+    device_name,
+    host_threads,
+    main_script_hidden,
+    refuse_starting_process,
+    resolve_device,
+    resolve_workers,
+)
 from embedjob.io import reader
 from embedjob.io.checkpoint import Checkpoint, job_fingerprint, open_checkpoint
 from embedjob.io.digest import UNREAD, digest_array
 from embedjob.io.sink import ErrorRate, Progress, Writer
-from embedjob.io.writer import RowBlock, output_schema
+from embedjob.io.writer import RowBlock, described, output_schema
 from embedjob.parallel.cluster import Cluster, Coordinator, resolve_layout
 from embedjob.report.counts import plural, route_warnings
 from embedjob.rows import (
@@ -78,6 +88,7 @@ from embedjob.rows import (
 from embedjob.slurm import Shard
 from embedjob.stats import BusyClock, RankStats, ShardRun, StageClock, shard_stats
 from embedjob.timeline import Timeline
+from embedjob.version import __version__
 from embedjob.workers.pool import IDLE, DecodePool, start_worker_server
 
 logger = logging.getLogger(__name__)
@@ -97,6 +108,9 @@ ENCODE_AHEAD = 2
 """Windows of rows a rank ready first encodes while the others set up. Its head start
 (`Runner._head_start`) is that and the two windows its workers hold in flight, so it
 waits for the others with those decoded."""
+
+STOP_POLL = 0.1
+"""Seconds between looks at `stopping.requested` while a rank waits for the others."""
 
 FIRST_WINDOW = 32
 """The smallest first window that ramps up (see `window_sizes`)."""
@@ -240,6 +254,23 @@ def check_video_decoder(job: Job, device: torch.device) -> None:
         raise JobError(f"video.decoder = 'nvdec' cannot run here: {problem}; or use video.decoder: decord")
 
 
+def vector_description(job: Job, model: dict[str, Any]) -> dict[str, Any]:
+    """What every part says of its vectors (its schema's `embedjob` metadata): which
+    model made them, how, and their width, so a reader needs neither the job nor the
+    width of the model (`model`: the loaded adapter's `describe()`)."""
+    return {
+        "model_path": job.model.path,
+        "family": model["family"],
+        "precision": job.model.precision,
+        "model_dtype": model["dtype"],
+        "pooling": job.output.pooling,
+        "normalize": job.output.normalize,
+        "dtype": job.output.dtype,
+        "width": model["embed_dim"],
+        "embedjob_version": __version__,
+    }
+
+
 def output_dtype(job: Job) -> torch.dtype:
     return torch.float16 if job.output.dtype == "float16" else torch.float32
 
@@ -380,8 +411,14 @@ class ChunkAssembler:
             self._have += take
             block = block.slice(take, len(block))
             if self._have == chunk.rows:
-                self.deliver(chunk.index, RowBlock.concat(self._parts))
-                self._chunk, self._parts, self._have = None, [], 0
+                self.flush()
+
+    def flush(self) -> None:
+        """Hand on the rows of the chunk in hand: all of them, or, when the run stops
+        (`stopping`), the first ones, so rank 0 commits them as a short part."""
+        if self._parts:
+            self.deliver(self._chunk.index, RowBlock.concat(self._parts))
+            self._chunk, self._parts, self._have = None, [], 0
 
 
 # --- one rank's pipeline ------------------------------------------------------------
@@ -401,6 +438,10 @@ class RankPipeline:
     A rank ready before the others encodes at most ENCODE_AHEAD windows' rows, then
     waits for them with the next windows decoded: had it encoded everything it may
     take, its device would start the run after setup with nothing decoded.
+
+    Asked to stop (`stopping.requested`, checked between windows), it takes no more
+    rows, finishes the windows on the device, hands on what they encoded (the last
+    chunk short) and returns with `stopped` set.
     """
 
     def __init__(
@@ -425,6 +466,8 @@ class RankPipeline:
         self.clock = StageClock()
         self.reading = StageClock()
         self.encoder: Any = None
+        self.model: dict[str, Any] = {}
+        """The loaded encoder's `describe()` (family, dtype, embed_dim), once prepared."""
         self.options: DecodeOptions | None = None
         self.preprocess: Any = None
         self._unencoded = 0
@@ -432,6 +475,7 @@ class RankPipeline:
         self.decoder = "cpu"
         self.defer = False
         self.split = JpegSplit()
+        self.stopped = False
 
     def prepare(self) -> None:
         """Load the model and build the encoder; a job the model cannot serve (a bad
@@ -449,7 +493,8 @@ class RankPipeline:
     def _prepare(self) -> None:
         since = time.perf_counter()
         self.stats.started_at = time.time()
-        start_worker_server(WORKER_MODULES)
+        with stopping.held_from_children():
+            start_worker_server(WORKER_MODULES)
         compiler = self.job.batching.compile and self.device.type == "cuda"
         threading.Thread(target=_warm_imports, args=(compiler,), name="embedjob-import", daemon=True).start()
         adapter = load_encoder_adapter(self.job, self.device)
@@ -462,6 +507,7 @@ class RankPipeline:
         self.stats.decoder = self.decoder
         self.preprocess = adapter.preprocessor()
         self.encoder = build_encoder(self.job, adapter, self.device)
+        self.model = adapter.describe()
         self._setup("plan", since)
 
     def run(self) -> RankStats:
@@ -477,7 +523,7 @@ class RankPipeline:
 
     def _run(self) -> RankStats:
         first = self.take()
-        if first is None:
+        if first is None or self._stop_requested():
             return self.stats
         if self.encoder is None:
             self.prepare()
@@ -621,7 +667,9 @@ class RankPipeline:
                 if not self.all_ready(0):
                     yield None
                     since = time.perf_counter()
-                    self.all_ready(None)
+                    # In steps, so a signal (`stopping`) stops a rank waiting for slower ones.
+                    while not self.all_ready(STOP_POLL) and not self._stop_requested():
+                        pass
                     self.clock.add("waiting for every rank", since)
                 ahead = math.inf
             rows += len(window or ())
@@ -714,6 +762,8 @@ class RankPipeline:
         """decode (workers) | enqueue window k (device) | finalise window k-1 | hand over."""
         pending: PendingWindow | None = None
         for window in windows:
+            if self._stop_requested():
+                break
             current = None
             if window is not None:
                 since, cpu = time.perf_counter(), time.thread_time()
@@ -726,6 +776,19 @@ class RankPipeline:
             pending = current
         if pending is not None:
             self._emit(pending, encoder, chunks)
+        if self.stopped:
+            chunks.flush()
+
+    def _stop_requested(self) -> bool:
+        """Whether a signal asked the run to stop (`stopping`); `stopped` says so from then on."""
+        signum = stopping.requested()
+        if signum is not None and not self.stopped:
+            self.stopped = True
+            logger.warning(
+                "%s: taking no more rows; the windows on the device finish and what is encoded is committed "
+                "(a second signal stops at once)", stopping.signal_name(signum),
+            )
+        return self.stopped
 
     def _emit(self, pending: PendingWindow, encoder: WindowEncoder, chunks: ChunkAssembler) -> None:
         since = time.perf_counter()
@@ -906,11 +969,11 @@ class Runner:
 
     def _run(self, device: torch.device, coordinator: Coordinator) -> dict[str, Any]:
         start, started = time.perf_counter(), time.time()
-        listing = reader.scan_input(self.job.input, self.job.output.columns)
+        listing = scan_input(self.job)
         fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
         reader.check_ids(self.job.input, fragments)  # before the checkpoint: a refused shard writes nothing
         if not fragments:
-            self._warn_empty(len(listing.fragments))
+            self._warn_empty(listing)
         first_row, end_row = self._row_range(fragments)
         checkpoint = self._open_checkpoint(first_row, end_row, listing, fragments)
         if checkpoint.is_done():
@@ -932,9 +995,18 @@ class Runner:
                 checkpoint.lock.release()
             raise
 
-    def _warn_empty(self, row_groups: int) -> None:
+    def _warn_empty(self, listing: reader.InputListing) -> None:
         """A shard gets whole row groups, so with more shards than row groups the last
-        shards are empty: say so, and how to spread the input over every shard."""
+        shards are empty: say so, and how to spread the input over every shard. An input
+        without a row gets no advice about shards: it is the input to look at."""
+        if not sum(f.num_rows for f in listing.fragments):
+            logger.warning(
+                "input.path %r has no rows: nothing to embed, shard %d/%d finishes empty; check input.path "
+                "(a glob that matched the wrong files, an empty export)",
+                self.job.input.path, self.shard.index, self.shard.count,
+            )
+            return
+        row_groups = len(listing.fragments)
         most = max(row_groups, 1)
         logger.warning(
             "shard %d/%d has no rows: the input has %s for %s, and a shard is made of whole row groups; "
@@ -973,11 +1045,14 @@ class Runner:
             functools.partial(coordinator.take, 0), deliver, ready, coordinator.all_ready,
         )
         pipeline.prepare()
+        schema = described(schema, vector_description(self.job, pipeline.model))
         resumed = checkpoint.resume_row
         if resumed > checkpoint.first_row:
             logger.info("resuming shard %d at row %d (%d rows committed)", self.shard.index, resumed, resumed - checkpoint.first_row)
         with self._progress(checkpoint.end_row - resumed) as bar:
-            progress = Progress(bar, pipeline.rows_done)
+            logged = self.job.runtime.progress and bar.disable
+            label = f"shard {self.shard.index}/{self.shard.count}" if logged else None
+            progress = Progress(bar, pipeline.rows_done, label, checkpoint.end_row - resumed)
             rate = ErrorRate(self.job, self.shard, checkpoint)
             writer = Writer(coordinator, checkpoint, schema, rate, progress, own, Timeline(started))
             try:
@@ -988,6 +1063,8 @@ class Runner:
                 # The writer's failure (e.g. the error rate) is the cause; the pipeline's
                 # is its echo through the coordinator.
                 raise writer.error or exc from None
+            if pipeline.stopped:
+                self._end_early(writer, checkpoint, progress)
             try:
                 writer.join()
             finally:
@@ -1000,6 +1077,25 @@ class Runner:
         stats = shard_stats(self.job, self.shard, checkpoint, time.perf_counter() - start, run)
         checkpoint.finish(stats)
         return stats
+
+    def _end_early(self, writer: Writer, checkpoint: Checkpoint, progress: Progress) -> None:
+        """A signal stopped rank 0's pipeline: commit every row handed over so far (the
+        last part short) and raise `stopping.Stopped`. Other ranks' chunks not yet
+        written are recomputed by the next run. Returns only where the writer had
+        written the whole shard already (the signal came after the last window)."""
+        signum = stopping.requested()
+        reason = stopping.Stopped(signum, "")
+        writer.end_early(reason)
+        if writer.error is not reason:
+            return
+        progress.close(writer.rows)
+        done, total = checkpoint.resume_row - checkpoint.first_row, checkpoint.end_row - checkpoint.first_row
+        raise stopping.Stopped(
+            signum,
+            f"stopped by {stopping.signal_name(signum)}: shard {self.shard.index}/{self.shard.count} has {done} of "
+            f"{plural(total, 'row')} committed ({plural(writer.rows, 'row')} by this run); "
+            "rerun the same command to resume after them",
+        ) from None
 
     def _finish_without_model(self, checkpoint: Checkpoint, seconds: float) -> dict[str, Any]:
         """An empty shard, or one whose rows are all committed but whose success marker
@@ -1022,6 +1118,11 @@ class Runner:
         directory = Path(self.job.output.path)
         if "://" in self.job.output.path:
             raise JobError(f"output.path {self.job.output.path!r} must be a local or mounted directory")
+        if directory.exists() and not directory.is_dir():
+            raise JobError(
+                f"output.path {self.job.output.path!r} is a file, not a directory: name a directory for the parts "
+                "(it is created where it does not exist)"
+            )
         return open_checkpoint(
             directory,
             self.shard.index,
@@ -1037,16 +1138,35 @@ class Runner:
     def _progress(self, total: int) -> tqdm:
         """The bar: an average rate (smoothing 0), so what it shows at the end is this
         run's rows over its pipeline seconds, as the summary says; every update shown
-        (miniters 1: `Progress` already updates it only every PROGRESS_INTERVAL)."""
+        (miniters 1: `Progress` already updates it only every PROGRESS_INTERVAL). Only
+        on a terminal: elsewhere (a SLURM log) `Progress` logs a line now and then."""
         return tqdm(
             total=total,
             unit="row",
             desc=f"shard {self.shard.index}/{self.shard.count}",
-            disable=not self.job.runtime.progress,
+            disable=not self.job.runtime.progress or not sys.stderr.isatty(),
             dynamic_ncols=True,
             smoothing=0,
             miniters=1,
         )
+
+
+def scan_input(job: Job) -> reader.InputListing:
+    """The job's input listing. A failure the reader did not put in words (a network
+    library's own error, an hf:// or s3:// input listed offline) is a RunFailure that
+    names input.path, not a traceback."""
+    try:
+        return reader.scan_input(job.input, job.output.columns)
+    except JobError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        remote = "://" in job.input.path
+        advice = (
+            "check the network or the credentials (a hub input already in the local cache is read offline with "
+            "HF_HUB_OFFLINE=1)" if remote else "check that it can be read from here"
+        )
+        raise RunFailure(f"cannot list input.path {job.input.path!r}: {type(exc).__name__}: {first}; {advice}") from exc
 
 
 def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[str, Any]:
@@ -1055,14 +1175,17 @@ def run_job(job: Job, shard: Shard = Shard(), overwrite: bool = False) -> dict[s
     Ranks other than 0 (under torchrun) return an empty dict: rank 0 writes everything.
     """
     refuse_starting_process()
-    layout = resolve_layout(job.runtime.gpus, resolve_device(job.runtime.device))
-    if layout.world_size == 1:
-        return Runner(job, shard, overwrite).run()
-    with Cluster.start(layout, serve_rank, (job,)) as cluster:
-        if cluster.rank == 0:
-            return Runner(job, shard, overwrite, cluster).run()
-        serve_rank(cluster, job)
-        return {}
+    with main_script_hidden():
+        layout = resolve_layout(job.runtime.gpus, resolve_device(job.runtime.device))
+        if layout.world_size == 1:
+            return Runner(job, shard, overwrite).run()
+        with stopping.held_from_children():
+            cluster = Cluster.start(layout, serve_rank, (job,))
+        with cluster:
+            if cluster.rank == 0:
+                return Runner(job, shard, overwrite, cluster).run()
+            serve_rank(cluster, job)
+            return {}
 
 
 def serve_rank(cluster: Cluster, job: Job) -> None:
@@ -1070,6 +1193,9 @@ def serve_rank(cluster: Cluster, job: Job) -> None:
     # A rank's stderr is the job's too (a rank started by the command has not been
     # through its logging setup; one under torchrun has, and this changes nothing).
     route_warnings(logger.isEnabledFor(logging.DEBUG))
+    # SLURM's SIGTERM reaches every process of the job: rank 0 decides what stops and
+    # commits what is encoded (`stopping`); this rank ends when rank 0 does.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     link = cluster.link
     with host_threads(cluster.device):
         workers = resolve_workers(job.runtime.workers, cluster.world_size)

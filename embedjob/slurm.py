@@ -61,13 +61,15 @@ from embedjob.io.checkpoint import (
     shards_in,
 )
 from embedjob.io.files import own_directory, write_bytes, write_json
-from embedjob.report.counts import codes_text, plural
+from embedjob.report.counts import codes_text, error_share_warning, plural
 
 logger = logging.getLogger(__name__)
 
 RECORD_NAME = f"{META}/slurm-job.json"
 LOGS = f"{META}/logs"
 LOG_PATTERN = "shard-%5a-job-%A.log"
+REQUIRE_CUDA = "--require-cuda"
+"""What a task given GPUs passes to `embedjob run` when its job runs on CUDA."""
 SLURM_TIMEOUT_S = 30
 
 RUNNING_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SIGNALING", "STAGE_OUT", "SUSPENDED", "STOPPED", "RESIZING"}
@@ -125,7 +127,8 @@ class SubmitOptions:
     """What `embedjob submit` asks of SLURM besides the job itself."""
 
     num_shards: int
-    gpus_per_task: int = 0
+    gpus_per_task: int | None = None
+    """None: what the job needs (`task_gpus`)."""
     partition: str | None = None
     time: str | None = None
     cpus_per_task: int | None = None
@@ -146,6 +149,9 @@ class TaskCommand:
     python: str
     python_path: str | None
     job_name: str
+    cuda: bool = False
+    """The job runs on CUDA (`runtime.device` auto or cuda): a task given GPUs that finds
+    none must fail, not run on the node's CPU for hours."""
 
 
 @dataclass
@@ -174,6 +180,12 @@ class ShardStatus:
     holder: str | None = None
     error_codes: dict[str, int] = field(default_factory=dict)
 
+    def warning(self) -> str | None:
+        """A finished shard with many error rows (`error_share_warning`), else None."""
+        if self.state != "done" or self.rows is None:
+            return None
+        return error_share_warning(self.shard, self.errors, self.rows, self.error_codes)
+
 
 @dataclass
 class OutputStatus:
@@ -195,7 +207,12 @@ class OutputStatus:
         data["rows"] = sum(s.rows or 0 for s in self.shards)
         data["committed"] = sum(s.committed for s in self.shards)
         data["error_codes"] = self.error_codes()
+        data["warnings"] = self.warnings()
         return data
+
+    def warnings(self) -> list[str]:
+        """One line per finished shard whose rows are errors too often."""
+        return [w for w in (s.warning() for s in self.shards) if w is not None]
 
     def error_codes(self) -> dict[str, int]:
         """Error rows per code over every shard's committed parts, most frequent first."""
@@ -232,8 +249,9 @@ def render_script(task: TaskCommand, shards: list[int], options: SubmitOptions) 
     """The sbatch script: one array task per shard in `shards`.
 
     GPU lines appear only when `options.gpus_per_task` > 0 (a GPU request on a node
-    without GPUs is refused at submission). Raises JobError for values sbatch could
-    not take safely from an `#SBATCH` line.
+    without GPUs is refused at submission); the task then runs with `--require-cuda`
+    when its job runs on CUDA. Raises JobError for values sbatch could not take safely
+    from an `#SBATCH` line.
     """
     directives = [
         f"--job-name={task.job_name}",
@@ -251,13 +269,15 @@ def render_script(task: TaskCommand, shards: list[int], options: SubmitOptions) 
         directives.append(f"--time={_sbatch_value(options.time, '--time')}")
     if options.cpus_per_task is not None:
         directives.append(f"--cpus-per-task={options.cpus_per_task}")
-    if options.gpus_per_task > 0:
-        directives.append(f"--gpus-per-task={options.gpus_per_task}")
+    gpus = options.gpus_per_task or 0
+    if gpus > 0:
+        directives.append(f"--gpus-per-task={gpus}")
     for extra in options.sbatch_options:
         if not extra.startswith("-") or any(c in extra for c in "\n\r\0"):
             raise JobError(f"--sbatch-option {extra!r} must be one sbatch option, e.g. --sbatch-option=--account=proj")
         directives.append(extra)
     run = shlex.join([task.python, "-m", "embedjob.cli", "run", str(task.job_file)])
+    require = f" {REQUIRE_CUDA}" if gpus > 0 and task.cuda else ""
     # The only word bash may expand: the task id.
     shard = f'--shard "${{SLURM_ARRAY_TASK_ID}}/{options.num_shards}"'
     overrides = "".join(f" --set {shlex.quote(o)}" for o in task.overrides)
@@ -272,7 +292,7 @@ def render_script(task: TaskCommand, shards: list[int], options: SubmitOptions) 
     if task.python_path:
         lines.append(f"export PYTHONPATH={shlex.quote(task.python_path)}${{PYTHONPATH:+:$PYTHONPATH}}")
     lines.append('echo "embedjob: shard ${SLURM_ARRAY_TASK_ID} on $(hostname), attempt $((${SLURM_RESTART_COUNT:-0} + 1))" >&2')
-    lines.append(f"exec {run} {shard}{overrides}")
+    lines.append(f"exec {run} {shard}{require}{overrides}")
     return "\n".join(lines) + "\n"
 
 
@@ -306,7 +326,18 @@ def task_command(job_file: str | Path, overrides: list[str], job: Job) -> TaskCo
         # same embedjob as the submitter, whatever their working directory.
         python_path=None if package_root in installed else package_root,
         job_name=f"embedjob-{name}",
+        cuda=job.runtime.device != "cpu",
     )
+
+
+def task_gpus(job: Job, asked: int | None) -> int:
+    """GPUs per task: `asked` (`--gpus-per-task`), else none for a job on the CPU
+    (`runtime.device: cpu`), else `runtime.gpus` when it is a number, else one."""
+    if asked is not None:
+        return asked
+    if job.runtime.device == "cpu":
+        return 0
+    return job.runtime.gpus if isinstance(job.runtime.gpus, int) else 1
 
 
 def output_dir(job: Job) -> Path:
@@ -332,11 +363,12 @@ def submit(
     """
     if options.num_shards < 1:
         raise JobError(f"--shards must be >= 1, got {options.num_shards}")
-    if options.gpus_per_task < 0:
+    if options.gpus_per_task is not None and options.gpus_per_task < 0:
         raise JobError(f"--gpus-per-task must be >= 0, got {options.gpus_per_task}")
     if options.cpus_per_task is not None and options.cpus_per_task < 1:
         raise JobError(f"--cpus-per-task must be >= 1, got {options.cpus_per_task}")
     job = load_job(job_file, overrides)
+    options = replace(options, gpus_per_task=task_gpus(job, options.gpus_per_task))
     task = task_command(job_file, overrides, job)
     listing = reader.scan_input(job.input, job.output.columns)
     ranges = shard_ranges(listing.fragments, options.num_shards)
@@ -476,7 +508,7 @@ def output_status(output: Path) -> OutputStatus:
     """The state of every shard of `output`, from its files and (if it can) from SLURM."""
     output = Path(output)
     if not output.is_dir():
-        raise JobError(f"output {output} does not exist")
+        raise JobError(f"output {output} {'is a file, not an output directory' if output.exists() else 'does not exist'}")
     names = old_layout(output)
     if names:
         raise JobError(old_layout_message(output, names, "read its status with that embedjob, or rerun the job into a new output.path"))
@@ -595,11 +627,13 @@ def format_status(status: OutputStatus) -> str:
     counts = status.counts()
     total = sum(s.rows or 0 for s in status.shards)
     committed = sum(s.committed for s in status.shards)
-    unknown = any(s.rows is None for s in status.shards)
+    unknown = sum(s.rows is None for s in status.shards)
+    # Shards not started yet (and never submitted) have no known row count.
+    rows = f"at least {plural(total, 'row')} ({plural(unknown, 'shard')} not started)" if unknown else plural(total, "row")
     lines = [
         f"{status.output}: {plural(status.num_shards, 'shard')}: "
         + ", ".join(f"{counts[state]} {state}" for state in STATES)
-        + f"; {committed} of {plural(total, 'row')}{'+' if unknown else ''} committed (from {status.scheduler})",
+        + f"; {committed} of {rows} committed (from {status.scheduler})",
         f"{'shard':>5}  {'state':<10} {'rows':>17}  {'errors':>6}  slurm",
     ]
     for s in status.shards:
@@ -610,6 +644,7 @@ def format_status(status: OutputStatus) -> str:
     codes = status.error_codes()
     if codes:
         lines.append(f"errors by code: {codes_text(codes)}")
+    lines += [f"warning: {w}" for w in status.warnings()]
     for s in status.shards:
         if s.state == "failed" and s.slurm_task:
             lines.append(f"shard {s.shard} failed; its log: {log_path(status.output, s.slurm_task)}")

@@ -210,7 +210,7 @@ def test_inspect_and_the_configuration_page_show_each_range(capsys: pytest.Captu
     assert "runtime.decode_timeout: a finite number > 0 (default: 60.0)" in listed
     assert "preprocess.min_pixels: an integer >= 1 or null (default: None)" in listed
     assert "batching.token_budgets: 'auto' or a list of an integer >= 1 (default: 'auto')" in listed
-    assert "runtime.max_error_rate: a finite number >= 0 and < 1 or null (default: None)" in listed
+    assert "runtime.max_error_rate: a finite number >= 0 and < 1 or null (default: 0.5)" in listed
     rows = {name: allowed for name, allowed, _, _ in keys()}
     for name, _, f in numeric_keys():
         assert str(f.metadata["range"]) in rows[name] and f"{name}: {rows[name]} (default: " in listed, name

@@ -54,7 +54,7 @@ from embedjob.parallel.cluster import (
     send_hello,
 )
 from embedjob.parallel import cluster as cluster_module
-from embedjob.pipeline import ENCODE_AHEAD, RankPipeline
+from embedjob.pipeline import ENCODE_AHEAD, STOP_POLL, RankPipeline
 from embedjob.workers import wire
 
 DEMO = str(REPO / "jobs" / "demo.yaml")
@@ -377,7 +377,7 @@ def test_a_rank_ready_first_encodes_two_windows_then_waits_with_the_rest_decoded
 
     def all_ready(timeout: float | None) -> bool:
         calls.append(timeout)
-        return others_ready or timeout is None
+        return others_ready or timeout != 0  # the others are ready by the time the rank waits
 
     job = SimpleNamespace(batching=SimpleNamespace(window=8))
     pipeline = RankPipeline(job, torch.device("cpu"), 0, 1, lambda: None, lambda *a: None, lambda: None, all_ready)
@@ -387,7 +387,8 @@ def test_a_rank_ready_first_encodes_two_windows_then_waits_with_the_rest_decoded
     if others_ready:
         assert out == windows and calls == [0]
     else:
-        assert out == [*windows[:4], None, *windows[4:]] and calls == [0, None]
+        # It waits in steps of STOP_POLL, so a signal stops it (`stopping`).
+        assert out == [*windows[:4], None, *windows[4:]] and calls == [0, STOP_POLL]
         assert "waiting for every rank" in pipeline.clock.seconds
 
 

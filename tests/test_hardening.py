@@ -124,7 +124,8 @@ def test_verify_names_every_bad_file_of_every_shard(small: Path, tmp_path: Path,
     assert "_embedjob/stats-00001.json is missing for the finished shard 1" in report
     assert any(line.startswith("part-00002-00009.parquet is not listed in _embedjob/manifest-00002.json") for line in report)
     assert "_embedjob/_SUCCESS-00007 belongs to shard 7, but the output has 3 shards" in report
-    assert report[-1].endswith("4 problems")
+    # Shard 2 holds both broken rows of four: flagged, but a warning is no problem.
+    assert report[-1].endswith("4 problems, 1 warning")
 
 
 # ---------------------------------------------------------------- 2. one output, one job
@@ -314,7 +315,8 @@ def test_with_allow_any_path_a_non_media_file_is_an_error_row_that_does_not_echo
     text.write_text("root:x:0:0:root:/root:/bin/bash\n")
     inputs = path_dataset(tmp_path / "in", [str(text)])
     out = tmp_path / "out"
-    assert run(inputs, out, cache_dir, "--set", "input.allow_any_path=true") == 0
+    # Its one row fails: the default error limit would stop the shard.
+    assert run(inputs, out, cache_dir, "--set", "input.allow_any_path=true", "--set", "runtime.max_error_rate=null") == 0
     (row,) = read_output(out)
     assert row["error"].startswith("unknown_format: ")
     assert "root:x" not in row["error"] and "726f6f74" not in row["error"], row["error"]
@@ -341,7 +343,8 @@ def test_an_oversized_file_is_one_too_large_row_found_from_its_size(tmp_path: Pa
 def test_an_oversized_bytes_cell_is_one_too_large_row(small: Path, tmp_path: Path, cache_dir: str) -> None:
     out = tmp_path / "out"
     limit = 20_000
-    assert run(small, out, cache_dir, "--set", f"input.max_item_bytes={limit}") == 0
+    # Most cells are over the limit: the default error limit would stop the shard.
+    assert run(small, out, cache_dir, "--set", f"input.max_item_bytes={limit}", "--set", "runtime.max_error_rate=null") == 0
     sizes = [len(b) for b in pq.read_table(small, columns=["image"]).column("image").to_pylist()]
     rows = read_output(out)
     for row, size in zip(rows, sizes, strict=True):

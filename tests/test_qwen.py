@@ -246,5 +246,6 @@ def test_wrong_family_for_checkpoint_is_a_clear_error(tmp_path: Path, cache_dir:
     job = make_job(cache_dir, model={"family": "qwen2_5_vl", "path": str(directory)})
     with pytest.raises(ValueError, match="model_type 'qwen2_vl_vision'.*set model.family to 'qwen2_vl'"):
         load_adapter(job, torch.device("cpu"))
+    # A family given that the builtin does not match stays an error (left out, the builtin's own is taken).
     with pytest.raises(ValueError, match="is a qwen3_vl model but model.family is 'qwen2_5_vl'"):
-        load_adapter(make_job(cache_dir, model={"path": "builtin:tiny-qwen3_vl"}), torch.device("cpu"))
+        load_adapter(make_job(cache_dir, model={"family": "qwen2_5_vl", "path": "builtin:tiny-qwen3_vl"}), torch.device("cpu"))

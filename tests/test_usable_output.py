@@ -28,6 +28,7 @@ DEMO = REPO / "jobs" / "demo.yaml"
 DEMO_CLIP = REPO / "jobs" / "demo-clip.yaml"
 DEMO_DATA = REPO / "jobs" / "data" / "demo-images.parquet"
 README = (REPO / "README.md").read_text()
+REFERENCE = (REPO / "docs" / "configuration.md").read_text()
 
 
 def run(job: Path, out: Path, cache_dir: str, *extra: str) -> int:
@@ -102,13 +103,15 @@ def test_the_output_directory_reads_as_a_dataset_in_pandas_arrow_polars_and_duck
 
 
 def _readme_section(title: str) -> str:
-    start = README.index(f"### {title}\n")
-    return README[start : README.index("\n### ", start + 1)]
+    start = README.index(f"## {title}\n")
+    return README[start : README.index("\n## ", start + 1)]
 
 
-def test_readme_output_section_shows_the_layout_and_its_pandas_and_duckdb_examples_run(demo: Path) -> None:
-    section = _readme_section("Output")
-    assert "_embedjob/" in section and "manifest-00000.json" in section
+def test_the_output_is_described_and_the_readmes_pandas_and_duckdb_examples_run(demo: Path) -> None:
+    layout = (REPO / "docs" / "output.md").read_text()
+    assert "_embedjob/" in layout and "manifest-00000.json" in layout and "stats-00000.json" in layout
+    section = _readme_section("Reading the output")
+    assert "docs/output.md" in section
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 2 and "pandas" in blocks[0] and "duckdb" in blocks[1]
     cwd = os.getcwd()
@@ -344,6 +347,7 @@ def test_the_bar_advances_per_batch_and_its_rate_is_the_summarys(
 
     monkeypatch.setattr(QwenAdapter, "forward", slow_forward)
     monkeypatch.setattr(sink, "PROGRESS_INTERVAL", 0.02)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)  # the bar is for terminals
     sets = ("--set", "runtime.progress=true", "--set", "batching.max_items_per_batch=1", "--set", "batching.cuda_graphs=false")
     assert run(DEMO, tmp_path / "out", cache_dir, *sets) == 0
     err = capsys.readouterr().err
@@ -390,13 +394,13 @@ def test_the_job_spec_reports_every_error_at_once(capsys: pytest.CaptureFixture,
     assert line.count("(") >= 5 and "5 problems" in line
 
 
-def test_every_key_has_a_one_line_description_in_inspect_and_the_readme(capsys: pytest.CaptureFixture) -> None:
+def test_every_key_has_a_one_line_description_in_inspect_and_the_configuration_page(capsys: pytest.CaptureFixture) -> None:
     assert main(["inspect"]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert len(listed) == len(keys()) == len(describe().splitlines())
     for (name, _, _, doc), line in zip(keys(), listed, strict=True):
         assert line.startswith(f"{name}: ") and line.endswith(f" - {doc}") and doc, line
-        assert f"| `{name}` |" in README and doc in README, f"{name} is not described in the README"
+        assert f"| `{name}` |" in REFERENCE and doc in REFERENCE, f"{name} is not described in docs/configuration.md"
 
 
 def test_no_third_party_warning_reaches_the_output(tmp_path: Path, cache_dir: str) -> None:

@@ -9,6 +9,7 @@ the atomic creation of a builtin model, the dtype on a device, and the resolutio
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import os
@@ -157,6 +158,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
+def _nearest_builtin(named: str, families: list[str]) -> str:
+    """`; did you mean builtin:tiny-F (model.family: F)?` for the family (of every
+    family's builtins) nearest to a mistyped builtin name (`clip-vit`, `qwen2.5-vl`) or
+    to another family's builtin, or nothing when none is near."""
+    spelled = named.lower().replace("-", "_").replace(".", "_")
+    near = difflib.get_close_matches(spelled, families, n=1, cutoff=0.5)
+    near = near or [f for f in families if spelled.startswith(f) or f.startswith(spelled)][:1]
+    return f"; did you mean builtin:tiny-{near[0]} (model.family: {near[0]})?" if near else ""
+
+
 def resolve_checkpoint(
     path: str,
     family: str,
@@ -175,7 +186,8 @@ def resolve_checkpoint(
         named = name.removeprefix("tiny-")
         known = list(families)
         if not name.startswith("tiny-") or named not in known:
-            raise ValueError(f"unknown builtin model {path!r}; available: builtin:tiny-{', builtin:tiny-'.join(known)}")
+            raise ValueError(f"unknown builtin model {path!r}{_nearest_builtin(named, list(FAMILIES))}; "
+                             f"available: builtin:tiny-{', builtin:tiny-'.join(known)}")
         if named != family:
             raise ValueError(f"model.path {path!r} is a {named} model but model.family is {family!r}")
         logger.warning(

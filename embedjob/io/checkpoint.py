@@ -8,9 +8,10 @@ that start with `_` or `.`, so the output directory reads as one Parquet dataset
 a glob `**/*.parquet` (polars, DuckDB) finds only parts. Outputs of an embedjob that
 kept its bookkeeping beside the parts are refused (`refuse_old_layout`).
 
-A shard's rows are cut into parts of `rows_per_part` rows aligned to the shard's first
-row, so part k always covers the same rows and a restart knows, from the manifest
-alone, where to resume. A part is committed when its file has been renamed into place
+A shard's rows are cut into parts of at most `rows_per_part` rows, each starting where
+the one before ends: a full part has `rows_per_part` rows (fewer at the shard's end),
+and a run stopped by SIGTERM or SIGINT commits what it encoded as a shorter part, so a
+restart knows, from the manifest alone, where to resume. A part is committed when its file has been renamed into place
 AND the manifest lists it (the manifest is replaced atomically after the rename), with
 the file's size, row count and sha256 as committed. A part file the manifest does not
 list, and every temporary file, is debris of a killed run and is removed on open (and
@@ -646,8 +647,9 @@ class Checkpoint:
     """Committed state of one shard in `directory`.
 
     Invariant: `parts` are contiguous from the shard's first row, in part order, each
-    covers `part_bounds(part)`, and every listed file is the one committed (size and
-    checksum checked on open). `fingerprint` is in its manifest form (`_compact`).
+    within the `next_bounds` of the parts before it, and every listed file is the one
+    committed (size and checksum checked on open). `fingerprint` is in its manifest
+    form (`_compact`).
     """
 
     directory: Path
@@ -672,9 +674,10 @@ class Checkpoint:
     def next_part(self) -> int:
         return len(self.parts)
 
-    def part_bounds(self, part: int) -> tuple[int, int]:
-        """Global row range of part `part` of this shard."""
-        start = self.first_row + part * self.rows_per_part
+    def next_bounds(self) -> tuple[int, int]:
+        """Global row range of the next part when it is full; a part committed when the
+        run stops may end before it."""
+        start = self.resume_row
         return start, min(start + self.rows_per_part, self.end_row)
 
     def is_done(self) -> bool:
@@ -691,9 +694,10 @@ class Checkpoint:
         """Record a part whose file is already renamed into place, sealing it with its
         row count, size and checksum: those of the record when its writer kept them as
         it wrote the file (`PartFile`), else read from the file as it is now."""
-        expected = self.part_bounds(self.next_part)
-        if (record.part, record.first_row, record.end_row) != (self.next_part, *expected):
-            raise ValueError(f"part {record.part} rows [{record.first_row}, {record.end_row}) out of order; expected {expected}")
+        if not _fits(record, self.next_part, self.next_bounds()):
+            raise ValueError(
+                f"part {record.part} rows [{record.first_row}, {record.end_row}) out of order; expected {self.next_bounds()}"
+            )
         if record.size is None or record.sha256 is None:
             size, sha256 = file_digest(self.directory / record.name)
         else:
@@ -936,7 +940,8 @@ def _valid_prefix(cp: Checkpoint, listed: list[PartRecord]) -> list[PartRecord]:
     is named in a warning: it and every part after it are recomputed."""
     kept: list[PartRecord] = []
     for record in listed:
-        in_place = record.part == len(kept) and (record.first_row, record.end_row) == cp.part_bounds(record.part)
+        start = kept[-1].end_row if kept else cp.first_row
+        in_place = _fits(record, len(kept), (start, min(start + cp.rows_per_part, cp.end_row)))
         problem = part_problem(cp.directory, record) if in_place else "is out of place"
         if problem is not None:
             after = len(listed) - len(kept) - 1
@@ -947,6 +952,13 @@ def _valid_prefix(cp: Checkpoint, listed: list[PartRecord]) -> list[PartRecord]:
             break
         kept.append(record)
     return kept
+
+
+def _fits(record: PartRecord, part: int, bounds: tuple[int, int]) -> bool:
+    """Whether `record` can be part `part` of rows `bounds`: it starts there, holds a
+    row, and ends by the end of a full part (earlier when a stopped run cut it short)."""
+    first, end = bounds
+    return record.part == part and record.first_row == first and first < record.end_row <= end
 
 
 def _shard_pattern(shard: int) -> re.Pattern[str]:

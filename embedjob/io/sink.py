@@ -14,6 +14,7 @@ atomic write): the checkpoint builds on that module, and this one on the checkpo
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,9 +28,11 @@ from embedjob.io.checkpoint import Checkpoint, PartRecord, count_codes
 from embedjob.io.digest import part_digest, unread_rows
 from embedjob.io.writer import ErrorRateExceeded, PartFile, RowBlock, part_name
 from embedjob.parallel.cluster import Coordinator
-from embedjob.report.counts import codes_text, count_errors
+from embedjob.report.counts import codes_text, count_errors, plural
 from embedjob.slurm import Shard
 from embedjob.timeline import Timeline
+
+logger = logging.getLogger(__name__)
 
 ROW_GROUP_BYTES = 8 << 20
 """Vector bytes per row group of a part: the most rows held before they are written,
@@ -64,7 +67,7 @@ class PartSink:
 
     def add(self, block: RowBlock) -> None:
         while len(block):
-            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
+            first, end = self.checkpoint.next_bounds()
             if block.first_row != first + self.rows:
                 raise RuntimeError(f"row {block.first_row} arrived where part [{first}, {end}) needs row {first + self.rows}")
             take = min(len(block), end - block.first_row)
@@ -79,8 +82,18 @@ class PartSink:
     def close(self) -> None:
         """Check that the last part was committed: it ends at the shard's last row."""
         if self.rows:
-            first, end = self.checkpoint.part_bounds(self.checkpoint.next_part)
+            first, end = self.checkpoint.next_bounds()
             raise RuntimeError(f"part [{first}, {end}) ends at row {first + self.rows - 1}: rows are missing")
+
+    def commit_short(self) -> None:
+        """Commit the rows that arrived as a part shorter than a full one (the run was
+        stopped by a signal: what it encoded is kept, and the next run starts after it)."""
+        if not self.rows:
+            return
+        first, _ = self.checkpoint.next_bounds()
+        if self.buffer:
+            self._write()
+        self._commit(first, first + self.rows)
 
     def abandon(self) -> None:
         """Drop the part being written (the run failed; committed parts stay)."""
@@ -118,8 +131,10 @@ class ErrorRate:
     """The shard's error rate as rows are written, against `runtime.max_error_rate`.
 
     It counts the rows committed by earlier runs too (a rerun after a stop stops again
-    unless the job changed), and applies once `runtime.error_rate_min_rows` rows are in:
-    a few broken rows at the start say nothing about the input.
+    unless the job changed), and applies once `runtime.error_rate_min_rows` rows are in
+    (a few broken rows at the start say nothing about the input) and, whatever its
+    size, to the whole shard before its last rows are written: a shard of 68 rows that
+    all failed must not finish as a success because it is small.
     """
 
     def __init__(self, job: Job, shard: Shard, checkpoint: Checkpoint) -> None:
@@ -127,6 +142,7 @@ class ErrorRate:
         self.min_rows = job.runtime.error_rate_min_rows
         self.shard = shard
         self.rows = checkpoint.resume_row - checkpoint.first_row
+        self.total = checkpoint.end_row - checkpoint.first_row
         self.codes: collections.Counter[str] = collections.Counter(count_codes(p.error_codes for p in checkpoint.parts))
 
     @property
@@ -137,19 +153,24 @@ class ErrorRate:
         """Count a written block; ErrorRateExceeded once the rate is above the limit."""
         self.rows += len(block)
         self.codes.update(count_errors(block.errors))
-        if self.limit is None or self.rows < self.min_rows or self.errors <= self.limit * self.rows:
+        few = self.rows < min(self.min_rows, self.total)
+        if self.limit is None or few or self.errors <= self.limit * self.rows:
             return
         raise ErrorRateExceeded(
             f"shard {self.shard.index}/{self.shard.count} stopped: {self.errors} of {self.rows} rows are errors "
             f"({self.errors / self.rows:.1%}), above runtime.max_error_rate = {self.limit:g} "
-            f"(most frequent: {codes_text(dict(self.codes))}); committed parts are kept: fix the input or the job "
-            "and run again (it resumes), or raise runtime.max_error_rate"
+            f"({codes_text(dict(self.codes))}); committed parts are kept: fix the input or the job "
+            "(input.media_root, input.media_column?) and run again, or set runtime.max_error_rate higher (null: no limit)"
         )
 
 
 PROGRESS_INTERVAL = 0.5
 """Seconds between updates of the progress bar: often enough to follow the batches,
 rarely enough to cost nothing."""
+
+PROGRESS_LOG_INTERVAL = 30.0
+"""Seconds between progress lines where stderr is no terminal (a SLURM log, a file): a
+bar redrawn with carriage returns there is one unreadable line of every update."""
 
 
 class Progress:
@@ -162,22 +183,35 @@ class Progress:
     run from `start`, the moment rank 0 is ready to encode: the statistics' pipeline
     seconds start there too, so the bar's rate is the summary's, setup left out. The
     writer keeps `errors` (the shard's error rows written so far) for the bar to show.
+
+    With `log_as` (a label; the bar is then disabled), the same counts go to the log
+    as a line every PROGRESS_LOG_INTERVAL seconds instead: rows, rate and time left.
     """
 
-    def __init__(self, bar: tqdm, own: Callable[[], int]) -> None:
+    def __init__(self, bar: tqdm, own: Callable[[], int], log_as: str | None = None, total: int = 0) -> None:
         self.bar = bar
         self.own = own
+        self.log_as = log_as
+        self.total = total
         self.others = 0
         self.errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._started = 0.0
 
     def start(self) -> None:
         """Start counting (and timing) from now."""
-        if self.bar.disable or self._thread is not None:
+        if self._thread is not None:
             return
-        self.bar.reset(total=self.bar.total)
-        self._thread = threading.Thread(target=self._follow, name="embedjob-progress", daemon=True)
+        if not self.bar.disable:
+            self.bar.reset(total=self.bar.total)
+            follow = self._follow
+        elif self.log_as is not None:
+            self._started = time.monotonic()
+            follow = self._log
+        else:
+            return
+        self._thread = threading.Thread(target=follow, name="embedjob-progress", daemon=True)
         self._thread.start()
 
     def others_written(self, rows: int) -> None:
@@ -198,6 +232,17 @@ class Progress:
             if done > self.bar.n:  # drawn only when it moved: a batch log gets no idle lines
                 self.bar.set_postfix(errors=self.errors, refresh=False)
                 self.bar.update(done - self.bar.n)
+
+    def _log(self) -> None:
+        while not self._stop.wait(PROGRESS_LOG_INTERVAL):
+            done = min(self.own() + self.others, self.total)
+            seconds = time.monotonic() - self._started
+            rate = done / seconds if seconds > 0 else 0.0
+            left = tqdm.format_interval((self.total - done) / rate) if rate > 0 else "unknown"
+            logger.info(
+                "%s: %d of %s done, %s; %.1f rows/s, %s left",
+                self.log_as, done, plural(self.total, "row"), plural(self.errors, "error"), rate, left,
+            )
 
 
 class Writer:
@@ -233,6 +278,7 @@ class Writer:
         self.error_rows = 0
         self.seconds = 0.0
         self.error: BaseException | None = None
+        self._ending: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="embedjob-writer", daemon=True)
         self._thread.start()
 
@@ -244,6 +290,14 @@ class Writer:
     def stop(self, error: BaseException) -> None:
         """Stop writing because the job failed; a part being written is finished first."""
         self.coordinator.fail(error)
+        self._thread.join()
+
+    def end_early(self, reason: BaseException) -> None:
+        """Write every row handed over before now, commit them (the last part short),
+        and stop: the run was asked to stop and keeps what it did. `error` is `reason`
+        unless the writer had already written the whole shard (or failed)."""
+        self._ending = reason
+        self.coordinator.fail(reason)
         self._thread.join()
 
     def _run(self) -> None:
@@ -264,7 +318,18 @@ class Writer:
         except BaseException as exc:
             self.error = exc
             self.coordinator.fail(exc)
-            sink.abandon()
+            self._close(sink, exc)
+
+    def _close(self, sink: PartSink, exc: BaseException) -> None:
+        """After the stream ended with `exc`: keep what arrived when the run was asked to
+        stop (`end_early`), drop it when it failed."""
+        if exc is self._ending:
+            try:
+                self._timed(sink.commit_short)
+                return
+            except BaseException as failed:  # a full disk: that is what the run failed of
+                self.error = failed
+        sink.abandon()
 
     def _timed(self, write: Callable[..., None], *args: Any) -> None:
         since = time.perf_counter()

@@ -18,7 +18,8 @@ into place). Each problem is one line that names the file:
 - shards whose rows do not follow each other from row 0 to the input's last row.
 
 Shards without `_SUCCESS` are reported as unfinished: no file is damaged, but the
-output is not whole either.
+output is not whole either. A finished shard whose rows are errors more often than
+`counts.HIGH_ERROR_SHARE` is a warning: its files are intact, its input may not be.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from embedjob.io.checkpoint import (
     READY,
     OutputRecord,
     PartRecord,
+    count_codes,
     load_manifest,
     manifest_name,
     old_layout,
@@ -51,7 +53,7 @@ from embedjob.io.checkpoint import (
     stats_name,
     success_name,
 )
-from embedjob.report.counts import plural
+from embedjob.report.counts import error_share_warning, plural
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Verification:
     unfinished: list[int] = field(default_factory=list)
     parts: int = 0
     rows: int = 0
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -84,7 +87,7 @@ def verify_output(output: Path) -> Verification:
     """
     output = Path(output)
     if not output.is_dir():
-        raise JobError(f"output {output} does not exist")
+        raise JobError(f"output {output} {'is a file, not an output directory' if output.exists() else 'does not exist'}")
     names = old_layout(output)
     if names:
         raise JobError(old_layout_message(output, names, "verify it with that embedjob, or rerun the job into a new output.path"))
@@ -107,11 +110,12 @@ def format_verification(result: Verification) -> str:
     """Each problem on its own line, then one summary line."""
     unfinished = f", {len(result.unfinished)} unfinished ({', '.join(map(str, result.unfinished))})" if result.unfinished else ""
     verdict = "intact" if not result.problems else plural(len(result.problems), "problem")
+    warned = f", {plural(len(result.warnings), 'warning')}" if result.warnings else ""
     summary = (
         f"{result.output}: {plural(result.num_shards, 'shard')}{unfinished}; {plural(result.parts, 'part')}, "
-        f"{plural(result.rows, 'row')} checked; {verdict}"
+        f"{plural(result.rows, 'row')} checked; {verdict}{warned}"
     )
-    return "\n".join([*result.problems, summary])
+    return "\n".join([*result.problems, *(f"warning: {w}" for w in result.warnings), summary])
 
 
 def _job_record(output: Path, problems: list[str]) -> OutputRecord | None:
@@ -166,6 +170,9 @@ def _verify_shard(output: Path, shard: int, job: OutputRecord | None, result: Ve
     covered = _verify_parts(output, parts, first, manifest["rows_per_part"], result)
     if done:
         _verify_finished(output, shard, parts, first, end, covered, result)
+        codes = count_codes(p.error_codes for p in parts)
+        warning = error_share_warning(shard, sum(p.errors for p in parts), end - first, codes)
+        result.warnings += [warning] if warning is not None else []
     else:
         result.unfinished.append(shard)
     return first, end
@@ -175,7 +182,8 @@ def _verify_parts(output: Path, parts: list[PartRecord], first: int, per_part: i
     """Check each listed part; the row where the contiguous, in-place parts end."""
     covered = first
     for k, record in enumerate(parts):
-        if (record.part, record.first_row) != (k, first + k * per_part) or record.first_row != covered:
+        # A part holds at most `per_part` rows (fewer where a stopped run committed it short).
+        if record.part != k or record.first_row != covered or not 0 < record.end_row - record.first_row <= per_part:
             result.problems.append(f"{record.name} is listed out of place (part {record.part}, rows from {record.first_row})")
         covered = record.end_row
         problem = part_problem(output, record) or _rows_problem(output / record.name, record)

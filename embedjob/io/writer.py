@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -154,6 +155,21 @@ class RowBlock:
         )
 
 
+PANDAS_INTEGERS = {
+    "index_columns": [], "column_indexes": [], "pandas_version": "2.0.0", "creator": {"library": "embedjob"},
+    "columns": [
+        {"name": name, "field_name": name, "pandas_type": "int32", "numpy_type": "Int32", "metadata": None}
+        for name in ("tokens", "frames")
+    ],
+}
+"""The schema's `pandas` metadata: `tokens` and `frames` (null on error rows) read as
+pandas' nullable Int32, not as float64 (pyarrow's reading of an integer column with
+nulls, unless the file says which pandas type the column had)."""
+
+DESCRIPTION_KEY = b"embedjob"
+"""The schema metadata key of a part's `described` vectors (JSON)."""
+
+
 def output_schema(
     id_type: pa.DataType, pooling: str, dtype: str, columns: dict[str, pa.DataType] | None = None
 ) -> pa.Schema:
@@ -165,7 +181,13 @@ def output_schema(
     if pooling == "none":
         fields.append(("grid", pa.list_(pa.int32())))
     fields += [("embedding", vector if pooling == "mean" else pa.large_list(vector)), ("error", pa.string())]
-    return pa.schema(fields + list((columns or {}).items()))
+    return pa.schema(fields + list((columns or {}).items()), metadata={b"pandas": json.dumps(PANDAS_INTEGERS)})
+
+
+def described(schema: pa.Schema, description: dict[str, Any]) -> pa.Schema:
+    """`schema` with `description` (what made the vectors, and their width) under
+    DESCRIPTION_KEY, so every part says what its vectors are without the job."""
+    return schema.with_metadata({**(schema.metadata or {}), DESCRIPTION_KEY: json.dumps(description)})
 
 
 def part_name(shard: int, part: int) -> str:

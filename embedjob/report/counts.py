@@ -11,8 +11,15 @@ import logging
 from collections import Counter
 from collections.abc import Iterable
 
-SHOWN_CODES = 3
-"""Error codes a summary line names; the rest are counted as "N more"."""
+SHOWN_CODES = 10
+"""Error codes a summary line names; the rest (an output with more kinds of failure
+than a line can hold) are counted as "N more". Ten: the decoders' codes rarely come
+to that many, so a summary names every code a user must look at."""
+
+HIGH_ERROR_SHARE = 0.1
+"""The share of error rows above which a finished shard is flagged (`status`, `verify`,
+the report): below `runtime.max_error_rate`, so it finished, but a user should look at
+its input before trusting its output."""
 
 
 def plural(count: int, noun: str, many: str | None = None) -> str:
@@ -45,3 +52,15 @@ def codes_text(codes: dict[str, int], shown: int = SHOWN_CODES) -> str:
     text = ", ".join(f"{code} {count}" for code, count in ordered[:shown])
     rest = len(ordered) - shown
     return text + (f", {plural(rest, 'more code')}" if rest > 0 else "")
+
+
+def error_share_warning(shard: int, errors: int, rows: int, codes: dict[str, int]) -> str | None:
+    """One line flagging a finished shard whose rows are errors more often than
+    HIGH_ERROR_SHARE, naming its codes; None when it is below."""
+    if rows <= 0 or errors <= HIGH_ERROR_SHARE * rows:
+        return None
+    named = f": {codes_text(codes)}" if codes else ""
+    return (
+        f"shard {shard} finished with {errors} of {plural(rows, 'row')} as errors ({errors / rows:.0%}, over "
+        f"{HIGH_ERROR_SHARE:.0%}{named}); check its input (input.media_root, input.media_column) before using it"
+    )

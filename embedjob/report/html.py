@@ -134,6 +134,7 @@ th { background: #f4f4f4; } td.text, th.text { text-align: left; }
 .state-done { color: #1a7f37; } .state-failed { color: #c62828; font-weight: bold; }
 .state-running, .state-pending { color: #9a6700; } .state-unfinished { color: #666; }
 .notes { background: #fff8e1; border: 1px solid #f0d890; padding: 0.5em 1em; }
+.warnings { background: #fdecea; border: 1px solid #e6a5a0; padding: 0.5em 1em; } .state-warned { color: #c62828; }
 figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #555; } pre { background: #f6f8fa; padding: 0.8em; overflow-x: auto; }
 .muted { color: #666; }
@@ -146,6 +147,7 @@ def render(view: OutputView, plots: list[Plot], examples: dict[str, list[tuple[s
     sections = [
         f"<h1>{_e(title)}</h1>",
         _overview(view),
+        _warnings_html(view.status.warnings()),
         _notes_html(view.notes),
         _shard_table(view),
         _slowest(view),
@@ -179,6 +181,15 @@ def _overview(view: OutputView) -> str:
     )
 
 
+def _warnings_html(warnings: list[str]) -> str:
+    """Finished shards with many error rows (`counts.error_share_warning`), above all
+    else: a page of done shards must not read as a success when their input was wrong."""
+    if not warnings:
+        return ""
+    items = "".join(f"<li>{_e(warning)}</li>" for warning in warnings)
+    return f'<div class="warnings" id="warnings"><b>Look at these shards</b><ul>{items}</ul></div>'
+
+
 def _notes_html(notes: list[str]) -> str:
     if not notes:
         return ""
@@ -207,8 +218,10 @@ def _shard_table(view: OutputView) -> str:
         cells = v.cells()
         numbers = "".join(_number_cell(key, cells[key], _shown(key, cells[key], v)) for key, _ in COLUMNS)
         state = v.status.state
+        # A done shard with many error rows is not shown as a green success.
+        look = "warned" if v.status.warning() is not None else state
         rows.append(
-            f'<tr data-shard="{v.shard}"><td>{v.shard}</td><td class="text state-{state}" data-key="state">{_e(state)}'
+            f'<tr data-shard="{v.shard}"><td>{v.shard}</td><td class="text state-{look}" data-key="state">{_e(state)}'
             f"{_state_detail(v.status)}</td>{numbers}</tr>"
         )
     return (

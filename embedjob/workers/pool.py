@@ -89,8 +89,11 @@ _READY_SEQ = -1
 
 
 def _worker_main(fn: Callable[[Any], Any], error: type[Exception], conn: multiprocessing.connection.Connection) -> None:
-    # Ctrl-C reaches the whole process group; the parent decides what stops.
+    # Ctrl-C reaches the whole process group, and SLURM's SIGTERM every process of the
+    # job: the parent decides what stops (a worker dead of it would turn the rows in
+    # flight into decoder_crashed rows); the pool ends its workers with SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=os.dup(conn.fileno()))
     wire.send_frame(sock, _READY_SEQ, b"", [])
     while True:

@@ -10,9 +10,17 @@
 # Likewise Debian's Chromium is installed (once) for the browser test of
 # tests/test_report.py, which renders a report headless; elsewhere, or with
 # EMBEDJOB_TEST_BROWSER=0, that test is skipped.
+#
+# `scripts/test.sh --quick` runs the unit tests alone (pytest -m "not slow": no test that
+# starts a scheduler, a browser, Ray or many job processes), a few minutes on 2 cores;
+# it brings up nothing. Other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+if [ "${1:-}" = --quick ]; then
+  shift
+  exec .venv/bin/python -m pytest -q -m "not slow" "$@"
+fi
 has_browser() { command -v chromium >/dev/null || command -v chromium-browser >/dev/null; }
 install_browser() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q -o DPkg::Lock::Timeout=300 chromium >/dev/null; }
 if [ "${EMBEDJOB_TEST_BROWSER:-1}" != 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! has_browser; then

@@ -145,6 +145,7 @@ def test_an_fa4_job_without_the_package_stops_before_any_model_is_made(
     assert not (cache / "builtin").exists() and not list((tmp_path / "out").glob("part-*.parquet"))
 
 
+@pytest.mark.slow
 def test_a_demo_job_with_auto_runs_varlen_and_its_stats_say_so(tmp_path: Path, cache_dir: str) -> None:
     argv = ["run", DEMO, "--set", f"output.path={tmp_path}", "--set", f"runtime.cache_dir={cache_dir}", "--set", "runtime.workers=0"]
     assert main(argv) == 0

@@ -478,6 +478,7 @@ def _assert_same_output(out: Path, reference: Path) -> None:
 
 
 @pytest.mark.parametrize(("name", "ranks"), [("demo", 2), ("demo", 3), ("skewed", 2), ("skewed", 3)])
+@pytest.mark.slow
 def test_ranks_give_the_single_process_output_row_for_row(
     name: str, ranks: int, single: dict[str, Path], skewed: Path, tmp_path: Path, cache_dir: str, capsys
 ) -> None:
@@ -510,6 +511,7 @@ def test_ranks_give_the_single_process_output_row_for_row(
     assert rates[0] - 1e-3 <= stats["items_per_second"] <= rates[1] + 1e-3
 
 
+@pytest.mark.slow
 def test_a_dying_rank_stops_the_job_with_one_line_and_a_rerun_resumes(
     single: dict[str, Path], tmp_path: Path, cache_dir: str, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -536,6 +538,7 @@ def test_a_dying_rank_stops_the_job_with_one_line_and_a_rerun_resumes(
     _assert_same_output(tmp_path, reference)
 
 
+@pytest.mark.slow
 def test_idle_connections_to_rank_zero_during_start_up_hold_up_no_rank(
     single: dict[str, Path], tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
@@ -564,6 +567,7 @@ def test_idle_connections_to_rank_zero_during_start_up_hold_up_no_rank(
     assert caplog.text.count("sent no handshake within 1s") == 4
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_while_the_job_waits_and_the_job_ends_well_once_it_goes_on(
     single: dict[str, Path], tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
@@ -680,6 +684,7 @@ def test_rank_zero_stops_its_watchdog_before_it_reaps_the_ranks(
     assert "exited" not in caplog.text
 
 
+@pytest.mark.slow
 def test_every_socket_the_ranks_listen_on_is_bound_to_loopback(tmp_path: Path, cache_dir: str) -> None:
     """Read from the kernel's socket table while a two-rank job runs: nothing of the
     job may be reachable from another machine."""
@@ -743,6 +748,7 @@ def _address(hexed: str, width: int) -> str:
     return mapped.removeprefix("::ffff:")
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_give_the_single_process_output(single: dict[str, Path], tmp_path: Path, cache_dir: str) -> None:
     """Under torchrun every rank is started by it; rank 0 publishes its link through
     torchrun's store and the output is the single-process one."""

@@ -150,6 +150,7 @@ def test_rows_no_worker_finished_are_left_out_of_the_check() -> None:
     assert recomputed_digest(changed, 10, [11]) != part_digest(committed)
 
 
+@pytest.mark.slow
 def test_a_row_cut_off_by_its_decode_timeout_does_not_stop_the_resume(
     tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -170,6 +171,7 @@ def test_a_row_cut_off_by_its_decode_timeout_does_not_stop_the_resume(
     assert again.code == 0 and again.rows[:2] == first.rows[:2]
 
 
+@pytest.mark.slow
 def test_ranks_send_the_digests_of_their_rows_to_rank_zero(tmp_path: Path, cache_dir: str) -> None:
     """With --gpus 2 (CPU ranks) rank 1's rows reach the writer with their digests:
     every part records what a single process records."""

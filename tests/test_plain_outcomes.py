@@ -154,6 +154,7 @@ def committed_rows(out: Path) -> int:
     return sum(p["end_row"] - p["first_row"] for p in parts)
 
 
+@pytest.mark.slow
 def test_sigterm_commits_what_is_encoded_exits_143_soon_and_a_rerun_gives_the_uninterrupted_output(
     many: Path, tmp_path: Path, cache_dir: str
 ) -> None:
@@ -175,6 +176,7 @@ def test_sigterm_commits_what_is_encoded_exits_143_soon_and_a_rerun_gives_the_un
     assert main(["verify", str(out)]) == 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_commits_what_is_encoded_and_exits_130(many: Path, tmp_path: Path, cache_dir: str) -> None:
     code, err, seconds = stop_a_run(many, tmp_path / "out", cache_dir, signal.SIGINT)
     assert code == 130 and seconds < 20, err
@@ -323,6 +325,7 @@ def run_script(source: str, *, stdin: bool = False, timeout: float = 300) -> sub
         path.unlink()
 
 
+@pytest.mark.slow
 def test_a_top_level_embedjob_run_fails_in_a_few_lines_that_say_what_to_do(tmp_path: Path, cache_dir: str) -> None:
     call = SCRIPT_RUN.format(job=str(DEMO), out=tmp_path / "out", cache=cache_dir)
     done = run_script(f"import embedjob\n{call}\n")
@@ -332,12 +335,14 @@ def test_a_top_level_embedjob_run_fails_in_a_few_lines_that_say_what_to_do(tmp_p
     assert any(line.startswith("embedjob: error: ") and 'if __name__ == "__main__":' in line for line in lines)
 
 
+@pytest.mark.slow
 def test_a_script_fed_on_stdin_runs_its_job(tmp_path: Path, cache_dir: str) -> None:
     call = SCRIPT_RUN.format(job=str(DEMO), out=tmp_path / "out", cache=cache_dir)
     done = run_script(f"import embedjob\nif __name__ == '__main__':\n    print({call}['rows'])\n", stdin=True)
     assert done.returncode == 0 and done.stdout.split() == ["12"], done.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_start_up_prints_one_line_and_no_worker_traceback(tmp_path: Path, cache_dir: str) -> None:
     """Ctrl-C reaches the whole process group, the decode workers' server importing torch included."""
     sets = {"output.path": tmp_path / "out", "runtime.workers": 2, "runtime.cache_dir": cache_dir}

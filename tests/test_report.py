@@ -169,6 +169,7 @@ def stats_of(out: Path, shard: int) -> dict:
     return json.loads((out / META / f"stats-{shard:05d}.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_run_records_its_time_series_spec_and_versions(partial: Path) -> None:
     """Each series sums to the total the statistics report, for the shard (rows the
     writer wrote) and for each rank (rows, device seconds, waits)."""
@@ -256,6 +257,7 @@ def assert_figures_are_pngs(page: Page, destination: Path, names: set[str]) -> N
         assert beside.read_bytes() == data
 
 
+@pytest.mark.slow
 def test_report_of_a_partial_output_with_ranks_errors_and_a_failed_shard(
     partial: Path, tmp_path: Path, scontrol: None, capsys: pytest.CaptureFixture
 ) -> None:
@@ -289,6 +291,7 @@ def test_report_of_a_partial_output_with_ranks_errors_and_a_failed_shard(
     assert "Slowest shards" in text and "Eager fallbacks" in text and "torch" in text and "CPU (" in text
 
 
+@pytest.mark.slow
 def test_report_of_a_one_shard_output_and_the_summary_line_names_it(one_shard: tuple[Path, str]) -> None:
     out, summary = one_shard
     assert summary.endswith(f"; output in {out}; report: embedjob report {out}")

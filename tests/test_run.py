@@ -37,6 +37,7 @@ def demo_out(tmp_path_factory: pytest.TempPathFactory, cache_dir: str) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_demo_writes_every_row_in_order_with_errors_for_broken_media(demo_out: Path) -> None:
     rows = read(demo_out)
     assert [r["row"] for r in rows] == list(range(12))
@@ -219,6 +220,7 @@ def test_window_sizes_ramp_up_to_the_window() -> None:
     assert first(32) == [32] * 6 and first(4) == [4] * 6
 
 
+@pytest.mark.slow
 def test_the_first_windows_are_smaller_and_the_output_does_not_change(tmp_path: Path, cache_dir: str, monkeypatch) -> None:
     """The device starts after 32 decoded rows instead of a whole window; which rows
     share a window must not change any output row."""
@@ -292,6 +294,7 @@ def test_a_run_hands_the_gil_over_quickly_and_gives_a_calling_process_its_interv
         sys.setswitchinterval(before)
 
 
+@pytest.mark.slow
 def test_photos_of_one_size_get_a_budget_of_their_own_and_the_same_rows(tmp_path: Path, cache_dir: str, capsys) -> None:
     """A dataset of one image size (crops of the demo's photos, 196x224: 56 tokens, which
     budgets of 64..512 fit with 14 % padding) adds a 448 budget in the first window; the
@@ -359,6 +362,7 @@ def test_a_run_keeps_pythons_bytecode_under_the_cache_only_where_nothing_else_do
 
 @pytest.mark.parametrize("entry", ["command", "python"])
 @pytest.mark.parametrize("chosen, queues", [(None, "32"), ("4", "4")], ids=["default", "users-own"])
+@pytest.mark.slow
 def test_a_run_spreads_its_streams_over_more_hardware_queues_unless_the_user_chose(
     tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch, chosen: str | None, queues: str, entry: str
 ) -> None:
@@ -399,6 +403,7 @@ def test_a_python_caller_that_used_cuda_first_is_told_its_own_streams_keep_eight
     assert "set CUDA_DEVICE_MAX_CONNECTIONS=32 before the process first uses CUDA" in caplog.text
 
 
+@pytest.mark.slow
 def test_the_command_keeps_the_bytecode_of_what_it_imports_and_leaves_the_installed_packages_as_they_were(
     tmp_path: Path, cache_dir: str
 ) -> None:

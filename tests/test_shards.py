@@ -104,6 +104,7 @@ def fragment_count(inputs: Path) -> int:
 
 
 @pytest.mark.parametrize("num_shards", [1, 3, 4, "more than row groups"])
+@pytest.mark.slow
 def test_shards_in_shard_order_are_the_single_process_output(
     inputs: Path, single: list[dict], cache_dir: str, tmp_path: Path, num_shards
 ) -> None:

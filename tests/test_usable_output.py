@@ -302,6 +302,7 @@ def readme_script(tmp_path: Path, cache_dir: str, guarded: bool) -> subprocess.C
     return subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_python_api_runs_a_shard_as_the_readme_shows_and_import_loads_no_torch(tmp_path: Path, cache_dir: str) -> None:
     done = readme_script(tmp_path, cache_dir, guarded=True)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -318,6 +319,7 @@ def test_python_api_runs_a_shard_as_the_readme_shows_and_import_loads_no_torch(t
     assert imported.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_a_script_that_runs_a_job_at_its_top_level_is_told_to_guard_it(tmp_path: Path, cache_dir: str) -> None:
     """Each decode worker imports the script that started the job: an unguarded call runs
     there again, and must say so rather than fail on the shard's lock."""
@@ -403,6 +405,7 @@ def test_every_key_has_a_one_line_description_in_inspect_and_the_configuration_p
         assert f"| `{name}` |" in REFERENCE and doc in REFERENCE, f"{name} is not described in docs/configuration.md"
 
 
+@pytest.mark.slow
 def test_no_third_party_warning_reaches_the_output(tmp_path: Path, cache_dir: str) -> None:
     """A library warning (as torch's UserWarnings) during a run stays out of stderr;
     -v shows it in the log."""

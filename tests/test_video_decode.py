@@ -243,6 +243,7 @@ def test_timestamps_follow_the_sampling_rate() -> None:
 
 
 @needs_shared
+@pytest.mark.slow
 def test_variable_frame_rate_is_sampled_uniformly_in_time() -> None:
     """demo_skeleton.mp4 has frame durations from 33 ms to 200 ms. Each sampled frame
     must be the one on screen at its evenly spaced target time."""

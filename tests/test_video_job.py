@@ -185,6 +185,7 @@ def acceptance(tmp_path_factory: pytest.TempPathFactory, cache_dir: str) -> Acce
 
 
 @pytest.mark.parametrize("modality", ["video", "auto"])
+@pytest.mark.slow
 def test_every_clip_gives_an_embedding_or_its_precise_error_in_input_order(acceptance: Acceptance, modality: str) -> None:
     entries = acceptance.entries
     result = acceptance.runs[modality]
@@ -292,6 +293,7 @@ MISLABELLED_EXPECTED = {
 
 
 @pytest.mark.parametrize("modality", ["auto", "image"])
+@pytest.mark.slow
 def test_auto_decides_each_row_from_its_bytes_not_its_name(mislabelled: dict[str, JobResult], modality: str) -> None:
     result = mislabelled[modality]
     assert result.code == 0
@@ -338,6 +340,7 @@ def limited_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 LIMITED = {"video": {"fps": 4.0}, "batching": {"max_frames_per_batch": FRAME_LIMIT, "max_items_per_batch": ITEM_LIMIT}}
 
 
+@pytest.mark.slow
 def test_no_batch_exceeds_the_frame_limit_and_oversized_clips_run_eagerly(
     limited_data: Path, tmp_path: Path, cache_dir: str, batch_log: list[BatchRecord]
 ) -> None:
@@ -356,6 +359,7 @@ def test_no_batch_exceeds_the_frame_limit_and_oversized_clips_run_eagerly(
     assert stats["graph_misses"] == len(oversized) + stats["capacity_fallbacks"]
 
 
+@pytest.mark.slow
 def test_images_and_videos_share_batches_and_match_each_item_run_alone(
     limited_data: Path, tmp_path: Path, cache_dir: str, batch_log: list[BatchRecord]
 ) -> None:
@@ -393,6 +397,7 @@ def decode_or_hang(row: Any, options: DecodeOptions, preprocess: Any) -> Decoded
     return decode_row(row, options, preprocess)
 
 
+@pytest.mark.slow
 def test_a_hanging_decoder_is_cut_off_and_its_worker_replaced(
     tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import skipped  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
-from embedjob.pipeline import run_job  # noqa: E402
+from embedjob.runner import run_job  # noqa: E402
 
 PROBED = (
     "embedjob.io.sink:PartSink._write",

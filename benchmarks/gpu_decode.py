@@ -175,7 +175,7 @@ def trace_job(job_path: Path, output: Path, overrides: list[str], device: torch.
     CUDA runtime calls (on a CPU: operators), as text (see the module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from embedjob.pipeline import run_job
+    from embedjob.runner import run_job
 
     overrides = [*overrides, f"output.path={output}"]
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU

@@ -68,7 +68,7 @@ def _run(
     else:
         job = load_job(job_or_path, overrides)
     prepare_process(job.runtime.cache_dir)
-    from embedjob.pipeline import run_job
+    from embedjob.runner import run_job
 
     text = f"{shard[0]}/{shard[1]}" if isinstance(shard, tuple) else shard
     with on_signals():

@@ -399,7 +399,7 @@ def end_to_end(adapter: QwenAdapter, checkpoint: Path, workdir: Path, args: argp
     """`embedjob run` on real JPEGs against the encoder-only rate of the same images."""
     from embedjob.config import job_from_dict
     from embedjob.decode import DecodeOptions, decode
-    from embedjob.pipeline import Runner
+    from embedjob.runner import Runner
 
     parquet = workdir / "jpegs.parquet"
     make_jpeg_parquet(parquet, args.e2e_images)

@@ -376,7 +376,6 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from embedjob.io.verify import verify_output
     from embedjob.slurm import format_status, output_status
@@ -406,8 +405,6 @@ def _report_command(sub: Any) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from embedjob.report.html import write_report
 
     report = write_report(Path(args.output), Path(args.out) if args.out else None)
@@ -418,7 +415,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from embedjob.io.verify import format_verification, verify_output
 

@@ -274,7 +274,7 @@ def test_eager_fallback_and_statistics_on_cuda(cuda_adapter, items) -> None:
 
 def test_demo_job_on_cuda_matches_the_cpu_run(tmp_path: Path, cache_dir: str) -> None:
     from embedjob.config import load_job
-    from embedjob.pipeline import run_job
+    from embedjob.runner import run_job
 
     outputs = {}
     for device in ("cpu", "cuda"):
@@ -297,7 +297,7 @@ def test_a_float32_job_on_cuda_runs_eagerly_and_matches_the_cpu_run(tmp_path: Pa
     """The flash kernels take half precision only: float32 attention runs per segment,
     which graphs cannot capture, so the job says so and runs every batch eagerly."""
     from embedjob.config import load_job
-    from embedjob.pipeline import run_job
+    from embedjob.runner import run_job
 
     outputs = {}
     for device in ("cpu", "cuda"):
@@ -386,7 +386,7 @@ def test_fixed_res_batches_are_page_locked_uint8_normalised_on_the_device_bitwis
 @pytest.mark.parametrize(("job_file", "extra"), [("demo-clip.yaml", ["preprocess.tiling=anyres"]), ("demo-siglip-video.yaml", [])])
 def test_fixed_res_demo_jobs_on_cuda_match_the_cpu_run(tmp_path: Path, cache_dir: str, job_file: str, extra: list[str]) -> None:
     from embedjob.config import load_job
-    from embedjob.pipeline import run_job
+    from embedjob.runner import run_job
 
     outputs = {}
     for device in ("cpu", "cuda"):
@@ -693,7 +693,7 @@ def test_nvjpeg_never_writes_over_pictures_the_decode_stream_has_still_to_read(
 @pytest.mark.parametrize("job_file", ["demo.yaml", "demo-clip.yaml"])
 def test_a_gpu_decoder_job_gives_the_cpu_decoder_jobs_rows(tmp_path: Path, cache_dir: str, job_file: str) -> None:
     from embedjob.config import load_job
-    from embedjob.pipeline import run_job
+    from embedjob.runner import run_job
 
     outputs, stats = {}, {}
     for decoder in ("cpu", "gpu"):
@@ -827,7 +827,7 @@ def test_videos_decoded_by_nvdec_are_the_cpu_rows_up_to_the_decoders_rounding(ca
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
 def test_an_nvdec_job_gives_the_decord_jobs_rows(tmp_path: Path, cache_dir: str) -> None:
     from embedjob.config import load_job
-    from embedjob.pipeline import run_job
+    from embedjob.runner import run_job
 
     outputs, stats = {}, {}
     for decoder in ("decord", "nvdec"):

@@ -175,7 +175,7 @@ def test_a_task_keeps_pythons_bytecode_as_a_run_does(tmp_path: Path, monkeypatch
     task keeps the bytecode under the job's cache before the shard's pipeline starts,
     for itself and the processes it starts, as `embedjob run` does."""
     ray = pytest.importorskip("ray")
-    from embedjob import config, pipeline
+    from embedjob import config, runner
 
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setattr(sys, "pycache_prefix", None)
@@ -188,7 +188,7 @@ def test_a_task_keeps_pythons_bytecode_as_a_run_does(tmp_path: Path, monkeypatch
         seen.update(prefix=sys.pycache_prefix, inherited=os.environ.get("PYTHONPYCACHEPREFIX"))
         return {"shard": shard.index}
 
-    monkeypatch.setattr(pipeline, "run_job", run_job)
+    monkeypatch.setattr(runner, "run_job", run_job)
 
     def started(index):
         raise ray.exceptions.RayError("no board in this test")

@@ -1,7 +1,7 @@
 """Engines: what runs the shards of a job.
 
 An engine takes a job and the shards to run and runs each with exactly the per-shard
-pipeline (`pipeline.run_job`: the same parts, manifest, statistics, `_SUCCESS` and
+pipeline (`runner.run_job`: the same parts, manifest, statistics, `_SUCCESS` and
 resume), returning one `ShardOutcome` per shard. The command line picks one engine,
 once, at the top (`embedjob run --engine`); nothing below it knows which one runs:
 
@@ -31,7 +31,7 @@ RAY_MISSING = "--engine ray needs Ray, which is not installed here: pip install 
 
 def local_engine(job: Job, shards: list[Shard], overwrite: bool = False) -> list[ShardOutcome]:
     """Each shard in this process, in shard order; a failure raises (exit codes as for one shard)."""
-    from embedjob.pipeline import run_job
+    from embedjob.runner import run_job
 
     return [ShardOutcome(shard, run_job(job, shard, overwrite), attempts=1) for shard in shards]
 

@@ -1,7 +1,7 @@
 """The Ray engine: the shards of a job as tasks on a Ray cluster (`embedjob run --engine ray`).
 
 Each shard is one plain Ray task that runs exactly `embedjob run --shard I/N`
-(`pipeline.run_job`), so the output is what every other way of running the shards
+(`runner.run_job`), so the output is what every other way of running the shards
 writes: the same parts, manifests, statistics, `_SUCCESS` markers and resume. Why tasks
 over shards rather than Ray Data (`read_parquet` -> `map_batches` on an actor pool):
 a shard is a contiguous run of row groups whose rows a task commits in order, part by
@@ -344,7 +344,7 @@ def run_shard_task(job: Job, shard: Shard, context: TaskContext, board: Any, ove
         # tasks max_calls=1), so it imports torch and transformers anew, as a run does.
         prepare_process(job.runtime.cache_dir)
         _quiet_transformers()
-        from embedjob.pipeline import run_job
+        from embedjob.runner import run_job
 
         return run_job(job, shard, overwrite=overwrite and attempt == 1)
 

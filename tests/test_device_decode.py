@@ -35,7 +35,8 @@ from embedjob.encoders import load_adapter
 from embedjob.encoders.base import JPEG_KEY
 from embedjob.io.checkpoint import job_fingerprint
 from embedjob.io.reader import InputRow
-from embedjob.pipeline import JpegSplit, RankPipeline, gpu_share
+from embedjob.jpeg_split import JpegSplit, gpu_share
+from embedjob.pipeline import RankPipeline
 
 DEFER = dataclasses.replace(IMAGE, defer_jpeg=True)
 RED, BLUE = (220, 20, 30), (10, 40, 200)

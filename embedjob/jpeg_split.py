@@ -1,0 +1,61 @@
+"""`preprocess.decoder: auto`: how many of a rank's rows leave their JPEG for the GPU.
+
+A rank's pipeline (pipeline.py) measures three rates as it runs (what its decode
+workers decode, what its device encodes, what its GPU-decode thread decodes) and, after
+every window, sets the share of the rows it submits whose JPEGs the GPU decodes
+(`gpu_share`); the decode pool's task thread picks those rows evenly (`JpegSplit`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from embedjob.rows import Decoded, left_for_device
+
+AUTO_MARGIN = 1.2
+"""How much faster than the device the workers must decode the rows auto leaves them."""
+
+
+def gpu_share(worker_rate: float, device_rate: float, gpu_rate: float, margin: float = AUTO_MARGIN) -> float:
+    """The share of rows whose JPEGs `preprocess.decoder: auto` leaves for the GPU, in
+    [0, 1], from rows per second: what the decode workers decode, what the device
+    encodes, what the GPU-decode thread decodes (inf while unmeasured).
+
+    The workers keep all they decode `margin` times faster than the device encodes, and
+    the GPU gets the rest (1 - worker_rate / (margin * device_rate)): the CPU path costs
+    the device nothing and gives the processors' own pixels. Where the two decoders
+    together cannot keep up with the device, the share that has each finish its part at
+    the same time (gpu_rate / (worker_rate + gpu_rate)) is the larger throughput."""
+    wanted = 1.0 - worker_rate / (margin * device_rate)
+    balanced = 1.0 if math.isinf(gpu_rate) else gpu_rate / (worker_rate + gpu_rate)
+    return min(max(min(wanted, balanced), 0.0), 1.0)
+
+
+@dataclass
+class JpegSplit:
+    """`preprocess.decoder: auto`: which submitted rows leave their JPEG for the GPU.
+
+    `share` of them, spread evenly: a row is left when the running sum of `share` passes
+    a whole number, so a share of 0.25 leaves every fourth row. `leave` runs on the
+    decode pool's task thread as rows are submitted; the main thread changes `share`
+    between windows and `count`s the rows the workers decoded and their seconds (what
+    they decode per second)."""
+
+    share: float = 0.0
+    credit: float = 0.0
+    worker_rows: int = 0
+    worker_seconds: float = 0.0
+
+    def leave(self) -> bool:
+        self.credit += self.share
+        if self.credit >= 1.0:
+            self.credit -= 1.0
+            return True
+        return False
+
+    def count(self, window: list[Decoded]) -> None:
+        for decoded in window:
+            if not left_for_device(decoded):
+                self.worker_rows += 1
+                self.worker_seconds += decoded.seconds

@@ -1,7 +1,7 @@
-"""Issue 50, items 1, 3 and 7: no file the job creates is written through a link someone
-planted, a committed part damaged while the run goes on is never marked done, an output
-that lost its statistics is completed by a rerun, and a killed run's temporary record
-is removed. Each test runs the builtin tiny model on the demo photos, as a user would."""
+"""No file the job creates is written through a link someone planted, a committed part
+damaged while the run goes on is never marked done, an output that lost its statistics
+is completed by a rerun, and a killed run's temporary record is removed. Each test runs
+the builtin tiny model on the demo photos, as a user would."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-from test_shards import assert_same_rows, job_args, read_output, write_inputs
+from test_hardening import reference, run, small  # noqa: F401 (the photos, their undisturbed output)
+from test_shards import assert_same_rows, job_args, read_output
 from test_slurm import stand_in, stand_in_scontrol
 
 from embedjob.cli import main
@@ -20,23 +21,6 @@ from embedjob.io.writer import PartFile
 
 PARTS = 3
 """The demo photos (12 rows) in parts of 4 rows (`job_args`)."""
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_inputs(tmp_path_factory.mktemp("inputs"), videos=False)
-
-
-@pytest.fixture(scope="module")
-def reference(small: Path, cache_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The undisturbed single-shard output of `small`."""
-    out = tmp_path_factory.mktemp("reference")
-    assert main(["run", *job_args(small, out, cache_dir)]) == 0
-    return out
-
-
-def run(inputs: Path, out: Path, cache_dir: str) -> int:
-    return main(["run", *job_args(inputs, out, cache_dir)])
 
 
 def one_line(err: str) -> str:

@@ -326,7 +326,9 @@ def test_four_shard_job_on_local_slurm_equals_a_single_process_run(
     assert main(["run", *job_args(inputs, single, cache_dir), *settings]) == 0
     out = tmp_path / "sharded"
     capsys.readouterr()
-    assert submit(inputs, out, cache_dir, 4, *settings) == 0
+    # This cluster's node has no GPU: a CPU job says so, or its tasks would ask for one.
+    on_cpu = ["--set", "runtime.device=cpu"]
+    assert submit(inputs, out, cache_dir, 4, *settings, *on_cpu) == 0
     job_id = capsys.readouterr().out.strip()
     assert job_id.isdigit()
 
@@ -361,7 +363,7 @@ def test_four_shard_job_on_local_slurm_equals_a_single_process_run(
 
     assert main(["status", str(out)]) == 0
     assert "4 shards: 4 done, 0 running, 0 pending, 0 failed, 0 unfinished; 24 of 24 rows committed" in capsys.readouterr().out
-    assert submit(inputs, out, cache_dir, 4, *settings) == 0
+    assert submit(inputs, out, cache_dir, 4, *settings, *on_cpu) == 0
     captured = capsys.readouterr()
     assert captured.out == "" and "nothing to submit" in captured.err
     assert len(json.loads((out / "_embedjob/slurm-job.json").read_text())["submissions"]) == 1

@@ -27,7 +27,7 @@ from embedjob import stopping
 from embedjob.config import Job, JobError, RunFailure
 from embedjob.host import host_threads, main_script_hidden, refuse_starting_process, resolve_device, resolve_workers
 from embedjob.io import reader
-from embedjob.io.checkpoint import Checkpoint, job_fingerprint, open_checkpoint
+from embedjob.io.checkpoint import Checkpoint, job_fingerprint, open_checkpoint, shard_finished
 from embedjob.io.sink import ErrorRate, Progress, Writer
 from embedjob.io.writer import RowBlock, described, output_schema
 from embedjob.parallel.cluster import Cluster, Coordinator, resolve_layout
@@ -88,7 +88,10 @@ class Runner:
         start, started = time.perf_counter(), time.time()
         listing = scan_input(self.job)
         fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
-        reader.check_ids(self.job.input, fragments)  # before the checkpoint: a refused shard writes nothing
+        if not shard_finished(Path(self.job.output.path), self.shard.index):
+            # Before the checkpoint, so a refused shard writes nothing; a finished shard's
+            # ids were checked when it ran, and its rerun reads no input.
+            reader.check_ids(self.job.input, fragments)
         if not fragments:
             self._warn_empty(listing)
         first_row, end_row = self._row_range(fragments)

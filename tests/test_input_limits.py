@@ -204,6 +204,24 @@ def test_repeated_ids_are_one_warning_with_their_count_and_every_row_is_written(
     assert [r["id"] for r in read_output(out)] == ids.to_pylist()
 
 
+def test_a_finished_shard_rerun_reads_no_ids(
+    tmp_path: Path, cache_dir: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rerun of a finished job does nothing: its ids were checked when it ran, so the
+    rerun does not read its id column again (nor warn about its repeats again)."""
+    from embedjob.io import reader
+
+    inputs = demo_with_ids(tmp_path / "in", pa.array(["a", "b", "a", *(f"i{k}" for k in range(9))], pa.string()))
+    out = tmp_path / "out"
+    assert run(inputs, out, cache_dir) == 0
+    checked = []
+    monkeypatch.setattr(reader, "check_ids", lambda *args: checked.append(args))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="embedjob"):
+        assert run(inputs, out, cache_dir) == 0
+    assert checked == [] and not [r for r in caplog.records if "repeats ids" in r.getMessage()]
+
+
 def test_integer_ids_repeat_only_where_equal(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """-1 and -2 share Python's hash; as ids they are two different rows."""
     from embedjob.config import InputConfig

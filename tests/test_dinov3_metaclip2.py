@@ -323,3 +323,20 @@ def test_embedjob_bench_rows_for_dinov3_and_metaclip2_match_plain_transformers(t
         assert float(ours.note.rsplit("min cos to plain ", 1)[1]) > 0.999, ours.note
     config = json.loads((tmp_path / "dinov3-tower" / "config.json").read_text())
     assert config["model_type"] == "dinov3_vit" and config["num_register_tokens"] == 4
+
+
+def test_dinov3_tiles_are_float_views_and_a_tiled_jobs_global_half_is_the_untiled_vector(cache_dir: str) -> None:
+    model = {"family": "dinov3", "path": "builtin:tiny-dinov3"}
+    plain = load_adapter(make_job(cache_dir, model=model), CPU)
+    tiled = load_adapter(make_job(cache_dir, model=model, preprocess={"tiling": "anyres", "max_tiles": 4}), CPU)
+    image = random_image(300, 500, 4)
+    item = tiled.preprocessor()(image)
+    tiles = item.tensors["tile_pixels"]
+    assert tiles.dtype == torch.float32 and tiles.shape[0] > 1 and item.tokens == (1 + tiles.shape[0]) * 23
+    assert float(tiles.min()) >= -0.01 and float(tiles.max()) <= 1.01, "rescaled to [0, 1] before the tiles' resize"
+    with torch.no_grad():
+        whole = plain.forward(plain.eager_inputs([plain.preprocessor()(image)]))
+        local = tiled.forward(tiled.eager_inputs([tiled.path_input(item, "tile_pixels")]))
+        combined = tiled.combine({"pixel_values": tiled.forward(tiled.eager_inputs([item])), "tile_pixels": local})
+    assert combined.shape == (1, 128) and torch.allclose(combined[:, :64], whole, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(combined[:, 64:], local.mean(dim=0, keepdim=True), rtol=1e-5, atol=1e-6)

@@ -619,8 +619,11 @@ def _check_pool(job: Job, errors: list[str]) -> None:
         errors.append(f"model.pool applies to model.family {families} only, not {model.family!r}; remove it")
     if model.dinov2_pool is None:
         return
-    if model.dinov2_pool != "cls" and model.family not in POOLABLE:
-        errors.append(f"model.dinov2_pool applies to model.family {families} only, not {model.family!r}; remove it")
+    if model.family not in POOLABLE:
+        if model.dinov2_pool != "cls":
+            errors.append(f"model.dinov2_pool applies to model.family {families} only, not {model.family!r}; remove it")
+        else:
+            logger.warning("model.dinov2_pool is deprecated and does nothing for model.family %r: remove it", model.family)
     elif model.pool is not None and model.pool != model.dinov2_pool:
         errors.append(
             f"model.dinov2_pool = {model.dinov2_pool!r} and model.pool = {model.pool!r} disagree; "

@@ -227,6 +227,15 @@ def test_an_output_of_the_earlier_dinov2_pool_key_keeps_its_identity(cache_dir: 
     assert _model_identity(job) == {"family": "clip", "path": "builtin:tiny-clip", "dtype": "bfloat16", "dinov2_pool": "cls"}
 
 
+def test_the_old_default_dinov2_pool_cls_on_another_family_still_runs_and_says_to_remove_it(
+    cache_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="embedjob.config"):
+        job = make_job(cache_dir, model={"family": "metaclip2", "path": "builtin:tiny-metaclip2", "dinov2_pool": "cls"})
+    assert job.model.image_pool == "cls"
+    assert "model.dinov2_pool is deprecated and does nothing for model.family 'metaclip2': remove it" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("model", "message"),
     [

@@ -112,7 +112,8 @@ class FixedFamily:
     cls_token: bool
     layers: str
     # Whether the tower's last_hidden_state still needs its final norm (CLIP applies
-    # post_layernorm to the pooled CLS state only; SigLIP and DINOv2 to every state).
+    # post_layernorm to the pooled CLS state only, MetaCLIP 2 too; SigLIP, DINOv2 and
+    # DINOv3 to every state).
     unnormed_states: bool = False
     registers: str | None = None
     any_input_size: bool = False
@@ -597,7 +598,7 @@ def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_
 
     Raises ValueError for settings that give no fixed input size (a resize without a
     crop to a shortest edge) or that the model cannot take (CLIP, MetaCLIP 2 and SigLIP
-    need their configured image size). `prefix` is the tower's `FixedFamily.prefix_tokens`.
+    need their configured image size).
     """
     if (directory / "preprocessor_config.json").exists():
         processor = transformers_class("AutoImageProcessor").from_pretrained(directory)

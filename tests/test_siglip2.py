@@ -280,3 +280,17 @@ def test_builtin_model_is_a_full_siglip2_model_made_once(adapter, cache_dir: str
     for (name, a), b in zip(adapter.tower.state_dict().items(), again.tower.state_dict().values()):
         assert torch.equal(a, b), name
     assert Siglip2Model.from_pretrained(directory).text_model.config.vocab_size == BUILTIN_TEXT["vocab_size"]
+
+
+def test_embedjob_bench_times_packed_graphs_against_transformers_padded_batches(tmp_path: Path) -> None:
+    """`embedjob bench`'s NaFlex rows on a tiny tower saved as a user's checkpoint: both
+    sides embed every image, and ours are transformers' own vectors."""
+    from embedjob.bench import naflex_mix, naflex_rows, save_naflex_tower
+
+    tiny = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, patch_size=16, num_patches=16)
+    save_naflex_tower(tiny, 24, tmp_path / "tower")
+    rows = naflex_rows(tmp_path / "tower", "tiny", naflex_mix(5), 2, 1, 1e12, CPU, compiled=False)
+    assert [r.variant for r in rows] == ["plain_transformers_eager", "ours_graphs"]
+    assert all(r.items == 5 and r.seconds > 0 and r.flops > 0 for r in rows)
+    assert rows[0].waste > 0, "transformers pads every image to max_num_patches"
+    assert float(rows[1].note.rsplit("min cos to plain ", 1)[1]) > 0.9999, rows[1].note

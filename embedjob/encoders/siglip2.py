@@ -307,7 +307,7 @@ def pool_segments(
         from torch.nn.attention.varlen import varlen_attn
 
         one = torch.arange(queries.shape[0] + 1, device=queries.device, dtype=torch.int32)
-        return varlen_attn(queries, keys.contiguous(), values.contiguous(), one, cu.to(torch.int32), 1, max_len)
+        return varlen_attn(queries.contiguous(), keys.contiguous(), values.contiguous(), one, cu.to(torch.int32), 1, max_len)
     out = torch.zeros_like(queries)
     bounds = cu.tolist()
     for segment, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):

@@ -294,3 +294,27 @@ def test_embedjob_bench_times_packed_graphs_against_transformers_padded_batches(
     assert all(r.items == 5 and r.seconds > 0 and r.flops > 0 for r in rows)
     assert rows[0].waste > 0, "transformers pads every image to max_num_patches"
     assert float(rows[1].note.rsplit("min cos to plain ", 1)[1]) > 0.9999, rows[1].note
+
+
+def test_a_video_job_writes_a_vector_per_row_and_every_frames_tokens_on_its_grid(tmp_path: Path, cache_dir: str) -> None:
+    """The video demo (real clips, a photo, three broken rows) with the builtin SigLIP 2:
+    `pooling: mean` one vector per good row (a video's frame rows pooled; that the rows
+    are the frames' own vectors is checked above), `pooling: none` every frame's patch
+    tokens on (frames, h, w), and the same error rows either way."""
+    sets = ["model.family=siglip2", "model.path=builtin:tiny-siglip2", "output.dtype=float32", "runtime.workers=0",
+            "runtime.progress=false", f"runtime.cache_dir={cache_dir}"]
+    outputs = {}
+    for pooling in ("mean", "none"):
+        out = tmp_path / pooling
+        args = [a for s in [*sets, f"output.path={out}", f"output.pooling={pooling}"] for a in ("--set", s)]
+        assert main(["run", str(REPO / "jobs" / "demo-siglip-video.yaml"), *args]) == 0
+        outputs[pooling] = pq.read_table(sorted(out.glob("part-*.parquet"))).to_pylist()
+    pooled, tokens = outputs["mean"], outputs["none"]
+    assert [r["error"] is None for r in pooled] == [r["error"] is None for r in tokens] == [True] * 6 + [False] * 3
+    videos = [r for r in tokens if r["modality"] == "video" and r["error"] is None]
+    assert len(videos) == 5 and any(r["frames"] > 1 for r in videos)
+    for row in tokens[:6]:
+        views, h, w = row["grid"]
+        assert views == max(row["frames"], 1) and row["tokens"] == views * h * w
+        assert np.array(row["embedding"], dtype=np.float32).shape == (views * h * w, 64)
+    assert all(len(r["embedding"]) == 64 and np.isfinite(r["embedding"]).all() for r in pooled[:6])

@@ -33,6 +33,7 @@ class Family:
 
 _QWEN = "embedjob.encoders.qwen"
 _FIXED = "embedjob.encoders.fixed"
+_SIGLIP2 = "embedjob.encoders.siglip2"
 
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(_QWEN, False, ("qwen2_vl", "qwen2_vl_vision")),
@@ -41,6 +42,7 @@ FAMILIES: dict[str, Family] = {
     "clip": Family(_FIXED, True, ("clip", "clip_vision_model")),
     "siglip": Family(_FIXED, True, ("siglip", "siglip_vision_model")),
     "dinov2": Family(_FIXED, True, ("dinov2",)),
+    "siglip2": Family(_SIGLIP2, False, ("siglip2", "siglip2_vision_model")),
 }
 
 

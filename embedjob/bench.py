@@ -15,8 +15,11 @@ same packed batches of each mix:
 and an end-to-end `embedjob run` over a Parquet file of real JPEGs (decode included)
 against the encoder-only rate of the same images; then SigLIP-so400m-384,
 CLIP-L/14-336, DINOv3-ViT-L/16 and MetaCLIP-2-H/14-size towers (`FIXED_TOWERS`) on
-one batch of 256 images already on the GPU, plain transformers with `torch.compile(model)` against embedjob's graphs over its
-compiled adapter (`fixed_rows`; --no-fixed skips them). Times are CUDA-event medians after a
+one batch of 256 images already on the GPU, plain transformers with `torch.compile(model)`
+against embedjob's graphs over its compiled adapter (`fixed_rows`; --no-fixed skips
+them), and a SigLIP 2 so400m-patch16-naflex-size tower on images of mixed aspect ratios,
+transformers' padded batches against embedjob's packed graphs (`naflex_rows`;
+--no-naflex skips it). Times are CUDA-event medians after a
 warm-up; MFU is useful FLOPs (real tokens only, padding excluded) over the time, against
 a bf16 matmul timed in the same process. The last thing printed is the table.
 """
@@ -30,8 +33,9 @@ import logging
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -658,6 +662,134 @@ def _plain_seconds(
         return device_time(embed, repeats, device), embed().float()
 
 
+
+# --- SigLIP 2 NaFlex: packed graphs against transformers' padded batch ---------------------
+
+NAFLEX_TOWER = (
+    "SigLIP2-so400m-patch16-naflex-size",
+    dict(hidden_size=1152, num_hidden_layers=27, num_attention_heads=16, intermediate_size=4304, patch_size=16, num_patches=256),
+)
+"""The NaFlex tower `embedjob bench` (and benchmarks/naflex.py) builds: a label and the
+transformers vision config of the published checkpoint's size."""
+NAFLEX_PATCHES = 256
+"""The published checkpoints' `max_num_patches`."""
+NAFLEX_BATCH = 64
+
+
+def save_naflex_tower(values: dict[str, Any], max_patches: int, directory: Path) -> None:
+    """A Siglip2VisionModel of config `values` with random bf16 weights (seed 0), saved with
+    `save_pretrained` beside its image processor config, as a user's vision-only NaFlex
+    checkpoint is."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Siglip2VisionConfig(**values)
+    transformers.Siglip2VisionModel._from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+    transformers.Siglip2ImageProcessor(patch_size=values["patch_size"], max_num_patches=max_patches).save_pretrained(directory)
+
+
+def naflex_flops(config: Any, tokens: list[int]) -> float:
+    """Useful FLOPs of images of `tokens` patches each through a NaFlex tower: per image
+    `fixed_flops`' terms for SigLIP at its own token count n (patch embedding, the layers
+    with their n^2 attention, the pooling head); the position table's resize is left out
+    (0.1 % of a block at so400m's size, and not a matmul of the model's)."""
+    d, m, layers, patch = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.patch_size
+    total = 0
+    for n in tokens:
+        total += 2 * n * 3 * patch**2 * d + layers * (2 * n * 4 * d * d + 2 * n * 2 * d * m + 4 * n * n * d)
+        total += 4 * d * d + 4 * n * d * d + 4 * n * d + 4 * d * m
+    return float(total)
+
+
+def naflex_mix(count: int, seed: int = 0) -> list[np.ndarray]:
+    """`count` random-pixel (H, W, 3) uint8 images of aspect ratios from 1:4 to 4:1 and
+    200-1,200 pixels a side: the token counts NaFlex gives photos, without the photos."""
+    rng = np.random.default_rng(seed)
+    sides = rng.integers(200, 1200, size=(count, 2))
+    return [rng.integers(0, 256, (max(h, w // 4), max(w, h // 4), 3), dtype=np.uint8) for h, w in sides]
+
+
+def naflex_rows(
+    directory: Path, label: str, images: list[np.ndarray], batch: int, repeats: int, peak: float, device: torch.device,
+    compiled: bool = True,
+) -> list[Row]:
+    """`images` through the NaFlex tower saved in `directory`, two ways: transformers'
+    Siglip2VisionModel on the processor's output in batches of `batch` padded to
+    `max_num_patches` (`torch.compile(model)` when `compiled`), and embedjob's graphs
+    over its packed adapter (compiled as a job compiles it) with the job's automatic
+    budgets. Each pass encodes every image; the pixels are on the device beforehand on
+    both sides. The second row's note gives its speed over the first, its padding and
+    the smallest cosine between the two sides' vectors."""
+    from embedjob.config import job_from_dict
+    from embedjob.encoders import load_adapter
+    from embedjob.encoders.loading import transformers_class
+
+    job = job_from_dict({
+        "input": {"path": "unused.parquet", "media_column": "image"},
+        "model": {"family": "siglip2", "path": str(directory), "dtype": "bfloat16"},
+        "output": {"path": "unused"},
+        "batching": {"compile": compiled},
+        "runtime": {"cache_dir": str(directory.parent / "cache")},
+    })
+    adapter = load_adapter(job, device)
+    processor = transformers_class("Siglip2ImageProcessor").from_pretrained(directory)
+    chw = [torch.from_numpy(image).permute(2, 0, 1) for image in images]
+    inputs = [processor(images=chw[k : k + batch], return_tensors="pt").to(device) for k in range(0, len(chw), batch)]
+    for padded in inputs:
+        padded["pixel_values"] = padded["pixel_values"].to(adapter.dtype)
+    items = [adapter.preprocessor()(SimpleNamespace(pixels=image)) for image in images]
+    items = [replace(item, tensors={k: v.to(device) for k, v in item.tensors.items()}) for item in items]
+    flops = naflex_flops(adapter.tower.config, [item.tokens for item in items])
+    plain = transformers_class("Siglip2VisionModel").from_pretrained(directory, dtype=adapter.dtype).to(device).eval()
+    run = torch.compile(plain) if compiled else plain
+
+    def transformers_pass() -> torch.Tensor:
+        return torch.cat([run(**padded).pooler_output for padded in inputs])
+
+    with torch.inference_mode():
+        plain_seconds = device_time(transformers_pass, repeats, device)
+        reference = transformers_pass().float()
+    torch._dynamo.reset()
+    if compiled:
+        adapter.compile(dynamic=True)
+    plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 1, False)
+    manager = GraphManager(adapter, plan, "cuda" if device.type == "cuda" else "replay")
+    manager.capture()
+    packed = packer.pack([item.tokens for item in items], [0] * len(items), plan, "min_padding")
+
+    def ours_pass() -> torch.Tensor:
+        out = torch.empty(len(items), adapter.embed_dim, dtype=adapter.dtype, device=device)
+        for chosen in packed:
+            out[list(chosen.indices)] = manager.run_batch([items[i] for i in chosen.indices], chosen.budget)
+        return out
+
+    with torch.inference_mode():
+        ours_seconds = device_time(ours_pass, repeats, device)
+        ours = ours_pass().float()
+    cosine = float(torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min())
+    real = sum(item.tokens for item in items)
+    waste = sum(b.budget for b in packed) / real - 1
+    manager.clear()
+    kind = "torch.compile(model)" if compiled else "eager"
+    return [
+        Row(label, f"plain_transformers_{'compile' if compiled else 'eager'}", len(items), plain_seconds, flops, peak,
+            waste=len(inputs) * batch * processor.max_num_patches / real - 1, note=f"{kind}, padded batches of {batch}"),
+        Row(label, "ours_graphs_compiled" if compiled else "ours_graphs", len(items), ours_seconds, flops, peak, waste=waste,
+            note=f"{plain_seconds / ours_seconds:.3f}x plain; min cos to plain {cosine:.5f}"),
+    ]
+
+
+def bench_naflex(workdir: Path, repeats: int, peak: float, device: torch.device, compiled: bool) -> list[Row]:
+    """`embedjob bench`'s NaFlex rows: the so400m-patch16-naflex-size tower on 4 x
+    NAFLEX_BATCH images of mixed aspect ratios (`naflex_mix`)."""
+    from embedjob.encoders.loading import save_atomically
+
+    label, values = NAFLEX_TOWER
+    directory = workdir / "siglip2-tower"
+    if not directory.exists():
+        save_atomically(lambda tmp: save_naflex_tower(values, NAFLEX_PATCHES, tmp), directory)
+    return naflex_rows(directory, label, naflex_mix(4 * NAFLEX_BATCH), NAFLEX_BATCH, repeats, peak, device, compiled)
+
 def render(rows: list[Row], header: dict[str, Any]) -> str:
     lines = [f"# embedjob bench — {header['date']}", ""]
     lines += [f"- {k}: {v}" for k, v in header.items() if k != "date"]
@@ -717,6 +849,8 @@ def main(args: argparse.Namespace) -> int:
         rows += fp8_rows(adapter, plan, workdir, args, peak, fidelity, notes)
     if args.fixed:
         rows += fixed_rows(workdir, FIXED_TOWERS, FIXED_BATCH, args.repeats, peak, device, compiled=bool(args.compile_modes))
+    if args.naflex:
+        rows += bench_naflex(workdir, args.repeats, peak, device, compiled=bool(args.compile_modes))
     header = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": torch.cuda.get_device_name(),

@@ -151,6 +151,10 @@ def _bench_command(sub: Any) -> None:
         "--fixed", action=argparse.BooleanOptionalAction, default=True,
         help="also SigLIP-so400m-384 and CLIP-L/14-336-size towers at batch 256 against plain transformers + torch.compile",
     )
+    bench.add_argument(
+        "--naflex", action=argparse.BooleanOptionalAction, default=True,
+        help="also a SigLIP 2 so400m-patch16-naflex-size tower: packed graphs against transformers' padded batches",
+    )
     bench.add_argument("--workdir", default="bench-work")
     bench.set_defaults(func=_cmd_bench)
 

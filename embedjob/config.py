@@ -136,7 +136,7 @@ class ModelConfig:
     )
     attention: Literal["auto", "varlen", "fa4"] = key(
         "auto",
-        "Qwen-VL: the packed attention kernel: fa4 (FlashAttention-4 on segments over 128 tokens, the varlen kernels "
+        "Qwen-VL, SigLIP 2: the packed attention kernel: fa4 (FlashAttention-4 on segments over 128 tokens, the varlen kernels "
         "on shorter ones; pip install 'embedjob[fast]'), varlen (torch's varlen_attn, and embedjob's Triton kernel on "
         "64-token windows), auto (fa4 where it runs, else varlen)",
     )
@@ -161,7 +161,7 @@ class PreprocessConfig:
 
     # Pixel counts start at 1: the adapter reads 0 as unset, the model's default.
     min_pixels: int | None = key(None, "Qwen-VL: the fewest pixels an image is resized to; null: the model's default", AT_LEAST_1)
-    max_pixels: int | None = key(None, "Qwen-VL: the most pixels an image is resized to; null: the model's default", AT_LEAST_1)
+    max_pixels: int | None = key(None, "Qwen-VL, SigLIP 2: the most pixels an image is resized to; null: the model's default", AT_LEAST_1)
     max_image_pixels: int = key(178_956_970, "images larger than this (from their header) are too_large rows", AT_LEAST_1)
     tiling: Literal["none", "anyres"] = key("none", "CLIP/SigLIP/DINOv2: anyres adds local tiles to the global view")
     max_tiles: int = key(6, "the most local tiles per image with tiling: anyres", AT_LEAST_1)
@@ -178,7 +178,7 @@ class VideoConfig:
     fps: float = key(2.0, "frames sampled per second of video", ABOVE_0)
     max_frames: int = key(32, "the most frames sampled from one video", AT_LEAST_1)
     min_pixels: int | None = key(None, "Qwen-VL: the fewest pixels a frame is resized to; null: the model's default", AT_LEAST_1)
-    max_pixels: int | None = key(None, "Qwen-VL: the most pixels a frame is resized to; null: the model's default", AT_LEAST_1)
+    max_pixels: int | None = key(None, "Qwen-VL, SigLIP 2: the most pixels a frame is resized to; null: the model's default", AT_LEAST_1)
     # Checked from the stream header (and the first decoded frame) before the sampled
     # frames are decoded: a larger video is one `too_large` error row.
     max_pixels_per_frame: int = key(DEFAULT_MAX_FRAME_PIXELS, "videos with larger frames are too_large rows", AT_LEAST_1)

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = [
     "attention", "decode_rate", "device_gaps", "encoder_only", "fixed_compile",
     "gpu_decode", "packing", "precision", "scaling", "video_decode",
+    "naflex",
 ]
 SMOKE_SECONDS = 600
 
@@ -57,6 +58,7 @@ SMOKES = {
     "encoder_only": (["--smoke", "--images", "8"], ["| mix | items | not decoded |"]),
     "fixed_compile": (["--smoke", "--models", "clip", "--variants", "ours_graphs_compiled", "--repeats", "1"], ["variant", "images/s"]),
     "gpu_decode": (["--smoke", "--mixes", "qwen-224", "--images", "8", "--decoders", "cpu", "--repeats", "1"], ["| mix | decoder | workers |"]),
+    "naflex": (["--smoke"], ["| tower | max patches | variant |", "ours_graphs"]),
     "packing": (["--smoke"], ["padding, ladder", "min_padding never worse than greedy"]),
     "precision": (["--smoke", "--mixes", "qwen-224", "--images", "qwen-224=8", "--reference", "2", "--repeats", "1", "--precisions", "bf16-varlen-attn"], ["| mix | precision |"]),
     "scaling": (["--smoke", "--mixes", "qwen-224", "--images", "8"], ["| mix | run | rows |"]),

@@ -112,7 +112,7 @@ def rows_of(names: list[str]) -> list[InputRow]:
 
 CORPUS = ["progressive", "gray", "orientation_1", "orientation_6", "cmyk", "half_jpeg", *JPEGS]
 CORPUS += [f"shared/{p.name}" for p in shared_files("images") if p.suffix == ".jpg"]
-FAMILIES = {"qwen": "builtin:tiny-qwen2_5_vl", "siglip": "builtin:tiny-siglip", "clip": "builtin:tiny-clip"}
+FAMILIES = {"qwen": "builtin:tiny-qwen2_5_vl", "siglip": "builtin:tiny-siglip", "clip": "builtin:tiny-clip", "siglip2": "builtin:tiny-siglip2"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -899,6 +899,127 @@ def test_siglips_gelu_in_the_products_epilogue_is_the_tanh_gelu_of_the_product(c
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.999
 
 
+# SigLIP 2 NaFlex (`model.family: siglip2`, encoders/siglip2.py): packed views, graphs per budget.
+
+SIGLIP2_MEDIA = [random_image(300, 500, 21), random_image(40, 60, 22), random_image(640, 480, 23), random_image(20, 900, 24),
+                 random_video(3, 120, 200, 25)]
+
+
+@pytest.fixture(scope="module")
+def siglip2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A full Siglip2Model at so400m's head dim (72) and its 16 x 16 table for up to 256
+    patches (FlashAttention-4 takes the segments over 128 tokens where it is installed),
+    random weights (seed 5), saved with its image processor as a user's checkpoint is."""
+    from transformers import Siglip2Config, Siglip2ImageProcessor, Siglip2Model
+
+    from embedjob.encoders.siglip2 import BUILTIN_TEXT
+
+    directory = tmp_path_factory.mktemp("siglip2-gpu")
+    vision = dict(hidden_size=288, intermediate_size=576, num_hidden_layers=2, num_attention_heads=4, patch_size=16, num_patches=256)
+    torch.manual_seed(5)
+    Siglip2Model(Siglip2Config(text_config=BUILTIN_TEXT, vision_config=vision)).save_pretrained(directory)
+    Siglip2ImageProcessor(patch_size=16, max_num_patches=256).save_pretrained(directory)
+    return directory
+
+
+def _siglip2(cache_dir: str, checkpoint: Path, pooling: str = "mean", **model):
+    spec = {"family": "siglip2", "path": str(checkpoint), "dtype": "bfloat16", **model}
+    return load_adapter(make_job(cache_dir, model=spec, output={"pooling": pooling}), torch.device("cuda"))
+
+
+SIGLIP2_PLAN = BudgetPlan((256, 512, 1024, 2048), max_items=8, max_frames=8)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "none"])
+def test_siglip2_cuda_graphs_replay_like_padded_eager_in_a_nan_filled_pool(cache_dir: str, siglip2_checkpoint: Path, pooling: str) -> None:
+    """Every batch's replay equals its padded eager run bit for bit and its real rows are
+    finite (pad rows and pad segments never reach them), and stays within bf16 rounding of
+    the same batch run eagerly at its exact size."""
+    adapter = _siglip2(cache_dir, siglip2_checkpoint, pooling)
+    items = [adapter.preprocessor()(m) for m in SIGLIP2_MEDIA]
+    assert len({i.tokens for i in items}) > 2
+    seen = 0
+    for replayed, eager in nan_pool_replays(adapter, adapter, SIGLIP2_PLAN, items):
+        cos = torch.nn.functional.cosine_similarity(replayed.float(), eager.float(), dim=-1)
+        assert cos.min() > 0.999, float(cos.min())
+        seen += replayed.shape[0]
+    assert seen == sum(adapter.row_counts(items))
+
+
+def _siglip2_reference(checkpoint: Path, images: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """transformers' bf16 model on the processor's padded batch, one image at a time: the
+    pooled vector and the real tokens' final states of each."""
+    from transformers import Siglip2ImageProcessor, Siglip2Model
+
+    processor = Siglip2ImageProcessor.from_pretrained(checkpoint)
+    tower = Siglip2Model.from_pretrained(checkpoint, dtype=torch.bfloat16).vision_model.cuda().eval()
+    pooled, states = [], []
+    for image in images:
+        inputs = processor(images=[torch.from_numpy(image.pixels).permute(2, 0, 1)], return_tensors="pt").to("cuda")
+        inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
+        with torch.no_grad():
+            out = tower(**inputs)
+        pooled.append(out.pooler_output[0].float())
+        states.append(out.last_hidden_state[0, : int(inputs["pixel_attention_mask"].sum())].float())
+    return pooled, states
+
+
+@pytest.mark.parametrize("pooling", ["mean", "none"])
+def test_siglip2_bf16_graph_rows_are_the_transformers_bf16_models(cache_dir: str, siglip2_checkpoint: Path, pooling: str) -> None:
+    """The graphs' vectors (or per-token rows, one per patch of each image's grid) against
+    transformers' own bf16 tower on its padded batch, by cosine."""
+    images = [m for m in SIGLIP2_MEDIA if not hasattr(m, "frames")]
+    adapter = _siglip2(cache_dir, siglip2_checkpoint, pooling)
+    manager = GraphManager(adapter, SIGLIP2_PLAN, "cuda")
+    manager.capture()
+    items = [adapter.preprocessor()(m) for m in images]
+    rows = manager.run(items, 2048)
+    pooled, states = _siglip2_reference(siglip2_checkpoint, images)
+    for item, ours, vector, tokens in zip(items, rows, pooled, states):
+        if pooling == "mean":
+            assert ours.shape == (1, adapter.embed_dim)
+            assert float(torch.nn.functional.cosine_similarity(ours.float(), vector[None])) > 0.995
+        else:
+            assert ours.shape == tokens.shape == (item.tokens, adapter.embed_dim) and item.token_grid[1] * item.token_grid[2] == item.tokens
+            assert torch.nn.functional.cosine_similarity(ours.float(), tokens, dim=-1).min() > 0.98
+    manager.clear()
+
+
+def test_siglip2_fp8_compiled_graphs_stay_close_to_bf16(cache_dir: str, siglip2_checkpoint: Path) -> None:
+    """model.precision fp8 with batching.compile: the encoder layers compiled with their
+    FP8 layers (q, k, v joined, norms and the GELU applied by the row kernel), captured in
+    a NaN-filled pool; every replay equals its padded eager run and each vector is within
+    cosine 0.99 of the bf16 tower's."""
+    bf16 = _siglip2(cache_dir, siglip2_checkpoint)
+    fp8 = _siglip2(cache_dir, siglip2_checkpoint, precision="fp8")
+    assert fp8.fp8_layers and sum(fp8.fp8_layers.values()) >= 6 * len(fp8.compile_units())
+    fp8.compile(dynamic=True)
+    items = [fp8.preprocessor()(m) for m in SIGLIP2_MEDIA]
+    for replayed, full in nan_pool_replays(fp8, bf16, SIGLIP2_PLAN, items):
+        cos = torch.nn.functional.cosine_similarity(replayed.float(), full.float(), dim=-1)
+        assert cos.min() >= 0.99, float(cos.min())
+
+
+def test_siglip2_jpegs_decoded_by_nvjpeg_keep_the_cpu_grids(cache_dir: str, siglip2_checkpoint: Path) -> None:
+    """`preprocess.decoder: gpu`: a deferred JPEG's grid follows from its header, and its
+    patches, made on the device, are the CPU path's up to the decoders' rounding."""
+    from embedjob import rows as worker
+    from embedjob.decode import DecodeOptions
+    from embedjob.io.reader import InputRow
+
+    preprocess = _siglip2(cache_dir, siglip2_checkpoint).preprocessor()
+    options = DecodeOptions(modality="image", max_image_pixels=50_000_000, fps=2.0, max_frames=32, frame_multiple=1)
+    rows = [InputRow(k, k, p.read_bytes(), None, None) for k, p in enumerate(GPU_JPEGS)]
+    cpu = [worker.decode_row(row, options, preprocess) for row in rows]
+    window = [worker.decode_row(row, dataclasses.replace(options, defer_jpeg=True), preprocess) for row in rows]
+    assert worker.decode_on_device(window, options, preprocess, torch.device("cuda")) >= 5
+    for got, want in zip(window, cpu, strict=True):
+        assert (got.error, got.item.grid, got.item.tokens) == (want.error, want.item.grid, want.item.tokens)
+        a, b = got.item.tensors["pixel_values"], want.item.tensors["pixel_values"]
+        assert a.is_cuda and a.shape == b.shape
+        assert float((a.cpu().to(torch.int16) - b.to(torch.int16)).abs().float().mean()) < 3.0, got.id
+
+
 # ---------------------------------------------------------------- DINOv3 and MetaCLIP 2 (model.family dinov3, metaclip2)
 
 DINO_METACLIP = ["dinov3", "metaclip2"]

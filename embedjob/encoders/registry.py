@@ -35,6 +35,7 @@ class Family:
 
 _QWEN = "embedjob.encoders.qwen"
 _FIXED = "embedjob.encoders.fixed"
+_SIGLIP2 = "embedjob.encoders.siglip2"
 
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(_QWEN, False, ("qwen2_vl", "qwen2_vl_vision")),
@@ -45,6 +46,7 @@ FAMILIES: dict[str, Family] = {
     "dinov2": Family(_FIXED, True, ("dinov2",), poolable=True),
     "dinov3": Family(_FIXED, True, ("dinov3_vit",), poolable=True),
     "metaclip2": Family(_FIXED, True, ("metaclip_2", "metaclip_2_vision_model")),
+    "siglip2": Family(_SIGLIP2, False, ("siglip2", "siglip2_vision_model")),
 }
 
 

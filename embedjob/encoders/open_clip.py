@@ -133,7 +133,8 @@ class OpenClipPreprocessor(FixedPreprocessor):
         the longer truncated); shortest, oblong input, and longest: OpenCLIP's
         `ResizeKeepRatio` (each side divided by the smaller or larger of the two ratios
         to the input size, rounded), which for shortest ignores the configured filter
-        and is always bicubic; squash: the input size.
+        and is always bicubic; squash: the input size. A side that rounds to 0 pixels
+        (longest, a 1:12 strip) is kept at 1, where OpenCLIP's transform fails.
         """
         target_h, target_w = self.input_size
         if self.resize_mode == "squash":
@@ -145,7 +146,7 @@ class OpenClipPreprocessor(FixedPreprocessor):
         ratios = (height / target_h, width / target_w)
         ratio = max(ratios) if self.resize_mode == "longest" else min(ratios)
         interpolation = self.interpolation if self.resize_mode == "longest" else tvF.InterpolationMode.BICUBIC
-        return (round(height / ratio), round(width / ratio)), interpolation
+        return (max(round(height / ratio), 1), max(round(width / ratio), 1)), interpolation
 
     def crop_or_pad(self, images: torch.Tensor) -> torch.Tensor:
         """OpenCLIP's (and torchvision's) centre crop to `input_size`: a side shorter than

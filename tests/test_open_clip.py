@@ -27,9 +27,7 @@ from embedjob.encoders.registry import family_of
 from embedjob.engine.graphs import GraphManager
 from embedjob.engine.packer import BudgetPlan
 
-open_clip = pytest.importorskip("open_clip")
-
-from embedjob.encoders.open_clip import WEIGHTS, save_checkpoint  # noqa: E402  (needs open_clip's tests to run)
+from embedjob.encoders.open_clip import WEIGHTS, save_checkpoint
 
 CPU = torch.device("cpu")
 PHOTOS = sorted((REPO / "tests" / "data").glob("img2dataset_*.jpg"))
@@ -38,8 +36,23 @@ VISION = {"image_size": 80, "patch_size": 16, "width": 64, "head_width": 16, "la
 IMAGENET = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 
 
+def without_package(test):
+    """Marks a test that runs where open_clip_torch is not installed."""
+    test.runs_without_open_clip = True
+    return test
+
+
+@pytest.fixture(autouse=True)
+def needs_open_clip(request: pytest.FixtureRequest) -> None:
+    """Every test but the `without_package` ones needs open_clip_torch (skipped where it is absent)."""
+    if not getattr(request.function, "runs_without_open_clip", False):
+        pytest.importorskip("open_clip")
+
+
 def user_checkpoint(directory: Path, vision: dict | None = None, preprocess: dict | None = None, seed: int = 0, **model: object) -> Path:
     """An OpenCLIP model of random weights (fixed seed) saved in the layout of a hub repository."""
+    import open_clip
+
     model_cfg = {"embed_dim": 40, "vision_cfg": {**VISION, **(vision or {})}, "text_cfg": TEXT, **model}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -49,8 +62,18 @@ def user_checkpoint(directory: Path, vision: dict | None = None, preprocess: dic
     return directory
 
 
+def config_only(directory: Path) -> Path:
+    """A directory holding only what tells a checkpoint's family: its open_clip_config.json."""
+    directory.mkdir(parents=True)
+    model_cfg = {"embed_dim": 40, "vision_cfg": VISION, "text_cfg": TEXT}
+    (directory / "open_clip_config.json").write_text(json.dumps({"model_cfg": model_cfg, "preprocess_cfg": IMAGENET}))
+    return directory
+
+
 def reference(directory: Path) -> tuple[torch.nn.Module, object]:
     """What an OpenCLIP user gets from the same directory: the model and its inference transform."""
+    import open_clip
+
     model, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{directory}")
     return model.eval(), preprocess
 
@@ -128,8 +151,9 @@ def test_model_input_is_open_clips_transform_of_the_picture(tmp_path: Path, cach
         assert ours.shape == want.shape and torch.allclose(ours, want, atol=1e-5, rtol=0), picture.shape
 
 
-def test_the_family_is_told_from_open_clip_config_json_or_an_hf_hub_id(tmp_path: Path, cache_dir: str) -> None:
-    checkpoint = user_checkpoint(tmp_path / "ckpt")
+@without_package
+def test_the_family_is_told_from_open_clip_config_json_or_an_hf_hub_id(tmp_path: Path) -> None:
+    checkpoint = config_only(tmp_path / "ckpt")
     assert family_of(str(checkpoint)) == "open_clip"
     assert family_of("hf-hub:laion/CLIP-ViT-H-14-laion2B-s32B-b79K") == "open_clip"
     both = tmp_path / "both"
@@ -137,14 +161,13 @@ def test_the_family_is_told_from_open_clip_config_json_or_an_hf_hub_id(tmp_path:
     (both / "open_clip_config.json").write_text((checkpoint / "open_clip_config.json").read_text())
     (both / "config.json").write_text(json.dumps({"model_type": "clip"}))
     assert family_of(str(both)) == "clip"  # a transformers checkpoint beside it is the transformers family
-    spec = make_job(cache_dir, model={"path": str(checkpoint)})
-    assert spec.model.family == "open_clip"
 
 
+@without_package
 def test_a_job_naming_open_clip_without_the_package_stops_with_the_extra_to_install(
     tmp_path: Path, cache_dir: str, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    checkpoint = user_checkpoint(tmp_path / "ckpt")
+    checkpoint = config_only(tmp_path / "ckpt")
     monkeypatch.setitem(sys.modules, "open_clip", None)  # `import open_clip` fails, as where it is not installed
     with pytest.raises(JobError, match=r"pip install 'embedjob\[open_clip\]'"):
         make_job(cache_dir, model={"path": str(checkpoint)})

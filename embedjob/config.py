@@ -570,6 +570,12 @@ def _check_batching(job: Job, errors: list[str]) -> None:
 
 def _check_model(job: Job, errors: list[str]) -> None:
     pp = job.preprocess
+    family = FAMILIES.get(job.model.family)
+    if family is not None and family.package is not None and importlib.util.find_spec(family.package) is None:
+        errors.append(
+            f"model.family {job.model.family!r} needs the {family.package} package, which is not installed here: "
+            f"pip install 'embedjob[{family.extra}]'"
+        )
     if pp.tiling == "anyres" and job.model.family not in FIXED_RESOLUTION:
         errors.append(
             f"preprocess.tiling = 'anyres' needs a fixed-resolution encoder ({', '.join(FIXED_RESOLUTION)}); "

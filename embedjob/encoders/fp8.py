@@ -96,9 +96,11 @@ one input width. A group that a forward does not call that way still computes ri
 (see `Fp8Joint`), only without the saving."""
 
 
-ACTIVATION_INTO = (("activation_fn", "fc2"), ("act", "fc2"))
+ACTIVATION_INTO = (("activation_fn", "fc2"), ("act", "fc2"), ("gelu", "c_proj"))
 """(activation, layer) names of MLPs whose forward feeds the activation's output to that
-layer alone (transformers' modeling code), so the layer may apply the activation itself."""
+layer alone (transformers' modeling code; OpenCLIP's `nn.Sequential` MLPs where nothing
+but identities stands between the two, `_feeds_alone`), so the layer may apply the
+activation itself."""
 ACTIVATIONS: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "gelu_tanh": (1, lambda x: F.gelu(x, approximate="tanh")),
     "gelu": (2, F.gelu),
@@ -131,6 +133,7 @@ NORM_INTO = (
     ("norm1", ("attn.qkv",)),  # Qwen-VL
     ("norm2", ("mlp.fc1",)),  # DINOv2, Qwen2-VL
     ("norm2", ("mlp.gate_proj", "mlp.up_proj")),  # Qwen2.5-VL
+    ("ln_2", ("mlp.c_fc",)),  # OpenCLIP (its ln_1 feeds nn.MultiheadAttention, which stays as it is)
 )
 """(norm, the layers that read its output) by their names within a block, for blocks
 whose forward (transformers' modeling code) hands the norm's output to those layers
@@ -528,12 +531,26 @@ def _activate_into(module: torch.nn.Module, activation: str, layer: str) -> str 
     linear, function = getattr(module, layer, None), getattr(module, activation, None)
     if type(linear) is not torch.nn.Linear or not isinstance(function, torch.nn.Module):
         return None
+    if not _feeds_alone(module, activation, layer):
+        return None
     kind = recognised_activation(function)
     if kind is None:
         return None
     setattr(module, layer, Fp8Linear(linear, activation=kind))
     setattr(module, activation, torch.nn.Identity())
     return kind
+
+
+def _feeds_alone(module: torch.nn.Module, activation: str, layer: str) -> bool:
+    """Whether `module` hands `activation`'s output to `layer` alone: in an `nn.Sequential`
+    (OpenCLIP's MLPs) where the layer follows the activation with nothing but identities
+    between (OpenCLIP's `scale_fc` blocks put a norm there); any other module by the names
+    `ACTIVATION_INTO` lists for its forward."""
+    if not isinstance(module, torch.nn.Sequential):
+        return True
+    names = [name for name, _ in module.named_children()]
+    first, last = names.index(activation), names.index(layer)
+    return first < last and all(isinstance(getattr(module, name), torch.nn.Identity) for name in names[first + 1 : last])
 
 
 def _gate_into(block: torch.nn.Module, path: str, mlp: torch.nn.Module) -> Fp8GatedMlp | None:

@@ -20,7 +20,6 @@ from test_shards import DEMO
 from embedjob.cli import main
 from embedjob.io.export import build_index, recall_at_k
 
-faiss = pytest.importorskip("faiss")
 
 
 def write_input(path: Path, copies: int) -> Path:
@@ -81,6 +80,7 @@ def test_npy_holds_the_outputs_vectors_in_order_without_error_rows(output: Path,
 
 
 def test_faiss_index_reports_recall_and_lines_up_with_its_metadata(output: Path, tmp_path: Path, capsys) -> None:
+    faiss = pytest.importorskip("faiss")
     dest = tmp_path / "index"
     assert main(["export", str(output), str(dest), "--format", "faiss"]) == 0
     assert "recall@10 1.000 on 20 sampled vectors against exact search" in capsys.readouterr().err
@@ -95,6 +95,7 @@ def test_faiss_index_reports_recall_and_lines_up_with_its_metadata(output: Path,
 
 
 def test_an_inverted_file_above_the_flat_limit_finds_most_true_neighbours() -> None:
+    faiss = pytest.importorskip("faiss")
     rng = np.random.default_rng(7)
     centres = rng.normal(size=(40, 32))
     vectors = (centres[rng.integers(0, 40, 6000)] + 0.3 * rng.normal(size=(6000, 32))).astype(np.float32)

@@ -233,3 +233,18 @@ def test_job_errors_name_what_to_change(tmp_path: Path, cache_dir: str, capsys) 
     (tmp_path / "empty").mkdir()
     assert main(["run", *run_args(tmp_path / "empty", out, cache_dir, True)]) == 2
     assert "no *.tar file" in capsys.readouterr().err
+
+
+def test_a_tar_behind_an_fsspec_uri_reads_as_the_local_one(tmp_path: Path) -> None:
+    import fsspec
+
+    items = media()[:3]
+    local = write_tars(tmp_path / "tars", items, (3,))
+    fsspec.filesystem("memory").pipe("/wds-test/00000.tar", (local / "00000.tar").read_bytes())
+    rows = {}
+    for path in (str(local), "memory://wds-test"):
+        cfg = InputConfig(path=path, media_column="jpg", format="webdataset")
+        listing = reader.scan_input(cfg, ["txt"])
+        rows[path] = [(r.id, r.data, r.extra) for r in reader.read_rows(cfg, listing.fragments, columns=["txt"])]
+        assert listing.files[0].size == (local / "00000.tar").stat().st_size
+    assert rows["memory://wds-test"] == rows[str(local)] == [(k, d, (caption(k),)) for k, _, d in items]

@@ -19,7 +19,8 @@ one batch of 256 images already on the GPU, plain transformers with `torch.compi
 against embedjob's graphs over its compiled adapter (`fixed_rows`; --no-fixed skips
 them), and a SigLIP 2 so400m-patch16-naflex-size tower on images of mixed aspect ratios,
 transformers' padded batches against embedjob's packed graphs (`naflex_rows`;
---no-naflex skips it). Times are CUDA-event medians after a
+--no-naflex skips it), and an OpenCLIP ViT-H-14-size model against open_clip's own
+`encode_image` where open_clip_torch is installed (`open_clip_rows`). Times are CUDA-event medians after a
 warm-up; MFU is useful FLOPs (real tokens only, padding excluded) over the time, against
 a bf16 matmul timed in the same process. The last thing printed is the table.
 """
@@ -27,6 +28,7 @@ a bf16 matmul timed in the same process. The last thing printed is the table.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import logging
@@ -601,7 +603,6 @@ def _fixed_tower_rows(
     from embedjob.config import job_from_dict
     from embedjob.encoders import load_adapter
     from embedjob.encoders.fixed import FAMILIES as FIXED
-    from embedjob.encoders.fixed import GLOBAL_KEY
     from embedjob.encoders.loading import transformers_class
 
     job = job_from_dict({
@@ -626,20 +627,95 @@ def _fixed_tower_rows(
     torch._dynamo.reset()
     if compiled:
         adapter.compile(dynamic=True)
-    per_image = adapter.tokens_per_image
+    ours_seconds, ours = _graph_seconds(adapter, pixels, repeats, device)
+    cosine = float(torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min())
+    kind = "torch.compile(model)" if compiled else "eager"
+    return [
+        Row(label, f"plain_transformers_{'compile' if compiled else 'eager'}", batch, plain_seconds, flops, peak,
+            note=f"{kind}, batch {batch} on the device"),
+        Row(label, "ours_graphs_compiled" if compiled else "ours_graphs", batch, ours_seconds, flops, peak,
+            note=f"{plain_seconds / ours_seconds:.3f}x plain; min cos to plain {cosine:.5f}"),
+    ]
+
+
+def _graph_seconds(adapter: Any, pixels: torch.Tensor, repeats: int, device: torch.device) -> tuple[float, torch.Tensor]:
+    """A fixed-resolution adapter's median seconds replaying one graph of the batch of
+    uint8 `pixels` (already on the device) and its embeddings in float32."""
+    from embedjob.encoders.fixed import GLOBAL_KEY
+
+    batch, per_image = pixels.shape[0], adapter.tokens_per_image
     budget = batch * per_image
     manager = GraphManager(adapter, packer.BudgetPlan((budget,), batch, 0), "cuda" if device.type == "cuda" else "replay")
     manager.capture()
     # Items whose pixels are already on the device, as with `preprocess.decoder: gpu`.
     items = [EncoderInput({GLOBAL_KEY: pixels[k : k + 1]}, tokens=per_image, frames=0, size=per_image) for k in range(batch)]
     with torch.inference_mode():
-        ours_seconds = device_time(lambda: manager.run_batch(items, budget), repeats, device)
-        ours = manager.run_batch(items, budget)[:batch].float()
-    cosine = float(torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min())
+        seconds = device_time(lambda: manager.run_batch(items, budget), repeats, device)
+        embeddings = manager.run_batch(items, budget)[:batch].float()
     manager.clear()
-    kind = "torch.compile(model)" if compiled else "eager"
+    return seconds, embeddings
+
+
+OPEN_CLIP_TOWER = "ViT-H-14"
+"""The OpenCLIP model config (open_clip's own, by name) of `embedjob bench`'s OpenCLIP row:
+the size of hf-hub:laion/CLIP-ViT-H-14-laion2B-s32B-b79K."""
+
+
+def open_clip_rows(
+    workdir: Path, label: str, model_cfg: dict[str, Any], batch: int, repeats: int, peak: float, device: torch.device,
+    compiled: bool = True,
+) -> list[Row]:
+    """An OpenCLIP model of `model_cfg` (random weights, seed 0, saved in the hub layout)
+    on one batch of `batch` images already on the device, two ways: open_clip's own
+    `model.encode_image` (through `torch.compile` when `compiled`) and embedjob's graph
+    replay of its adapter, compiled as a job compiles it. The second row's note gives
+    its speed over the first and the smallest cosine between their embeddings."""
+    from embedjob.config import job_from_dict
+    from embedjob.encoders import load_adapter
+    from embedjob.encoders.loading import save_atomically
+    from embedjob.encoders.open_clip import import_open_clip, save_checkpoint
+
+    open_clip = import_open_clip()
+    directory = workdir / f"open_clip-{label.replace('/', '-').replace(' ', '-')}"
+
+    def build(tmp: Path) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            save_checkpoint(open_clip.CLIP(**model_cfg).to(torch.bfloat16), model_cfg, {}, tmp)
+
+    save_atomically(build, directory)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    adapter = load_adapter(job_from_dict({
+        "input": {"path": "unused.parquet", "media_column": "image"},
+        "model": {"family": "open_clip", "path": str(directory), "dtype": dtype},
+        "output": {"path": "unused"},
+        "batching": {"compile": compiled},
+        "runtime": {"cache_dir": str(workdir / "cache")},
+    }), device)
+    tower = adapter.tower
+    shape = SimpleNamespace(
+        hidden_size=tower.transformer.width, intermediate_size=tower.transformer.resblocks[0].mlp.c_fc.out_features,
+        num_hidden_layers=len(tower.transformer.resblocks), patch_size=tower.patch_size[0], image_size=tower.image_size[0],
+    )
+    flops = batch * fixed_flops("clip", shape, adapter.embed_dim)
+    generator = torch.Generator().manual_seed(1)
+    pixels = torch.randint(0, 256, (batch, 3, *adapter.processing.input_size), dtype=torch.uint8, generator=generator).to(device)
+    values = adapter.processing.normalize(pixels, adapter.pixel_scale).to(adapter.dtype)
+    precision = "pure_bf16" if adapter.dtype == torch.bfloat16 else "fp32"
+    plain = open_clip.create_model(f"local-dir:{directory}", precision=precision, device=device).eval().requires_grad_(False)
+    encode = torch.compile(plain.encode_image) if compiled else plain.encode_image
+    with torch.inference_mode():
+        plain_seconds = device_time(lambda: encode(values), repeats, device)
+        reference = encode(values).float()
+    del plain, encode
+    torch._dynamo.reset()
+    if compiled:
+        adapter.compile(dynamic=True)
+    ours_seconds, ours = _graph_seconds(adapter, pixels, repeats, device)
+    cosine = float(torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min())
+    kind = "torch.compile(model.encode_image)" if compiled else "eager"
     return [
-        Row(label, f"plain_transformers_{'compile' if compiled else 'eager'}", batch, plain_seconds, flops, peak,
+        Row(label, f"plain_open_clip_{'compile' if compiled else 'eager'}", batch, plain_seconds, flops, peak,
             note=f"{kind}, batch {batch} on the device"),
         Row(label, "ours_graphs_compiled" if compiled else "ours_graphs", batch, ours_seconds, flops, peak,
             note=f"{plain_seconds / ours_seconds:.3f}x plain; min cos to plain {cosine:.5f}"),
@@ -849,6 +925,13 @@ def main(args: argparse.Namespace) -> int:
         rows += fp8_rows(adapter, plan, workdir, args, peak, fidelity, notes)
     if args.fixed:
         rows += fixed_rows(workdir, FIXED_TOWERS, FIXED_BATCH, args.repeats, peak, device, compiled=bool(args.compile_modes))
+        if importlib.util.find_spec("open_clip") is None:
+            notes["open_clip"] = "skipped: open_clip_torch is not installed (pip install 'embedjob[open_clip]')"
+        else:
+            rows += open_clip_rows(
+                workdir, f"OpenCLIP {OPEN_CLIP_TOWER}-size", _open_clip_config(OPEN_CLIP_TOWER), FIXED_BATCH, args.repeats, peak,
+                device, compiled=bool(args.compile_modes),
+            )
     if args.naflex:
         rows += bench_naflex(workdir, args.repeats, peak, device, compiled=bool(args.compile_modes))
     header = {
@@ -866,6 +949,13 @@ def main(args: argparse.Namespace) -> int:
     (workdir / "bench.md").write_text(table + "\n")
     print(table)
     return 0
+
+
+def _open_clip_config(name: str) -> dict[str, Any]:
+    """open_clip's own model config of that name (the published model's sizes)."""
+    import open_clip
+
+    return open_clip.get_model_config(name)
 
 
 def _version(name: str) -> str:

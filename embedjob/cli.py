@@ -1,4 +1,4 @@
-"""`embedjob run / submit / status / verify / report / bench / inspect`.
+"""`embedjob run / submit / status / verify / report / export / bench / inspect`.
 
 Exit codes: 0 when the shard finished (error rows included), or the output verified
 intact; 2 when something the user names must change: the job spec or the command
@@ -31,6 +31,7 @@ import yaml
 
 from embedjob.config import Job, JobError, RunFailure, describe, load_job, prepare_process, reference_markdown
 from embedjob.io.checkpoint import OutputError
+from embedjob.io.export import FLAT_LIMIT, FORMATS, ROWS_PER_FILE, export_output, summary
 from embedjob.io.writer import ErrorRateExceeded
 from embedjob.report.counts import codes_text, plural, route_warnings
 from embedjob.stopping import Stopped, on_signals
@@ -115,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
     _slurm_commands(sub)
     _report_command(sub)
+    _export_command(sub)
 
     _bench_command(sub)
 
@@ -414,6 +416,28 @@ def _cmd_report(args: argparse.Namespace) -> int:
     report = write_report(Path(args.output), Path(args.out) if args.out else None)
     print(f"embedjob: wrote the report of {args.output} with {plural(len(report.figures), 'figure')}", file=sys.stderr)
     print(report.path)
+    return 0
+
+
+def _export_command(sub: Any) -> None:
+    export = sub.add_parser(
+        "export", help="write a finished output's vectors as embeddings/*.npy + metadata/*.parquet, or a faiss index"
+    )
+    export.add_argument("output", help="the job's output.path")
+    export.add_argument("dest", help="a new or empty directory")
+    export.add_argument("--format", choices=FORMATS, default="npy", help="npy arrays, or a faiss index (pip install 'embedjob[index]')")
+    export.add_argument("--partial", action="store_true", help="export the committed rows of an unfinished output")
+    export.add_argument("--rows-per-file", type=int, default=ROWS_PER_FILE, metavar="N", help="rows per exported file (default %(default)s)")
+    export.add_argument(
+        "--flat-limit", type=int, default=FLAT_LIMIT, metavar="N", help="faiss: an exact index up to N vectors, IVF above (default %(default)s)"
+    )
+    export.set_defaults(func=_cmd_export)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    result = export_output(Path(args.output), Path(args.dest), args.format, args.partial, args.rows_per_file, args.flat_limit)
+    print(f"embedjob: {summary(result, Path(args.output))}", file=sys.stderr)
+    print(result.dest)
     return 0
 
 

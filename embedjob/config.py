@@ -117,6 +117,10 @@ class InputConfig:
     allow_any_path: bool = key(False, "read media paths without a media_root (they may name any readable file)")
     max_item_bytes: int = key(DEFAULT_MAX_ITEM_BYTES, "the largest media item read, in bytes; larger ones are too_large rows", AT_LEAST_1)
     batch_rows: int = key(256, "rows decoded from Parquet at a time", AT_LEAST_1)
+    format: Literal["parquet", "webdataset"] = key(
+        "parquet",
+        "parquet, or webdataset: .tar shards, one row per key, media from the member input.media_column names (e.g. jpg), id the key",
+    )
 
 
 @dataclass
@@ -580,6 +584,12 @@ def _check_batching(job: Job, errors: list[str]) -> None:
 
 def _check_model(job: Job, errors: list[str]) -> None:
     pp = job.preprocess
+    family = FAMILIES.get(job.model.family)
+    if family is not None and family.package is not None and importlib.util.find_spec(family.package) is None:
+        errors.append(
+            f"model.family {job.model.family!r} needs the {family.package} package, which is not installed here: "
+            f"pip install 'embedjob[{family.extra}]'"
+        )
     if pp.tiling == "anyres" and job.model.family not in FIXED_RESOLUTION:
         errors.append(
             f"preprocess.tiling = 'anyres' needs a fixed-resolution encoder ({', '.join(FIXED_RESOLUTION)}); "
@@ -635,7 +645,7 @@ def _check_pool(job: Job, errors: list[str]) -> None:
 
 def _check_columns(job: Job, errors: list[str]) -> None:
     """Copied input columns must name distinct output columns of their own; the id
-    column must not be the media column."""
+    column must not be the media column, and webdataset input has none (its ids are keys)."""
     columns = job.output.columns
     taken = [c for c in columns if c in OUTPUT_COLUMNS]
     if taken:
@@ -647,7 +657,9 @@ def _check_columns(job: Job, errors: list[str]) -> None:
     if repeated:
         errors.append(f"output.columns names {repeated} more than once")
     ids = job.input.id_column
-    if ids is not None and ids == job.input.media_column:
+    if ids is not None and job.input.format == "webdataset":
+        errors.append(f"input.id_column '{ids}' does not apply to input.format 'webdataset': each row's id is its key; remove it")
+    elif ids is not None and ids == job.input.media_column:
         errors.append(
             f"input.id_column '{ids}' is input.media_column: each id would be a copy of the media; "
             "name a column of ids, or null to use the row index"

@@ -1003,11 +1003,82 @@ def test_siglip2_fp8_compiled_graphs_stay_close_to_bf16(cache_dir: str, siglip2_
 def test_siglip2_jpegs_decoded_by_nvjpeg_keep_the_cpu_grids(cache_dir: str, siglip2_checkpoint: Path) -> None:
     """`preprocess.decoder: gpu`: a deferred JPEG's grid follows from its header, and its
     patches, made on the device, are the CPU path's up to the decoders' rounding."""
+# OpenCLIP towers (`model.family: open_clip`; needs open_clip_torch).
+
+
+def open_clip_cuda(tmp_path: Path, cache_dir: str, **model: object):
+    """A user's OpenCLIP checkpoint (random weights, seed 0, a 224-px ViT-B-16-shaped tower
+    of 4 blocks) loaded on CUDA in bfloat16, with its directory."""
+    pytest.importorskip("open_clip")
+    from test_open_clip import job, user_checkpoint
+
+    directory = tmp_path / "open_clip"
+    if not directory.exists():
+        user_checkpoint(directory, {"image_size": 224, "patch_size": 16, "width": 768, "head_width": 64, "layers": 4, "mlp_ratio": 4.0})
+    adapter = load_adapter(job(cache_dir, directory, model={"dtype": "bfloat16", **model}), torch.device("cuda"))
+    return adapter, directory
+
+
+def test_open_clip_compiled_graphs_replay_like_padded_eager_and_match_open_clip_in_bf16(tmp_path: Path, cache_dir: str) -> None:
+    """Every replay of the compiled bf16 tower equals its padded eager run bit for bit,
+    with finite rows; each photo's vector is open_clip's own bf16 `encode_image` of it
+    (pure bf16, open_clip's transform) to bf16 rounding, and near its fp32 vector."""
+    import open_clip
+    from PIL import Image
+    from test_open_clip import PHOTOS, decoded
+
+    adapter, directory = open_clip_cuda(tmp_path, cache_dir)
+    adapter.compile(dynamic=True)
+    t = adapter.tokens_per_image
+    manager = GraphManager(adapter, BudgetPlan((t, 4 * t, 16 * t), max_items=16, max_frames=16), "cuda")
+    manager.capture()
+    media = [decoded(p) for p in PHOTOS] + [random_image(90, 60, 1), random_video(3, 50, 80, 2)]
+    items = [adapter.preprocessor()(m) for m in media]
+    replayed = torch.cat(manager.run(items, 16 * t))
+    padded = padded_eager(manager, items, 16 * t)
+    assert replayed.shape == (len(PHOTOS) + 4, adapter.embed_dim)
+    assert torch.equal(replayed, padded[: replayed.shape[0]]) and torch.isfinite(replayed).all()
+    manager.clear()
+    pictures = [Image.open(p) for p in PHOTOS]
+    wants = {}
+    for precision in ("pure_bf16", "fp32"):
+        model, _, transform = open_clip.create_model_and_transforms(f"local-dir:{directory}", precision=precision, device="cuda")
+        pixels = torch.stack([transform(p) for p in pictures]).to("cuda", next(model.parameters()).dtype)
+        with torch.inference_mode():
+            wants[precision] = model.eval().encode_image(pixels).float()
+    ours = replayed[: len(PHOTOS)].float()
+    assert torch.nn.functional.cosine_similarity(ours, wants["pure_bf16"]).min() > 0.999
+    assert float(((ours - wants["fp32"]).norm(dim=-1) / wants["fp32"].norm(dim=-1)).max()) < 0.05
+
+
+def test_open_clip_fp8_graphs_stay_close_to_bf16(tmp_path: Path, cache_dir: str) -> None:
+    """model.precision fp8: the MLPs' c_fc and c_proj in FP8 (nn.MultiheadAttention left
+    as it is), compiled and captured; every photo's vector within cosine 0.99 of bf16."""
+    from test_open_clip import PHOTOS, decoded
+
+    bf16, _ = open_clip_cuda(tmp_path, cache_dir)
+    fp8, _ = open_clip_cuda(tmp_path, cache_dir, precision="fp8")
+    assert fp8.fp8_layers == {"mlp.c_fc": 4, "mlp.c_proj": 4}
+    fp8.compile(dynamic=True)
+    items = [fp8.preprocessor()(decoded(p)) for p in PHOTOS]
+    t = fp8.tokens_per_image
+    plan = BudgetPlan((t, 4 * t, 8 * t), max_items=8, max_frames=8)
+    for replayed, full in nan_pool_replays(fp8, bf16, plan, items):
+        cos = torch.nn.functional.cosine_similarity(replayed.float(), full.float(), dim=-1)
+        assert cos.min() > 0.99, float(cos.min())
+
+
+def test_open_clip_jpegs_decoded_by_nvjpeg_are_the_cpu_views_up_to_the_resize(tmp_path: Path, cache_dir: str) -> None:
+    """`preprocess.decoder: gpu`: the views of OpenCLIP's transform made on the device
+    (torchvision's tensor resize where the workers use PIL's) are the CPU views to a few
+    levels, and the vectors to cosine 0.99."""
     from embedjob import rows as worker
     from embedjob.decode import DecodeOptions
     from embedjob.io.reader import InputRow
 
     preprocess = _siglip2(cache_dir, siglip2_checkpoint).preprocessor()
+    adapter, _ = open_clip_cuda(tmp_path, cache_dir)
+    preprocess = adapter.preprocessor()
     options = DecodeOptions(modality="image", max_image_pixels=50_000_000, fps=2.0, max_frames=32, frame_multiple=1)
     rows = [InputRow(k, k, p.read_bytes(), None, None) for k, p in enumerate(GPU_JPEGS)]
     cpu = [worker.decode_row(row, options, preprocess) for row in rows]
@@ -1018,6 +1089,46 @@ def test_siglip2_jpegs_decoded_by_nvjpeg_keep_the_cpu_grids(cache_dir: str, sigl
         a, b = got.item.tensors["pixel_values"], want.item.tensors["pixel_values"]
         assert a.is_cuda and a.shape == b.shape
         assert float((a.cpu().to(torch.int16) - b.to(torch.int16)).abs().float().mean()) < 3.0, got.id
+        a, b = got.item.tensors["pixel_values"], want.item.tensors["pixel_values"]
+        assert a.shape == b.shape and float((a.to("cpu", torch.int16) - b.to(torch.int16)).abs().float().mean()) < 3.0
+    with torch.inference_mode():
+        gpu = adapter.forward(adapter.eager_inputs([d.item for d in window])).float()
+        host = adapter.forward(adapter.eager_inputs([d.item for d in cpu])).float()
+    assert torch.nn.functional.cosine_similarity(gpu, host).min() > 0.99
+
+
+# ---------------------------------------------------------------- WebDataset input (issue #54)
+
+
+def test_a_webdataset_job_on_cuda_gives_the_parquet_jobs_rows_bit_for_bit(tmp_path: Path, cache_dir: str) -> None:
+    """The demo's rows as a tar (key = id, `jpg` member, `txt` caption) and as Parquet,
+    each run on CUDA with graphs and nvjpeg: the same ids, errors, tokens and vectors,
+    bit for bit (the same bytes reach the same batches), and the captions carried."""
+    import tarfile
+
+    from embedjob.config import load_job
+    from embedjob.runner import run_job
+    from test_webdataset import add
+
+    demo = pq.read_table(REPO / "jobs" / "data" / "demo-images.parquet").to_pylist()
+    (tmp_path / "tars").mkdir()
+    with tarfile.open(tmp_path / "tars" / "00000.tar", "w") as tar:
+        for row in demo:
+            add(tar, f"{row['id']}.jpg", row["image"])
+            add(tar, f"{row['id']}.txt", f"caption of {row['id']}".encode())
+    common = ["runtime.device=cuda", f"runtime.cache_dir={cache_dir}", "runtime.workers=2", "runtime.gpus=1",
+              "preprocess.decoder=gpu", "output.dtype=float32"]
+    tars = [f"input.path={tmp_path / 'tars'}", "input.format=webdataset", "input.media_column=jpg", "input.id_column=null",
+            "output.columns=[txt]", f"output.path={tmp_path / 'from-tars'}"]
+    stats = run_job(load_job(REPO / "jobs" / "demo.yaml", [*common, *tars]))
+    run_job(load_job(REPO / "jobs" / "demo.yaml", [*common, f"output.path={tmp_path / 'from-parquet'}"]))
+    got = pq.read_table(sorted((tmp_path / "from-tars").glob("part-*.parquet"))).to_pylist()
+    want = pq.read_table(sorted((tmp_path / "from-parquet").glob("part-*.parquet"))).to_pylist()
+    assert stats["device_decoded"] == 9 and stats["hit_rate"] == 1.0
+    assert [r["txt"] for r in got] == [f"caption of {r['id']}" for r in demo]
+    for a, b in zip(got, want, strict=True):
+        assert (a["id"], a["row"], a["error"], a["tokens"]) == (b["id"], b["row"], b["error"], b["tokens"])
+        assert a["embedding"] == b["embedding"], a["id"]
 
 
 # ---------------------------------------------------------------- DINOv3 and MetaCLIP 2 (model.family dinov3, metaclip2)

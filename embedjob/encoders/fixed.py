@@ -362,7 +362,9 @@ class FixedResAdapter(EncoderAdapter):
         self.pool = pool
         self.tile_combine = tile_combine
         self.per_token = per_token
-        self.prefix = spec.prefix_tokens(tower.config)
+        # The tokens an image costs beyond its patches (`FixedFamily.prefix_tokens` where
+        # the processing was loaded), so an adapter of any spec knows them.
+        self.prefix = processing.tokens_per_image - processing.patch_grid[0] * processing.patch_grid[1]
         self.rows_per_view = processing.patch_grid[0] * processing.patch_grid[1] if per_token else 1
         self.tokens_per_image = self.budget_unit = processing.tokens_per_image
         self.feature_dim = int(projection.out_features if projection is not None else tower.config.hidden_size)

@@ -97,11 +97,12 @@ one input width. A group that a forward does not call that way still computes ri
 (see `Fp8Joint`), only without the saving."""
 
 
-ACTIVATION_INTO = (("activation_fn", "fc2"), ("act", "fc2"), ("act_fn", "down_proj"))
+ACTIVATION_INTO = (("activation_fn", "fc2"), ("act", "fc2"), ("gelu", "c_proj"), ("act_fn", "down_proj"))
 """(activation, layer) names of MLPs whose forward feeds the activation's output to that
-layer alone (transformers' modeling code), so the layer may apply the activation itself.
-A gated MLP (one with a `GATED_MLPS` gate layer) has these names too, but its layer reads
-`act(gate) * up`: it is never one of these."""
+layer alone (transformers' modeling code; OpenCLIP's `nn.Sequential` MLPs where nothing
+but identities stands between the two, `_feeds_alone`), so the layer may apply the
+activation itself. A gated MLP (one with a `GATED_MLPS` gate layer) has these names too,
+but its layer reads `act(gate) * up`: it is never one of these."""
 ACTIVATIONS: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "gelu_tanh": (1, lambda x: F.gelu(x, approximate="tanh")),
     "gelu": (2, F.gelu),
@@ -135,6 +136,7 @@ NORM_INTO = (
     ("norm2", ("mlp.fc1",)),  # DINOv2, Qwen2-VL
     ("norm2", ("mlp.up_proj",)),  # DINOv3 (its gated MLP is the next entry's)
     ("norm2", ("mlp.gate_proj", "mlp.up_proj")),  # Qwen2.5-VL
+    ("ln_2", ("mlp.c_fc",)),  # OpenCLIP (its ln_1 feeds nn.MultiheadAttention, which stays as it is)
 )
 """(norm, the layers that read its output) by their names within a block, for blocks
 whose forward (transformers' modeling code) hands the norm's output to those layers
@@ -533,7 +535,7 @@ def _activate_into(module: torch.nn.Module, activation: str, layer: str) -> str 
     linear, function = getattr(module, layer, None), getattr(module, activation, None)
     if type(linear) is not torch.nn.Linear or not isinstance(function, torch.nn.Module):
         return None
-    if any(getattr(module, names[0], None) is not None for names in GATED_MLPS):
+    if any(getattr(module, names[0], None) is not None for names in GATED_MLPS) or not _feeds_alone(module, activation, layer):
         return None
     kind = recognised_activation(function)
     if kind is None:
@@ -541,6 +543,18 @@ def _activate_into(module: torch.nn.Module, activation: str, layer: str) -> str 
     setattr(module, layer, Fp8Linear(linear, activation=kind))
     setattr(module, activation, torch.nn.Identity())
     return kind
+
+
+def _feeds_alone(module: torch.nn.Module, activation: str, layer: str) -> bool:
+    """Whether `module` hands `activation`'s output to `layer` alone: in an `nn.Sequential`
+    (OpenCLIP's MLPs) where the layer follows the activation with nothing but identities
+    between (OpenCLIP's `scale_fc` blocks put a norm there); any other module by the names
+    `ACTIVATION_INTO` lists for its forward."""
+    if not isinstance(module, torch.nn.Sequential):
+        return True
+    names = [name for name, _ in module.named_children()]
+    first, last = names.index(activation), names.index(layer)
+    return first < last and all(isinstance(getattr(module, name), torch.nn.Identity) for name in names[first + 1 : last])
 
 
 def _gate_into(block: torch.nn.Module, path: str, mlp: torch.nn.Module) -> Fp8GatedMlp | None:

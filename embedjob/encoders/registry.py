@@ -17,6 +17,10 @@ logger = logging.getLogger(__name__)
 
 BUILTIN = "builtin:tiny-"
 """The prefix of a builtin model's `model.path`; the family's name follows it."""
+OPEN_CLIP_CONFIG = "open_clip_config.json"
+"""What an OpenCLIP checkpoint holds where a transformers one holds config.json."""
+OPEN_CLIP_HUB = "hf-hub:"
+"""OpenCLIP's prefix of a hub id (`hf-hub:org/name`)."""
 
 
 @dataclass(frozen=True)
@@ -24,12 +28,16 @@ class Family:
     """`adapter`: the module whose `build_adapter(family, path, dtype, device, options)`
     loads the family; `fixed_resolution`: the tower takes one image size (so it can tile);
     `model_types`: the `model_type`s of its checkpoints' config.json (full model, vision
-    tower), as its adapter's spec checks them; `poolable`: its image vector is the job's
-    choice (`model.pool`: the CLS token or the patch mean)."""
+    tower), as its adapter's spec checks them; `package`: the module its adapter needs
+    beyond embedjob's own dependencies, from the extra `pip install 'embedjob[<extra>]'`
+    (a job naming the family without it stops before any work); `poolable`: its image
+    vector is the job's choice (`model.pool`: the CLS token or the patch mean)."""
 
     adapter: str
     fixed_resolution: bool
     model_types: tuple[str, ...]
+    package: str | None = None
+    extra: str | None = None
     poolable: bool = False
 
 
@@ -47,6 +55,7 @@ FAMILIES: dict[str, Family] = {
     "dinov3": Family(_FIXED, True, ("dinov3_vit",), poolable=True),
     "metaclip2": Family(_FIXED, True, ("metaclip_2", "metaclip_2_vision_model")),
     "siglip2": Family(_SIGLIP2, False, ("siglip2", "siglip2_vision_model")),
+    "open_clip": Family("embedjob.encoders.open_clip", True, (), package="open_clip", extra="open_clip"),
 }
 
 
@@ -54,12 +63,23 @@ def family_of(path: str) -> str | None:
     """The family of the checkpoint `model.path` names, None where it cannot be told:
     a builtin model's from its name, a local directory's or a hub id's from the
     `model_type` of its config.json (a hub id's fetched, or read from the local cache
-    offline). A checkpoint of no family here is left to the loader, which names it."""
+    offline). An OpenCLIP checkpoint has an `open_clip_config.json` and no config.json,
+    or is named `hf-hub:org/name`. A checkpoint of no family here is left to the loader,
+    which names it."""
     if path.startswith(BUILTIN):
         name = path.removeprefix(BUILTIN)
         return name if name in FAMILIES else None
+    if path.startswith(OPEN_CLIP_HUB):
+        return "open_clip"
     local = Path(path).expanduser()
-    config = local / "config.json" if local.is_dir() else _hub_config(path)
+    if local.is_dir():
+        config = local / "config.json"
+        if not config.exists() and (local / OPEN_CLIP_CONFIG).is_file():
+            return "open_clip"
+    else:
+        config = _hub_config(path)
+        if config is None and _hub_config(path, OPEN_CLIP_CONFIG) is not None:
+            return "open_clip"
     if config is None:
         return None
     try:
@@ -69,17 +89,17 @@ def family_of(path: str) -> str | None:
     return next((name for name, family in FAMILIES.items() if model_type in family.model_types), None)
 
 
-def _hub_config(repo_id: str) -> Path | None:
-    """A hub checkpoint's config.json, None when there is none to be had (not a hub id,
-    no network and not cached)."""
+def _hub_config(repo_id: str, name: str = "config.json") -> Path | None:
+    """A hub checkpoint's config file `name`, None when there is none to be had (not a
+    hub id, no network and not cached)."""
     if local_looking(repo_id):
         return None
     try:
         from huggingface_hub import hf_hub_download
 
-        return Path(hf_hub_download(repo_id, "config.json"))
+        return Path(hf_hub_download(repo_id, name))
     except Exception as exc:  # the hub client raises many kinds; the loader reports the real problem
-        logger.debug("no config.json for %s: %s", repo_id, exc)
+        logger.debug("no %s for %s: %s", name, repo_id, exc)
         return None
 
 

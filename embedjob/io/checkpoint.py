@@ -155,6 +155,7 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
         "columns": list(job.output.columns),
         "input": {
             **{k: getattr(job.input, k) for k in keys},
+            **({"format": job.input.format} if job.input.format != "parquet" else {}),
             "rows": sum(f.num_rows for f in listing.fragments),
             "files": [dataclasses.asdict(f) for f in listing.files],
         },

@@ -59,6 +59,14 @@ Ids: `check_ids` reads a shard's id column (and nothing else) before the shard s
 a null id, or a string id that is not valid UTF-8, is a JobError naming the file and
 row, and repeated ids are one warning with their count (some datasets have them).
 
+WebDataset input (`input.format: webdataset`): `.tar` shards instead of Parquet files,
+found the same way (*.tar below a directory), indexed by `io/webdataset.py`; a tar's
+samples (one row each, id the key) are cut into fragments of `TAR_GROUP_SAMPLES` that
+carry their members' offsets, so a rank reads its rows by offset without indexing
+again. Media come from the member `input.media_column` names (else the sample's first
+image or video member); `output.columns` name members too (`txt`, `json`), carried as
+their text, null where a sample lacks one. A sample without media is a `no_media` row.
+
 Input identity: `scan_input` also records each file's size and a hash of its Parquet
 footer (and the store's ETag where fsspec reports one). The footer holds every row
 group's byte ranges and sizes, so a file rewritten with other content almost always
@@ -85,6 +93,8 @@ from fsspec.implementations.local import LocalFileSystem
 from pyarrow.fs import FSSpecHandler, PyFileSystem
 
 from embedjob.config import InputConfig, JobError, relative_note
+from embedjob.io import webdataset
+from embedjob.io.webdataset import Sample
 from embedjob.report.counts import plural
 
 logger = logging.getLogger(__name__)
@@ -106,13 +116,19 @@ it to the page being read, so a huge cell's page is read whole, but never more."
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _GLOB_CHARS = ("*", "?", "[")
 
+TAR_GROUP_SAMPLES = 128
+"""Samples of a tar per fragment (the unit of sharding, like a row group): small enough
+to balance shards over few tars, large enough that a chunk's rows need few fragments."""
+
 
 @dataclass(frozen=True)
 class Fragment:
     """One row group of one file: the unit of sharding and resume.
 
     `path` is a plain absolute path for local files and a full URI otherwise, so it can
-    be opened again in another process without the job spec's filesystem.
+    be opened again in another process without the job spec's filesystem. A tar's
+    fragment (webdataset input) is its `row_group`-th run of samples, which `samples`
+    holds (one per row, with their members' offsets); a Parquet one holds none.
     """
 
     path: str
@@ -120,6 +136,7 @@ class Fragment:
     first_row: int
     num_rows: int
     cost: int
+    samples: tuple[Sample, ...] = ()
 
 
 @dataclass
@@ -188,8 +205,10 @@ def scan_input(cfg: InputConfig, columns: Sequence[str] = ()) -> InputListing:
     Footers of thousands of remote files are the expensive part of starting a shard,
     so the pipeline asks for both answers from one scan. `columns` are the input columns
     the job copies into its output: each must exist in every file (JobError listing
-    the available ones) with one type across files.
+    the available ones) with one type across files (webdataset input: in some sample).
     """
+    if cfg.format == "webdataset":
+        return _scan_tars(cfg, columns)
     _media_root(cfg.media_root)  # a missing media_root is a job error, found before any row is read
     infos = _scan(cfg, columns)
     _check_paths_allowed(infos[0], cfg)
@@ -331,6 +350,9 @@ def read_rows(
     """
     lo = 0 if start_row is None else start_row
     hi = stop_row
+    if cfg.format == "webdataset":
+        yield from _read_tars(cfg, fragments, lo, hi, tuple(columns))
+        return
     root = _media_root(cfg.media_root)
     for path, group in itertools.groupby(fragments, key=lambda f: f.path):
         wanted = [f for f in group if f.first_row + f.num_rows > lo and (hi is None or f.first_row < hi)]
@@ -349,6 +371,9 @@ def check_ids(cfg: InputConfig, fragments: Sequence[Fragment]) -> None:
     repeats: holding the ids themselves took 1.7 GB for 10 M ids of 30 bytes. Binary
     ids are bytes by type: any bytes do.
     """
+    if cfg.format == "webdataset":
+        _check_keys(fragments)
+        return
     if cfg.id_column is None:
         return
     hashes: list[np.ndarray] = []
@@ -454,24 +479,25 @@ def _column_types(infos: list[_FileInfo], columns: Sequence[str]) -> dict[str, p
     return types
 
 
-def _find_files(spec: str) -> list[str]:
-    """Parquet files named by a file, directory, glob or fsspec URI, sorted by path."""
+def _find_files(spec: str, suffix: str = ".parquet") -> list[str]:
+    """Input files (Parquet, or `suffix`) named by a file, directory, glob or fsspec
+    URI, sorted by path."""
     try:
         fs, target = fsspec.core.url_to_fs(os.path.expanduser(spec))
     except (ImportError, ValueError) as exc:
         # ImportError: the protocol's package (s3fs, gcsfs, ...) is not installed.
         raise JobError(f"cannot access input.path {spec!r}: {exc}") from None
     try:
-        files = _list_files(fs, target, spec)
+        files = _list_files(fs, target, spec, suffix)
     except OSError as exc:
         raise JobError(f"cannot list input.path {spec!r}: {exc}") from None
     if not files:
-        raise JobError(f"no *.parquet file under input.path {spec!r}")
+        raise JobError(f"no *{suffix} file under input.path {spec!r}")
     return sorted(_location(fs, p) for p in set(files))
 
 
-def _list_files(fs: fsspec.AbstractFileSystem, target: str, spec: str) -> list[str]:
-    """Matched files, plus the *.parquet files below matched directories."""
+def _list_files(fs: fsspec.AbstractFileSystem, target: str, spec: str, suffix: str) -> list[str]:
+    """Matched files, plus the *`suffix` files below matched directories."""
     if any(c in target for c in _GLOB_CHARS):
         try:
             matches = fs.glob(target, detail=True)
@@ -487,17 +513,17 @@ def _list_files(fs: fsspec.AbstractFileSystem, target: str, spec: str) -> list[s
     files = []
     for name, info in matches.items():
         if info["type"] == "directory":
-            files.extend(p for p in fs.find(name) if _is_data_file(p, name))
+            files.extend(p for p in fs.find(name) if _is_data_file(p, name, suffix))
         else:
             files.append(name)
     return files
 
 
-def _is_data_file(path: str, directory: str) -> bool:
-    """A *.parquet file below `directory`, skipping names starting with '.' or '_'
+def _is_data_file(path: str, directory: str, suffix: str) -> bool:
+    """A *`suffix` file below `directory`, skipping names starting with '.' or '_'
     (the convention of pyarrow.dataset and Spark for temp files and metadata)."""
     parts = path[len(directory) :].strip("/").split("/")
-    return parts[-1].endswith(".parquet") and not any(p.startswith((".", "_")) for p in parts)
+    return parts[-1].endswith(suffix) and not any(p.startswith((".", "_")) for p in parts)
 
 
 def _location(fs: fsspec.AbstractFileSystem, path: str) -> str:
@@ -935,3 +961,121 @@ def _within(target: str, root: _Root) -> bool:
         return False
     real = os.path.realpath(target)
     return os.path.commonpath([real, root.real]) == root.real
+
+
+# ---------------------------------------------------------------- webdataset
+
+
+def _scan_tars(cfg: InputConfig, columns: Sequence[str]) -> InputListing:
+    """The tars' index as a listing: per tar, fragments of `TAR_GROUP_SAMPLES` samples in
+    tar order (each costing its members' bytes), string ids (the keys) and string
+    carried columns (members' text)."""
+    indexes = [webdataset.index_tar(path) for path in _find_files(cfg.path, ".tar")]
+    _check_members(cfg, indexes, columns)
+    fragments = []
+    first_row = 0
+    for index in indexes:
+        for group, start in enumerate(range(0, len(index.samples), TAR_GROUP_SAMPLES)):
+            samples = tuple(index.samples[start : start + TAR_GROUP_SAMPLES])
+            cost = sum(size for sample in samples for _, _, size in sample.members) + len(samples)
+            fragments.append(Fragment(index.location, group, first_row, len(samples), cost, samples))
+            first_row += len(samples)
+    logger.info(
+        "input %s: %s, %s", cfg.path, plural(len(indexes), "tar"), plural(first_row, "sample")
+    )
+    files = [InputFile(i.location, i.size, i.digest, i.etag) for i in indexes]
+    return InputListing(fragments, pa.string(), files, {c: pa.string() for c in columns})
+
+
+def _check_members(cfg: InputConfig, indexes: list[webdataset.TarIndex], columns: Sequence[str]) -> None:
+    """A carried column must be the extension of some sample's member (a sample that
+    lacks it gets a null); one no sample has is a misspelt name."""
+    found = {e for index in indexes for sample in index.samples for e in sample.extensions()}
+    for column in columns:
+        if column.lower() not in found:
+            raise JobError(
+                f"output.columns '{column}' is no member extension in the tars of input.path {cfg.path!r}; "
+                f"extensions there: {', '.join(sorted(found)) or 'none'}"
+            )
+
+
+def _read_tars(
+    cfg: InputConfig, fragments: Iterable[Fragment], lo: int, hi: int | None, columns: tuple[str, ...]
+) -> Iterator[InputRow]:
+    """`read_rows` of webdataset input: rows [lo, hi) of `fragments`, one open handle
+    per run of fragments of one tar, every member read by its offset."""
+    for path, group in itertools.groupby(fragments, key=lambda f: f.path):
+        wanted = [f for f in group if f.first_row + f.num_rows > lo and (hi is None or f.first_row < hi)]
+        if not wanted:
+            continue
+        try:
+            handle = webdataset.open_tar(path)
+        except OSError as exc:
+            raise JobError(f"cannot open input file {path}: {exc}") from None
+        with handle:
+            for fragment in wanted:
+                for offset, sample in enumerate(fragment.samples):
+                    row = fragment.first_row + offset
+                    if row >= lo and (hi is None or row < hi):
+                        yield _tar_row(cfg, handle, path, row, sample, columns)
+
+
+def _tar_row(cfg: InputConfig, handle: Any, location: str, row: int, sample: Sample, columns: tuple[str, ...]) -> InputRow:
+    """One sample's row: its media member's bytes or an error, and its carried members."""
+    extra = tuple(_carried(cfg, handle, sample, column) for column in columns)
+    member = webdataset.media_member(sample, cfg.media_column, cfg.modality)
+    if member is None:
+        return InputRow(row, sample.key, None, None, webdataset.no_media(sample, location, cfg.media_column, cfg.modality), extra)
+    extension, offset, size = member
+    name = f"{sample.key}.{extension}"
+    if size > cfg.max_item_bytes:
+        error = f"too_large: member {name} holds {size} bytes, more than input.max_item_bytes = {cfg.max_item_bytes}"
+        return InputRow(row, sample.key, None, None, error, extra)
+    if size == 0:
+        return InputRow(row, sample.key, None, None, f"empty: member {name} of {location} holds 0 bytes", extra)
+    try:
+        data = webdataset.read_member(handle, offset, size)
+    except OSError as exc:
+        return InputRow(row, sample.key, None, None, f"read_error: cannot read {name} from {location}: {exc}", extra)
+    return InputRow(row, sample.key, data, None, None, extra)
+
+
+def _carried(cfg: InputConfig, handle: Any, sample: Sample, column: str) -> str | None:
+    """A carried member's text; None where the sample lacks it, or it is larger than
+    input.max_item_bytes or cannot be read (the row's media decide its error)."""
+    member = sample.member(column)
+    if member is None or member[2] > cfg.max_item_bytes:
+        return None
+    try:
+        return webdataset.member_text(webdataset.read_member(handle, member[1], member[2]))
+    except OSError:
+        return None
+
+
+def _check_keys(fragments: Sequence[Fragment]) -> None:
+    """`check_ids` of webdataset input, whose ids are the keys the index holds: a key
+    that is not valid UTF-8 (tarfile hands such names over as lone surrogates) is a
+    JobError naming it; repeated keys are one warning, as repeated ids are."""
+    seen: set[str] = set()
+    repeats = 0
+    first: tuple[int, str] | None = None
+    for fragment in fragments:
+        for offset, sample in enumerate(fragment.samples):
+            row = fragment.first_row + offset
+            try:
+                sample.key.encode("utf-8")
+            except UnicodeEncodeError:
+                raise JobError(
+                    f"sample key {sample.key!r} of {fragment.path} (row {row}) is not valid UTF-8; "
+                    "rename its members in the tar as valid UTF-8"
+                ) from None
+            if sample.key in seen:
+                repeats += 1
+                first = first or (row, sample.key)
+            seen.add(sample.key)
+    if first is not None:
+        logger.warning(
+            "sample keys repeat in %s of this shard's %d (the first is row %d, key %r), each the key of an earlier "
+            "sample; every row is still written, with its key",
+            plural(repeats, "row"), len(seen) + repeats, first[0], first[1],
+        )

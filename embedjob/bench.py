@@ -13,14 +13,14 @@ same packed batches of each mix:
                    FP8 (`model.precision: fp8`; --no-fp8 skips it)
 
 and an end-to-end `embedjob run` over a Parquet file of real JPEGs (decode included)
-against the encoder-only rate of the same images; then SigLIP-so400m-384 and
-CLIP-L/14-336-size towers (`FIXED_TOWERS`) on one batch of 256 images already on the
-GPU, plain transformers with `torch.compile(model)` against embedjob's graphs over its
-compiled adapter (`fixed_rows`; --no-fixed skips them), and a SigLIP 2
-so400m-patch16-naflex-size tower on images of mixed aspect ratios, transformers' padded
-batches against embedjob's packed graphs (`naflex_rows`; --no-naflex skips it), and an
-OpenCLIP ViT-H-14-size model against open_clip's own `encode_image` where
-open_clip_torch is installed (`open_clip_rows`). Times are CUDA-event medians after a
+against the encoder-only rate of the same images; then SigLIP-so400m-384,
+CLIP-L/14-336, DINOv3-ViT-L/16 and MetaCLIP-2-H/14-size towers (`FIXED_TOWERS`) on
+one batch of 256 images already on the GPU, plain transformers with `torch.compile(model)`
+against embedjob's graphs over its compiled adapter (`fixed_rows`; --no-fixed skips
+them), and a SigLIP 2 so400m-patch16-naflex-size tower on images of mixed aspect ratios,
+transformers' padded batches against embedjob's packed graphs (`naflex_rows`;
+--no-naflex skips it), and an OpenCLIP ViT-H-14-size model against open_clip's own
+`encode_image` where open_clip_torch is installed (`open_clip_rows`). Times are CUDA-event medians after a
 warm-up; MFU is useful FLOPs (real tokens only, padding excluded) over the time, against
 a bf16 matmul timed in the same process. The last thing printed is the table.
 """
@@ -500,6 +500,16 @@ FIXED_TOWERS: dict[str, tuple[str, dict[str, Any]]] = {
         dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, patch_size=14,
              image_size=336, projection_dim=768),
     ),
+    "dinov3": (
+        "DINOv3-ViT-L/16-size",
+        dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, patch_size=16,
+             image_size=224, num_register_tokens=4),
+    ),
+    "metaclip2": (
+        "MetaCLIP-2-worldwide-H/14-size",
+        dict(hidden_size=1280, num_hidden_layers=32, num_attention_heads=16, intermediate_size=5120, patch_size=14,
+             image_size=224, projection_dim=1024),
+    ),
 }
 """The fixed-resolution towers `embedjob bench` (and the scaling benchmark) build: a label
 and the transformers vision config of the published checkpoint's size."""
@@ -507,9 +517,9 @@ FIXED_BATCH = 256
 
 
 def save_fixed_tower(family: str, values: dict[str, Any], directory: Path) -> None:
-    """A SigLIP or CLIP vision tower of config `values` with random bf16 weights (seed 0),
-    saved with `save_pretrained` beside its image processor config, as a user's
-    vision-only checkpoint is (CLIP with its projection)."""
+    """A SigLIP, CLIP, MetaCLIP 2 or DINOv3 vision tower of config `values` with random
+    bf16 weights (seed 0), saved with `save_pretrained` beside its image processor
+    config, as a user's vision-only checkpoint is (CLIP and MetaCLIP 2 with their projection)."""
     import transformers
 
     torch.manual_seed(0)
@@ -517,6 +527,13 @@ def save_fixed_tower(family: str, values: dict[str, Any], directory: Path) -> No
     if family == "clip":
         model = transformers.CLIPVisionModelWithProjection._from_config(transformers.CLIPVisionConfig(**values), dtype=torch.bfloat16)
         processor = transformers.CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    elif family == "metaclip2":
+        config = transformers.MetaClip2VisionConfig(**values)
+        model = transformers.MetaClip2VisionModelWithProjection._from_config(config, dtype=torch.bfloat16)
+        processor = transformers.CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    elif family == "dinov3":
+        model = transformers.DINOv3ViTModel._from_config(transformers.DINOv3ViTConfig(**values), dtype=torch.bfloat16)
+        processor = transformers.DINOv3ViTImageProcessor(size={"height": side, "width": side})
     else:
         model = transformers.SiglipVisionModel._from_config(transformers.SiglipVisionConfig(**values), dtype=torch.bfloat16)
         processor = transformers.SiglipImageProcessor(size={"height": side, "width": side})
@@ -525,27 +542,34 @@ def save_fixed_tower(family: str, values: dict[str, Any], directory: Path) -> No
 
 
 def fixed_flops(family: str, config: Any, projection: int | None) -> float:
-    """Useful FLOPs of one image through a CLIP or SigLIP vision tower (multiply-adds count 2).
+    """Useful FLOPs of one image through a CLIP, MetaCLIP 2, SigLIP, DINOv2 or DINOv3
+    vision tower (multiply-adds count 2).
 
-    With P = (image_size / patch_size)^2 patches, n = P (+ 1 for CLIP's CLS token)
-    tokens, width d, MLP width m, L layers:
+    With P = (image_size / patch_size)^2 patches, n = P + prefix tokens (the CLS token of
+    CLIP, MetaCLIP 2 and DINOv2; CLS and the registers of DINOv3; none for SigLIP), width
+    d, MLP width m, L layers:
 
         patch embedding   2 * P * (3 * patch_size^2) * d
         per layer         2 * n * 4 * d^2          q, k, v and output projections
-                        + 2 * n * 2 * d * m        MLP up and down
+                        + 2 * n * 2 * d * m        MLP up and down (3 * d * m gated: gate, up, down)
                         + 4 * n^2 * d              attention scores and weighted sum
         SigLIP head       4 * d^2 + 4 * n * d^2    probe query and output projections, keys and values
                         + 4 * n * d                the probe's attention over n tokens
                         + 4 * d * m                the head's MLP, one token
-        CLIP projection   2 * d * projection       the pooled CLS token
+        CLIP projection   2 * d * projection       the pooled CLS token (MetaCLIP 2's too)
 
-    Layer norms, activations, biases and position embeddings are left out (not matmuls).
+    Layer norms, activations, biases, layer scales and position embeddings (rotary
+    ones included) are left out (not matmuls). DINOv2 configs give `mlp_ratio`, not `intermediate_size`.
     """
-    d, m, layers, patch = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.patch_size
+    from embedjob.encoders.fixed import FAMILIES as FIXED
+
+    d, layers, patch = config.hidden_size, config.num_hidden_layers, config.patch_size
+    m = config.intermediate_size if hasattr(config, "intermediate_size") else int(d * config.mlp_ratio)
     patches = (config.image_size // patch) ** 2
-    n = patches + int(family == "clip")
+    n = patches + FIXED[family].prefix_tokens(config)
+    mlp_matrices = 3 if getattr(config, "use_gated_mlp", False) else 2
     total = 2 * patches * 3 * patch**2 * d
-    total += layers * (2 * n * 4 * d * d + 2 * n * 2 * d * m + 4 * n * n * d)
+    total += layers * (2 * n * 4 * d * d + 2 * n * mlp_matrices * d * m + 4 * n * n * d)
     if family == "siglip" and config.vision_use_head:
         total += 4 * d * d + 4 * n * d * d + 4 * n * d + 4 * d * m
     if projection:
@@ -592,11 +616,14 @@ def _fixed_tower_rows(
     projection = adapter.projection.out_features if adapter.projection is not None else None
     flops = batch * fixed_flops(family, adapter.tower.config, projection)
     generator = torch.Generator().manual_seed(1)
-    pixels = torch.randint(0, 256, (batch, 3, *adapter.processing.input_size), dtype=torch.uint8, generator=generator).to(device)
+    # Views as the workers make them (float32 for processors that rescale before resizing).
+    pictures = torch.randint(0, 256, (batch, 3, *adapter.processing.input_size), dtype=torch.uint8, generator=generator)
+    pixels = adapter.processing.process(pictures).to(device)
     spec = FIXED[family]
     plain = transformers_class(spec.projected_class or spec.vision_class).from_pretrained(directory, dtype=adapter.dtype)
     values = adapter.processing.normalize(pixels, adapter.pixel_scale).to(adapter.dtype)
-    plain_seconds, reference = _plain_seconds(plain.to(device).eval().requires_grad_(False), family, values, repeats, compiled, device)
+    plain = plain.to(device).eval().requires_grad_(False)
+    plain_seconds, reference = _plain_seconds(plain, spec.projected_class is not None, values, repeats, compiled, device)
     torch._dynamo.reset()
     if compiled:
         adapter.compile(dynamic=True)
@@ -696,15 +723,16 @@ def open_clip_rows(
 
 
 def _plain_seconds(
-    model: torch.nn.Module, family: str, values: torch.Tensor, repeats: int, compiled: bool, device: torch.device
+    model: torch.nn.Module, projected: bool, values: torch.Tensor, repeats: int, compiled: bool, device: torch.device
 ) -> tuple[float, torch.Tensor]:
     """The transformers model's median seconds on `values` (compiled with torch.compile
-    when asked) and its embeddings in float32 (CLIP: image_embeds; SigLIP: its pooled output)."""
+    when asked) and its embeddings in float32 (`projected`, CLIP and MetaCLIP 2:
+    image_embeds; SigLIP and DINOv3: the pooled output)."""
     run = torch.compile(model) if compiled else model
 
     def embed() -> torch.Tensor:
         out = run(pixel_values=values)
-        return out.image_embeds if family == "clip" else out.pooler_output
+        return out.image_embeds if projected else out.pooler_output
 
     with torch.inference_mode():
         return device_time(embed, repeats, device), embed().float()

@@ -32,7 +32,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from embedjob.encoders.registry import FAMILIES, FIXED_RESOLUTION, family_of
+from embedjob.encoders.registry import FAMILIES, FIXED_RESOLUTION, POOLABLE, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +144,19 @@ class ModelConfig:
         "on shorter ones; pip install 'embedjob[fast]'), varlen (torch's varlen_attn, and embedjob's Triton kernel on "
         "64-token windows), auto (fa4 where it runs, else varlen)",
     )
-    # DINOv2's image embedding: its CLS token (the model's pooled output) or the mean of
-    # its patch tokens; CLIP and SigLIP have one fixed pooled output.
-    dinov2_pool: Literal["cls", "patch_mean"] = key("cls", "DINOv2's image vector: its CLS token or the mean of its patch tokens")
+    # DINOv2's and DINOv3's image embedding: their CLS token (the model's pooled output)
+    # or the mean of their patch tokens; the other families have one fixed pooled output.
+    # Null rather than 'cls' by default, so a job that sets it for another family, or
+    # sets it and the deprecated dinov2_pool apart, can be told from one that does not.
+    pool: Literal["cls", "patch_mean"] | None = key(
+        None, "DINOv2/DINOv3: the image vector, the CLS token (cls) or the mean of the patch tokens (patch_mean); null: cls"
+    )
+    dinov2_pool: Literal["cls", "patch_mean"] | None = key(None, "deprecated: model.pool under its earlier name")
+
+    @property
+    def image_pool(self) -> str:
+        """The pooling a DINO tower's image vector takes: `pool`, else its deprecated alias, else cls."""
+        return self.pool or self.dinov2_pool or "cls"
 
 
 @dataclass
@@ -596,8 +606,7 @@ def _check_model(job: Job, errors: list[str]) -> None:
             f"{job.model.family!r} runs transformers' scaled-dot-product attention, which is faster on these towers "
             "than FlashAttention-4 (cuDNN's kernels on an H200, benchmarks/RESULTS.md); remove model.attention"
         )
-    if job.model.dinov2_pool != "cls" and job.model.family != "dinov2":
-        errors.append(f"model.dinov2_pool applies to model.family 'dinov2' only, not {job.model.family!r}; remove it")
+    _check_pool(job, errors)
     if pp.decoder == "gpu" and pp.tiling == "anyres":
         errors.append("preprocess.decoder = 'gpu' cannot cut anyres tiles (they are cut on the CPU); use decoder: cpu or tiling: none")
     if pp.decoder == "gpu" and job.runtime.device == "cpu":
@@ -608,6 +617,30 @@ def _check_model(job: Job, errors: list[str]) -> None:
         errors.append("video.decoder = 'nvdec' decodes on the rank's GPU but runtime.device is 'cpu'; use video.decoder: decord")
     if job.video.decoder == "nvdec" and job.input.modality == "image":
         errors.append("video.decoder = 'nvdec' decodes videos and input.modality is 'image'; remove video.decoder")
+
+
+def _check_pool(job: Job, errors: list[str]) -> None:
+    """`model.pool` only where the family has the choice; the deprecated `model.dinov2_pool`
+    where it always ran (its 'cls' anywhere, as when it was every job's default), with a
+    warning, and never against `model.pool`."""
+    model = job.model
+    families = " or ".join(repr(f) for f in POOLABLE)
+    if model.pool is not None and model.family not in POOLABLE:
+        errors.append(f"model.pool applies to model.family {families} only, not {model.family!r}; remove it")
+    if model.dinov2_pool is None:
+        return
+    if model.family not in POOLABLE:
+        if model.dinov2_pool != "cls":
+            errors.append(f"model.dinov2_pool applies to model.family {families} only, not {model.family!r}; remove it")
+        else:
+            logger.warning("model.dinov2_pool is deprecated and does nothing for model.family %r: remove it", model.family)
+    elif model.pool is not None and model.pool != model.dinov2_pool:
+        errors.append(
+            f"model.dinov2_pool = {model.dinov2_pool!r} and model.pool = {model.pool!r} disagree; "
+            "model.dinov2_pool is deprecated: remove it and keep model.pool"
+        )
+    else:
+        logger.warning("model.dinov2_pool is deprecated: write model.pool: %s instead", model.dinov2_pool)
 
 
 def _check_columns(job: Job, errors: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""CLIP, SigLIP and DINOv2 adapters: preprocessing and embedding parity with transformers,
+"""CLIP, MetaCLIP 2, SigLIP, DINOv2 and DINOv3 adapters: preprocessing and embedding parity with transformers,
 user checkpoints (full and vision-only), budgets in whole images, graph replay, and the
 two demo jobs end to end on the CPU."""
 
@@ -23,6 +23,8 @@ from transformers import (
     CLIPVisionModel,
     CLIPVisionModelWithProjection,
     Dinov2Model,
+    DINOv3ViTModel,
+    MetaClip2Model,
     SiglipModel,
     SiglipVisionModel,
 )
@@ -59,12 +61,16 @@ def _reference_pixels(directory: Path, images: list) -> torch.Tensor:
 
 
 def _reference_features(family: str, directory: Path, pixels: torch.Tensor) -> torch.Tensor:
-    """What a transformers user gets: get_image_features (CLIP, SigLIP), the CLS output (DINOv2)."""
+    """What a transformers user gets: get_image_features (CLIP, MetaCLIP 2, SigLIP), the CLS output (DINOv2, DINOv3)."""
     with torch.no_grad():
         if family == "clip":
             return CLIPModel.from_pretrained(directory).get_image_features(pixel_values=pixels).pooler_output
+        if family == "metaclip2":
+            return MetaClip2Model.from_pretrained(directory).get_image_features(pixel_values=pixels).pooler_output
         if family == "siglip":
             return SiglipModel.from_pretrained(directory).get_image_features(pixel_values=pixels).pooler_output
+        if family == "dinov3":
+            return DINOv3ViTModel.from_pretrained(directory)(pixel_values=pixels).pooler_output
         return Dinov2Model.from_pretrained(directory)(pixel_values=pixels).pooler_output
 
 
@@ -84,7 +90,8 @@ def test_image_preprocessing_equals_the_transformers_processor(adapters, cache_d
     items = [adapters[family].preprocessor()(i) for i in images]
     ref = _reference_pixels(builtin_dir(FAMILIES[family], cache_dir), images)
     views = torch.cat([i.tensors["pixel_values"] for i in items])
-    assert views.dtype == torch.uint8, "workers ship resized, cropped uint8 views"
+    # Resized, cropped uint8 views; float32 ones where the processor resizes rescaled pixels (DINOv3's).
+    assert views.dtype == (torch.float32 if family == "dinov3" else torch.uint8)
     assert torch.equal(adapters[family].processing.normalize(views), ref)
     tokens = adapters[family].tokens_per_image
     assert all(i.tokens == tokens and i.frames == 0 and i.modality == "image" for i in items)
@@ -96,6 +103,11 @@ def test_image_preprocessing_equals_the_transformers_processor(adapters, cache_d
         ("clip", {"size": {"shortest_edge": 60}, "resample": 2}),  # crop larger than the resize: black padding
         ("dinov2", {"size": {"shortest_edge": 80}, "crop_size": {"height": 70, "width": 70}, "do_normalize": False}),
         ("siglip", {"resample": 0, "image_mean": [0.4, 0.5, 0.6], "image_std": [0.2, 0.3, 0.4]}),
+        ("metaclip2", {"size": {"shortest_edge": 72}, "resample": 2, "image_mean": [0.5, 0.5, 0.5]}),
+        # Bicubic overshoots [0, 1] on float pixels, which the float views keep as they are.
+        ("dinov3", {"size": {"height": 48, "width": 96}, "resample": 3, "image_std": [0.3, 0.2, 0.1]}),
+        ("dinov3", {"do_rescale": False, "do_normalize": False}),  # uint8 views again
+        ("dinov3", {"do_center_crop": True, "size": {"height": 80, "width": 100}, "crop_size": {"height": 64, "width": 48}}),
     ],
 )
 def test_checkpoint_processor_settings_are_followed(tmp_path: Path, cache_dir: str, family: str, changes: dict) -> None:
@@ -119,13 +131,17 @@ def test_embeddings_equal_transformers_for_the_same_weights(adapters, cache_dir:
     assert max(_relative(ours, ref)) < 1e-5
 
 
-def test_dinov2_patch_mean_is_the_mean_of_the_final_patch_tokens(cache_dir: str) -> None:
-    adapter = load_adapter(fixed_job(cache_dir, "dinov2", model={"dinov2_pool": "patch_mean"}), CPU)
+@pytest.mark.parametrize(("family", "model", "prefix"), [("dinov2", Dinov2Model, 1), ("dinov3", DINOv3ViTModel, 3)])
+def test_patch_mean_is_the_mean_of_the_final_patch_tokens_without_cls_and_registers(
+    cache_dir: str, family: str, model: type, prefix: int
+) -> None:
+    adapter = load_adapter(fixed_job(cache_dir, family, model={"pool": "patch_mean"}), CPU)
     images = [random_image(120, 90, 1), random_image(300, 300, 2)]
-    directory = builtin_dir(FAMILIES["dinov2"], cache_dir)
+    directory = builtin_dir(FAMILIES[family], cache_dir)
     with torch.no_grad():
-        hidden = Dinov2Model.from_pretrained(directory)(pixel_values=_reference_pixels(directory, images)).last_hidden_state
-    assert max(_relative(_embed(adapter, images), hidden[:, 1:].mean(dim=1))) < 1e-5
+        hidden = model.from_pretrained(directory)(pixel_values=_reference_pixels(directory, images)).last_hidden_state
+    assert adapter.prefix == prefix and hidden.shape[1] == adapter.tokens_per_image
+    assert max(_relative(_embed(adapter, images), hidden[:, prefix:].mean(dim=1))) < 1e-5
 
 
 def test_video_gives_one_embedding_per_frame_equal_to_the_frame_as_an_image(adapters) -> None:
@@ -194,8 +210,8 @@ def test_wrong_family_or_builtin_is_a_clear_error(cache_dir: str) -> None:
         load_adapter(fixed_job(cache_dir, "clip", directory), CPU)
     with pytest.raises(ValueError, match="is a siglip model but model.family is 'clip'"):
         load_adapter(fixed_job(cache_dir, "clip", "builtin:tiny-siglip"), CPU)
-    with pytest.raises(JobError, match="model.dinov2_pool applies to model.family 'dinov2' only"):
-        fixed_job(cache_dir, "clip", model={"dinov2_pool": "patch_mean"})
+    with pytest.raises(JobError, match="model.pool applies to model.family 'dinov2' or 'dinov3' only, not 'clip'"):
+        fixed_job(cache_dir, "clip", model={"pool": "patch_mean"})
 
 
 def test_budgets_are_whole_images_and_one_below_an_image_is_refused(adapters, cache_dir: str) -> None:

@@ -1129,3 +1129,113 @@ def test_a_webdataset_job_on_cuda_gives_the_parquet_jobs_rows_bit_for_bit(tmp_pa
     for a, b in zip(got, want, strict=True):
         assert (a["id"], a["row"], a["error"], a["tokens"]) == (b["id"], b["row"], b["error"], b["tokens"])
         assert a["embedding"] == b["embedding"], a["id"]
+
+
+# ---------------------------------------------------------------- DINOv3 and MetaCLIP 2 (model.family dinov3, metaclip2)
+
+DINO_METACLIP = ["dinov3", "metaclip2"]
+
+
+@pytest.mark.parametrize("pooling", ["mean", "none"])
+@pytest.mark.parametrize("family", DINO_METACLIP)
+def test_dinov3_and_metaclip2_cuda_graphs_equal_padded_eager_and_the_fp32_cpu_reference(
+    cache_dir: str, family: str, pooling: str
+) -> None:
+    """The fixed-resolution check above, for the two towers: DINOv3's per-token rows
+    leave its CLS and registers out, its budgets count them."""
+    test_fixed_res_cuda_graphs_equal_padded_eager_and_the_fp32_cpu_reference(cache_dir, family, pooling)
+
+
+def test_metaclip2_batches_are_page_locked_uint8_normalised_on_the_device_bitwise(cache_dir: str) -> None:
+    test_fixed_res_batches_are_page_locked_uint8_normalised_on_the_device_bitwise(cache_dir, "metaclip2")
+
+
+def test_dinov3_batches_are_page_locked_float32_views_normalised_on_the_device_bitwise(cache_dir: str) -> None:
+    """DINOv3's processor resizes rescaled float32 pixels: its views, static buffers
+    and batches are float32, and the device's normalisation is the CPU's bit for bit."""
+    gpu = load_adapter(_fixed_job(cache_dir, "dinov3"), torch.device("cuda"))
+    static = gpu.static_inputs(8 * gpu.tokens_per_image, max_items=8, max_frames=8)
+    buffer = static.tensors["pixel_values"]
+    assert buffer.dtype == torch.float32 and buffer.device.type == "cuda"
+    views = gpu.batch_values([gpu.preprocessor()(m) for m in FIXED_MEDIA], static)["pixel_values"]
+    assert views.dtype == torch.float32 and views.is_pinned()
+    assert torch.equal(gpu.processing.normalize(views.cuda(), gpu.pixel_scale).cpu(), gpu.processing.normalize(views))
+
+
+@pytest.mark.parametrize("family", DINO_METACLIP)
+def test_dinov3_and_metaclip2_compiled_blocks_replay_like_eager_and_stay_the_uncompiled_towers(cache_dir: str, family: str) -> None:
+    """batching.compile: the blocks (DINOv3's `model.layer`, MetaCLIP 2's
+    `encoder.layers`) compiled, captured into a NaN-filled pool, replay the padded eager
+    run bit for bit and stay within bf16 rounding of the uncompiled tower."""
+    plain = load_adapter(_fixed_job(cache_dir, family), torch.device("cuda"))
+    compiled = load_adapter(_fixed_job(cache_dir, family), torch.device("cuda"))
+    assert len(compiled.compile_units()) == 2
+    compiled.compile(dynamic=True)
+    t = compiled.tokens_per_image
+    items = [compiled.preprocessor()(m) for m in FIXED_MEDIA]
+    for replayed, eager in nan_pool_replays(compiled, plain, BudgetPlan((t, 2 * t, 4 * t, 8 * t), max_items=8, max_frames=8), items):
+        cos = torch.nn.functional.cosine_similarity(replayed.float(), eager.float(), dim=-1)
+        assert cos.min() > 0.99, float(cos.min())
+
+
+@pytest.mark.parametrize("family", DINO_METACLIP)
+def test_dinov3_and_metaclip2_fp8_graphs_replay_like_eager_and_stay_close_to_bf16(cache_dir: str, family: str) -> None:
+    """model.precision fp8 on real photos: every linear layer of the blocks in FP8
+    (DINOv3's q, k and v one product though k has no bias), compiled and captured; each
+    replay equals its padded eager run and each vector's cosine to bf16 is at least 0.99."""
+    import io
+    from types import SimpleNamespace
+
+    import numpy as np
+    from PIL import Image
+
+    table = pq.read_table(REPO / "jobs" / "data" / "demo-images.parquet").to_pylist()
+    photos = [SimpleNamespace(pixels=np.asarray(Image.open(io.BytesIO(row["image"])).convert("RGB")))
+              for row in table if row["id"].startswith("img2dataset_")]
+    model = {"family": family, "path": f"builtin:tiny-{family}", "dtype": "bfloat16"}
+    bf16 = load_adapter(make_job(cache_dir, model=model), torch.device("cuda"))
+    fp8 = load_adapter(make_job(cache_dir, model={**model, "precision": "fp8"}), torch.device("cuda"))
+    assert sum(fp8.fp8_layers.values()) == 6 * len(fp8.compile_units())
+    fp8.compile(dynamic=True)
+    items = [fp8.preprocessor()(m) for m in photos]
+    t = fp8.tokens_per_image
+    for replayed, full in nan_pool_replays(fp8, bf16, BudgetPlan((t, 2 * t, 4 * t, 8 * t), max_items=8, max_frames=8), items):
+        cos = torch.nn.functional.cosine_similarity(replayed.float(), full.float(), dim=-1)
+        assert cos.min() >= 0.99, float(cos.min())
+
+
+def test_dinov3_dual_path_replays_equal_eager_on_the_same_padded_batches(cache_dir: str) -> None:
+    """preprocess.tiling: anyres with DINOv3's float32 views: tiles are cut from the
+    rescaled picture, and both paths' graphs replay their padded eager runs."""
+    adapter = load_adapter(_fixed_job(cache_dir, "dinov3", tiling="anyres", max_tiles=6), torch.device("cuda"))
+    t = adapter.tokens_per_image
+    encoder = paths_encoder(adapter, BudgetPlan(tuple(t * 2**k for k in range(6)), max_items=8, max_frames=16), "cuda", "min_padding")
+    items = [adapter.preprocessor()(m) for m in FIXED_MEDIA]
+    assert any(item.tensors["tile_pixels"].shape[0] > 0 for item in items)
+    for batch in batches(encoder, items):
+        chosen = [items[i] for i in batch.indices]
+        replayed = run(encoder, chosen, batch.budgets)
+        assert all(torch.equal(a, b) for a, b in zip(replayed, run_padded_eager(encoder, chosen, batch.budgets)))
+    stats = encoder.stats()
+    assert stats["graph_hits"] == len(items) and stats["paths"]["local"]["graph_hits"] >= 1
+    encoder.clear()
+
+
+def test_a_dinov3_gpu_decoder_job_gives_the_cpu_decoder_jobs_rows(tmp_path: Path, cache_dir: str) -> None:
+    """preprocess.decoder: gpu resizes DINOv3's rescaled float32 pictures on the device."""
+    from embedjob.config import load_job
+    from embedjob.runner import run_job
+
+    outputs, stats = {}, {}
+    for decoder in ("cpu", "gpu"):
+        overrides = [f"output.path={tmp_path / decoder}", "runtime.device=cuda", f"runtime.cache_dir={cache_dir}",
+                     "runtime.workers=2", "runtime.gpus=1", f"preprocess.decoder={decoder}", "model.family=dinov3",
+                     "model.path=builtin:tiny-dinov3", "output.dtype=float32"]
+        stats[decoder] = run_job(load_job(REPO / "jobs" / "demo-clip.yaml", overrides))
+        outputs[decoder] = pq.read_table(sorted((tmp_path / decoder).glob("part-*.parquet"))).to_pylist()
+    assert stats["gpu"]["device_decoded"] == 9 and stats["gpu"]["hit_rate"] == 1.0
+    for cpu_row, gpu_row in zip(outputs["cpu"], outputs["gpu"], strict=True):
+        assert (cpu_row["id"], cpu_row["error"], cpu_row["tokens"]) == (gpu_row["id"], gpu_row["error"], gpu_row["tokens"])
+        if cpu_row["error"] is None:
+            a, b = torch.tensor(cpu_row["embedding"]), torch.tensor(gpu_row["embedding"])
+            assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) > 0.99

@@ -235,7 +235,7 @@ def test_pooling_none_gives_patch_tokens_with_their_grid_for_fixed_resolution_fa
     # DINOv2's patch_mean vector is the mean of its patch tokens: the rows are the real tokens, in order of the grid.
     sets = ("--set", "model.family=dinov2", "--set", "model.path=builtin:tiny-dinov2", "--set", "output.dtype=float32")
     assert run(DEMO_CLIP, tmp_path / "tokens", cache_dir, *sets, "--set", "output.pooling=none") == 0
-    assert run(DEMO_CLIP, tmp_path / "mean", cache_dir, *sets, "--set", "model.dinov2_pool=patch_mean") == 0
+    assert run(DEMO_CLIP, tmp_path / "mean", cache_dir, *sets, "--set", "model.pool=patch_mean") == 0
     for token_row, mean_row in zip(parts(tmp_path / "tokens")[:10], parts(tmp_path / "mean")[:10], strict=True):
         tokens = np.array(token_row["embedding"], dtype=np.float32)
         assert token_row["grid"] == [1, 4, 4] and tokens.shape == (16, 64)

@@ -1,8 +1,10 @@
-"""CLIP, SigLIP and DINOv2 vision encoders through transformers: a fixed token count per image.
+"""CLIP, MetaCLIP 2, SigLIP, DINOv2 and DINOv3 vision encoders through transformers: a fixed token count per image.
 
 Every image (or video frame, or tile) is resized to the model's input size, so it costs
-the same `tokens_per_image` encoder tokens: (side / patch)^2 patches, plus a CLS token for
-CLIP and DINOv2. A batch of n images is one (n, 3, H, W) tensor; the images never attend
+the same `tokens_per_image` encoder tokens: (side / patch)^2 patches, plus the prefix
+tokens before them (`FixedFamily.prefix_tokens`): a CLS token for CLIP, MetaCLIP 2 and
+DINOv2, a CLS token and the checkpoint's `num_register_tokens` registers for DINOv3.
+A batch of n images is one (n, 3, H, W) tensor; the images never attend
 to each other, so pad images (zeros) cannot change a real image's embedding.
 
 What the numbers mean (the contract the packer, the graph manager and the writer rely on):
@@ -14,17 +16,19 @@ What the numbers mean (the contract the packer, the graph manager and the writer
   averages (`output.pooling: mean`).
 - Per-token output (`output.pooling: none`, `per_token`): one row per patch token of
   each view instead, row-major over the patch grid, views (frames) one after the other,
-  so an item's rows form its `token_grid` (views, patches high, patches wide). The CLS
-  token is not among them (it is the pooled output). A token is what the family's
-  pooled vector is made from, in the same space: CLIP's patch states through the
-  post-layernorm and the visual projection (as its CLS state is), SigLIP's and DINOv2's
-  final (layer-normed) states. Budgets still count every encoder token, CLS included.
+  so an item's rows form its `token_grid` (views, patches high, patches wide). The
+  prefix tokens are not among them (CLS is the pooled output; registers hold no place in
+  the grid). A token is what the family's pooled vector is made from, in the same
+  space: CLIP's and MetaCLIP 2's patch states through the post-layernorm and the visual
+  projection (as their CLS state is), SigLIP's and DINOv2's and DINOv3's final
+  (layer-normed) states. Budgets still count every encoder token, prefix tokens included.
 - A budget of B tokens holds B // tokens_per_image images; budgets are multiples of it.
 
-Embeddings: CLIP and SigLIP return what `get_image_features` returns (CLIP: the
-post-layernorm CLS through `visual_projection`; SigLIP: its attention-pooling head).
-DINOv2 returns its CLS token after the final layernorm (`pooler_output`) by default, or
-the mean of its patch tokens with `model.dinov2_pool: patch_mean`.
+Embeddings: CLIP, MetaCLIP 2 and SigLIP return what `get_image_features` returns (CLIP
+and MetaCLIP 2: the post-layernorm CLS through `visual_projection`; SigLIP: its
+attention-pooling head). DINOv2 and DINOv3 return their CLS token after the final
+layernorm (`pooler_output`) by default, or the mean of their patch tokens (registers
+left out) with `model.pool: patch_mean`.
 
 Dual path (`preprocess.tiling: anyres`): each image also yields up to `max_tiles` local
 tiles (see tiling.py) under `tile_pixels`; the global view is exactly the single-view
@@ -92,6 +96,10 @@ class FixedFamily:
     `full_class` is the dual-encoder checkpoint (vision + text), `vision_class` the
     vision-only one and `projected_class` a vision-only one that keeps the projection.
     `layers` is the attribute path of the repeated blocks inside the vision tower.
+    `cls_token` and `registers` (the config attribute counting register tokens) give the
+    prefix tokens the tower puts before its patches (`prefix_tokens`); `any_input_size`:
+    the tower takes inputs of any size (interpolated or rotary positions), so the
+    processor's size need not be the config's `image_size`.
     """
 
     name: str
@@ -104,8 +112,16 @@ class FixedFamily:
     cls_token: bool
     layers: str
     # Whether the tower's last_hidden_state still needs its final norm (CLIP applies
-    # post_layernorm to the pooled CLS state only; SigLIP and DINOv2 to every state).
+    # post_layernorm to the pooled CLS state only, MetaCLIP 2 too; SigLIP, DINOv2 and
+    # DINOv3 to every state).
     unnormed_states: bool = False
+    registers: str | None = None
+    any_input_size: bool = False
+
+    def prefix_tokens(self, config: Any) -> int:
+        """Tokens before the patches in the tower's sequence: CLS, then registers."""
+        registers = int(getattr(config, self.registers, 0) or 0) if self.registers else 0
+        return int(self.cls_token) + registers
 
 
 FAMILIES = {
@@ -117,8 +133,22 @@ FAMILIES = {
         "siglip", "siglip", "siglip_vision_model", "SiglipModel", "SiglipVisionModel", None,
         "SiglipImageProcessor", False, "encoder.layers",
     ),
-    "dinov2": FixedFamily("dinov2", None, "dinov2", None, "Dinov2Model", None, "BitImageProcessor", True, "encoder.layer"),
+    "dinov2": FixedFamily(
+        "dinov2", None, "dinov2", None, "Dinov2Model", None, "BitImageProcessor", True, "encoder.layer",
+        any_input_size=True,
+    ),
+    "dinov3": FixedFamily(
+        "dinov3", None, "dinov3_vit", None, "DINOv3ViTModel", None, "DINOv3ViTImageProcessor", True, "model.layer",
+        registers="num_register_tokens", any_input_size=True,
+    ),
+    "metaclip2": FixedFamily(
+        "metaclip2", "metaclip_2", "metaclip_2_vision_model", "MetaClip2Model", "MetaClip2VisionModel",
+        "MetaClip2VisionModelWithProjection", "CLIPImageProcessor", True, "encoder.layers", unnormed_states=True,
+    ),
 }
+RESCALE_FIRST = frozenset({"DINOv3ViTImageProcessor"})
+"""Image processors that rescale to [0, 1] before they resize (transformers' DINOv3 one),
+so the resize runs on float32 pixels: their views are float32 (`FixedPreprocessor.float_views`)."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +166,11 @@ class FixedPreprocessor:
     copies and PCIe. `normalize` runs on the device, in the adapter's forward (so inside
     a captured graph), with the processor's float32 operations, so the model input is
     bitwise what the processor gives (`normalize` on the CPU is the processor's output).
+
+    A processor that rescales before it resizes (`rescale_first`, `RESCALE_FIRST`:
+    DINOv3's) resizes float32 pixels in [0, 1], whose resized values no uint8 holds: its
+    views are the rescaled, resized float32 pixels (`float_views`, four times the bytes),
+    and only the normalisation is left for the device, again bitwise the processor's.
     """
 
     family: str
@@ -150,6 +185,16 @@ class FixedPreprocessor:
     tokens_per_image: int
     patch_grid: tuple[int, int]
     max_tiles: int = 0
+    rescale_first: bool = False
+
+    @property
+    def float_views(self) -> bool:
+        """Whether views are float32 (rescaled before the resize) rather than uint8."""
+        return self.rescale_first and self.rescale is not None
+
+    @property
+    def view_dtype(self) -> torch.dtype:
+        return torch.float32 if self.float_views else torch.uint8
 
     @property
     def frame_multiple(self) -> int:
@@ -210,11 +255,12 @@ class FixedPreprocessor:
         return replace(item, tensors={GLOBAL_KEY: self.process(frames), **item.tensors})
 
     def process(self, images: torch.Tensor) -> torch.Tensor:
-        """(N, 3, H, W) uint8 -> (N, 3, h, w) uint8 views, h x w = `input_size`.
+        """(N, 3, H, W) uint8 -> (N, 3, h, w) views of `view_dtype`, h x w = `input_size`.
 
         Contiguous and of their own: a crop is a view of the larger resize, which the
         item would otherwise keep alive and copy again when it is pickled.
         """
+        images = self._rescaled(images)
         if self.shortest_edge is not None:
             images = self._resize(images, shortest_edge_size(*images.shape[-2:], self.shortest_edge))
         elif self.resize_to is not None:
@@ -224,35 +270,42 @@ class FixedPreprocessor:
         return images.contiguous()
 
     def tiles(self, image: torch.Tensor) -> torch.Tensor:
-        """(3, H, W) uint8 -> (tiles, 3, h, w) uint8 local tiles; none when the best grid is 1 x 1."""
+        """(3, H, W) uint8 -> (tiles, 3, h, w) local tiles of `view_dtype`; none when the best grid is 1 x 1."""
         grid = select_grid(image.shape[-2], image.shape[-1], *self.input_size, self.max_tiles)
         if grid == (1, 1):
             return self._no_tiles()
-        return cut_tiles(image, grid, self.input_size, self.interpolation)
+        return cut_tiles(self._rescaled(image), grid, self.input_size, self.interpolation)
 
     def _no_tiles(self) -> torch.Tensor:
         """Video frames and images no larger than a tile get an empty tile tensor (0 local tokens)."""
-        return torch.empty((0, 3, *self.input_size), dtype=torch.uint8)
+        return torch.empty((0, 3, *self.input_size), dtype=self.view_dtype)
+
+    def _rescaled(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 pixels as the resize takes them: as they are, or with `float_views`
+        times the rescale factor in float32 (the processor's `image * scale`)."""
+        return images * self.rescale if self.float_views else images
 
     def pixel_scale(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Mean and std scaled by 1/rescale, computed in float32 on the CPU as transformers
         does, shaped (3, 1, 1) and moved to `device`; None without normalisation. The
-        adapter makes them once: a captured graph cannot copy constants from host memory."""
+        adapter makes them once: a captured graph cannot copy constants from host memory.
+        Float views are rescaled already: their mean and std are the processor's own."""
         if self.mean is None or self.std is None:
             return None
-        factor = 1.0 / self.rescale if self.rescale is not None else 1.0
+        factor = 1.0 / self.rescale if self.rescale is not None and not self.float_views else 1.0
         mean = torch.tensor(self.mean) * factor
         std = torch.tensor(self.std) * factor
         return mean.view(3, 1, 1).to(device), std.view(3, 1, 1).to(device)
 
     def normalize(self, images: torch.Tensor, scale: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """(N, 3, h, w) uint8 -> float32: rescale and normalise fused into one subtract and
-        one divide, the processor's operations in its order (torchvision's `normalize`
-        minus its host-side checks, which a captured graph cannot run), so CPU and GPU
-        give its bits. `scale` is `pixel_scale(images.device)`, made once by the caller."""
+        """(N, 3, h, w) views -> float32: rescale and normalise fused into one subtract and
+        one divide (float views: the normalisation alone), the processor's operations in
+        its order (torchvision's `normalize` minus its host-side checks, which a captured
+        graph cannot run), so CPU and GPU give its bits. `scale` is
+        `pixel_scale(images.device)`, made once by the caller."""
         pixels = images.to(torch.float32)
         if self.mean is None or self.std is None:
-            return pixels * self.rescale if self.rescale is not None else pixels
+            return pixels * self.rescale if self.rescale is not None and not self.float_views else pixels
         mean, std = scale if scale is not None else self.pixel_scale(images.device)
         return (pixels - mean) / std
 
@@ -281,14 +334,15 @@ def center_crop(images: torch.Tensor, crop_h: int, crop_w: int) -> torch.Tensor:
 
 
 class FixedResAdapter(EncoderAdapter):
-    """A CLIP, SigLIP or DINOv2 vision tower run on batches of fixed-size images.
+    """A CLIP, MetaCLIP 2, SigLIP, DINOv2 or DINOv3 vision tower run on batches of fixed-size images.
 
     `views` lists the item tensors this adapter produces: the global views, plus the
     local tiles with `tiling: anyres`, where `paths` declares a global and a local path
     (the batch encoder runs one graph set per path's key through `path_input` and
     merges them with `combine`). `per_token` makes `forward` return every view's patch
     tokens instead of its pooled vector (not with tiles, which have no place in a view's
-    token grid: the job refuses that combination).
+    token grid: the job refuses that combination). `prefix` is the count of tokens before
+    the patches (CLS and registers), which patch means and per-token rows leave out.
     """
 
     def __init__(
@@ -308,6 +362,9 @@ class FixedResAdapter(EncoderAdapter):
         self.pool = pool
         self.tile_combine = tile_combine
         self.per_token = per_token
+        # The tokens an image costs beyond its patches (`FixedFamily.prefix_tokens` where
+        # the processing was loaded), so an adapter of any spec knows them.
+        self.prefix = processing.tokens_per_image - processing.patch_grid[0] * processing.patch_grid[1]
         self.rows_per_view = processing.patch_grid[0] * processing.patch_grid[1] if per_token else 1
         self.tokens_per_image = self.budget_unit = processing.tokens_per_image
         self.feature_dim = int(projection.out_features if projection is not None else tower.config.hidden_size)
@@ -352,10 +409,11 @@ class FixedResAdapter(EncoderAdapter):
         return count
 
     def static_inputs(self, budget: int, max_items: int, max_frames: int) -> StaticInputs:
-        """budget // tokens_per_image black uint8 images (a valid dummy batch: every
-        normalised pixel is finite)."""
+        """budget // tokens_per_image black images, views of the processor's dtype (a
+        valid dummy batch: every normalised pixel is finite)."""
         height, width = self.processing.input_size
-        pixels = torch.zeros(self.images_for(budget), 3, height, width, dtype=torch.uint8, device=self.device)
+        dtype = self.processing.view_dtype
+        pixels = torch.zeros(self.images_for(budget), 3, height, width, dtype=dtype, device=self.device)
         return StaticInputs({GLOBAL_KEY: pixels}, constants={"budget": budget})
 
     def batch_values(self, items: list[EncoderInput], static: StaticInputs) -> dict[str, torch.Tensor]:
@@ -365,7 +423,7 @@ class FixedResAdapter(EncoderAdapter):
         return StaticInputs({GLOBAL_KEY: self._joined(items).to(self.device, non_blocking=True)})
 
     def forward(self, inputs: StaticInputs) -> torch.Tensor:
-        """(N, 3, h, w) uint8 -> (N, feature_dim): one embedding per image, in input order
+        """(N, 3, h, w) views -> (N, feature_dim): one embedding per image, in input order
         (per token: (N * patches, feature_dim), each image's patch tokens in turn).
         Normalising here puts it on the device, inside a captured graph."""
         pixels = self.processing.normalize(inputs.tensors[GLOBAL_KEY], self.pixel_scale).to(self.dtype)
@@ -373,7 +431,7 @@ class FixedResAdapter(EncoderAdapter):
         if self.per_token:
             return self._patch_tokens(output.last_hidden_state)
         if self.pool == "patch_mean":
-            pooled = output.last_hidden_state[:, int(self.spec.cls_token) :].mean(dim=1)
+            pooled = output.last_hidden_state[:, self.prefix :].mean(dim=1)
         else:
             pooled = output.pooler_output
         return pooled if self.projection is None else self.projection(pooled)
@@ -381,7 +439,7 @@ class FixedResAdapter(EncoderAdapter):
     def _patch_tokens(self, states: torch.Tensor) -> torch.Tensor:
         """(N, tokens, hidden) final states -> (N * patches, feature_dim): the patch
         tokens in the space of the family's pooled vector (see the module docstring)."""
-        tokens = states[:, int(self.spec.cls_token) :]
+        tokens = states[:, self.prefix :]
         if self.spec.unnormed_states:
             tokens = self.tower.post_layernorm(tokens)
         if self.projection is not None:
@@ -419,14 +477,15 @@ class FixedResAdapter(EncoderAdapter):
         return (global_rows + local) / 2
 
     def _joined(self, items: list[EncoderInput]) -> torch.Tensor:
-        """All items' views in one new uint8 tensor, joined by one `cat`, page-locked
+        """All items' views in one new tensor (of `view_dtype`), joined by one `cat`, page-locked
         when it feeds a GPU so the copy to the device is asynchronous. Views the GPU
         decoded are already there: then the batch is joined on the device."""
         parts = [item.tensors[GLOBAL_KEY] for item in items]
         views = sum(self._views(items))
         if any(part.device.type != "cpu" for part in parts):
             return torch.cat([part.to(self.device, non_blocking=True) for part in parts])
-        out = torch.empty((views, 3, *self.processing.input_size), dtype=torch.uint8, pin_memory=self.pin_memory)
+        shape = (views, 3, *self.processing.input_size)
+        out = torch.empty(shape, dtype=self.processing.view_dtype, pin_memory=self.pin_memory)
         return torch.cat(parts, out=out)
 
 
@@ -437,6 +496,12 @@ BUILTIN_VISION: dict[str, dict[str, Any]] = {
     # image_size 70 (5x5 positions) against a 56-pixel crop exercises the position
     # interpolation every real DINOv2 checkpoint runs (518 pretraining size, 224 crop).
     "dinov2": dict(hidden_size=64, mlp_ratio=2, num_hidden_layers=2, num_attention_heads=4, image_size=70, patch_size=14),
+    # Two registers between CLS and the patches, which pooling and per-token rows skip.
+    "dinov3": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16,
+        num_register_tokens=2,
+    ),
+    "metaclip2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16),
 }
 BUILTIN_TEXT = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=128,
@@ -448,17 +513,25 @@ BUILTIN_PROCESSORS: dict[str, dict[str, Any]] = {
     "dinov2": dict(
         size={"shortest_edge": 64}, crop_size={"height": 56, "width": 56}, image_mean=list(IMAGENET_MEAN), image_std=list(IMAGENET_STD)
     ),
+    # 64 x 80 against the config's 64: rotary positions take any size, and a 4 x 5 grid
+    # keeps rows and columns of per-token output apart.
+    "dinov3": dict(size={"height": 64, "width": 80}),
+    "metaclip2": dict(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}),
 }
 
 
 def _build_builtin(spec: FixedFamily) -> torch.nn.Module:
     """The tiny model: the full dual encoder where the family has one, so the demo loads
-    through the same path as a user's CLIP or SigLIP checkpoint."""
+    through the same path as a user's CLIP, MetaCLIP 2 or SigLIP checkpoint."""
     vision = BUILTIN_VISION[spec.name]
     if spec.name == "clip":
         config = transformers_class("CLIPConfig")(text_config=BUILTIN_TEXT, vision_config=vision, projection_dim=48)
     elif spec.name == "siglip":
         config = transformers_class("SiglipConfig")(text_config=BUILTIN_TEXT, vision_config=vision)
+    elif spec.name == "metaclip2":
+        config = transformers_class("MetaClip2Config")(text_config=BUILTIN_TEXT, vision_config=vision, projection_dim=48)
+    elif spec.name == "dinov3":
+        config = transformers_class("DINOv3ViTConfig")(**vision)
     else:
         config = transformers_class("Dinov2Config")(**vision)
     cls = transformers_class(spec.full_class or spec.vision_class)
@@ -510,9 +583,10 @@ def _field(size: Any, name: str) -> Any:
 
 def _default_processor(spec: FixedFamily, image_size: int) -> Any:
     """The family's processor for a checkpoint saved without one: the model's own input
-    size, and for DINOv2 its published 256 -> 224 crop with ImageNet statistics."""
+    size, for DINOv2 its published 256 -> 224 crop with ImageNet statistics, and for
+    DINOv3 its processor's own defaults (ImageNet statistics) at the model's size."""
     cls = transformers_class(spec.processor_class)
-    if spec.name == "siglip":
+    if spec.name in ("siglip", "dinov3"):
         return cls(size={"height": image_size, "width": image_size})
     if spec.name == "dinov2":
         return cls(
@@ -525,8 +599,8 @@ def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_
     """The checkpoint's image processor settings as a picklable `FixedPreprocessor`.
 
     Raises ValueError for settings that give no fixed input size (a resize without a
-    crop to a shortest edge) or that the model cannot take (CLIP and SigLIP need their
-    configured image size).
+    crop to a shortest edge) or that the model cannot take (CLIP, MetaCLIP 2 and SigLIP
+    need their configured image size).
     """
     if (directory / "preprocessor_config.json").exists():
         processor = transformers_class("AutoImageProcessor").from_pretrained(directory)
@@ -545,7 +619,7 @@ def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_
     if input_size is None:
         raise ValueError(f"{directory}: the image processor gives no fixed input size (no crop and no height/width resize)")
     patch = int(vision_config.patch_size)
-    if spec.name != "dinov2" and input_size != (int(vision_config.image_size),) * 2:
+    if not spec.any_input_size and input_size != (int(vision_config.image_size),) * 2:
         raise ValueError(f"{directory}: the processor makes {input_size} images but the model takes {vision_config.image_size}")
     resample = int(processor.resample)
     if resample not in INTERPOLATIONS:
@@ -560,9 +634,10 @@ def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_
         mean=tuple(float(v) for v in processor.image_mean) if processor.do_normalize else None,
         std=tuple(float(v) for v in processor.image_std) if processor.do_normalize else None,
         input_size=input_size,
-        tokens_per_image=(input_size[0] // patch) * (input_size[1] // patch) + int(spec.cls_token),
+        tokens_per_image=(input_size[0] // patch) * (input_size[1] // patch) + spec.prefix_tokens(vision_config),
         patch_grid=(input_size[0] // patch, input_size[1] // patch),
         max_tiles=max_tiles,
+        rescale_first=any(cls.__name__ in RESCALE_FIRST for cls in type(processor).__mro__),
     )
 
 
@@ -597,7 +672,7 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
         row_major_states(tower)
     if projection is not None:
         projection = projection.to(device).eval().requires_grad_(False)
-    pool = "patch_mean" if options.dinov2_pool == "patch_mean" else "pooler"
+    pool = "patch_mean" if options.pool == "patch_mean" else "pooler"
     if spec.name == "siglip" and not getattr(tower.config, "vision_use_head", True):
         raise ValueError(f"checkpoint {directory} has no SigLIP pooling head (vision_use_head=false), so no image embedding")
     max_tiles = options.max_tiles if options.tiling == "anyres" else 0

@@ -18,14 +18,15 @@ SigLIP-so400m-size tower the GELU and the scales of the down projection's input 
 row kernel's average call (benchmarks/RESULTS.md's git history).
 
 Sibling layers that a block calls on one and the same input (`JOINT_GROUPS`: the
-separate q, k and v projections of SigLIP, CLIP and DINOv2, the gate and up projections
-of the gated MLPs) share one quantisation of it and one product of their joined weights
-(`Fp8Joint`): the first of them called on an input computes every sibling's output, the
+separate q, k and v projections of SigLIP, CLIP, DINOv2 and DINOv3, the gate and up
+projections of the gated MLPs) share one quantisation of it and one product of their
+joined weights (`Fp8Joint`; a sibling without a bias, as DINOv3's k, adds zeros): the first of them called on an input computes every sibling's output, the
 others take their columns. On the SigLIP-so400m-size tower the row kernel's time fell
 from 47 to 37 ms of the batch and the tower ran 4 % faster (benchmarks/RESULTS.md's git history).
 
 An MLP's activation is applied by the layer that reads it (`ACTIVATION_INTO`: fc1, the
-activation, fc2 in turn, as in SigLIP, CLIP, DINOv2 and Qwen2-VL): fc2 quantises the
+activation, fc2 in turn, as in SigLIP, CLIP, DINOv2 and Qwen2-VL, or DINOv3's up, act
+and down): fc2 quantises the
 activation of its input in the same kernel, so the activated hidden state, the widest
 tensor of the block, is never written in bf16 and read back (SigLIP-so400m 3 %, CLIP-L
 6 % faster). The activation is recognised by its values, not by its class name, which
@@ -96,11 +97,12 @@ one input width. A group that a forward does not call that way still computes ri
 (see `Fp8Joint`), only without the saving."""
 
 
-ACTIVATION_INTO = (("activation_fn", "fc2"), ("act", "fc2"), ("gelu", "c_proj"))
+ACTIVATION_INTO = (("activation_fn", "fc2"), ("act", "fc2"), ("gelu", "c_proj"), ("act_fn", "down_proj"))
 """(activation, layer) names of MLPs whose forward feeds the activation's output to that
 layer alone (transformers' modeling code; OpenCLIP's `nn.Sequential` MLPs where nothing
 but identities stands between the two, `_feeds_alone`), so the layer may apply the
-activation itself."""
+activation itself. A gated MLP (one with a `GATED_MLPS` gate layer) has these names too,
+but its layer reads `act(gate) * up`: it is never one of these."""
 ACTIVATIONS: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "gelu_tanh": (1, lambda x: F.gelu(x, approximate="tanh")),
     "gelu": (2, F.gelu),
@@ -132,6 +134,7 @@ NORM_INTO = (
     ("norm1", ("attention.q_proj", "attention.k_proj", "attention.v_proj")),  # DINOv2
     ("norm1", ("attn.qkv",)),  # Qwen-VL
     ("norm2", ("mlp.fc1",)),  # DINOv2, Qwen2-VL
+    ("norm2", ("mlp.up_proj",)),  # DINOv3 (its gated MLP is the next entry's)
     ("norm2", ("mlp.gate_proj", "mlp.up_proj")),  # Qwen2.5-VL
     ("ln_2", ("mlp.c_fc",)),  # OpenCLIP (its ln_1 feeds nn.MultiheadAttention, which stays as it is)
 )
@@ -284,13 +287,14 @@ class Fp8Linear(torch.nn.Module):
         quantized, scale = quantize_rows(weight)
         self.register_buffer("weight", quantized)  # (n, k): its transpose is the column-major operand
         self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())
-        biased = [layer.bias is not None for layer in layers]
-        if any(biased) and not all(biased):
-            raise ValueError("layers joined into one FP8 product must all have a bias or none")
+        # A layer without a bias among biased ones adds zeros: x @ W.T + 0 is its output.
+        biases = [
+            layer.bias.detach() if layer.bias is not None else layer.weight.new_zeros(layer.out_features) for layer in layers
+        ]
         self.register_buffer(
             "bias",
-            None if not all(biased) else torch.cat(
-                [F.pad(layer.bias.detach(), (0, _padded(layer.out_features) - layer.out_features)) for layer in layers]
+            None if all(layer.bias is None for layer in layers) else torch.cat(
+                [F.pad(bias, (0, _padded(bias.shape[0]) - bias.shape[0])) for bias in biases]
             ).to(layers[0].weight.dtype),
         )
         self.norm: Norm | None = None
@@ -531,7 +535,7 @@ def _activate_into(module: torch.nn.Module, activation: str, layer: str) -> str 
     linear, function = getattr(module, layer, None), getattr(module, activation, None)
     if type(linear) is not torch.nn.Linear or not isinstance(function, torch.nn.Module):
         return None
-    if not _feeds_alone(module, activation, layer):
+    if any(getattr(module, names[0], None) is not None for names in GATED_MLPS) or not _feeds_alone(module, activation, layer):
         return None
     kind = recognised_activation(function)
     if kind is None:
@@ -604,11 +608,11 @@ def _probe_error(mlp: torch.nn.Module, replacement: torch.nn.Module, width: int,
 
 def _join(module: torch.nn.Module, group: Sequence[str]) -> bool:
     """Replace `module`'s linear layers named `group` by `Fp8Joint`s of one product,
-    where it has them all, of one input width, and all or none with a bias."""
+    where it has them all, of one input width."""
     layers = [getattr(module, member, None) for member in group]
     if not all(type(layer) is torch.nn.Linear for layer in layers):
         return False
-    if len({layer.in_features for layer in layers}) != 1 or len({layer.bias is None for layer in layers}) != 1:
+    if len({layer.in_features for layer in layers}) != 1:
         return False
     product, shared = Fp8Linear(layers), _Shared()
     for index, member in enumerate(group):

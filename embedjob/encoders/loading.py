@@ -43,7 +43,7 @@ class AdapterOptions:
     tiling: str = "none"
     max_tiles: int = 0
     tile_combine: str = "concat"
-    dinov2_pool: str = "cls"
+    pool: str = "cls"
     per_token: bool = False
     # The backend `attention.resolve_backend` chose for the tower (Qwen-VL towers read it).
     attention: str = "varlen"
@@ -64,7 +64,7 @@ class AdapterOptions:
             tiling=job.preprocess.tiling,
             max_tiles=job.preprocess.max_tiles,
             tile_combine=job.preprocess.tile_combine,
-            dinov2_pool=job.model.dinov2_pool,
+            pool=job.model.image_pool,
             per_token=job.output.pooling == "none",
             attention=attention,
         )

@@ -30,13 +30,15 @@ class Family:
     `model_types`: the `model_type`s of its checkpoints' config.json (full model, vision
     tower), as its adapter's spec checks them; `package`: the module its adapter needs
     beyond embedjob's own dependencies, from the extra `pip install 'embedjob[<extra>]'`
-    (a job naming the family without it stops before any work)."""
+    (a job naming the family without it stops before any work); `poolable`: its image
+    vector is the job's choice (`model.pool`: the CLS token or the patch mean)."""
 
     adapter: str
     fixed_resolution: bool
     model_types: tuple[str, ...]
     package: str | None = None
     extra: str | None = None
+    poolable: bool = False
 
 
 _QWEN = "embedjob.encoders.qwen"
@@ -49,7 +51,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3_vl": Family(_QWEN, False, ("qwen3_vl", "qwen3_vl_vision")),
     "clip": Family(_FIXED, True, ("clip", "clip_vision_model")),
     "siglip": Family(_FIXED, True, ("siglip", "siglip_vision_model")),
-    "dinov2": Family(_FIXED, True, ("dinov2",)),
+    "dinov2": Family(_FIXED, True, ("dinov2",), poolable=True),
+    "dinov3": Family(_FIXED, True, ("dinov3_vit",), poolable=True),
+    "metaclip2": Family(_FIXED, True, ("metaclip_2", "metaclip_2_vision_model")),
     "siglip2": Family(_SIGLIP2, False, ("siglip2", "siglip2_vision_model")),
     "open_clip": Family("embedjob.encoders.open_clip", True, (), package="open_clip", extra="open_clip"),
 }
@@ -104,6 +108,7 @@ def local_looking(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or Path(path).exists() or path.count("/") != 1
 
 FIXED_RESOLUTION = tuple(name for name, family in FAMILIES.items() if family.fixed_resolution)
+POOLABLE = tuple(name for name, family in FAMILIES.items() if family.poolable)
 
 ADAPTER_MODULES = tuple(dict.fromkeys(family.adapter for family in FAMILIES.values()))
 """Every adapter module, once each: decode workers import them before their first task."""

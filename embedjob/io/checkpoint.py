@@ -122,9 +122,13 @@ def _without_default(section: Any, key: str, default: Any) -> dict[str, Any]:
 def _model_identity(job: Job) -> dict[str, Any]:
     """The model keys that determine the embeddings. `attention` is left out: it picks a
     kernel, as `batching.compile` does, and its backends agree to bf16 rounding
-    (benchmarks/RESULTS.md), so output resumes across it (and `auto` resolves per machine)."""
+    (benchmarks/RESULTS.md), so output resumes across it (and `auto` resolves per machine).
+    The pooling `pool` and its deprecated alias `dinov2_pool` pick is recorded once, under
+    the alias's name as output written before `pool` existed recorded it, so that output
+    resumes and either spelling of one pooling resumes the other's."""
     values = _without_default(job.model, "precision", "bf16")
-    del values["attention"]
+    del values["attention"], values["pool"]
+    values["dinov2_pool"] = job.model.image_pool
     return values
 
 

@@ -19,5 +19,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
-.venv/bin/python -m pip install -q -e '.[test,ray]'
+.venv/bin/python -m pip install -q -e '.[test,ray,s3test]'
 echo "$wanted" > "$stamp"

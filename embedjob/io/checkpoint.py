@@ -23,6 +23,12 @@ it. A marker without a manifest that backs it is removed with the rest of the sh
 files; a marker without its statistics does not make a shard finished
 (`shard_finished`): its next run writes them.
 
+The output may be a directory or a prefix of an object store (`io/store.py`): the
+checkpoint names files relative to it and reads and writes them through its `Store`. In
+an object store a part appears under its name only when its upload completes, the
+manifest is one put, and the locks below are lease objects (`object_store.LeaseLock`)
+rather than flocks; everything else here holds as written.
+
 A restart keeps a committed part only while it is intact: same size, same checksum.
 The first part that is not (truncated, bit-flipped, replaced, gone) is recomputed, with
 a warning naming it, and so is every part after it (parts are contiguous).
@@ -356,8 +362,8 @@ def claim_output(output: Output, record: OutputRecord, overwrite: bool, shard: i
     agree on one record, and a shard is never removed under its running writer.
     """
     out = output_store(output)
-    out.prepare(META)
     refuse_old_layout(out, overwrite)
+    out.prepare(META)
     with _output_lock(out):
         # The record is written only under the output's lock: nothing of it is in flight.
         out.remove_debris((META,), lambda name: name == JOB_RECORD)

@@ -334,13 +334,13 @@ def _slurm_commands(sub: Any) -> None:
     submit.set_defaults(func=_cmd_submit)
 
     status = sub.add_parser("status", help="shards done / running / pending / failed of an output, rows committed")
-    status.add_argument("output", help="the job's output.path")
+    status.add_argument("output", help="the job's output.path (a directory or an object-store URL)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--verify", action="store_true", help="also check every part (exit 1 if any is damaged)")
     status.set_defaults(func=_cmd_status)
 
     verify = sub.add_parser("verify", help="check a whole output: every shard, manifest, part checksum and marker")
-    verify.add_argument("output", help="the job's output.path")
+    verify.add_argument("output", help="the job's output.path (a directory or an object-store URL)")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.set_defaults(func=_cmd_verify)
 
@@ -383,11 +383,13 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
+    from embedjob.io.store import output_store
     from embedjob.io.verify import verify_output
     from embedjob.slurm import format_status, output_status
 
-    status = output_status(Path(args.output))
-    checked = verify_output(Path(args.output)) if args.verify else None
+    output = output_store(args.output)
+    status = output_status(output)
+    checked = verify_output(output) if args.verify else None
     if args.json:
         data = status.to_dict()
         if checked is not None:
@@ -413,7 +415,7 @@ def _report_command(sub: Any) -> None:
 def _cmd_report(args: argparse.Namespace) -> int:
     from embedjob.report.html import write_report
 
-    report = write_report(Path(args.output), Path(args.out) if args.out else None)
+    report = write_report(args.output, Path(args.out) if args.out else None)
     print(f"embedjob: wrote the report of {args.output} with {plural(len(report.figures), 'figure')}", file=sys.stderr)
     print(report.path)
     return 0
@@ -446,7 +448,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     from embedjob.io.verify import format_verification, verify_output
 
-    result = verify_output(Path(args.output))
+    result = verify_output(args.output)
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_verification(result))
     return 0 if result.ok else 1
 

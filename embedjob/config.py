@@ -90,11 +90,11 @@ def key(default: Any, doc: str, within: Range | None = None) -> Any:
     """A job key: its default, its one-line description (`embedjob inspect`, README) and,
     for a numeric key, the range its numbers must lie in (`Range`; every numeric key has one).
 
-    A list default is copied for each job, so no two jobs share one list.
+    A list or mapping default is copied for each job, so no two jobs share one.
     """
     metadata = {"doc": doc, "range": within}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
@@ -120,6 +120,9 @@ class InputConfig:
     format: Literal["parquet", "webdataset"] = key(
         "parquet",
         "parquet, or webdataset: .tar shards, one row per key, media from the member input.media_column names (e.g. jpg), id the key",
+    )
+    storage_options: dict[str, Any] = key(
+        {}, "fsspec options for an input.path URL (e.g. {endpoint_url: ..., profile: ...}); credentials also come from the store's usual places"
     )
 
 
@@ -216,12 +219,15 @@ class BatchingConfig:
 class OutputConfig:
     """Where and how embeddings are written."""
 
-    path: str = key("", "the output directory: parts, and bookkeeping under _embedjob/")
+    path: str = key("", "the output directory or object-store URL (s3://...): parts, and bookkeeping under _embedjob/")
     pooling: Literal["mean", "none"] = key("mean", "mean: one vector per row; none: one vector per output token, with its grid")
     dtype: Literal["float16", "float32"] = key("float16", "the precision of the written vectors")
     rows_per_part: int = key(10_000, "rows per Parquet part (the unit of commit and resume)", AT_LEAST_1)
     normalize: bool = key(False, "write L2-normalised vectors (each token's with pooling: none)")
     columns: list[str] = key([], "input columns copied into the output, e.g. [url, caption]")
+    storage_options: dict[str, Any] = key(
+        {}, "fsspec options for an output.path URL (s3://, gs://, ...; docs/output.md); credentials also come from the store's usual places"
+    )
 
 
 @dataclass
@@ -261,6 +267,14 @@ class Job:
     def to_dict(self) -> dict[str, Any]:
         """The full spec, defaults filled in, as plain data (for logs and manifests)."""
         return dataclasses.asdict(self)
+
+    def recorded(self) -> dict[str, Any]:
+        """`to_dict` as an output records it (its statistics): storage options by name
+        only, as their values may be credentials."""
+        spec = self.to_dict()
+        for section in ("input", "output"):
+            spec[section]["storage_options"] = sorted(spec[section]["storage_options"])
+        return spec
 
 
 REQUIRED = ("input.path", "input.media_column", "model.path", "output.path")
@@ -475,6 +489,8 @@ def _fits(value: Any, hint: Any, within: Range | None) -> tuple[bool, Any]:
         return False, None
     if origin is Literal:
         return (value in typing.get_args(hint)), value
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value), value
     if origin is list:
         (inner,) = typing.get_args(hint)
         if not isinstance(value, list):
@@ -522,6 +538,8 @@ def _allowed(hint: Any, within: Range | None) -> str:
         return " | ".join(repr(a) for a in typing.get_args(hint))
     if origin is list:
         return f"a list of {_allowed(typing.get_args(hint)[0], within)}"
+    if origin is dict:
+        return "a mapping of option names to values"
     if hint is type(None):
         return "null"
     if hint in (int, float):

@@ -17,7 +17,6 @@ import logging
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +27,9 @@ from embedjob.config import Job, JobError, RunFailure
 from embedjob.host import host_threads, main_script_hidden, refuse_starting_process, resolve_device, resolve_workers
 from embedjob.io import reader
 from embedjob.io.checkpoint import Checkpoint, job_fingerprint, open_checkpoint, shard_finished
+from embedjob.io.files import LocalStore
 from embedjob.io.sink import ErrorRate, Progress, Writer
+from embedjob.io.store import job_store
 from embedjob.io.writer import RowBlock, described, output_schema
 from embedjob.parallel.cluster import Cluster, Coordinator, resolve_layout
 from embedjob.pipeline import CHUNK_ROWS, ENCODE_AHEAD, RankPipeline, vector_description
@@ -88,7 +89,7 @@ class Runner:
         start, started = time.perf_counter(), time.time()
         listing = scan_input(self.job)
         fragments = reader.assign_shards(listing.fragments, self.shard.count)[self.shard.index]
-        if not shard_finished(Path(self.job.output.path), self.shard.index):
+        if not shard_finished(job_store(self.job.output), self.shard.index):
             # Before the checkpoint, so a refused shard writes nothing; a finished shard's
             # ids were checked when it ran, and its rerun reads no input.
             reader.check_ids(self.job.input, fragments)
@@ -235,16 +236,14 @@ class Runner:
     ) -> Checkpoint:
         """The shard's checkpoint; the parts it keeps are checked against the media of
         the shard's `fragments` as they are now."""
-        directory = Path(self.job.output.path)
-        if "://" in self.job.output.path:
-            raise JobError(f"output.path {self.job.output.path!r} must be a local or mounted directory")
-        if directory.exists() and not directory.is_dir():
+        store = job_store(self.job.output)
+        if isinstance(store, LocalStore) and store.path.exists() and not store.path.is_dir():
             raise JobError(
                 f"output.path {self.job.output.path!r} is a file, not a directory: name a directory for the parts "
                 "(it is created where it does not exist)"
             )
         return open_checkpoint(
-            directory,
+            store,
             self.shard.index,
             self.shard.count,
             first_row,

@@ -50,7 +50,6 @@ from embedjob.io.checkpoint import (
     claim_output,
     count_codes,
     job_fingerprint,
-    lock_holder,
     lock_name,
     old_layout,
     old_layout_message,
@@ -61,6 +60,7 @@ from embedjob.io.checkpoint import (
     shards_in,
 )
 from embedjob.io.files import own_directory, write_bytes, write_json
+from embedjob.io.store import Store, is_url, output_store
 from embedjob.report.counts import codes_text, error_share_warning, plural
 
 logger = logging.getLogger(__name__)
@@ -189,9 +189,10 @@ class ShardStatus:
 
 @dataclass
 class OutputStatus:
-    """Every shard of an output; `scheduler` says where the SLURM states came from."""
+    """Every shard of an output (`output`: where it is, as `Store.location`);
+    `scheduler` says where the SLURM states came from."""
 
-    output: Path
+    output: str
     num_shards: int
     shards: list[ShardStatus]
     scheduler: str
@@ -341,8 +342,11 @@ def task_gpus(job: Job, asked: int | None) -> int:
 
 
 def output_dir(job: Job) -> Path:
-    if "://" in job.output.path:
-        raise JobError(f"output.path {job.output.path!r} must be a local or mounted directory")
+    if is_url(job.output.path):
+        raise JobError(
+            f"output.path {job.output.path!r}: embedjob submit keeps its logs and job snapshots under output.path, "
+            "which must be a local or mounted directory; run the shards with --engine ray to write to a URL"
+        )
     return (Path.cwd() / job.output.path).resolve()
 
 
@@ -487,11 +491,12 @@ def _record(
     write_json(task.output / RECORD_NAME, record)
 
 
-def read_record(output: Path) -> dict[str, Any]:
+def read_record(output: Store | Path) -> dict[str, Any]:
     """`<output>/slurm-job.json`, or an empty record when there is none."""
-    path = output / RECORD_NAME
+    out = output_store(output)
+    path = out.where(RECORD_NAME)
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(out.read(RECORD_NAME))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
@@ -504,11 +509,12 @@ def read_record(output: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- status
 
 
-def output_status(output: Path) -> OutputStatus:
+def output_status(output: Store | Path) -> OutputStatus:
     """The state of every shard of `output`, from its files and (if it can) from SLURM."""
-    output = Path(output)
-    if not output.is_dir():
-        raise JobError(f"output {output} {'is a file, not an output directory' if output.exists() else 'does not exist'}")
+    output = output_store(output)
+    problem = output.problem()
+    if problem is not None:
+        raise JobError(f"output {output} {problem}")
     names = old_layout(output)
     if names:
         raise JobError(old_layout_message(output, names, "read its status with that embedjob, or rerun the job into a new output.path"))
@@ -525,14 +531,14 @@ def output_status(output: Path) -> OutputStatus:
         job_id = owner.get(shard)
         slurm_state = slurm.state(job_id, shard) if job_id else None
         task = f"{job_id}_{shard}" if job_id else None
-        holder = None if p.done else lock_holder(output / lock_name(shard))
+        holder = None if p.done else output.lock_holder(lock_name(shard))
         state = _classify(p.done, slurm_state, holder is not None)
         shards.append(ShardStatus(shard, state, rows, p.committed, p.errors, task, slurm_state, holder, p.error_codes))
     job_ids = [str(s["job_id"]) for s in record.get("submissions", [])]
-    return OutputStatus(output, num_shards, shards, slurm.source, job_ids)
+    return OutputStatus(output.location, num_shards, shards, slurm.source, job_ids)
 
 
-def _num_shards(output: Path, record: dict[str, Any], progress: dict[int, Any]) -> int:
+def _num_shards(output: Store, record: dict[str, Any], progress: dict[int, Any]) -> int:
     """The output's job says; an output from before job records: the submission
     record, else the manifests."""
     job = read_output_record(output)
@@ -651,7 +657,7 @@ def format_status(status: OutputStatus) -> str:
     return "\n".join(lines)
 
 
-def log_path(output: Path, slurm_task: str) -> Path:
+def log_path(output: str | Path, slurm_task: str) -> Path:
     """The log file of array task `JOB_INDEX`, as the script's --output names it."""
     job_id, _, index = slurm_task.partition("_")
-    return output / LOGS / LOG_PATTERN.replace("%5a", f"{int(index):05d}").replace("%A", job_id)
+    return Path(output) / LOGS / LOG_PATTERN.replace("%5a", f"{int(index):05d}").replace("%A", job_id)

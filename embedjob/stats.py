@@ -193,7 +193,7 @@ def shard_stats(
 def _provenance(job: Job) -> dict[str, Any]:
     """What made the output: the job as this run read it (defaults filled in) and the
     software versions; the report shows them."""
-    return {"job": job.to_dict(), "versions": software_versions()}
+    return {"job": job.recorded(), "versions": software_versions()}
 
 
 def _encoded(job: Job, run: ShardRun) -> dict[str, Any]:

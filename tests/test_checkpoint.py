@@ -50,7 +50,7 @@ def commit(cp: Checkpoint, count: int) -> None:
         part = cp.next_part
         first, end = cp.next_bounds()
         name = part_name(cp.shard, part)
-        (cp.directory / name).write_bytes(b"parquet")
+        (cp.store.path / name).write_bytes(b"parquet")
         cp.commit(PartRecord(part, name, first, end, errors=part % 2))
 
 

@@ -1239,3 +1239,35 @@ def test_a_dinov3_gpu_decoder_job_gives_the_cpu_decoder_jobs_rows(tmp_path: Path
         if cpu_row["error"] is None:
             a, b = torch.tensor(cpu_row["embedding"]), torch.tensor(gpu_row["embedding"])
             assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) > 0.99
+
+# ---------------------------------------------------------------- output on object storage (objstore)
+
+
+def test_a_cuda_run_into_s3_writes_the_parts_a_local_cuda_run_writes(tmp_path: Path, cache_dir: str, monkeypatch) -> None:
+    """The writer thread uploading parts to an S3 API (moto's server on 127.0.0.1) while
+    the GPU encodes: the same part bytes as the same job written to a directory."""
+    s3fs = pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    from embedjob.config import load_job
+    from embedjob.runner import run_job
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for name, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                            "AWS_EC2_METADATA_DISABLED": "true"}.items():
+            monkeypatch.setenv(name, value)
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+        fs.mkdir("gpu")
+        settings = [f"runtime.cache_dir={cache_dir}", "runtime.device=cuda", "runtime.gpus=1", "runtime.workers=0", "output.rows_per_part=3"]
+        for where in (str(tmp_path / "local"), "s3://gpu/out"):
+            stats = run_job(load_job(REPO / "jobs" / "demo.yaml", [f"output.path={where}", *settings]))
+            assert stats["rows"] == 12 and stats["graph_backend"] == "cuda"
+        local = {p.name: p.read_bytes() for p in sorted((tmp_path / "local").glob("part-*.parquet"))}
+        uploaded = {p.rsplit("/", 1)[-1]: fs.cat_file(p) for p in sorted(fs.glob("gpu/out/part-*.parquet"))}
+        assert len(local) == 4 and uploaded == local
+        assert fs.exists("gpu/out/_embedjob/_SUCCESS-00000") and fs.list_multipart_uploads("gpu") == []
+    finally:
+        server.stop()

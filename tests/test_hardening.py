@@ -452,7 +452,7 @@ def test_a_full_disk_is_exit_1_at_start_and_mid_run(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "write_json", full)
+        patch.setattr(checkpoint, "write_record", full)
         assert run(small, tmp_path / "start", cache_dir) == 1
     assert "No space left on device" in one_line(capsys.readouterr().err)
 

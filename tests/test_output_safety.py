@@ -64,13 +64,13 @@ def test_links_planted_mid_run_at_the_next_parts_temporary_names_are_never_writt
     before = snapshot(tmp_path / "elsewhere")
 
     class Planted(PartFile):
-        def __init__(self, directory: Path, name: str, schema) -> None:
+        def __init__(self, store, name: str, schema) -> None:
             if not planted:
                 for part, target in enumerate(targets):
                     link = f".part-00000-{part:05d}.parquet.tmp-{os.getpid()}"
-                    (directory / link).symlink_to(target)
+                    (store.path / link).symlink_to(target)
                     planted.append(link)
-            super().__init__(directory, name, schema)
+            super().__init__(store, name, schema)
 
     planted: list[str] = []
     monkeypatch.setattr(sink, "PartFile", Planted)

@@ -164,7 +164,7 @@ def small(tmp_path: Path) -> Path:
 
 
 def snapshot(out: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in output_files(out)}
+    return {p.name: (out / p).stat().st_mtime_ns for p in output_files(out)}
 
 
 def interrupt_after_first_part(out: Path) -> None:

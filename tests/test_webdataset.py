@@ -177,21 +177,21 @@ def test_a_damaged_tar_keeps_the_samples_before_the_damage_and_says_so(tmp_path:
     tars = write_tars(tmp_path / "tars", items, (4,))
     path = tars / "00000.tar"
     whole = path.read_bytes()
-    index = index_tar(str(path))
+    index = index_tar(str(path), {})
     assert index.damage is None and len(index.samples) == 4
     third = index.samples[2].members[0]  # the third sample's media: cut in its middle
     path.write_bytes(whole[: third[1] + third[2] // 2])
     with caplog.at_level(logging.WARNING):
-        damaged = index_tar(str(path))
+        damaged = index_tar(str(path), {})
     assert [s.key for s in damaged.samples] == ["00000", "00001"], "a member cut short was indexed"
     assert damaged.damage is not None and "is damaged at byte" in damaged.damage and damaged.damage in caplog.text
     header = index.samples[0].members[1][1] - 512  # the first sample's txt member's header
     path.write_bytes(whole[:header] + b"\x01" * 512 + whole[header + 512 :])
-    garbled = index_tar(str(path))
+    garbled = index_tar(str(path), {})
     assert [s.extensions() for s in garbled.samples] == [["jpg"]] and "invalid header" in (garbled.damage or "")
     path.write_bytes(b"not a tar at all, just some text" * 40)
     with pytest.raises(JobError, match="is not a tar file"):
-        index_tar(str(path))
+        index_tar(str(path), {})
 
 
 def test_two_shards_one_killed_and_resumed_give_the_uninterrupted_output(tmp_path: Path, cache_dir: str) -> None:

@@ -23,6 +23,12 @@ it. A marker without a manifest that backs it is removed with the rest of the sh
 files; a marker without its statistics does not make a shard finished
 (`shard_finished`): its next run writes them.
 
+The output may be a directory or a prefix of an object store (`io/store.py`): the
+checkpoint names files relative to it and reads and writes them through its `Store`. In
+an object store a part appears under its name only when its upload completes, the
+manifest is one put, and the locks below are lease objects (`object_store.LeaseLock`)
+rather than flocks; everything else here holds as written.
+
 A restart keeps a committed part only while it is intact: same size, same checksum.
 The first part that is not (truncated, bit-flipped, replaced, gone) is recomputed, with
 a warning naming it, and so is every part after it (parts are contiguous).
@@ -62,20 +68,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import hashlib
 import json
 import logging
-import os
 import re
-import socket
-import stat
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -83,7 +83,8 @@ import numpy as np
 from embedjob.config import Job, JobError
 from embedjob.io import reader
 from embedjob.io.digest import recomputed_digest
-from embedjob.io.files import TMP_MARK, file_digest, own_directory, write_json
+from embedjob.io.files import LOCK_PROBE_GRACE, FileLock, LocalStore, lock_holder  # noqa: F401 (their home before io/store.py)
+from embedjob.io.store import Lock, Store, output_store
 from embedjob.report.counts import plural
 
 logger = logging.getLogger(__name__)
@@ -105,13 +106,22 @@ _LAYOUT = ("num_shards", "first_row", "end_row", "rows_per_part")
 _PART_KEYS = {"part", "name", "first_row", "end_row", "errors"}
 _SEAL_KEYS = {"rows", "size", "sha256", "error_codes"}
 _MEDIA_KEYS = {"input_digest", "unread_rows"}
-_NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP)
 _LISTED_FILE_CHANGES = 3
 
 
 class OutputError(RuntimeError):
     """The output directory cannot be written (a full disk, permissions, a read-only
-    mount): not something the job spec can fix, so exit code 1, at start as mid-run."""
+    mount, a bucket refusing the credentials): not something the job spec can fix, so
+    exit code 1, at start as mid-run."""
+
+
+Output = Store | Path | str
+"""An output as callers name it: a store, or a local path or URL (`store.output_store`)."""
+
+
+def write_record(out: Store, name: str, data: dict[str, Any]) -> None:
+    """Replace a small JSON file of the output whole (manifest, marker, statistics, records)."""
+    out.replace(name, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _without_default(section: Any, key: str, default: Any) -> dict[str, Any]:
@@ -178,33 +188,32 @@ def stats_name(shard: int) -> str:
     return f"{META}/stats-{shard:05d}.json"
 
 
-def output_files(directory: Path) -> Iterator[Path]:
-    """The files of an output: its top level (parts) and its bookkeeping folder."""
-    for folder in (directory, directory / META):
-        if folder.is_dir():
-            yield from (path for path in folder.iterdir() if not path.is_dir())
+def output_files(output: Output) -> Iterator[PurePosixPath]:
+    """The files of an output, by name relative to it: its top level (parts) and its
+    bookkeeping folder."""
+    out = output_store(output)
+    for folder in ("", META):
+        yield from (PurePosixPath(folder, name) for name in out.files(folder))
 
 
-def old_layout(directory: Path) -> list[str]:
-    """The bookkeeping files an earlier embedjob left at the top level of `directory`."""
-    if not directory.is_dir():
-        return []
-    return sorted(path.name for path in directory.iterdir() if _OLD_BOOKKEEPING.match(path.name))
+def old_layout(output: Output) -> list[str]:
+    """The bookkeeping files an earlier embedjob left at the top level of the output."""
+    return sorted(name for name in output_store(output).files() if _OLD_BOOKKEEPING.match(name))
 
 
-def old_layout_message(directory: Path, names: list[str], remedy: str) -> str:
+def old_layout_message(output: Store | Path, names: list[str], remedy: str) -> str:
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     return (
-        f"output {directory} was written by an earlier embedjob, which kept its bookkeeping ({shown}) beside "
+        f"output {output} was written by an earlier embedjob, which kept its bookkeeping ({shown}) beside "
         f"the parts; this embedjob keeps it under {META}/ and cannot resume that output: {remedy}"
     )
 
 
-def refuse_old_layout(directory: Path, overwrite: bool) -> None:
+def refuse_old_layout(output: Output, overwrite: bool) -> None:
     """JobError for an output in the earlier layout, unless `overwrite` replaces it."""
-    names = old_layout(directory)
+    names = old_layout(output)
     if names and not overwrite:
-        raise JobError(old_layout_message(directory, names, "use a new output.path, or pass --overwrite to replace it"))
+        raise JobError(old_layout_message(output_store(output), names, "use a new output.path, or pass --overwrite to replace it"))
 
 
 @dataclass
@@ -231,151 +240,33 @@ class PartRecord:
         return dataclasses.asdict(self)
 
 
-def part_problem(directory: Path, record: PartRecord) -> str | None:
+def part_problem(output: Output, record: PartRecord) -> str | None:
     """Why the committed part `record` cannot be trusted, or None when its file is the
-    one committed: present, a plain file, of the recorded size and checksum."""
-    path = directory / record.name
+    one committed: present, a plain file, of the recorded size and checksum (read back
+    whole through the store)."""
+    out = output_store(output)
     try:
-        info = os.lstat(path)
+        size = out.size(record.name)
     except FileNotFoundError:
         return "is missing"
-    if not stat.S_ISREG(info.st_mode):
+    if size is None:
         return "is not a plain file"
     if record.sha256 is None:
         return "has no recorded checksum (written by an older embedjob)"
-    if info.st_size != record.size:
-        return f"has {info.st_size} bytes where {record.size} were committed"
-    if file_digest(path)[1] != record.sha256:
+    if size != record.size:
+        return f"has {size} bytes where {record.size} were committed"
+    try:
+        sha256 = out.digest(record.name)[1]
+    except FileNotFoundError:
+        return "is missing"
+    if sha256 != record.sha256:
         return "does not match its recorded sha256 (its content changed)"
     return None
 
 
-# ---------------------------------------------------------------- locks
-
-
-class FileLock:
-    """An exclusive `flock` on a lock file: a shard's, held by the process writing the
-    shard, or the output's, held while its record is checked.
-
-    The file is removed on release, so a finished output holds no lock files. Because
-    of that, `acquire` checks after locking that the path still names the locked file
-    (another process may have removed it between our open and our lock) and retries.
-    """
-
-    def __init__(self, path: Path, fd: int | None) -> None:
-        self.path = path
-        # A run that stops with an exception never reaches release(); the lock goes
-        # with the lock object then, so a later run in the same process can take it.
-        self._finalizer = weakref.finalize(self, _unlock, path, fd) if fd is not None else None
-
-    @classmethod
-    def acquire(cls, path: Path, what: str, blocking: bool = False) -> "FileLock":
-        """Lock `path` for `what`: wait for it when `blocking`, else JobError naming the
-        holder if another process has it. JobError as well if `path` is a symlink or
-        not a plain file.
-
-        On a filesystem without working `flock` (e.g. Lustre mounted without `flock`)
-        the run goes ahead unlocked, with a warning.
-        """
-        deadline = time.monotonic() + LOCK_PROBE_GRACE
-        while True:
-            fd = _open_lock_file(path)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                holder = _read_holder(fd)
-                os.close(fd)
-                if time.monotonic() < deadline:
-                    # Perhaps only `lock_holder` looking, for an instant.
-                    time.sleep(LOCK_PROBE_GRACE / 10)
-                    continue
-                raise JobError(
-                    f"{what} is being written by another process ({holder}); wait for it to finish or stop it, then run again"
-                ) from None
-            except OSError as exc:
-                os.close(fd)
-                if exc.errno not in _NO_FLOCK:
-                    raise
-                logger.warning("cannot lock %s (%s); make sure no other process writes %s", path, exc, what)
-                return cls(path, None)
-            if _same_file(fd, path):
-                os.ftruncate(fd, 0)
-                os.write(fd, _holder_text().encode())
-                return cls(path, fd)
-            os.close(fd)
-
-    def release(self) -> None:
-        """Remove the lock file, then drop the lock (in that order: see the class docstring)."""
-        if self._finalizer is not None:
-            self._finalizer()
-
-
-LOCK_PROBE_GRACE = 0.2
-"""Seconds a non-blocking `FileLock.acquire` retries before naming the holder:
-`lock_holder` (`embedjob status`) holds a shared lock for an instant."""
-
-
-def shard_lock(directory: Path, shard: int) -> FileLock:
-    return FileLock.acquire(directory / lock_name(shard), f"shard {shard} of {directory}")
-
-
-def lock_holder(path: Path) -> str | None:
-    """The holder line of the process that holds the lock at `path` now, None when
-    none does. Read only: the file is never created, and the shared lock that tests
-    whether it is held lasts an instant (`FileLock.acquire` retries past it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return _read_holder(fd)
-    except OSError:
-        return None  # a filesystem without flock: nobody could have locked it either
-    finally:
-        os.close(fd)
-    return None
-
-
-def _open_lock_file(path: Path) -> int:
-    """The lock file, opened read-write without following a symlink, checked to be a
-    plain file with one name: we write our holder line into it, which through a planted
-    symlink or hard link would overwrite someone else's file."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise JobError(f"{path} is a symbolic link, not a lock file; remove it (nobody should have put it there), then run again") from None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
-        os.close(fd)
-        raise JobError(f"{path} is not a plain lock file (another kind of file, or a hard link); remove it, then run again")
-    return fd
-
-
-def _unlock(path: Path, fd: int) -> None:
-    path.unlink(missing_ok=True)
-    os.close(fd)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        named, held = os.lstat(path), os.fstat(fd)
-    except FileNotFoundError:
-        return False
-    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
-
-
-def _holder_text() -> str:
-    job = os.environ.get("SLURM_JOB_ID")
-    return f"pid {os.getpid()} on {socket.gethostname()}" + (f", SLURM job {job}" if job else "")
-
-
-def _read_holder(fd: int) -> str:
-    text = os.pread(fd, 256, 0).decode(errors="replace").strip()
-    return text or "holder unknown"
+def shard_lock(output: Output, shard: int) -> Lock:
+    out = output_store(output)
+    return out.lock(lock_name(shard), f"shard {shard} of {out}")
 
 
 # ---------------------------------------------------------------- the output's job
@@ -399,31 +290,34 @@ class OutputRecord:
         return dataclasses.asdict(self)
 
 
-def read_output_record(directory: Path) -> OutputRecord | None:
+def read_output_record(output: Output) -> OutputRecord | None:
     """The output's record, None if it has none; JobError if it cannot be read."""
-    path = directory / JOB_RECORD
+    out = output_store(output)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(out.read(JOB_RECORD))
         return OutputRecord(**data)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError) as exc:
-        raise JobError(f"cannot read {path} ({exc}); use a new output.path, or pass --overwrite to replace the output") from None
+        raise JobError(
+            f"cannot read {out.where(JOB_RECORD)} ({exc}); use a new output.path, or pass --overwrite to replace the output"
+        ) from None
 
 
-def output_changes(directory: Path, record: OutputRecord) -> list[str]:
-    """What differs between the job that owns `directory` and `record` (read only).
+def output_changes(output: Output, record: OutputRecord) -> list[str]:
+    """What differs between the job that owns the output and `record` (read only).
 
     Without a record (an output of an embedjob from before records, or a fresh one),
     the shards' manifests speak for the job that made them.
     """
-    existing = read_output_record(directory)
+    out = output_store(output)
+    existing = read_output_record(out)
     if existing is not None:
         return record_changes(existing, record)
     changes: list[str] = []
-    for shard in sorted(shards_in(directory)):
+    for shard in sorted(shards_in(out)):
         try:
-            manifest = load_manifest(directory, shard)
+            manifest = load_manifest(out, shard)
         except JobError:
             changes.append(f"{manifest_name(shard)} cannot be read")
             continue
@@ -447,23 +341,24 @@ def record_changes(old: OutputRecord, new: OutputRecord) -> list[str]:
     return changes
 
 
-def refuse_other_job(directory: Path, record: OutputRecord, overwrite: bool) -> list[str]:
+def refuse_other_job(output: Output, record: OutputRecord, overwrite: bool) -> list[str]:
     """The changes between the output's job and `record`, or JobError when they may not
     be overwritten: a different job, output it committed, and no `overwrite`. An
     output whose old job committed nothing has nothing to protect."""
-    refuse_old_layout(directory, overwrite)
-    changes = output_changes(directory, record)
-    if changes and not overwrite and _holds_committed(directory):
+    out = output_store(output)
+    refuse_old_layout(out, overwrite)
+    changes = output_changes(out, record)
+    if changes and not overwrite and _holds_committed(out):
         raise JobError(
-            f"output {directory} holds output of a different job ({'; '.join(changes)}); "
+            f"output {out} holds output of a different job ({'; '.join(changes)}); "
             "use a new output.path, or pass --overwrite to replace it"
         )
     return changes
 
 
-def claim_output(directory: Path, record: OutputRecord, overwrite: bool, shard: int | None = None) -> FileLock | None:
-    """Make `directory` the output of the job `record` describes, or refuse (JobError);
-    with `shard`, also take that shard's lock and return it.
+def claim_output(output: Output, record: OutputRecord, overwrite: bool, shard: int | None = None) -> Lock | None:
+    """Make the output that of the job `record` describes, or refuse (JobError); with
+    `shard`, also take that shard's lock and return it.
 
     The first run or submission writes the record; the same job finds it unchanged; a
     different job is refused naming each change, unless `overwrite` or the old job
@@ -471,21 +366,22 @@ def claim_output(directory: Path, record: OutputRecord, overwrite: bool, shard: 
     of this happens under the output's lock, so concurrent starts of one job's shards
     agree on one record, and a shard is never removed under its running writer.
     """
-    directory.mkdir(parents=True, exist_ok=True)
-    refuse_old_layout(directory, overwrite)
-    own_directory(directory / META)
-    with _output_lock(directory):
-        _remove_record_temporaries(directory)
-        if old_layout(directory):
-            _retire_old_layout(directory)
-        changes = refuse_other_job(directory, record, overwrite)
-        existing = read_output_record(directory)
-        own = shard_lock(directory, shard) if shard is not None else None
+    out = output_store(output)
+    refuse_old_layout(out, overwrite)
+    out.prepare(META)
+    with _output_lock(out):
+        # The record is written only under the output's lock: nothing of it is in flight.
+        out.remove_debris((META,), lambda name: name == JOB_RECORD)
+        if old_layout(out):
+            _retire_old_layout(out)
+        changes = refuse_other_job(out, record, overwrite)
+        existing = read_output_record(out)
+        own = shard_lock(out, shard) if shard is not None else None
         try:
             if changes or (existing is not None and existing.state == REPLACING):
-                _replace(directory, record, shard)
+                _replace(out, record, shard)
             elif existing is None:
-                write_json(directory / JOB_RECORD, record.to_dict())
+                write_record(out, JOB_RECORD, record.to_dict())
         except BaseException:
             if own is not None:
                 own.release()
@@ -493,24 +389,16 @@ def claim_output(directory: Path, record: OutputRecord, overwrite: bool, shard: 
         return own
 
 
-def _remove_record_temporaries(directory: Path) -> None:
-    """Temporary files of the output's record left by a killed run. The record is
-    written only under the output's lock, which the caller holds: none is in use."""
-    for path in (directory / META).glob(f".{Path(JOB_RECORD).name}{TMP_MARK}*"):
-        logger.info("removing temporary file %s of a stopped run", path.name)
-        path.unlink(missing_ok=True)
-
-
 @contextlib.contextmanager
-def _output_lock(directory: Path) -> Iterator[None]:
-    lock = FileLock.acquire(directory / OUTPUT_LOCK, f"output {directory}", blocking=True)
+def _output_lock(out: Store) -> Iterator[None]:
+    lock = out.lock(OUTPUT_LOCK, f"output {out}", blocking=True)
     try:
         yield
     finally:
         lock.release()
 
 
-def _replace(directory: Path, record: OutputRecord, own_shard: int | None) -> None:
+def _replace(out: Store, record: OutputRecord, own_shard: int | None) -> None:
     """Remove every shard's files of the old job, then record the new one.
 
     Kill-safe, all or nothing: the record says REPLACING before the first file goes, so
@@ -518,40 +406,43 @@ def _replace(directory: Path, record: OutputRecord, own_shard: int | None) -> No
     run of the new job finishes the removal first. Every other shard's lock is taken
     first: one still held means a writer still runs (JobError naming it).
     """
-    locks = [shard_lock(directory, s) for s in sorted(_shard_indices(directory) - {own_shard})]
+    locks = [shard_lock(out, s) for s in sorted(_shard_indices(out) - {own_shard})]
     try:
-        logger.warning("output %s: removing every shard's files of the job it held before", directory)
-        write_json(directory / JOB_RECORD, dataclasses.replace(record, state=REPLACING).to_dict())
-        for path in output_files(directory):
+        logger.warning("output %s: removing every shard's files of the job it held before", out)
+        write_record(out, JOB_RECORD, dataclasses.replace(record, state=REPLACING).to_dict())
+        for path in output_files(out):
             if shard_file_index(path.name) is not None and not path.name.startswith(".lock-"):
-                path.unlink()
-        write_json(directory / JOB_RECORD, dataclasses.replace(record, state=READY).to_dict())
+                out.remove(str(path))
+        write_record(out, JOB_RECORD, dataclasses.replace(record, state=READY).to_dict())
     finally:
         for lock in locks:
             lock.release()
 
 
-def _shard_indices(directory: Path) -> set[int]:
-    return {index for path in output_files(directory) if (index := shard_file_index(path.name)) is not None}
+def _shard_indices(out: Store) -> set[int]:
+    return {index for path in output_files(out) if (index := shard_file_index(path.name)) is not None}
 
 
-def _retire_old_layout(directory: Path) -> None:
+def _retire_old_layout(out: Store) -> None:
     """Remove an earlier embedjob's output (asked for with --overwrite): its parts and
     top-level bookkeeping go, its logs move under META. Its shards' locks are taken
     first, so an earlier embedjob still writing one stops this (JobError naming it)."""
-    old = [path for path in directory.iterdir() if not path.is_dir()]
-    locks = [FileLock.acquire(path, f"shard {index} of {directory}") for path in old
-             if path.name.startswith(".lock-") and (index := shard_file_index(path.name)) is not None]
+    old = out.files()
+    locks = [out.lock(name, f"shard {index} of {out}") for name in old
+             if name.startswith(".lock-") and (index := shard_file_index(name)) is not None]
     try:
-        logger.warning("output %s: removing the output an earlier embedjob wrote there", directory)
-        for path in old:
-            shard_file = shard_file_index(path.name) is not None and not path.name.startswith(".lock-")
-            if shard_file or _OLD_BOOKKEEPING.match(path.name):
-                path.unlink()
-        (directory / ".lock-job").unlink(missing_ok=True)
-        logs = directory / "logs"
-        if logs.is_dir() and not (directory / META / "logs").exists():
-            logs.rename(directory / META / "logs")
+        logger.warning("output %s: removing the output an earlier embedjob wrote there", out)
+        for name in old:
+            shard_file = shard_file_index(name) is not None and not name.startswith(".lock-")
+            if shard_file or _OLD_BOOKKEEPING.match(name):
+                out.remove(name)
+        out.remove(".lock-job")
+        # Only a directory holds an earlier embedjob's SLURM logs (no embedjob before
+        # this one wrote to an object store).
+        if isinstance(out, LocalStore):
+            logs = out.path / "logs"
+            if logs.is_dir() and not (out.path / META / "logs").exists():
+                logs.rename(out.path / META / "logs")
     finally:
         for lock in locks:
             lock.release()
@@ -564,14 +455,14 @@ def shard_file_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _holds_committed(directory: Path) -> bool:
+def _holds_committed(out: Store) -> bool:
     """Whether any shard committed output (a manifest listing parts, or a success
     marker); a manifest that cannot be read is taken to."""
-    for shard in shards_in(directory):
-        if (directory / success_name(shard)).exists():
+    for shard in shards_in(out):
+        if out.exists(success_name(shard)):
             return True
         try:
-            manifest = load_manifest(directory, shard)
+            manifest = load_manifest(out, shard)
         except JobError:
             return True
         if manifest is not None and manifest["parts"]:
@@ -649,7 +540,7 @@ def _plain(fingerprint: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class Checkpoint:
-    """Committed state of one shard in `directory`.
+    """Committed state of one shard in the output `store`.
 
     Invariant: `parts` are contiguous from the shard's first row, in part order, each
     within the `next_bounds` of the parts before it, and every listed file is the one
@@ -657,7 +548,7 @@ class Checkpoint:
     form (`_compact`).
     """
 
-    directory: Path
+    store: Store
     shard: int
     num_shards: int
     first_row: int
@@ -686,25 +577,30 @@ class Checkpoint:
         return start, min(start + self.rows_per_part, self.end_row)
 
     def is_done(self) -> bool:
-        return shard_finished(self.directory, self.shard)
+        return shard_finished(self.store, self.shard)
 
     def finished_stats(self) -> dict[str, Any]:
         """The statistics a finished shard wrote, marked as skipped by this run."""
-        path = self.directory / stats_name(self.shard)
-        stats = json.loads(path.read_text()) if path.exists() else {"rows": self.end_row - self.first_row}
+        try:
+            stats = json.loads(self.store.read(stats_name(self.shard)))
+        except FileNotFoundError:
+            stats = {"rows": self.end_row - self.first_row}
         stats["skipped"] = True
         return stats
 
     def commit(self, record: PartRecord) -> None:
-        """Record a part whose file is already renamed into place, sealing it with its
-        row count, size and checksum: those of the record when its writer kept them as
-        it wrote the file (`PartFile`), else read from the file as it is now."""
+        """Record a part whose file is already in place (renamed, or its upload
+        completed), sealing it with its row count, size and checksum: those of the
+        record when its writer kept them as it wrote the file (`PartFile`), else read
+        from the file as it is now. OutputError when this run lost the shard's lock (a
+        lease taken over while the run stalled): the manifest is no longer its own."""
+        self._check_lock()
         if not _fits(record, self.next_part, self.next_bounds()):
             raise ValueError(
                 f"part {record.part} rows [{record.first_row}, {record.end_row}) out of order; expected {self.next_bounds()}"
             )
         if record.size is None or record.sha256 is None:
-            size, sha256 = file_digest(self.directory / record.name)
+            size, sha256 = self.store.digest(record.name)
         else:
             size, sha256 = record.size, record.sha256
         self.parts.append(dataclasses.replace(record, rows=record.end_row - record.first_row, size=size, sha256=sha256))
@@ -740,9 +636,10 @@ class Checkpoint:
         """
         if self.resume_row != self.end_row:
             raise RuntimeError(f"shard {self.shard}: rows [{self.resume_row}, {self.end_row}) are not committed")
+        self._check_lock()
         self._count_attempt(0)
         self._save()
-        damaged = [f"{p.name} {problem}" for p in self.parts if (problem := part_problem(self.directory, p)) is not None]
+        damaged = [f"{p.name} {problem}" for p in self.parts if (problem := part_problem(self.store, p)) is not None]
         if damaged:
             if self.lock is not None:
                 self.lock.release()
@@ -755,10 +652,11 @@ class Checkpoint:
             )
         # Nothing of ours is in flight now; anything else under a temporary name of this
         # shard (a killed run's, a link someone planted) would read as a leftover part.
-        _remove_temporaries(self.directory, self.shard)
+        _remove_temporaries(self.store, self.shard)
         stats = {**stats, "attempts": self.attempts, "seconds_all_attempts": round(sum(a["seconds"] for a in self.attempts), 3)}
-        write_json(self.directory / stats_name(self.shard), stats)
-        write_json(self.directory / success_name(self.shard), {"parts": len(self.parts), "rows": self.end_row - self.first_row})
+        write_record(self.store, stats_name(self.shard), stats)
+        self._check_lock()
+        write_record(self.store, success_name(self.shard), {"parts": len(self.parts), "rows": self.end_row - self.first_row})
         if self.lock is not None:
             self.lock.release()
 
@@ -775,21 +673,27 @@ class Checkpoint:
         }
 
     def _save(self) -> None:
-        write_json(self.directory / manifest_name(self.shard), self.manifest())
+        write_record(self.store, manifest_name(self.shard), self.manifest())
+
+    def _check_lock(self) -> None:
+        lost = self.lock.lost() if self.lock is not None else None
+        if lost is not None:
+            raise OutputError(f"shard {self.shard} of {self.store}: {lost}; this run stops without committing more")
 
 
-def shard_finished(directory: Path, shard: int) -> bool:
+def shard_finished(output: Output, shard: int) -> bool:
     """Whether the shard is finished: its success marker and its statistics are there.
 
     A run writes the statistics before the marker, so a marker without them means the
     statistics were lost afterwards: the shard is not finished, and its next run
     writes them again instead of skipping it (every engine and `status` ask here).
     """
-    return (directory / success_name(shard)).exists() and (directory / stats_name(shard)).exists()
+    out = output_store(output)
+    return out.exists(success_name(shard)) and out.exists(stats_name(shard))
 
 
 def open_checkpoint(
-    directory: Path,
+    output: Output,
     shard: int,
     num_shards: int,
     first_row: int,
@@ -814,9 +718,10 @@ def open_checkpoint(
     written (exit code 1, as for a disk that fills up mid-run).
     """
     plain = _plain(fingerprint)
+    out = output_store(output)
     try:
-        lock = claim_output(directory, OutputRecord(plain, num_shards, rows_per_part), overwrite, shard)
-        fresh = Checkpoint(directory, shard, num_shards, first_row, end_row, rows_per_part, _compact(plain), lock=lock)
+        lock = claim_output(out, OutputRecord(plain, num_shards, rows_per_part), overwrite, shard)
+        fresh = Checkpoint(out, shard, num_shards, first_row, end_row, rows_per_part, _compact(plain), lock=lock)
         try:
             return _load(fresh, overwrite, media)
         except BaseException:
@@ -824,27 +729,27 @@ def open_checkpoint(
                 lock.release()
             raise
     except OSError as exc:
-        raise OutputError(f"cannot write to output.path {directory}: {exc.strerror or exc}") from None
+        raise OutputError(f"cannot write to output.path {out}: {exc.strerror or exc}") from None
 
 
 def _load(fresh: Checkpoint, overwrite: bool, media: MediaDigests | None) -> Checkpoint:
     """The checkpoint `fresh` describes, filled from the shard's manifest when resuming."""
-    directory, shard, end_row = fresh.directory, fresh.shard, fresh.end_row
-    manifest = None if overwrite else load_manifest(directory, shard)
-    if manifest is not None and not manifest.get("parts") and not (directory / success_name(shard)).exists():
+    out, shard, end_row = fresh.store, fresh.shard, fresh.end_row
+    manifest = None if overwrite else load_manifest(out, shard)
+    if manifest is not None and not manifest.get("parts") and not out.exists(success_name(shard)):
         # A run that committed nothing (e.g. stopped by a spec error after the manifest was
         # written) has no output to protect: the corrected job starts afresh.
         manifest = None
     changes = manifest_changes(manifest, fresh) if manifest is not None else []
     if changes:
         raise JobError(
-            f"output {directory} holds shard {shard} of a different job ({'; '.join(changes)}); "
+            f"output {out} holds shard {shard} of a different job ({'; '.join(changes)}); "
             "use a new output.path, or pass --overwrite to replace it"
         )
     if manifest is None:
         # No manifest: nothing of this shard is committed, whatever else lies there.
-        _remove_temporaries(directory, shard)
-        _remove_shard_files(directory, shard)
+        _remove_temporaries(out, shard)
+        _remove_shard_files(out, shard)
         fresh.start_attempt()
         fresh._save()
         return fresh
@@ -852,16 +757,16 @@ def _load(fresh: Checkpoint, overwrite: bool, media: MediaDigests | None) -> Che
     fresh.parts = _valid_prefix(fresh, listed)
     if media is not None and not fresh.is_done():
         _refuse_changed_media(fresh, media)
-    _remove_temporaries(directory, shard)
+    _remove_temporaries(out, shard)
     fresh.attempts = [a for a in manifest.get("attempts", []) if isinstance(a, dict)]
     if fresh.resume_row != end_row:
-        (directory / success_name(shard)).unlink(missing_ok=True)
+        out.remove(success_name(shard))
         fresh.start_attempt()
         fresh._save()
     elif len(fresh.parts) != len(listed):
         fresh._save()
-    _remove_unlisted_parts(directory, shard, {p.name for p in fresh.parts})
-    if fresh.resume_row == end_row and not fresh.is_done() and (directory / success_name(shard)).exists():
+    _remove_unlisted_parts(out, shard, {p.name for p in fresh.parts})
+    if fresh.resume_row == end_row and not fresh.is_done() and out.exists(success_name(shard)):
         logger.warning("shard %d: %s is missing; writing it again from the manifest", shard, stats_name(shard))
     if fresh.is_done():
         # From here on a finished shard is only read; releasing now lets a duplicate
@@ -871,11 +776,12 @@ def _load(fresh: Checkpoint, overwrite: bool, media: MediaDigests | None) -> Che
     return fresh
 
 
-def load_manifest(directory: Path, shard: int) -> dict[str, Any] | None:
+def load_manifest(output: Output, shard: int) -> dict[str, Any] | None:
     """The shard's manifest, None if there is none; JobError if it cannot be read."""
-    path = directory / manifest_name(shard)
+    out = output_store(output)
+    path = out.where(manifest_name(shard))
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(out.read(manifest_name(shard)))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
@@ -934,7 +840,7 @@ def _refuse_changed_media(cp: Checkpoint, media: MediaDigests) -> None:
         if len(changed) > _LISTED_FILE_CHANGES:
             named.append(plural(len(changed) - _LISTED_FILE_CHANGES, "more part"))
         raise JobError(
-            f"the input changed under shard {cp.shard} of {cp.directory}: the media of committed {', '.join(named)} "
+            f"the input changed under shard {cp.shard} of {cp.store}: the media of committed {', '.join(named)} "
             "differ from the media they were computed from; use a new output.path, or pass --overwrite to recompute the shard"
         )
     logger.info("shard %d: the media of %d committed rows match the input (%.1f s)", cp.shard, len(now), time.perf_counter() - since)
@@ -947,7 +853,7 @@ def _valid_prefix(cp: Checkpoint, listed: list[PartRecord]) -> list[PartRecord]:
     for record in listed:
         start = kept[-1].end_row if kept else cp.first_row
         in_place = _fits(record, len(kept), (start, min(start + cp.rows_per_part, cp.end_row)))
-        problem = part_problem(cp.directory, record) if in_place else "is out of place"
+        problem = part_problem(cp.store, record) if in_place else "is out of place"
         if problem is not None:
             after = len(listed) - len(kept) - 1
             logger.warning(
@@ -970,26 +876,26 @@ def _shard_pattern(shard: int) -> re.Pattern[str]:
     return re.compile(rf"^part-{shard:05d}-\d{{5}}\.parquet$")
 
 
-def _remove_temporaries(directory: Path, shard: int) -> None:
-    """Temporary files of killed writers of this shard (none is in use: we hold its lock)."""
-    for path in output_files(directory):
-        if TMP_MARK in path.name and path.name.startswith(".") and shard_file_index(path.name) == shard:
-            logger.info("removing temporary file %s of a stopped run", path.name)
-            path.unlink(missing_ok=True)
+def _remove_temporaries(out: Store, shard: int) -> None:
+    """What killed writers of this shard left in flight: temporary files in a
+    directory, incomplete uploads in an object store (none is in use: we hold its lock)."""
+    out.remove_debris(("", META), lambda name: shard_file_index(PurePosixPath(name).name) == shard)
 
 
-def _remove_unlisted_parts(directory: Path, shard: int, listed: set[str]) -> None:
+def _remove_unlisted_parts(out: Store, shard: int, listed: set[str]) -> None:
+    """Part files of this shard that its manifest does not list: a run killed between
+    putting a part in place and listing it (readers of the manifest ignore them)."""
     pattern = _shard_pattern(shard)
-    for path in directory.iterdir():
-        if pattern.match(path.name) and path.name not in listed:
-            logger.info("removing uncommitted part %s", path.name)
-            path.unlink()
+    for name in out.files():
+        if pattern.match(name) and name not in listed:
+            logger.info("removing uncommitted part %s", name)
+            out.remove(name)
 
 
-def _remove_shard_files(directory: Path, shard: int) -> None:
-    _remove_unlisted_parts(directory, shard, set())
+def _remove_shard_files(out: Store, shard: int) -> None:
+    _remove_unlisted_parts(out, shard, set())
     for name in (manifest_name(shard), stats_name(shard), success_name(shard)):
-        (directory / name).unlink(missing_ok=True)
+        out.remove(name)
 
 
 # ---------------------------------------------------------------- reading an output
@@ -1013,9 +919,10 @@ class ShardProgress:
     error_codes: dict[str, int] = field(default_factory=dict)
 
 
-def shard_progress(directory: Path, shard: int) -> ShardProgress:
-    manifest = load_manifest(directory, shard)
-    done = shard_finished(directory, shard)
+def shard_progress(output: Output, shard: int) -> ShardProgress:
+    out = output_store(output)
+    manifest = load_manifest(out, shard)
+    done = shard_finished(out, shard)
     if manifest is None:
         return ShardProgress(shard, None, None, 0, 0, 0, done)
     parts = manifest["parts"]
@@ -1039,12 +946,11 @@ def count_codes(counts: Iterable[dict[str, int]]) -> dict[str, int]:
     return dict(total.most_common())
 
 
-def shards_in(directory: Path) -> set[int]:
-    """Shard indices that have a manifest or a success marker in `directory`."""
+def shards_in(output: Output) -> set[int]:
+    """Shard indices that have a manifest or a success marker in the output."""
     found = set()
-    meta = directory / META
-    for path in meta.iterdir() if meta.is_dir() else ():
-        match = _MANIFEST.match(path.name) or _SUCCESS.match(path.name)
+    for name in output_store(output).files(META):
+        match = _MANIFEST.match(name) or _SUCCESS.match(name)
         if match:
             found.add(int(match.group(1)))
     return found

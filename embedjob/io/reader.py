@@ -378,7 +378,7 @@ def check_ids(cfg: InputConfig, fragments: Sequence[Fragment]) -> None:
         return
     hashes: list[np.ndarray] = []
     for path, group in itertools.groupby(fragments, key=lambda f: f.path):
-        with _open(path) as pf:
+        with _open(path, cfg.storage_options) as pf:
             for fragment in group:
                 ids = _ids(pf, fragment, cfg.id_column)
                 _check_id_values(ids, fragment, cfg.id_column)
@@ -444,7 +444,7 @@ def _warn_repeats(cfg: InputConfig, fragments: list[Fragment], hashes: np.ndarra
         if offset < fragment.num_rows:
             break
         offset -= fragment.num_rows
-    with _open(fragment.path) as pf:
+    with _open(fragment.path, cfg.storage_options) as pf:
         example = _ids(pf, fragment, str(cfg.id_column))[offset].as_py()
     logger.warning(
         "input.id_column '%s' repeats ids in %s of this shard's %d (the first is row %d, id %r), each the id of an earlier row; "
@@ -458,7 +458,7 @@ def _warn_repeats(cfg: InputConfig, fragments: list[Fragment], hashes: np.ndarra
 
 def _scan(cfg: InputConfig, columns: Sequence[str]) -> list[_FileInfo]:
     """Footers of all input files, checked for the configured columns and agreement."""
-    infos = [_describe(path, cfg, columns) for path in _find_files(cfg.path)]
+    infos = [_describe(path, cfg, columns) for path in _find_files(cfg.path, cfg.storage_options)]
     _check_agreement(infos, cfg)
     return infos
 
@@ -479,11 +479,11 @@ def _column_types(infos: list[_FileInfo], columns: Sequence[str]) -> dict[str, p
     return types
 
 
-def _find_files(spec: str, suffix: str = ".parquet") -> list[str]:
+def _find_files(spec: str, options: dict[str, Any], suffix: str = ".parquet") -> list[str]:
     """Input files (Parquet, or `suffix`) named by a file, directory, glob or fsspec
-    URI, sorted by path."""
+    URI (with fsspec's storage `options`), sorted by path."""
     try:
-        fs, target = fsspec.core.url_to_fs(os.path.expanduser(spec))
+        fs, target = fsspec.core.url_to_fs(os.path.expanduser(spec), **(options if _SCHEME.match(spec) else {}))
     except (ImportError, ValueError) as exc:
         # ImportError: the protocol's package (s3fs, gcsfs, ...) is not installed.
         raise JobError(f"cannot access input.path {spec!r}: {exc}") from None
@@ -530,17 +530,18 @@ def _location(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
 
 
-def _open(location: str, streaming: bool = False) -> pq.ParquetFile:
-    """Open a Parquet file by local path or URI; a bad footer is a JobError naming it.
+def _open(location: str, options: dict[str, Any], streaming: bool = False) -> pq.ParquetFile:
+    """Open a Parquet file by local path or URI (with fsspec's storage `options`); a bad
+    footer is a JobError naming it.
 
     `streaming` reads column chunks a page at a time instead of pre-buffering each row
     group's chunks whole (what `_decode` needs for a row group that may hold a huge cell)."""
-    options: dict[str, Any] = {"pre_buffer": False, "buffer_size": _STREAM_BUFFER} if streaming else {}
+    reading: dict[str, Any] = {"pre_buffer": False, "buffer_size": _STREAM_BUFFER} if streaming else {}
     try:
         if _SCHEME.match(location):
-            fs, path = fsspec.core.url_to_fs(location)
-            return pq.ParquetFile(path, filesystem=PyFileSystem(FSSpecHandler(fs)), **options)
-        return pq.ParquetFile(location, **options)
+            fs, path = fsspec.core.url_to_fs(location, **options)
+            return pq.ParquetFile(path, filesystem=PyFileSystem(FSSpecHandler(fs)), **reading)
+        return pq.ParquetFile(location, **reading)
     except pa.ArrowInvalid as exc:
         raise JobError(f"{location} is not a Parquet file: {exc}") from None
     except OSError as exc:
@@ -548,16 +549,16 @@ def _open(location: str, streaming: bool = False) -> pq.ParquetFile:
 
 
 def _describe(location: str, cfg: InputConfig, columns: Sequence[str]) -> _FileInfo:
-    with _open(location) as pf:
+    with _open(location, cfg.storage_options) as pf:
         info = _file_info(location, pf, cfg, columns)
-    return replace(info, identity=_identity(location, info.metadata))
+    return replace(info, identity=_identity(location, info.metadata, cfg.storage_options))
 
 
-def _identity(location: str, metadata: pq.FileMetaData) -> InputFile:
+def _identity(location: str, metadata: pq.FileMetaData, options: dict[str, Any]) -> InputFile:
     """Size, footer hash and ETag of one input file: one metadata call and one read of
     the footer (its length is known from the footer pyarrow already parsed)."""
     try:
-        fs, path = fsspec.core.url_to_fs(location)
+        fs, path = fsspec.core.url_to_fs(location, **(options if _SCHEME.match(location) else {}))
         info = fs.info(path)
         size = int(info["size"])
         footer = fs.cat_file(path, start=max(0, size - metadata.serialized_size - 8), end=size)
@@ -702,7 +703,8 @@ class _Source:
         self.location = location
         self.columns = columns
         self.base = os.path.dirname(location) if not _SCHEME.match(location) else location.rsplit("/", 1)[0]
-        self.pf = _open(location)
+        self.options = cfg.storage_options
+        self.pf = _open(location, self.options)
         self._streamed: pq.ParquetFile | None = None
         try:
             self.kind = _file_info(location, self.pf, cfg).media_kind
@@ -714,12 +716,12 @@ class _Source:
         """The file opened to stream its row groups (`_open(streaming=True)`), opened
         on first use: most inputs never need it."""
         if self._streamed is None:
-            self._streamed = _open(self.location, streaming=True)
+            self._streamed = _open(self.location, self.options, streaming=True)
         return self._streamed
 
     def reopen(self) -> None:
         self.close()
-        self.pf = _open(self.location)
+        self.pf = _open(self.location, self.options)
 
     def close(self) -> None:
         self.pf.close()
@@ -970,7 +972,7 @@ def _scan_tars(cfg: InputConfig, columns: Sequence[str]) -> InputListing:
     """The tars' index as a listing: per tar, fragments of `TAR_GROUP_SAMPLES` samples in
     tar order (each costing its members' bytes), string ids (the keys) and string
     carried columns (members' text)."""
-    indexes = [webdataset.index_tar(path) for path in _find_files(cfg.path, ".tar")]
+    indexes = [webdataset.index_tar(path, cfg.storage_options) for path in _find_files(cfg.path, cfg.storage_options, ".tar")]
     _check_members(cfg, indexes, columns)
     fragments = []
     first_row = 0
@@ -1009,7 +1011,7 @@ def _read_tars(
         if not wanted:
             continue
         try:
-            handle = webdataset.open_tar(path)
+            handle = webdataset.open_tar(path, cfg.storage_options)
         except OSError as exc:
             raise JobError(f"cannot open input file {path}: {exc}") from None
         with handle:

@@ -110,7 +110,7 @@ class PartSink:
     def _write(self) -> None:
         if self._file is None:
             name = part_name(self.checkpoint.shard, self.checkpoint.next_part)
-            self._file = PartFile(self.checkpoint.directory, name, self.schema)
+            self._file = PartFile(self.checkpoint.store, name, self.schema)
         self._file.write(RowBlock.concat(self.buffer))
         self.buffer, self.held_bytes = [], 0
 
@@ -120,7 +120,7 @@ class PartSink:
         codes = count_errors(self.errors)
         digests = np.concatenate(self.digests)
         record = PartRecord(
-            part, sealed.path.name, first, end, sum(codes.values()), size=sealed.size, sha256=sealed.sha256, error_codes=codes,
+            part, sealed.name, first, end, sum(codes.values()), size=sealed.size, sha256=sealed.sha256, error_codes=codes,
             input_digest=part_digest(digests), unread_rows=unread_rows(digests, first),
         )
         self.checkpoint.commit(record)

@@ -25,7 +25,6 @@ output is not whole either. A finished shard whose rows are errors more often th
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ from embedjob.io.checkpoint import (
     stats_name,
     success_name,
 )
+from embedjob.io.store import Store, output_store
 from embedjob.report.counts import error_share_warning, plural
 
 
@@ -61,7 +61,7 @@ class Verification:
     """What `verify_output` found: `problems` (one line each), the unfinished shards,
     and how many parts and rows it checked."""
 
-    output: Path
+    output: str
     num_shards: int
     problems: list[str] = field(default_factory=list)
     unfinished: list[int] = field(default_factory=list)
@@ -80,29 +80,32 @@ class Verification:
         return data
 
 
-def verify_output(output: Path) -> Verification:
-    """Check every shard, manifest, part and marker of `output` (reads every part whole).
+def verify_output(output: Store | Path) -> Verification:
+    """Check every shard, manifest, part and marker of `output` (reads every part whole,
+    through its store).
 
     Raises JobError only when `output` is not an embedjob output at all.
     """
-    output = Path(output)
-    if not output.is_dir():
-        raise JobError(f"output {output} {'is a file, not an output directory' if output.exists() else 'does not exist'}")
+    output = output_store(output)
+    problem = output.problem()
+    if problem is not None:
+        raise JobError(f"output {output} {problem}")
     names = old_layout(output)
     if names:
         raise JobError(old_layout_message(output, names, "verify it with that embedjob, or rerun the job into a new output.path"))
     problems: list[str] = []
-    if (output / META).is_symlink():
-        problems.append(f"{META} is a symbolic link to {os.readlink(output / META)}: runs refuse this output (remove the link)")
+    link = output.link_target(META)
+    if link is not None:
+        problems.append(f"{META} is a symbolic link to {link}: runs refuse this output (remove the link)")
     job = _job_record(output, problems)
     num_shards = job.num_shards if job is not None else _shard_count(output, problems)
-    result = Verification(output, num_shards, problems)
+    result = Verification(output.location, num_shards, problems)
     ranges = [_verify_shard(output, shard, job, result) for shard in range(num_shards)]
     _check_tiling(ranges, job, result)
     for path in sorted(output_files(output)):
         index = shard_file_index(path.name)
         if index is not None and index >= num_shards and not path.name.startswith(".lock-"):
-            problems.append(f"{_name(output, path)} belongs to shard {index}, but the output has {plural(num_shards, 'shard')}")
+            problems.append(f"{path} belongs to shard {index}, but the output has {plural(num_shards, 'shard')}")
     return result
 
 
@@ -118,7 +121,7 @@ def format_verification(result: Verification) -> str:
     return "\n".join([*result.problems, *(f"warning: {w}" for w in result.warnings), summary])
 
 
-def _job_record(output: Path, problems: list[str]) -> OutputRecord | None:
+def _job_record(output: Store, problems: list[str]) -> OutputRecord | None:
     try:
         job = read_output_record(output)
     except JobError as exc:
@@ -129,7 +132,7 @@ def _job_record(output: Path, problems: list[str]) -> OutputRecord | None:
     return job
 
 
-def _shard_count(output: Path, problems: list[str]) -> int:
+def _shard_count(output: Store, problems: list[str]) -> int:
     """Without a record (an output from before records): what the manifests say."""
     counts = set()
     for shard in shards_in(output):
@@ -147,9 +150,9 @@ def _shard_count(output: Path, problems: list[str]) -> int:
     return max(c for c in counts if isinstance(c, int))
 
 
-def _verify_shard(output: Path, shard: int, job: OutputRecord | None, result: Verification) -> tuple[int, int] | None:
+def _verify_shard(output: Store, shard: int, job: OutputRecord | None, result: Verification) -> tuple[int, int] | None:
     """Check one shard; its row range [first, end) when its manifest can be read."""
-    done = (output / success_name(shard)).exists()
+    done = output.exists(success_name(shard))
     try:
         manifest = load_manifest(output, shard)
     except JobError as exc:
@@ -178,7 +181,7 @@ def _verify_shard(output: Path, shard: int, job: OutputRecord | None, result: Ve
     return first, end
 
 
-def _verify_parts(output: Path, parts: list[PartRecord], first: int, per_part: int, result: Verification) -> int:
+def _verify_parts(output: Store, parts: list[PartRecord], first: int, per_part: int, result: Verification) -> int:
     """Check each listed part; the row where the contiguous, in-place parts end."""
     covered = first
     for k, record in enumerate(parts):
@@ -186,7 +189,7 @@ def _verify_parts(output: Path, parts: list[PartRecord], first: int, per_part: i
         if record.part != k or record.first_row != covered or not 0 < record.end_row - record.first_row <= per_part:
             result.problems.append(f"{record.name} is listed out of place (part {record.part}, rows from {record.first_row})")
         covered = record.end_row
-        problem = part_problem(output, record) or _rows_problem(output / record.name, record)
+        problem = part_problem(output, record) or _rows_problem(output, record)
         if problem is not None:
             result.problems.append(f"{record.name} {problem}")
             continue
@@ -195,9 +198,10 @@ def _verify_parts(output: Path, parts: list[PartRecord], first: int, per_part: i
     return covered
 
 
-def _rows_problem(path: Path, record: PartRecord) -> str | None:
+def _rows_problem(output: Store, record: PartRecord) -> str | None:
+    path, filesystem = output.arrow(record.name)
     try:
-        rows = pq.read_metadata(path).num_rows
+        rows = pq.read_metadata(path, filesystem=filesystem).num_rows
     except Exception as exc:  # pyarrow raises several types on a file it cannot parse
         return f"cannot be read as Parquet ({type(exc).__name__})"
     if rows == record.end_row - record.first_row == record.rows:
@@ -206,30 +210,25 @@ def _rows_problem(path: Path, record: PartRecord) -> str | None:
 
 
 def _verify_finished(
-    output: Path, shard: int, parts: list[PartRecord], first: int, end: int, covered: int, result: Verification
+    output: Store, shard: int, parts: list[PartRecord], first: int, end: int, covered: int, result: Verification
 ) -> None:
     marker = success_name(shard)
     if covered != end:
         result.problems.append(f"{marker} marks shard {shard} done, but its parts cover rows [{first}, {covered}) of [{first}, {end})")
     try:
-        written = json.loads((output / marker).read_text())
+        written = json.loads(output.read(marker))
     except (OSError, ValueError):
         written = None
     if written != {"parts": len(parts), "rows": end - first}:
         counts = f"{plural(len(parts), 'part')}, {plural(end - first, 'row')}"
         result.problems.append(f"{marker} does not match {manifest_name(shard)} ({counts})")
-    if not (output / stats_name(shard)).exists():
+    if not output.exists(stats_name(shard)):
         result.problems.append(f"{stats_name(shard)} is missing for the finished shard {shard}")
     listed = {p.name for p in parts} | {manifest_name(shard), marker, stats_name(shard)}
     for path in sorted(output_files(output)):
-        name = _name(output, path)
+        name = str(path)
         if shard_file_index(path.name) == shard and name not in listed and not path.name.startswith(".lock-"):
             result.problems.append(f"{name} is not listed in {manifest_name(shard)} (left over; readers of part files would read it)")
-
-
-def _name(output: Path, path: Path) -> str:
-    """A file's name as the output's records name it (relative to the output)."""
-    return path.relative_to(output).as_posix()
 
 
 def _check_tiling(ranges: list[tuple[int, int] | None], job: OutputRecord | None, result: Verification) -> None:

@@ -39,7 +39,7 @@ import re
 import tarfile
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import fsspec
 
@@ -123,12 +123,12 @@ def group_samples(members: Iterable[tuple[str, int, int]]) -> tuple[list[Sample]
     return samples, repeated
 
 
-def open_tar(location: str) -> BinaryIO:
-    """A tar opened for reading by offset: a local file, or a remote one read ahead
-    `READ_BLOCK` at a time."""
+def open_tar(location: str, options: dict[str, Any]) -> BinaryIO:
+    """A tar opened for reading by offset: a local file, or a remote one (with fsspec's
+    storage `options`) read ahead `READ_BLOCK` at a time."""
     if not _SCHEME.match(location):
         return open(location, "rb")
-    fs, path = fsspec.core.url_to_fs(location)
+    fs, path = fsspec.core.url_to_fs(location, **options)
     return fs.open(path, "rb", block_size=READ_BLOCK, cache_type="readahead")
 
 
@@ -141,12 +141,12 @@ def read_member(handle: BinaryIO, offset: int, size: int) -> bytes:
     return data
 
 
-def index_tar(location: str) -> TarIndex:
+def index_tar(location: str, options: dict[str, Any]) -> TarIndex:
     """Index one tar (see the module docstring); JobError when it cannot be read or is
     no tar."""
     try:
-        size, etag = _size_and_etag(location)
-        with open_tar(location) as handle:
+        size, etag = _size_and_etag(location, options)
+        with open_tar(location, options) as handle:
             members, damage = _members(handle, location, size)
     except OSError as exc:
         raise JobError(f"cannot read input file {location}: {exc}") from None
@@ -161,10 +161,10 @@ def index_tar(location: str) -> TarIndex:
     return TarIndex(location, size, samples, _digest(members, damage), etag, damage)
 
 
-def _size_and_etag(location: str) -> tuple[int, str | None]:
+def _size_and_etag(location: str, options: dict[str, Any]) -> tuple[int, str | None]:
     if not _SCHEME.match(location):
         return os.path.getsize(location), None
-    fs, path = fsspec.core.url_to_fs(location)
+    fs, path = fsspec.core.url_to_fs(location, **options)
     info = fs.info(path)
     etag = info.get("ETag") or info.get("etag")
     return int(info["size"]), str(etag) if etag else None

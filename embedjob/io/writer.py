@@ -9,7 +9,8 @@ Output contract (ARCHITECTURE.md): every input row of a shard appears exactly on
 order, with an embedding or a non-null `error`. Columns: `id`, `row`, `modality`,
 `tokens`, `frames`, `grid` (per-token output only), `embedding`, `error`, then the
 input columns the job copies (`output.columns`). A part file either exists complete
-(renamed after fsync) or not at all, so a reader never sees half a part.
+(renamed after fsync, or its upload completed) or not at all, so a reader never sees
+half a part.
 
 An error row's `embedding` (and `grid`) is null in every pooling mode, so no tool can
 take it for a vector: a null sorts last in a similarity search and is skipped by
@@ -28,16 +29,14 @@ import hashlib
 import io
 import json
 import logging
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from embedjob.io.files import create_new, temporary_path
+from embedjob.io.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -236,18 +235,25 @@ def _grid_array(block: RowBlock) -> pa.Array:
     return pa.array([g if c else None for g, c in zip(grids, block.counts)], type=pa.list_(pa.int32()))
 
 
-class _DigestingFile(io.FileIO):
-    """A file open for writing (`fd`, which it closes) that keeps the sha256 and size
-    of what went into it.
+class _DigestingStream(io.RawIOBase):
+    """A write-only stream into `sink` (a part's file or upload) that keeps the sha256
+    and size of what went into it.
 
     The Parquet writer only appends, so these are the file's own digest and size when
     it is closed: the part is sealed without reading it back, which at the end of a
     shard was a read of the whole part after the last row group."""
 
-    def __init__(self, fd: int) -> None:
-        super().__init__(fd, "wb", closefd=True)
+    def __init__(self, sink: Any) -> None:
+        super().__init__()
+        self.sink = sink
         self.sha256 = hashlib.sha256()
         self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.size
 
     def write(self, data: Any) -> int:
         """All of `data` (a raw file may take part of it per call; the Parquet writer
@@ -255,7 +261,7 @@ class _DigestingFile(io.FileIO):
         view = memoryview(data).cast("B")
         written = 0
         while written < len(view):
-            written += super().write(view[written:])
+            written += self.sink.write(view[written:])
         self.sha256.update(view)
         self.size += written
         return written
@@ -263,28 +269,28 @@ class _DigestingFile(io.FileIO):
 
 @dataclass(frozen=True)
 class Sealed:
-    """A committed part file: where it is, its size in bytes and its sha256."""
+    """A committed part file: its name in the output, its size in bytes and its sha256."""
 
-    path: Path
+    name: str
     size: int
     sha256: str
 
 
 class PartFile:
-    """One part being written: row groups appended to a hidden temporary file, which
-    becomes `directory/name` only at `commit` (closed, fsynced, renamed), so a part under
-    its name is always whole. A run killed before that leaves the temporary file, which
-    the checkpoint removes when the shard is run again.
+    """One part being written: row groups appended to what the output's store gives
+    for it (`Store.open_part`), which appears under `name` only at `commit`, so a part
+    under its name is always whole: in a directory a hidden temporary file, created by
+    this call under a name nobody can guess (a link planted at a name we would use
+    cannot make the job overwrite the file it points to), closed, fsynced and renamed;
+    in an object store an upload to the final key, completed. A run killed before
+    leaves a temporary file or an incomplete upload, which the checkpoint removes when
+    the shard is run again."""
 
-    The temporary file is created by this call under a name nobody can guess
-    (`files.create_new`): a link planted at a name we would use cannot make the job
-    truncate and overwrite the file it points to."""
-
-    def __init__(self, directory: Path, name: str, schema: pa.Schema) -> None:
-        self.target = directory / name
-        self.tmp = temporary_path(self.target)
+    def __init__(self, store: Store, name: str, schema: pa.Schema) -> None:
+        self.name = name
         self.schema = schema
-        self._file = _DigestingFile(create_new(self.tmp))
+        self._upload = store.open_part(name)
+        self._file = _DigestingStream(self._upload.stream)
         self._writer = pq.ParquetWriter(self._file, schema, **parquet_options(schema))
 
     def write(self, block: RowBlock) -> None:
@@ -293,14 +299,10 @@ class PartFile:
 
     def commit(self) -> Sealed:
         self._writer.close()
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self.tmp, self.target)
-        return Sealed(self.target, self._file.size, self._file.sha256.hexdigest())
+        self._upload.commit()
+        return Sealed(self.name, self._file.size, self._file.sha256.hexdigest())
 
     def abandon(self) -> None:
-        """Close and remove the unfinished file (a failing run; nothing is committed)."""
+        """Drop the unfinished part (a failing run; nothing is committed)."""
         self._writer.close()
-        self._file.close()
-        self.tmp.unlink(missing_ok=True)
+        self._upload.abandon()

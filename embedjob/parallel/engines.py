@@ -18,10 +18,9 @@ rather than an engine that waits for the shards.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from embedjob.config import Job, JobError
 from embedjob.io.checkpoint import read_output_record
+from embedjob.io.store import job_store
 from embedjob.parallel.outcome import Engine, ShardOutcome
 from embedjob.slurm import Shard
 
@@ -70,7 +69,7 @@ def shards_to_run(job: Job, shard: str | None, num_shards: int | None, engine: s
         return [Shard(i, num_shards) for i in range(num_shards)]
     if shard is not None or engine == "local":
         return [Shard.parse(shard)]
-    recorded = read_output_record(Path(job.output.path)) if "://" not in job.output.path else None
+    recorded = read_output_record(job_store(job.output))
     if recorded is None:
         raise JobError(
             f"--engine ray needs --shards N, the number of shards to cut the input into "
@@ -84,7 +83,7 @@ def status_report(job: Job, outcomes: list[ShardOutcome]) -> str:
     marked failed (the files alone say only that they are unfinished)."""
     from embedjob.slurm import format_status, output_status
 
-    status = output_status(Path(job.output.path))
+    status = output_status(job_store(job.output))
     failed = {o.shard.index for o in outcomes if o.error is not None}
     for shard in status.shards:
         if shard.shard in failed and shard.state != "done":

@@ -23,7 +23,8 @@ The driver (this process):
    neither, starts a cluster of its own on this machine for the run: on 127.0.0.1
    only, with token authentication, its token kept under the job's cache directory
    (never ~/.ray, which the user's own clusters read);
-3. checks that the output is shared: it writes a random token into output.path, and
+3. checks that the output is shared: it writes a random token into output.path (a
+   directory every node mounts, or an object-store URL every node can reach), and
    one task shaped like a shard's must find it there and write an answer the driver
    can see (every shard's task checks the token again before it writes anything);
 4. queues one task per unfinished shard: on a cluster with GPUs each asks for
@@ -72,7 +73,8 @@ from embedjob.io.checkpoint import (
     shard_finished,
     shard_progress,
 )
-from embedjob.io.files import write_new
+from embedjob.io.files import LocalStore
+from embedjob.io.store import Store, job_store, output_store
 from embedjob.parallel.outcome import ShardOutcome
 from embedjob.slurm import Shard, shard_ranges
 
@@ -154,7 +156,7 @@ class RayEngine:
         return [outcomes[s.index] for s in shards]
 
     def _run(
-        self, ray: Any, job: Job, todo: list[Shard], output: Path, rows: list[tuple[int, int]], overwrite: bool
+        self, ray: Any, job: Job, todo: list[Shard], output: Store, rows: list[tuple[int, int]], overwrite: bool
     ) -> dict[int, ShardOutcome]:
         from embedjob.parallel.cluster import RankFailure
 
@@ -183,17 +185,14 @@ class RayEngine:
 # ---------------------------------------------------------------- the driver's checks
 
 
-def output_dir(job: Job) -> Path:
-    """output.path as the driver sees it; every node must see it at the same path."""
-    if "://" in job.output.path:
-        raise JobError(
-            f"output.path {job.output.path!r}: the Ray engine writes into a directory that every node mounts at the "
-            "same path (a shared filesystem, or a bucket mounted as one); URLs are not supported for output"
-        )
-    return (Path.cwd() / job.output.path).resolve()
+def output_dir(job: Job) -> Store:
+    """output.path as the driver sees it: a directory every node must see at the same
+    path (resolved here), or an object-store URL every node must reach."""
+    store = job_store(job.output)
+    return LocalStore((Path.cwd() / store.path).resolve()) if isinstance(store, LocalStore) else store
 
 
-def _claim(job: Job, output: Path, num_shards: int, overwrite: bool) -> list[tuple[int, int]]:
+def _claim(job: Job, output: Store, num_shards: int, overwrite: bool) -> list[tuple[int, int]]:
     """Check the input and the output's job, record the job there (replacing another
     job's output with `overwrite`); each shard's global row range."""
     listing = reader.scan_input(job.input)
@@ -207,22 +206,24 @@ def _claim(job: Job, output: Path, num_shards: int, overwrite: bool) -> list[tup
 
 
 @contextlib.contextmanager
-def reach_token(output: Path) -> Iterator[str]:
+def reach_token(output: Store | Path) -> Iterator[str]:
     """A random token written into the output for the tasks to find; removed (with the
     answers tasks wrote next to it) when the run ends."""
+    out = output_store(output)
     token = secrets.token_hex(8)
     try:
-        write_new(output / f"{REACH}{token}", token.encode())
+        out.create(f"{REACH}{token}", token.encode())
     except OSError as exc:
-        raise OutputError(f"cannot write to output.path {output}: {exc.strerror or exc}") from None
+        raise OutputError(f"cannot write to output.path {out}: {exc.strerror or exc}") from None
     try:
         yield token
     finally:
-        for path in output.glob(f"{REACH}{token}*"):
-            path.unlink(missing_ok=True)
+        for name in out.files():
+            if name.startswith(f"{REACH}{token}"):
+                out.remove(name)
 
 
-def _check_shared(ray: Any, job: Job, context: TaskContext, resources: dict[str, int], output: Path) -> None:
+def _check_shared(ray: Any, job: Job, context: TaskContext, resources: dict[str, int], output: Store) -> None:
     """One task shaped like a shard's must find the token and answer with a file the
     driver sees; its JobError or OutputError is the run's."""
     logger.info("checking that a task sees output.path %s (waiting for a node with room for one)", output)
@@ -233,7 +234,7 @@ def _check_shared(ray: Any, job: Job, context: TaskContext, resources: dict[str,
         if isinstance(exc.cause, (JobError, OutputError)):
             raise exc.cause from None
         raise RuntimeError(f"the task checking output.path failed: {_reason(exc)}") from None
-    if not (output / answer).is_file():
+    if not output.exists(answer):
         raise JobError(
             f"output.path {output}: a task wrote {answer} into it, but the driver does not see that file; "
             "every node and the driver must see output.path at the same path (a shared filesystem)"
@@ -302,10 +303,10 @@ def driver_cwd(cwd: str) -> Iterator[None]:
         os.chdir(before)
 
 
-def check_reach(job: Job, context: TaskContext) -> Path:
+def check_reach(job: Job, context: TaskContext) -> Store:
     """output.path as this task sees it, which must hold the driver's token."""
-    here = Path.cwd() / job.output.path
-    if not (here / f"{REACH}{context.token}").is_file():
+    here = output_dir(job)
+    if not here.exists(f"{REACH}{context.token}"):
         seen = "" if str(here) == context.output else f" (here {here}, the driver's {context.output})"
         raise JobError(
             f"output.path {job.output.path!r} on node {node_name()} is not the directory the driver writes to{seen}: "
@@ -320,7 +321,7 @@ def probe_task(job: Job, context: TaskContext) -> str:
         here = check_reach(job, context)
         answer = f"{REACH}{context.token}.{secrets.token_hex(4)}"
         try:
-            write_new(here / answer, b"")
+            here.create(answer, b"")
         except OSError as exc:
             where = f"output.path {here} on node {node_name()}"
             raise OutputError(f"cannot write to {where}: {exc.strerror or exc}") from None
@@ -361,7 +362,7 @@ def _quiet_transformers() -> None:
 
 
 def _follow(
-    ray: Any, refs: dict[Any, Shard], board: Any, output: Path, rows: dict[int, tuple[int, int]], progress: bool
+    ray: Any, refs: dict[Any, Shard], board: Any, output: Store, rows: dict[int, tuple[int, int]], progress: bool
 ) -> dict[int, ShardOutcome]:
     """Wait for every task, with one progress bar over the shards' committed rows;
     Ctrl-C (or any error here) cancels the tasks still out."""
@@ -396,7 +397,7 @@ def _follow(
     return outcomes
 
 
-def _committed(output: Path, shard: int, before: int) -> int:
+def _committed(output: Store, shard: int, before: int) -> int:
     """Rows the shard's manifest lists as committed (`before` while it cannot be read)."""
     try:
         return shard_progress(output, shard).committed

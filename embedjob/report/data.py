@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from embedjob.io.checkpoint import load_manifest, stats_name
+from embedjob.io.store import Store, output_store
 from embedjob.report.counts import error_code, plural
 from embedjob.slurm import OutputStatus, ShardStatus, output_status
 
@@ -88,7 +89,7 @@ class ShardView:
 class OutputView:
     """Every shard of an output, and what the report cannot show, with why."""
 
-    output: Path
+    output: Store
     status: OutputStatus
     shards: list[ShardView]
     notes: list[str] = field(default_factory=list)
@@ -100,9 +101,10 @@ class OutputView:
         return {view.shard: view.stats for view in self.shards if view.stats is not None}
 
 
-def read_output(output: Path) -> OutputView:
+def read_output(output: Store | Path) -> OutputView:
     """The output's shards, states and statistics. JobError when it is not an
     embedjob output (as `embedjob status` says)."""
+    output = output_store(output)
     status = output_status(output)
     shards = [ShardView(s, _stats(output, s), _attempts(output, s.shard)) for s in status.shards]
     view = OutputView(output, status, shards)
@@ -111,20 +113,20 @@ def read_output(output: Path) -> OutputView:
     return view
 
 
-def _stats(output: Path, status: ShardStatus) -> dict[str, Any] | None:
+def _stats(output: Store, status: ShardStatus) -> dict[str, Any] | None:
     """A done shard's statistics; None for an unfinished shard, whose statistics file,
     if any, is an earlier run's."""
     if status.state != "done":
         return None
     try:
-        stats = json.loads((output / stats_name(status.shard)).read_text())
+        stats = json.loads(output.read(stats_name(status.shard)))
     except (OSError, ValueError) as exc:
         logger.warning("cannot read %s: %s", stats_name(status.shard), exc)
         return None
     return stats if isinstance(stats, dict) else None
 
 
-def _attempts(output: Path, shard: int) -> list[dict[str, Any]]:
+def _attempts(output: Store, shard: int) -> list[dict[str, Any]]:
     manifest = load_manifest(output, shard)
     return [a for a in (manifest or {}).get("attempts", []) if isinstance(a, dict)]
 
@@ -181,7 +183,7 @@ def shards_text(shards: list[int]) -> str:
 
 
 def error_examples(
-    output: Path, shards: list[int], codes: dict[str, int], per_code: int = EXAMPLES
+    output: Store, shards: list[int], codes: dict[str, int], per_code: int = EXAMPLES
 ) -> dict[str, list[tuple[str, str]]]:
     """Up to `per_code` example rows (id, message) of each error code, in row order.
 
@@ -196,7 +198,7 @@ def error_examples(
         for part in (load_manifest(output, shard) or {}).get("parts", []):
             if not wanted & set(part.get("error_codes") or {}):
                 continue
-            for identifier, error in _error_rows(output / part["name"]):
+            for identifier, error in _error_rows(output, part["name"]):
                 code = error_code(error)
                 if code in wanted and len(examples[code]) < per_code:
                     examples[code].append((identifier, _message(error)))
@@ -207,12 +209,13 @@ def error_examples(
     return dict(examples)
 
 
-def _error_rows(path: Path) -> list[tuple[str, str]]:
+def _error_rows(output: Store, name: str) -> list[tuple[str, str]]:
     """(id, error) of a part's error rows; none when the part cannot be read."""
+    path, filesystem = output.arrow(name)
     try:
-        table = pq.read_table(path, columns=["id", "error"], filters=pc.field("error").is_valid())
+        table = pq.read_table(path, columns=["id", "error"], filters=pc.field("error").is_valid(), filesystem=filesystem)
     except (OSError, pa.ArrowException) as exc:
-        logger.warning("cannot read the errors of %s: %s", path.name, exc)
+        logger.warning("cannot read the errors of %s: %s", name, exc)
         return []
     return [(str(i), str(e)) for i, e in zip(table.column("id").to_pylist(), table.column("error").to_pylist())]
 

@@ -18,14 +18,15 @@ import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 
 from embedjob.config import JobError
 from embedjob.io.checkpoint import META, OutputError, flatten, read_output_record
-from embedjob.io.files import own_directory, write_bytes
+from embedjob.io.files import LocalStore, own_directory, write_bytes
+from embedjob.io.store import Store, output_store
 from embedjob.report import figures
 from embedjob.report.counts import codes_text, plural
 from embedjob.report.data import OutputView, ShardView, error_examples, read_output, shards_text
@@ -86,37 +87,56 @@ def make_plots(view: OutputView) -> list[Plot]:
 class Report:
     """What `write_report` wrote: the page and the PNGs beside it."""
 
-    path: Path
-    figures: list[Path]
+    path: Path | str
+    figures: list[Path | str]
+    """Local paths, or the URLs of objects where the page went into an object store."""
 
 
-def write_report(output: Path, destination: Path | None = None) -> Report:
+def write_report(output: Store | Path | str, destination: Path | None = None) -> Report:
     """Write the report of `output` to `destination` (default: DEFAULT_NAME inside
-    the output), its PNGs beside it as `<stem>-<figure>.png`. JobError when `output`
-    is not an embedjob output or `destination` is not an .html file name; OutputError
-    when the page cannot be written there (exit 1, as for a run's output). JobError
-    too, by default, when the output's `_embedjob` is a symbolic link: the page would
-    land in the folder it points to."""
-    output = Path(output)
-    destination = Path(destination) if destination is not None else output / DEFAULT_NAME
-    if destination.suffix.lower() not in (".html", ".htm"):
-        raise JobError(f"--out {destination}: the report is an HTML file; name it *.html")
-    view = read_output(output)
-    if destination.parent == output / META:
-        own_directory(output / META)
+    the output, a directory or an object store), its PNGs beside it as
+    `<stem>-<figure>.png`. JobError when `output` is not an embedjob output or
+    `destination` is not an .html file name; OutputError when the page cannot be
+    written there (exit 1, as for a run's output). JobError too, by default, when the
+    output's `_embedjob` is a symbolic link: the page would land in the folder it
+    points to."""
+    store = output_store(output)
+    local = store.path if isinstance(store, LocalStore) else None
+    if destination is None and local is not None:
+        destination = local / DEFAULT_NAME
+    target = Path(destination) if destination is not None else Path(DEFAULT_NAME)
+    if target.suffix.lower() not in (".html", ".htm"):
+        raise JobError(f"--out {target}: the report is an HTML file; name it *.html")
+    view = read_output(store)
+    if local is not None and target.parent == local / META:
+        own_directory(local / META)
     plots = make_plots(view)
-    examples = error_examples(output, [s.shard for s in view.status.shards if s.errors], view.status.error_codes())
+    examples = error_examples(store, [s.shard for s in view.status.shards if s.errors], view.status.error_codes())
     page = render(view, plots, examples).encode()
     try:
-        return _write(destination, plots, page)
+        if destination is None:
+            return _write_into(store, plots, page)
+        return _write(target, plots, page)
     except OSError as exc:
         raise OutputError(f"cannot write the report to {destination}: {exc.strerror or exc}; pass --out to write it elsewhere") from None
+
+
+def _write_into(store: Store, plots: list[Plot], page: bytes) -> Report:
+    """The PNGs, then the page, as objects of the output's store (each written whole)."""
+    stem = PurePosixPath(DEFAULT_NAME)
+    written: list[Path | str] = []
+    for plot in plots:
+        name = str(stem.with_name(f"{stem.stem}-{plot.name}.png"))
+        store.replace(name, plot.png)
+        written.append(store.where(name))
+    store.replace(DEFAULT_NAME, page)
+    return Report(store.where(DEFAULT_NAME), written)
 
 
 def _write(destination: Path, plots: list[Plot], page: bytes) -> Report:
     """The PNGs, then the page (each replaced whole: a planted link is not written through)."""
     destination.parent.mkdir(parents=True, exist_ok=True)
-    written = []
+    written: list[Path | str] = []
     for plot in plots:
         path = destination.with_name(f"{destination.stem}-{plot.name}.png")
         write_bytes(path, plot.png)

@@ -570,7 +570,9 @@ def fixed_flops(family: str, config: Any, projection: int | None) -> float:
     mlp_matrices = 3 if getattr(config, "use_gated_mlp", False) else 2
     total = 2 * patches * 3 * patch**2 * d
     total += layers * (2 * n * 4 * d * d + 2 * n * mlp_matrices * d * m + 4 * n * n * d)
-    if family == "siglip" and config.vision_use_head:
+    # A SigLIP vision config saved without `vision_use_head` (transformers 5.17 writes none)
+    # has the head: the model reads the key with that default too.
+    if family == "siglip" and getattr(config, "vision_use_head", True):
         total += 4 * d * d + 4 * n * d * d + 4 * n * d + 4 * d * m
     if projection:
         total += 2 * d * projection

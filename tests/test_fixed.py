@@ -344,3 +344,26 @@ def test_every_block_reads_a_row_major_hidden_state(adapters, family: str) -> No
             hook.remove()
     assert len(seen) >= 3 * len(adapter.compile_units())
     assert [key for key, contiguous in seen if not contiguous] == []
+
+
+def test_fixed_flops_reads_a_siglip_vision_checkpoint_saved_without_vision_use_head(tmp_path: Path) -> None:
+    """`embedjob bench` and the benchmarks read a user's SigLIP tower whose config.json
+    has no `vision_use_head` (as transformers 5.17 saves a SiglipVisionModel): it has the
+    pooling head, and the FLOPs count it as torch's own counter does."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoConfig, SiglipVisionConfig, SiglipVisionModel
+
+    from embedjob.bench import fixed_flops
+
+    values = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=16)
+    SiglipVisionModel(SiglipVisionConfig(**values)).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved.pop("vision_use_head", None)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    model = SiglipVisionModel.from_pretrained(tmp_path, attn_implementation="eager")
+    # This transformers' config class has the key as a class default; 5.17's has none.
+    config = SimpleNamespace(**AutoConfig.from_pretrained(tmp_path).to_dict())
+    del config.vision_use_head
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(pixel_values=torch.zeros(1, 3, 32, 32))
+    assert fixed_flops("siglip", config, None) == counter.get_total_flops()

@@ -285,38 +285,46 @@ def save_qwen3_5_processors(directory: Path, nested: bool = False) -> None:
         video.save_pretrained(directory)
 
 
-@pytest.fixture(scope="module")
-def qwen35_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A user's Qwen3.5 checkpoint: the full `Qwen3_5ForConditionalGeneration` (a tiny
-    config, random weights, fixed seed) saved with save_pretrained, its processors beside it."""
+def make_qwen3_5_checkpoint(directory: Path, vision: dict | None = None) -> Path:
+    """A user's Qwen3.5 checkpoint in `directory`: the full `Qwen3_5ForConditionalGeneration`
+    (a tiny config, random weights, fixed seed) saved with save_pretrained, its processors beside it."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    directory = tmp_path_factory.mktemp("qwen3_5")
     torch.manual_seed(35)
-    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=QWEN35_TEXT, vision_config=QWEN35_VISION)).save_pretrained(directory)
+    config = Qwen3_5Config(text_config=QWEN35_TEXT, vision_config=vision or QWEN35_VISION)
+    Qwen3_5ForConditionalGeneration(config).save_pretrained(directory)
     save_qwen3_5_processors(directory)
     return directory
 
 
-def qwen35_reference(directory: Path, images: list | None = None, videos: list | None = None) -> list[torch.Tensor]:
+@pytest.fixture(scope="module")
+def qwen35_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_qwen3_5_checkpoint(tmp_path_factory.mktemp("qwen3_5"))
+
+
+def qwen35_reference(
+    directory: Path, images: list | None = None, videos: list | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
     """What transformers gives: the merged tokens of `get_image_features` (or
-    `get_video_features`) of the checkpoint's own model on its own processor's output,
-    one (tokens, width) tensor per image or video. Images are (H, W, 3) uint8 arrays,
-    videos (T, H, W, 3); videos are taken as they are (no frame sampling)."""
+    `get_video_features`) of the checkpoint's own model (in `dtype` on `device`) on its
+    own processor's output, one (tokens, width) float32 CPU tensor per image or video.
+    Images are (H, W, 3) uint8 arrays, videos (T, H, W, 3), taken as they are (no frame sampling)."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoVideoProcessor
 
-    model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(directory, dtype=dtype).to(device).eval()
     with torch.no_grad():
         if images is not None:
             inputs = AutoImageProcessor.from_pretrained(directory)(
                 images=[torch.from_numpy(i).permute(2, 0, 1) for i in images], return_tensors="pt"
             )
-            return list(model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output)
-        inputs = AutoVideoProcessor.from_pretrained(directory)(
-            videos=[torch.from_numpy(v).permute(0, 3, 1, 2) for v in videos], do_sample_frames=False,
-            cap_pixels_per_frame=False, return_tensors="pt",
-        )
-        return list(model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]).pooler_output)
+            features = model.get_image_features(inputs["pixel_values"].to(device), inputs["image_grid_thw"].to(device))
+        else:
+            inputs = AutoVideoProcessor.from_pretrained(directory)(
+                videos=[torch.from_numpy(v).permute(0, 3, 1, 2) for v in videos], do_sample_frames=False,
+                cap_pixels_per_frame=False, return_tensors="pt",
+            )
+            features = model.get_video_features(inputs["pixel_values_videos"].to(device), inputs["video_grid_thw"].to(device))
+    return [tokens.float().cpu() for tokens in features.pooler_output]
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -333,7 +341,7 @@ def _photo_pixels(data: bytes) -> np.ndarray:
     if image.mode == "RGBA":
         white = Image.new("RGBA", image.size, (255, 255, 255, 255))
         image = Image.alpha_composite(white, image)
-    return np.asarray(image.convert("RGB"))
+    return np.array(image.convert("RGB"))
 
 
 def _run_qwen35(tmp_path: Path, checkpoint: Path, cache_dir: str, data: Path, pooling: str) -> list[dict]:

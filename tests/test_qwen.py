@@ -540,3 +540,17 @@ def test_qwen3_5_builtin_is_a_qwen3_5_tower_with_the_qwen3_5_video_processor(cac
     adapter = load_adapter(make_job(cache_dir, model={"path": "builtin:tiny-qwen3_5"}), torch.device("cpu"))
     assert adapter.family == "qwen3_5" and adapter.processing.clip_pixels and adapter.embed_dim == 128
     assert not hasattr(adapter.model, "deepstack_merger_list")  # Qwen3-VL's extra mergers are not Qwen3.5's
+
+
+def test_embedjob_bench_times_the_qwen3_5_tower_against_plain_transformers(tmp_path: Path) -> None:
+    """`embedjob bench`'s Qwen3.5 rows: the tower saved like a user's checkpoint, timed as
+    plain transformers and through embedjob's graphs on the same packed batches, whose
+    mean vectors must be transformers' own (the note's cosine)."""
+    from embedjob.bench import qwen3_5_rows
+
+    tiny = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=16, spatial_merge_size=2,
+                temporal_patch_size=2, num_position_embeddings=16, out_hidden_size=24)
+    rows = qwen3_5_rows(tmp_path, "tiny Qwen3.5", tiny, 3, 2, 1e12, torch.device("cpu"), compiled=False)
+    assert [(r.mix, r.variant) for r in rows] == [("tiny Qwen3.5", "plain_transformers_sdpa"), ("tiny Qwen3.5", "ours_graphs")]
+    assert all(r.items == 3 and r.seconds > 0 and r.flops > 0 for r in rows) and rows[1].hit_rate == 1.0
+    assert float(rows[1].note.rsplit("min cos to plain ", 1)[1]) > 0.9999, rows[1].note

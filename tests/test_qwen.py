@@ -554,3 +554,22 @@ def test_embedjob_bench_times_the_qwen3_5_tower_against_plain_transformers(tmp_p
     assert [(r.mix, r.variant) for r in rows] == [("tiny Qwen3.5", "plain_transformers_sdpa"), ("tiny Qwen3.5", "ours_graphs")]
     assert all(r.items == 3 and r.seconds > 0 and r.flops > 0 for r in rows) and rows[1].hit_rate == 1.0
     assert float(rows[1].note.rsplit("min cos to plain ", 1)[1]) > 0.9999, rows[1].note
+
+
+def test_qwen3_5_jpegs_left_for_the_device_decoder_give_the_workers_items(cache_dir: str) -> None:
+    """`preprocess.decoder: gpu` with the Qwen3.5 tower: JPEGs deferred by the workers and
+    completed by the rank (here on the CPU, the same code path) are the items the workers
+    make, bit for bit (pixels, grid, position-table metadata, tokens), and error rows stay error rows."""
+    from test_device_decode import CORPUS, DEFER, IMAGE, assert_same_rows, rows_of
+
+    from embedjob import rows as worker
+    from embedjob.encoders.base import JPEG_KEY
+
+    preprocess = load_adapter(make_job(cache_dir, model={"path": "builtin:tiny-qwen3_5"}), torch.device("cpu")).preprocessor()
+    rows = rows_of(CORPUS)
+    want = [worker.decode_row(row, IMAGE, preprocess) for row in rows]
+    window = [worker.decode_row(row, DEFER, preprocess) for row in rows]
+    waiting = sum(d.item is not None and JPEG_KEY in d.item.tensors for d in window)
+    assert waiting >= 6 and "interp_weights" in next(d.item.tensors for d in want if d.item is not None)
+    assert worker.decode_on_device(window, IMAGE, preprocess, torch.device("cpu")) == waiting
+    assert_same_rows(window, want)

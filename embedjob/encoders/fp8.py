@@ -97,10 +97,7 @@ one input width. A group that a forward does not call that way still computes ri
 (see `Fp8Joint`), only without the saving."""
 
 
-ACTIVATION_INTO = (
-    ("activation_fn", "fc2"), ("act", "fc2"), ("gelu", "c_proj"), ("act_fn", "down_proj"),
-    ("act_fn", "linear_fc2"),  # Qwen3-VL, Qwen3.5
-)
+ACTIVATION_INTO = (("activation_fn", "fc2"), ("act", "fc2"), ("gelu", "c_proj"), ("act_fn", "down_proj"), ("act_fn", "linear_fc2"))
 """(activation, layer) names of MLPs whose forward feeds the activation's output to that
 layer alone (transformers' modeling code; OpenCLIP's `nn.Sequential` MLPs where nothing
 but identities stands between the two, `_feeds_alone`), so the layer may apply the

@@ -868,6 +868,122 @@ def bench_naflex(workdir: Path, repeats: int, peak: float, device: torch.device,
         save_atomically(lambda tmp: save_naflex_tower(values, NAFLEX_PATCHES, tmp), directory)
     return naflex_rows(directory, label, naflex_mix(4 * NAFLEX_BATCH), NAFLEX_BATCH, repeats, peak, device, compiled)
 
+
+# --- the Qwen3.5 vision tower against plain transformers ----------------------------------
+
+QWEN3_5_TOWER = (
+    "Qwen3.5-27B-size",
+    dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, patch_size=16, spatial_merge_size=2,
+         temporal_patch_size=2, num_position_embeddings=2304, out_hidden_size=3584),
+)
+"""The Qwen3.5 tower `embedjob bench` builds: transformers' `Qwen3_5VisionConfig` defaults,
+which its docstring gives for Qwen/Qwen3.5-27B (27 blocks of width 1152, MLP 4304, 16
+heads of 72, patch 16, a 48 x 48 position table); `out_hidden_size`, the merger's output
+(a checkpoint's language-model width), is that config's default."""
+QWEN3_5_IMAGES = 64
+
+
+def save_qwen3_5_tower(values: dict[str, Any], directory: Path) -> None:
+    """A Qwen3.5 vision tower of config `values` with random bf16 weights (seed 0), saved
+    with `save_pretrained` beside Qwen3.5's image processor (images of up to MAX_PIXELS),
+    as a user's tower-only checkpoint is."""
+    import transformers
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    torch.manual_seed(0)
+    model = Qwen3_5VisionModel._from_config(transformers.Qwen3_5VisionConfig(**values), dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    transformers.Qwen2VLImageProcessor(
+        size={"shortest_edge": 56 * 56, "longest_edge": MAX_PIXELS}, patch_size=values["patch_size"], temporal_patch_size=2,
+        merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    ).save_pretrained(directory)
+
+
+def qwen3_5_flops(items: list[EncoderInput], config: Any) -> float:
+    """Useful FLOPs of the Qwen3.5 tower on these items (multiply-adds count 2): per patch
+    the patch embedding, per block the qkv and output projections and the two-layer MLP,
+    full attention over each temporal group's patches, and the merger's two layers per
+    merged token. Norms, activations and position embeddings are left out."""
+    d, inner, out, depth = config.hidden_size, config.intermediate_size, config.out_hidden_size, config.depth
+    patch = 3 * config.temporal_patch_size * config.patch_size**2
+    total = 0.0
+    for item in items:
+        t, h, w = item.grid
+        n = t * h * w
+        dense = n * (2 * 4 * d * d + 2 * 2 * d * inner)
+        attention = 4 * d * t * float(h * w) ** 2
+        merged = n // 4
+        total += 2 * n * patch * d + depth * (dense + attention) + 2 * merged * (4 * d) ** 2 + 2 * merged * 4 * d * out
+    return total
+
+
+def qwen3_5_rows(
+    workdir: Path, label: str, values: dict[str, Any], count: int, repeats: int, peak: float, device: torch.device,
+    compiled: bool = True,
+) -> list[Row]:
+    """The Qwen3.5 tower of config `values` saved like a user's checkpoint, on the first
+    `count` images of the mixed mix packed into the same batches two ways: plain
+    transformers (its own sdpa attention, split per image on the host, one call per batch,
+    pixels already on the device) and embedjob's graphs over the adapter a job loads
+    (compiled as a job compiles it when `compiled`). The second row's note gives its
+    speed over the first and the smallest cosine between their mean vectors."""
+    from embedjob.config import job_from_dict
+    from embedjob.encoders import load_adapter
+    from embedjob.encoders.loading import save_atomically, transformers_class
+
+    directory = workdir / "qwen3_5-tower"
+    if not directory.exists():
+        save_atomically(lambda tmp: save_qwen3_5_tower(values, tmp), directory)
+    job = job_from_dict({
+        "input": {"path": "unused.parquet", "media_column": "image"},
+        "model": {"family": "qwen3_5", "path": str(directory), "dtype": "bfloat16"},
+        "output": {"path": "unused"},
+        "batching": {"compile": compiled},
+        "runtime": {"cache_dir": str(workdir / "cache")},
+    })
+    adapter = load_adapter(job, device)
+    items = make_mix("mixed", adapter.preprocessor())[:count]
+    plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
+    batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")
+    plain = transformers_class("Qwen3_5VisionModel").from_pretrained(directory, dtype=adapter.dtype).to(device).eval()
+    inputs = []
+    for batch in batches:
+        chosen = [items[i] for i in batch.indices]
+        pixels = torch.cat([adapter.processing.model_pixels(i.tensors["pixel_values"]) for i in chosen])
+        inputs.append((pixels.to(device, adapter.dtype), torch.tensor([i.grid for i in chosen], device=device)))
+
+    def run_plain() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return [plain(hidden_states=pixels, grid_thw=grid).pooler_output for pixels, grid in inputs]
+
+    plain_seconds = device_time(run_plain, repeats, device)
+    reference = torch.stack([rows.float().mean(0) for out, batch in zip(run_plain(), batches)
+                             for rows in out.split([items[i].tokens for i in batch.indices])])
+    del plain
+    if compiled:
+        torch._dynamo.reset()
+        adapter.compile(dynamic=True)
+    manager = GraphManager(adapter, plan, "cuda" if device.type == "cuda" else "replay")
+    manager.capture()
+
+    def run_ours() -> list[torch.Tensor]:
+        return [v for batch in batches for v in manager.run([items[i] for i in batch.indices], batch.budget, reduce=_mean)]
+
+    with torch.inference_mode():
+        ours_seconds = device_time(run_ours, repeats, device)
+        ours = torch.stack(run_ours()).float()
+    cosine = float(torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min())
+    hit_rate = manager.stats.hits / max(1, manager.stats.hits + manager.stats.misses)
+    manager.clear()
+    flops = qwen3_5_flops(items, adapter.model.config)
+    waste = packer.padding_waste(batches) / sum(i.tokens for i in items)
+    return [
+        Row(label, "plain_transformers_sdpa", count, plain_seconds, flops, peak, note="eager, packed batches on the device"),
+        Row(label, "ours_graphs_compiled" if compiled else "ours_graphs", count, ours_seconds, flops, peak, hit_rate, waste,
+            note=f"{plain_seconds / ours_seconds:.3f}x plain; min cos to plain {cosine:.5f}"),
+    ]
+
+
 def render(rows: list[Row], header: dict[str, Any]) -> str:
     lines = [f"# embedjob bench — {header['date']}", ""]
     lines += [f"- {k}: {v}" for k, v in header.items() if k != "date"]
@@ -936,6 +1052,8 @@ def main(args: argparse.Namespace) -> int:
             )
     if args.naflex:
         rows += bench_naflex(workdir, args.repeats, peak, device, compiled=bool(args.compile_modes))
+    if args.qwen3_5:
+        rows += qwen3_5_rows(workdir, *QWEN3_5_TOWER, QWEN3_5_IMAGES, args.repeats, peak, device, compiled=bool(args.compile_modes))
     header = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": torch.cuda.get_device_name(),

@@ -157,6 +157,10 @@ def _bench_command(sub: Any) -> None:
         "--naflex", action=argparse.BooleanOptionalAction, default=True,
         help="also a SigLIP 2 so400m-patch16-naflex-size tower: packed graphs against transformers' padded batches",
     )
+    bench.add_argument(
+        "--qwen3-5", action=argparse.BooleanOptionalAction, default=True,
+        help="also a Qwen3.5-27B-size vision tower on 64 mixed images against plain transformers",
+    )
     bench.add_argument("--workdir", default="bench-work")
     bench.set_defaults(func=_cmd_bench)
 

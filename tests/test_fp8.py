@@ -392,3 +392,30 @@ def test_a_gated_mlp_that_is_not_silu_gate_times_up_keeps_its_own_forward(
     assert converted["mlp.down_proj"] == 1 and fp8_layers_in(block) == 5
     got, exact = mlp_outputs(block, reference)
     assert torch.nn.functional.cosine_similarity(got, exact).min() > 0.99
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl"])
+def test_qwen3_blocks_in_fp8_apply_their_norms_and_tanh_gelu_as_they_quantise(family: str, cache_dir: str) -> None:
+    """Qwen3.5's (and Qwen3-VL's) blocks: qkv, proj, linear_fc1 and linear_fc2 in FP8,
+    linear_fc2 applying the MLP's tanh GELU and qkv and linear_fc1 the layer norms before
+    them; a block computes what it computes with each layer in FP8 on its own, and the
+    photos' embeddings stay within FP8 rounding of full precision."""
+    model = {"family": family, "path": f"builtin:tiny-{family}"}
+    full = load_adapter(make_job(cache_dir, model=model), torch.device("cpu"))
+    fp8 = load_adapter(make_job(cache_dir, model={**model, "precision": "fp8"}), torch.device("cpu"))
+    blocks = len(fp8.compile_units())
+    assert fp8.fp8_layers == {name: blocks for name in ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")}
+    block = fp8.compile_units()[0]
+    assert block.mlp.linear_fc2.activation == "gelu_tanh" and isinstance(block.mlp.act_fn, torch.nn.Identity)
+    assert block.attn.qkv.norm.kind == block.mlp.linear_fc1.norm.kind == "layer_norm"
+    assert isinstance(block.norm1, torch.nn.Identity) and isinstance(block.norm2, torch.nn.Identity)
+    reference = separately_converted(full.compile_units()[0])
+    torch.manual_seed(4)
+    x = torch.randn(24, reference.mlp.linear_fc1.in_features) * 2 + 0.5
+    with torch.inference_mode():
+        got, want = block.mlp(block.norm2(x)), reference.mlp(reference.norm2(x))
+        assert torch.nn.functional.cosine_similarity(got, want).min() > 0.999
+        items = [full.preprocessor()(SimpleNamespace(pixels=np.array(Image.open(path).convert("RGB")))) for path in PHOTOS]
+        a = full.forward(full.eager_inputs(items)).float()
+        b = fp8.forward(fp8.eager_inputs(items)).float()
+    assert torch.nn.functional.cosine_similarity(a, b).min() > 0.99

@@ -1271,3 +1271,109 @@ def test_a_cuda_run_into_s3_writes_the_parts_a_local_cuda_run_writes(tmp_path: P
         assert fs.exists("gpu/out/_embedjob/_SUCCESS-00000") and fs.list_multipart_uploads("gpu") == []
     finally:
         server.stop()
+
+
+# Qwen3.5 (`model.family: qwen3_5`): its tower on CUDA from a user's full checkpoint.
+
+
+@pytest.fixture(scope="module")
+def qwen35_cuda_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A full Qwen3.5 checkpoint whose tower has the published towers' head dim (72)."""
+    from test_qwen import QWEN35_VISION, make_qwen3_5_checkpoint
+
+    return make_qwen3_5_checkpoint(tmp_path_factory.mktemp("qwen3_5_cuda"), {**QWEN35_VISION, "hidden_size": 144})
+
+
+def qwen35_media() -> tuple[list, list]:
+    """The demo's real photos (decoded as a user decodes them) and a clip, as decoded media."""
+    from types import SimpleNamespace
+
+    from test_qwen import _demo_photos, _photo_pixels
+
+    photos = []
+    for _, data in _demo_photos():
+        try:
+            photos.append(_photo_pixels(data))
+        except OSError:
+            continue  # the demo's broken rows
+    return photos, [SimpleNamespace(pixels=p) for p in photos] + [random_video(6, 180, 240, 8)]
+
+
+def test_qwen3_5_graphs_replay_eager_and_stay_close_to_transformers_bf16(cache_dir: str, qwen35_cuda_checkpoint: Path) -> None:
+    """bf16 on CUDA, every budget captured: each batch's replay equals the padded eager
+    run bit for bit, and each photo's per-token rows and their mean are transformers'
+    bf16 merged tokens (get_image_features) up to bf16 rounding."""
+    from test_qwen import qwen35_reference
+
+    adapter = load_adapter(make_job(cache_dir, model={"path": str(qwen35_cuda_checkpoint), "dtype": "bfloat16"}), torch.device("cuda"))
+    assert adapter.family == "qwen3_5" and adapter.capturable
+    photos, media = qwen35_media()
+    items = [adapter.preprocessor()(m) for m in media]
+    manager = GraphManager(adapter, PLAN, "cuda")
+    manager.capture()
+    rows: dict[int, torch.Tensor] = {}
+    for batch in pack([i.tokens for i in items], [i.frames for i in items], PLAN):
+        chosen = [items[i] for i in batch.indices]
+        replayed = manager.run(chosen, batch.budget)
+        joined = torch.cat(replayed)
+        assert torch.isfinite(joined).all()
+        assert torch.equal(joined, padded_eager(manager, chosen, batch.budget)[: joined.shape[0]])
+        rows.update((k, r.float().cpu()) for k, r in zip(batch.indices, replayed))
+    assert manager.stats.misses == 0
+    manager.clear()
+    refs = qwen35_reference(qwen35_cuda_checkpoint, images=photos, device="cuda", dtype=torch.bfloat16)
+    for k, ref in enumerate(refs):
+        assert rows[k].shape == ref.shape
+        assert torch.nn.functional.cosine_similarity(rows[k], ref, dim=-1).min() > 0.99, k
+        assert float((rows[k].mean(0) - ref.mean(0)).norm() / ref.mean(0).norm()) < 3e-2, k
+
+
+def test_qwen3_5_compiled_job_with_gpu_jpeg_decoding_gives_the_cpu_jobs_rows(
+    tmp_path: Path, cache_dir: str, qwen35_cuda_checkpoint: Path
+) -> None:
+    """`embedjob run` on CUDA with batching.compile and preprocess.decoder: gpu against
+    the float32 CPU run: the same rows, errors and token counts, each vector within bf16
+    rounding of the CPU one; every JPEG decoded by nvjpeg, every batch a graph replay."""
+    from embedjob.config import load_job
+    from embedjob.runner import run_job
+
+    outputs, stats = {}, {}
+    runs = {"cpu": ["runtime.device=cpu"],
+            "cuda": ["runtime.device=cuda", "runtime.gpus=1", "batching.compile=true", "preprocess.decoder=gpu"]}
+    for name, overrides in runs.items():
+        common = [f"model.path={qwen35_cuda_checkpoint}", "model.family=qwen3_5", f"output.path={tmp_path / name}", f"runtime.cache_dir={cache_dir}",
+                  "runtime.workers=2", "output.dtype=float32"]
+        stats[name] = run_job(load_job(REPO / "jobs" / "demo.yaml", [*common, *overrides]))
+        outputs[name] = pq.read_table(sorted((tmp_path / name).glob("part-*.parquet"))).to_pylist()
+    assert stats["cuda"]["graph_backend"] == "cuda" and stats["cuda"]["hit_rate"] == 1.0
+    assert stats["cuda"]["device_decoded"] == 9 and stats["cuda"]["errors"] == 2
+    for cpu_row, gpu_row in zip(outputs["cpu"], outputs["cuda"], strict=True):
+        assert (cpu_row["id"], cpu_row["error"], cpu_row["tokens"]) == (gpu_row["id"], gpu_row["error"], gpu_row["tokens"])
+        if cpu_row["error"] is None:
+            a, b = torch.tensor(cpu_row["embedding"]), torch.tensor(gpu_row["embedding"])
+            assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) > 0.99, cpu_row["id"]
+
+
+def test_qwen3_5_fp8_compiled_graphs_replay_like_eager_and_keep_a_cosine_of_099_to_bf16(
+    cache_dir: str, qwen35_cuda_checkpoint: Path
+) -> None:
+    """model.precision fp8 on the Qwen3.5 tower: qkv, proj and the MLP (its GELU and
+    norms applied as inputs are quantised) in FP8, compiled and captured into a pool
+    first filled with NaN; every replay equals the padded eager run, and each item's
+    mean vector keeps a cosine of at least 0.99 to the bf16 tower's."""
+    model = {"path": str(qwen35_cuda_checkpoint), "dtype": "bfloat16"}
+    bf16 = load_adapter(make_job(cache_dir, model=model), torch.device("cuda"))
+    fp8 = load_adapter(make_job(cache_dir, model={**model, "precision": "fp8"}), torch.device("cuda"))
+    blocks = len(fp8.compile_units())
+    assert fp8.fp8_layers == {name: blocks for name in ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")}
+    fp8.compile(dynamic=True)
+    _, media = qwen35_media()
+    items = [fp8.preprocessor()(m) for m in media]
+    plan = BudgetPlan(token_budgets=(128, 256, 512, 1024), max_items=8, max_frames=16)
+    by_batch = list(nan_pool_replays(fp8, bf16, plan, items))
+    for batch, (replayed, full) in zip(pack([i.tokens for i in items], [i.frames for i in items], plan), by_batch):
+        counts = [items[i].tokens for i in batch.indices]
+        ours = torch.stack([rows.float().mean(0) for rows in replayed.split(counts)])
+        theirs = torch.stack([rows.float().mean(0) for rows in full.split(counts)])
+        cos = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
+        assert cos.min() >= 0.99, float(cos.min())

@@ -4,11 +4,17 @@ against the unmodified model, and loading user checkpoints (vision-only and full
 from __future__ import annotations
 
 import inspect
+import json
+import shutil
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import make_job, random_image, random_video
+import yaml
+from conftest import REPO, make_job, random_image, random_video
 from torch.overrides import TorchFunctionMode
 from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
@@ -249,3 +255,321 @@ def test_wrong_family_for_checkpoint_is_a_clear_error(tmp_path: Path, cache_dir:
     # A family given that the builtin does not match stays an error (left out, the builtin's own is taken).
     with pytest.raises(ValueError, match="is a qwen3_vl model but model.family is 'qwen2_5_vl'"):
         load_adapter(make_job(cache_dir, model={"family": "qwen2_5_vl", "path": "builtin:tiny-qwen3_vl"}), torch.device("cpu"))
+
+
+# --- Qwen3.5 (`model.family: qwen3_5`): its tower from full checkpoints, as transformers runs it.
+
+QWEN35_VISION = dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=96, num_position_embeddings=64)
+QWEN35_TEXT = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    vocab_size=128, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+)
+QWEN35_IMAGE_PIXELS = (64_000, 160_000)  # the demo's photos (40k to 307k pixels) are scaled up, kept and scaled down
+QWEN35_VIDEO_PIXELS = (128 * 128, 8 * 160 * 160)  # Qwen3VLVideoProcessor: the bounds of a clip's frames together
+
+
+def save_qwen3_5_processors(directory: Path, nested: bool = False) -> None:
+    """Qwen3.5's image and video processors (Qwen2VLImageProcessor, Qwen3VLVideoProcessor)
+    beside a checkpoint: each in its own file, or nested in processor_config.json as a
+    transformers 5 processor saves them."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLVideoProcessor
+
+    common = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    image = Qwen2VLImageProcessor(size={"shortest_edge": QWEN35_IMAGE_PIXELS[0], "longest_edge": QWEN35_IMAGE_PIXELS[1]}, **common)
+    video = Qwen3VLVideoProcessor(size={"shortest_edge": QWEN35_VIDEO_PIXELS[0], "longest_edge": QWEN35_VIDEO_PIXELS[1]}, **common)
+    if nested:
+        nested_config = {"processor_class": "Qwen3VLProcessor", "image_processor": image.to_dict(), "video_processor": video.to_dict()}
+        (directory / "processor_config.json").write_text(json.dumps(nested_config))
+    else:
+        image.save_pretrained(directory)
+        video.save_pretrained(directory)
+
+
+def make_qwen3_5_checkpoint(directory: Path, vision: dict | None = None) -> Path:
+    """A user's Qwen3.5 checkpoint in `directory`: the full `Qwen3_5ForConditionalGeneration`
+    (a tiny config, random weights, fixed seed) saved with save_pretrained, its processors beside it."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(35)
+    config = Qwen3_5Config(text_config=QWEN35_TEXT, vision_config=vision or QWEN35_VISION)
+    Qwen3_5ForConditionalGeneration(config).save_pretrained(directory)
+    save_qwen3_5_processors(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def qwen35_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_qwen3_5_checkpoint(tmp_path_factory.mktemp("qwen3_5"))
+
+
+def qwen35_reference(
+    directory: Path, images: list | None = None, videos: list | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """What transformers gives: the merged tokens of `get_image_features` (or
+    `get_video_features`) of the checkpoint's own model (in `dtype` on `device`) on its
+    own processor's output, one (tokens, width) float32 CPU tensor per image or video.
+    Images are (H, W, 3) uint8 arrays, videos (T, H, W, 3), taken as they are (no frame sampling)."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoVideoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(directory, dtype=dtype).to(device).eval()
+    with torch.no_grad():
+        if images is not None:
+            inputs = AutoImageProcessor.from_pretrained(directory)(
+                images=[torch.from_numpy(i).permute(2, 0, 1) for i in images], return_tensors="pt"
+            )
+            features = model.get_image_features(inputs["pixel_values"].to(device), inputs["image_grid_thw"].to(device))
+        else:
+            inputs = AutoVideoProcessor.from_pretrained(directory)(
+                videos=[torch.from_numpy(v).permute(0, 3, 1, 2) for v in videos], do_sample_frames=False,
+                cap_pixels_per_frame=False, return_tensors="pt",
+            )
+            features = model.get_video_features(inputs["pixel_values_videos"].to(device), inputs["video_grid_thw"].to(device))
+    return [tokens.float().cpu() for tokens in features.pooler_output]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _photo_pixels(data: bytes) -> np.ndarray:
+    """A photo as a user decodes it (Pillow), alpha composited on white as the decode stage does."""
+    import io
+
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    if image.mode == "RGBA":
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(white, image)
+    return np.array(image.convert("RGB"))
+
+
+def _run_qwen35(tmp_path: Path, checkpoint: Path, cache_dir: str, data: Path, pooling: str) -> list[dict]:
+    """`embedjob run` over `data` with the checkpoint (model.family left out), float32 on the CPU."""
+    from embedjob.cli import main
+
+    spec = {
+        "input": {"path": str(data), "media_column": "media", "id_column": "id", "modality": "auto"},
+        "model": {"path": str(checkpoint)},
+        "video": {"fps": 30.0, "max_frames": 6},
+        "output": {"path": str(tmp_path / "out"), "pooling": pooling, "dtype": "float32"},
+        "runtime": {"cache_dir": cache_dir, "device": "cpu", "workers": 1, "progress": False},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["run", str(tmp_path / "job.yaml")]) == 0
+    return pq.read_table(sorted((tmp_path / "out").glob("part-*.parquet"))).to_pylist()
+
+
+def _demo_photos(video: bytes | None = None) -> list[tuple[str, bytes]]:
+    """The demo's real photos (and broken rows), and a real clip where given."""
+    table = pq.read_table(REPO / "jobs" / "data" / "demo-images.parquet").to_pylist()
+    rows = [(r["id"], r["image"]) for r in table]
+    return rows + ([("clip", video)] if video is not None else [])
+
+
+def _write_media(path: Path, rows: list[tuple[str, bytes]]) -> Path:
+    pq.write_table(pa.table({"id": [i for i, _ in rows], "media": pa.array([d for _, d in rows], pa.binary())}), path)
+    return path
+
+
+def test_qwen3_5_run_on_a_full_checkpoint_gives_transformers_features_of_every_photo_and_clip(
+    tmp_path: Path, cache_dir: str, qwen35_checkpoint: Path
+) -> None:
+    """`embedjob run` on a user's full Qwen3.5 checkpoint, its family read from its
+    config.json: each photo's vector is the mean of transformers' merged tokens of it
+    (get_image_features on the checkpoint's own processor's output), and the clip's the
+    mean of get_video_features of the frames the run sampled; broken rows are errors."""
+    from embedjob.decode.dispatch import decode
+    from embedjob.rows import decode_options
+
+    clip = (REPO / "tests" / "data" / "hfdatasets_test_video_66x50.mov").read_bytes()
+    rows = _demo_photos(clip)
+    out = {r["id"]: r for r in _run_qwen35(tmp_path, qwen35_checkpoint, cache_dir, _write_media(tmp_path / "in.parquet", rows), "mean")}
+    assert [r for r in out.values() if r["error"]] and all(out[i]["error"] for i in ("truncated_jpeg", "text_not_an_image"))
+    photos = [(i, _photo_pixels(d)) for i, d in rows[:-1] if not out[i]["error"]]
+    assert len(photos) == 10
+    refs = qwen35_reference(qwen35_checkpoint, images=[p for _, p in photos])
+    sizes = {tokens.shape[0] for tokens in refs}
+    assert len(sizes) >= 5  # varied grids: scaled up, kept and scaled down
+    errors = {i: _relative(torch.tensor(out[i]["embedding"]), ref.mean(dim=0)) for (i, _), ref in zip(photos, refs)}
+    assert max(errors.values()) < 1e-3, errors
+    job = make_job(cache_dir, model={"path": str(qwen35_checkpoint)}, input={"modality": "auto"}, video={"fps": 30.0, "max_frames": 6})
+    assert job.model.family == "qwen3_5"
+    frames = decode(clip, decode_options(job, load_adapter(job, torch.device("cpu")))).frames
+    assert frames.shape[0] == 6
+    (video_ref,) = qwen35_reference(qwen35_checkpoint, videos=[frames])
+    assert _relative(torch.tensor(out["clip"]["embedding"]), video_ref.mean(dim=0)) < 1e-3
+
+
+def test_qwen3_5_per_token_rows_are_transformers_merged_tokens_with_their_grid(
+    tmp_path: Path, cache_dir: str, qwen35_checkpoint: Path
+) -> None:
+    rows = [r for r in _demo_photos() if r[0] in ("img2dataset_123_456", "hfdatasets_test_image_rgb", "mmaction2_test")]
+    out = {r["id"]: r for r in _run_qwen35(tmp_path, qwen35_checkpoint, cache_dir, _write_media(tmp_path / "in.parquet", rows), "none")}
+    refs = qwen35_reference(qwen35_checkpoint, images=[_photo_pixels(d) for _, d in rows])
+    for (name, _), ref in zip(rows, refs):
+        tokens = torch.tensor(out[name]["embedding"])
+        t, h, w = out[name]["grid"]
+        assert tokens.shape == ref.shape and t * h * w == ref.shape[0]
+        assert _relative(tokens, ref) < 1e-3, name
+
+
+@pytest.mark.parametrize(
+    ("frames", "height", "width", "cap"),
+    [(4, 240, 320, False), (3, 50, 66, False), (6, 720, 1280, False), (2, 20, 90, False), (5, 480, 640, True)],
+)
+def test_qwen3_5_video_preprocessing_equals_qwen3vl_video_processor(
+    tmp_path: Path, qwen35_checkpoint: Path, frames: int, height: int, width: int, cap: bool
+) -> None:
+    """Qwen3VLVideoProcessor bounds a clip's frames together (and scales a side below 32
+    up first; `cap_pixels_per_frame` bounds each frame too): the grid and the model's
+    pixel rows are the processor's, bit for bit, for a clip it upscales, keeps and
+    downscales, whether a worker or the GPU's decoder (`deferred_video`) sizes it."""
+    from transformers import AutoVideoProcessor
+
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(qwen35_checkpoint, directory)
+    if cap:
+        config = json.loads((directory / "video_preprocessor_config.json").read_text())
+        (directory / "video_preprocessor_config.json").write_text(json.dumps({**config, "cap_pixels_per_frame": True, "max_video_tokens": 64}))
+    processing = load_adapter(make_job(str(tmp_path / "cache"), model={"path": str(directory)}), torch.device("cpu")).processing
+    assert processing.clip_pixels and (processing.frame_cap is not None) == cap
+    video = random_video(frames, height, width, seed=frames)
+    ours = processing(video)
+    ref = AutoVideoProcessor.from_pretrained(directory)(
+        videos=[torch.from_numpy(video.frames).permute(0, 3, 1, 2)], do_sample_frames=False, return_tensors="pt"
+    )
+    assert ours.grid == tuple(ref["video_grid_thw"][0].tolist())
+    assert processing.deferred_video(frames, height, width).grid == ours.grid
+    assert torch.equal(processing.model_pixels(ours.tensors["pixel_values"]), ref["pixel_values_videos"])
+
+
+def test_qwen3_5_processor_settings_nested_in_processor_config_are_read_as_transformers_reads_them(
+    tmp_path: Path, cache_dir: str, qwen35_checkpoint: Path
+) -> None:
+    """A checkpoint whose processor transformers 5 saved (processor_config.json with its
+    image and video processors nested, no file of their own) is preprocessed by those
+    settings: the same pixels and grids as transformers' processors read from it."""
+    from transformers import AutoImageProcessor
+
+    directory = tmp_path / "nested"
+    directory.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(qwen35_checkpoint / name, directory)
+    save_qwen3_5_processors(directory, nested=True)
+    assert not (directory / "preprocessor_config.json").exists()
+    processing = load_adapter(make_job(cache_dir, model={"path": str(directory)}), torch.device("cpu")).processing
+    assert (processing.min_pixels, processing.max_pixels) == QWEN35_IMAGE_PIXELS
+    assert (processing.video_min_pixels, processing.video_max_pixels) == QWEN35_VIDEO_PIXELS and processing.clip_pixels
+    image = random_image(200, 700, seed=5)
+    ours = processing(image)
+    ref = AutoImageProcessor.from_pretrained(directory)(images=[torch.from_numpy(image.pixels).permute(2, 0, 1)], return_tensors="pt")
+    assert ours.grid == tuple(ref["image_grid_thw"][0].tolist())
+    assert torch.equal(processing.model_pixels(ours.tensors["pixel_values"]), ref["pixel_values"])
+
+
+def test_qwen3_5_moe_checkpoints_full_or_tower_only_load_the_same_tower(tmp_path: Path, cache_dir: str) -> None:
+    """Qwen3.5-MoE's vision tower is Qwen3.5's: a full MoE checkpoint and its tower saved
+    alone are the `qwen3_5` family (from their config.json), load only the tower's
+    weights and embed as transformers' MoE model does."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    from embedjob.encoders.registry import family_of
+
+    text = {**QWEN35_TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+    torch.manual_seed(36)
+    full = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=QWEN35_VISION)).eval()
+    full.save_pretrained(tmp_path / "full")
+    full.model.visual.save_pretrained(tmp_path / "tower")
+    for name in ("full", "tower"):
+        save_qwen3_5_processors(tmp_path / name)
+    assert json.loads((tmp_path / "tower" / "config.json").read_text())["model_type"] == "qwen3_5_moe_vision"
+    image = random_image(300, 500, seed=7)
+    visual = full.model.visual.state_dict()
+    ref = qwen35_reference(tmp_path / "full", images=[image.pixels])[0]
+    for name in ("full", "tower"):
+        assert family_of(str(tmp_path / name)) == "qwen3_5"
+        adapter = load_adapter(make_job(cache_dir, model={"path": str(tmp_path / name)}), torch.device("cpu"))
+        loaded = adapter.model.state_dict()
+        assert visual.keys() == loaded.keys() and all(torch.equal(visual[k], loaded[k]) for k in visual), name
+        item = adapter.preprocessor()(image)
+        with torch.no_grad():
+            (ours,) = adapter.split(adapter.forward(adapter.eager_inputs([item])), [item])
+        assert _relative(ours, ref) < 1e-5, name
+
+
+def test_qwen3_5_from_the_hub_fetches_only_the_shards_of_the_tower_and_the_processor_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sharded hub checkpoint: config.json, the index, the shards holding
+    `model.visual.` weights and the processor files are fetched; the language model's
+    and the multi-token-prediction head's shards are not."""
+    import huggingface_hub
+
+    from embedjob.encoders import qwen
+
+    index = {"weight_map": {
+        "model.visual.blocks.0.attn.qkv.weight": "model-00001-of-00003.safetensors",
+        "model.visual.merger.linear_fc2.weight": "model-00002-of-00003.safetensors",
+        "model.language_model.layers.0.mlp.up_proj.weight": "model-00002-of-00003.safetensors",
+        "model.language_model.embed_tokens.weight": "model-00003-of-00003.safetensors",
+        "mtp.layers.0.mlp.gate_proj.weight": "model-00003-of-00003.safetensors",
+    }}
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "model.safetensors.index.json").write_text(json.dumps(index))
+    fetched: list[str] = []
+
+    def download(repo_id: str, filename: str) -> str:
+        fetched.append(filename)
+        (hub / filename).touch()
+        return str(hub / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert qwen._download("Qwen/Qwen3.5-27B") == hub
+    assert sorted(fetched) == sorted([
+        "config.json", "model.safetensors.index.json", "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors", "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+    ])
+
+
+def test_qwen3_5_builtin_is_a_qwen3_5_tower_with_the_qwen3_5_video_processor(cache_dir: str) -> None:
+    directory = builtin_dir(FAMILIES["qwen3_5"], cache_dir)
+    assert json.loads((directory / "config.json").read_text())["model_type"] == "qwen3_5_vision"
+    assert json.loads((directory / "video_preprocessor_config.json").read_text())["video_processor_type"] == "Qwen3VLVideoProcessor"
+    adapter = load_adapter(make_job(cache_dir, model={"path": "builtin:tiny-qwen3_5"}), torch.device("cpu"))
+    assert adapter.family == "qwen3_5" and adapter.processing.clip_pixels and adapter.embed_dim == 128
+    assert not hasattr(adapter.model, "deepstack_merger_list")  # Qwen3-VL's extra mergers are not Qwen3.5's
+
+
+def test_embedjob_bench_times_the_qwen3_5_tower_against_plain_transformers(tmp_path: Path) -> None:
+    """`embedjob bench`'s Qwen3.5 rows: the tower saved like a user's checkpoint, timed as
+    plain transformers and through embedjob's graphs on the same packed batches, whose
+    mean vectors must be transformers' own (the note's cosine)."""
+    from embedjob.bench import qwen3_5_rows
+
+    tiny = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=16, spatial_merge_size=2,
+                temporal_patch_size=2, num_position_embeddings=16, out_hidden_size=24)
+    rows = qwen3_5_rows(tmp_path, "tiny Qwen3.5", tiny, 3, 2, 1e12, torch.device("cpu"), compiled=False)
+    assert [(r.mix, r.variant) for r in rows] == [("tiny Qwen3.5", "plain_transformers_sdpa"), ("tiny Qwen3.5", "ours_graphs")]
+    assert all(r.items == 3 and r.seconds > 0 and r.flops > 0 for r in rows) and rows[1].hit_rate == 1.0
+    assert float(rows[1].note.rsplit("min cos to plain ", 1)[1]) > 0.9999, rows[1].note
+
+
+def test_qwen3_5_jpegs_left_for_the_device_decoder_give_the_workers_items(cache_dir: str) -> None:
+    """`preprocess.decoder: gpu` with the Qwen3.5 tower: JPEGs deferred by the workers and
+    completed by the rank (here on the CPU, the same code path) are the items the workers
+    make, bit for bit (pixels, grid, position-table metadata, tokens), and error rows stay error rows."""
+    from test_device_decode import CORPUS, DEFER, IMAGE, assert_same_rows, rows_of
+
+    from embedjob import rows as worker
+    from embedjob.encoders.base import JPEG_KEY
+
+    preprocess = load_adapter(make_job(cache_dir, model={"path": "builtin:tiny-qwen3_5"}), torch.device("cpu")).preprocessor()
+    rows = rows_of(CORPUS)
+    want = [worker.decode_row(row, IMAGE, preprocess) for row in rows]
+    window = [worker.decode_row(row, DEFER, preprocess) for row in rows]
+    waiting = sum(d.item is not None and JPEG_KEY in d.item.tensors for d in window)
+    assert waiting >= 6 and "interp_weights" in next(d.item.tensors for d in want if d.item is not None)
+    assert worker.decode_on_device(window, IMAGE, preprocess, torch.device("cpu")) == waiting
+    assert_same_rows(window, want)

@@ -97,7 +97,7 @@ one input width. A group that a forward does not call that way still computes ri
 (see `Fp8Joint`), only without the saving."""
 
 
-ACTIVATION_INTO = (("activation_fn", "fc2"), ("act", "fc2"), ("gelu", "c_proj"), ("act_fn", "down_proj"))
+ACTIVATION_INTO = (("activation_fn", "fc2"), ("act", "fc2"), ("gelu", "c_proj"), ("act_fn", "down_proj"), ("act_fn", "linear_fc2"))
 """(activation, layer) names of MLPs whose forward feeds the activation's output to that
 layer alone (transformers' modeling code; OpenCLIP's `nn.Sequential` MLPs where nothing
 but identities stands between the two, `_feeds_alone`), so the layer may apply the
@@ -137,6 +137,7 @@ NORM_INTO = (
     ("norm2", ("mlp.up_proj",)),  # DINOv3 (its gated MLP is the next entry's)
     ("norm2", ("mlp.gate_proj", "mlp.up_proj")),  # Qwen2.5-VL
     ("ln_2", ("mlp.c_fc",)),  # OpenCLIP (its ln_1 feeds nn.MultiheadAttention, which stays as it is)
+    ("norm2", ("mlp.linear_fc1",)),  # Qwen3-VL, Qwen3.5
 )
 """(norm, the layers that read its output) by their names within a block, for blocks
 whose forward (transformers' modeling code) hands the norm's output to those layers

@@ -1,10 +1,15 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision towers through transformers.
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 vision towers through transformers.
 
-The three towers share native-resolution patching (images are one temporal patch,
+The towers share native-resolution patching (images are one temporal patch,
 videos `frames / temporal_patch_size`), a 2x2 spatial merger (4 consecutive patches
 become one output token) and packed attention over `cu_seqlens`. They differ in what
 they precompute from the grid: Qwen2.5-VL adds window attention (`window_index`,
-`cu_window_seqlens`), Qwen3-VL an interpolated learned position table. transformers
+`cu_window_seqlens`), Qwen3-VL and Qwen3.5 an interpolated learned position table.
+Qwen3.5's tower (`Qwen3_5VisionModel`) is Qwen3-VL's without the deepstack mergers:
+the same patch embedding, position table, axial rotary positions, blocks (layer norms,
+fused qkv, a tanh-GELU MLP of `linear_fc1`/`linear_fc2`) and final merger; its MoE
+variant (`qwen3_5_moe`) has the very same tower (`Qwen3_5MoeVisionModel` subclasses it
+unchanged, with the same config fields), so both are the `qwen3_5` family. transformers
 (>= 5.17) accepts every such value as a keyword argument, so the data-dependent work
 is done on the CPU, per item, in the decode workers, and the device forward has no host
 synchronisation — which is what makes it capturable.
@@ -51,29 +56,40 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+PER_FRAME = "Qwen2VLVideoProcessor"
+PER_CLIP = "Qwen3VLVideoProcessor"
+"""The video processors of the towers' checkpoints: Qwen2VLVideoProcessor bounds each
+frame's pixels by its `size`, Qwen3VLVideoProcessor a clip's sampled frames together."""
+
+
 @dataclass(frozen=True)
 class QwenFamily:
-    """What differs between the Qwen-VL generations."""
+    """What differs between the Qwen-VL generations. `vision_model_types` and
+    `full_model_types` are the config.json `model_type`s of its vision-only and full
+    checkpoints (the same tower class reads them all); `video_processor` is the video
+    processor transformers picks for a checkpoint that names none."""
 
     name: str
-    vision_model_type: str
-    full_model_type: str
+    vision_model_types: tuple[str, ...]
+    full_model_types: tuple[str, ...]
     class_name: str
     patch_size: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
     windowed: bool
     interpolated_positions: bool
+    video_processor: str = PER_FRAME
 
 
+HALF_GRAY = (0.5, 0.5, 0.5)
 FAMILIES = {
     "qwen2_vl": QwenFamily(
-        "qwen2_vl", "qwen2_vl_vision", "qwen2_vl", "Qwen2VisionTransformerPretrainedModel", 14, CLIP_MEAN, CLIP_STD, False, False
+        "qwen2_vl", ("qwen2_vl_vision",), ("qwen2_vl",), "Qwen2VisionTransformerPretrainedModel", 14, CLIP_MEAN, CLIP_STD, False, False
     ),
     "qwen2_5_vl": QwenFamily(
         "qwen2_5_vl",
-        "qwen2_5_vl_vision",
-        "qwen2_5_vl",
+        ("qwen2_5_vl_vision",),
+        ("qwen2_5_vl",),
         "Qwen2_5_VisionTransformerPretrainedModel",
         14,
         CLIP_MEAN,
@@ -82,7 +98,19 @@ FAMILIES = {
         False,
     ),
     "qwen3_vl": QwenFamily(
-        "qwen3_vl", "qwen3_vl_vision", "qwen3_vl", "Qwen3VLVisionModel", 16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), False, True
+        "qwen3_vl", ("qwen3_vl_vision",), ("qwen3_vl",), "Qwen3VLVisionModel", 16, HALF_GRAY, HALF_GRAY, False, True, PER_CLIP
+    ),
+    "qwen3_5": QwenFamily(
+        "qwen3_5",
+        ("qwen3_5_vision", "qwen3_5_moe_vision"),
+        ("qwen3_5", "qwen3_5_moe"),
+        "Qwen3_5VisionModel",
+        16,
+        HALF_GRAY,
+        HALF_GRAY,
+        False,
+        True,
+        PER_CLIP,
     ),
 }
 
@@ -97,16 +125,35 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
     Raises ValueError for aspect ratios above 200, which the model family rejects too.
     """
+    return _fit(height, width, factor, min_pixels, max_pixels, 1, 1)
+
+
+def clip_resize(
+    frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Qwen3VLVideoProcessor's target frame size for a clip of `frames` frames: the
+    bounds hold for the frames together (their count rounded to a multiple of
+    `temporal`, times the frame's area), and a frame with a side below `factor` is first
+    scaled up (truncated) until both sides reach it."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    return _fit(height, width, factor, min_pixels, max_pixels, frames, round(frames / temporal) * temporal)
+
+
+def _fit(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int, counted: int) -> tuple[int, int]:
+    """Both sides multiples of `factor`, `counted` frames of that size within [min, max]
+    (rescaled by the area of `frames` frames of the original size), aspect kept."""
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above 200")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    if counted * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif counted * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
@@ -130,6 +177,13 @@ class QwenPreprocessor:
     `temporal_patch_size` for a video, so one broadcasting copy per batch writes both
     kinds into the model's (patches, 3 * temporal_patch_size * values) rows. `grid` is
     the item's (t, h, w) patch grid, as Python ints, for batch assembly.
+
+    `clip_pixels`: the video bounds hold for a clip's sampled frames together, as
+    Qwen3VLVideoProcessor sizes them (`clip_resize`; else for each frame, as
+    Qwen2VLVideoProcessor does), with `frame_cap` its `cap_pixels_per_frame` bound on a
+    frame's pixels (None: off). A clip of fewer frames than `temporal_patch_size`,
+    which that processor refuses, is sized as the clip of `temporal_patch_size` frames
+    the model sees (its last frame repeated).
     """
 
     family: str
@@ -144,6 +198,8 @@ class QwenPreprocessor:
     std: tuple[float, ...]
     window_size: int | None
     pos_grid_side: int | None
+    clip_pixels: bool = False
+    frame_cap: int | None = None
 
     @property
     def frame_multiple(self) -> int:
@@ -152,15 +208,11 @@ class QwenPreprocessor:
     def __call__(self, media: Any) -> EncoderInput:
         frames = getattr(media, "frames", None)
         if frames is None:
-            video = torch.from_numpy(media.pixels).permute(2, 0, 1).unsqueeze(0)
-            bounds = (self.min_pixels, self.max_pixels)
-            modality, num_frames = "image", 0
-        else:
-            video = torch.from_numpy(frames).permute(0, 3, 1, 2)
-            bounds = (self.video_min_pixels, self.video_max_pixels)
-            modality, num_frames = "video", int(frames.shape[0])
-        pixels, grid = self.patchify(self.resize(video, *bounds), image=frames is None)
-        return self._item({"pixel_values": pixels}, grid, modality, num_frames)
+            image = torch.from_numpy(media.pixels).permute(2, 0, 1).unsqueeze(0)
+            pixels, grid = self.patchify(self.resize(image, self.min_pixels, self.max_pixels), image=True)
+            return self._item({"pixel_values": pixels}, grid, "image", 0)
+        pixels, grid = self.patchify(self.resize_video(torch.from_numpy(frames).permute(0, 3, 1, 2)), image=False)
+        return self._item({"pixel_values": pixels}, grid, "video", int(frames.shape[0]))
 
     def deferred(self, data: torch.Tensor, height: int, width: int) -> EncoderInput:
         """A JPEG the rank decodes on its GPU: its grid (so its tokens and metadata)
@@ -187,13 +239,13 @@ class QwenPreprocessor:
     def deferred_video(self, frames: int, height: int, width: int) -> EncoderInput:
         """A video whose `frames` sampled frames (shown at `height` x `width`) the rank's
         GPU decodes: its grid follows from those alone, as `patchify` would make it."""
-        resized = self._resized(height, width, self.video_min_pixels, self.video_max_pixels)
+        resized = self._video_size(frames, height, width)
         grid = (-(-frames // self.temporal_patch_size), resized[0] // self.patch_size, resized[1] // self.patch_size)
         return self._item({}, grid, "video", frames)
 
     def on_device_video(self, item: EncoderInput, frames: torch.Tensor) -> EncoderInput:
         """`deferred_video`'s item with its patches made from the decoded (T, 3, H, W) uint8 frames."""
-        pixels, grid = self.patchify(self.resize(frames, self.video_min_pixels, self.video_max_pixels), image=False)
+        pixels, grid = self.patchify(self.resize_video(frames), image=False)
         if grid != item.grid:
             raise ValueError(f"the decoded frames give the grid {grid}, the plan {item.grid}")
         return replace(item, tensors={"pixel_values": pixels, **item.tensors})
@@ -208,11 +260,25 @@ class QwenPreprocessor:
 
     def resize(self, frames: torch.Tensor, min_pixels: int, max_pixels: int) -> torch.Tensor:
         """(T, 3, H, W) uint8 -> (T, 3, H', W') uint8 at the `smart_resize` size."""
-        size = self._resized(*frames.shape[-2:], min_pixels, max_pixels)
-        return tvF.resize(frames, list(size), interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+        return _resized_to(frames, self._resized(*frames.shape[-2:], min_pixels, max_pixels))
+
+    def resize_video(self, frames: torch.Tensor) -> torch.Tensor:
+        """A clip's (T, 3, H, W) uint8 frames -> (T, 3, H', W') uint8 at its video size (`_video_size`)."""
+        return _resized_to(frames, self._video_size(frames.shape[0], *frames.shape[-2:]))
 
     def _resized(self, height: int, width: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
         return smart_resize(height, width, self.patch_size * self.merge_size, min_pixels, max_pixels)
+
+    def _video_size(self, frames: int, height: int, width: int) -> tuple[int, int]:
+        """The frame size of a clip of `frames` sampled frames shown at `height` x `width`."""
+        if not self.clip_pixels:
+            return self._resized(height, width, self.video_min_pixels, self.video_max_pixels)
+        factor, frames = self.patch_size * self.merge_size, max(frames, self.temporal_patch_size)
+        max_pixels = self.video_max_pixels
+        if self.frame_cap is not None:
+            per_frame = max(min(self.frame_cap, max_pixels // frames), int(self.video_min_pixels * 1.05))
+            max_pixels = per_frame * frames
+        return clip_resize(frames, height, width, self.temporal_patch_size, factor, self.video_min_pixels, max_pixels)
 
     def pixel_scale(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and std times 255 (float32, computed on the CPU), shaped to broadcast over
@@ -273,6 +339,11 @@ class QwenPreprocessor:
         a grid's once (`_grid_metadata`), which was a quarter of a 224 px image's
         decode-and-preprocess time."""
         return dict(_grid_metadata(self, grid))
+
+
+def _resized_to(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """(T, 3, H, W) uint8 resized to `size` as the processors resize: bicubic, antialiased."""
+    return tvF.resize(frames, list(size), interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
 
 
 @functools.lru_cache(maxsize=GRID_CACHE)
@@ -561,8 +632,18 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         num_position_embeddings=64,
         deepstack_visual_indexes=[1, 2],
     ),
+    "qwen3_5": dict(
+        depth=4,
+        hidden_size=128,
+        num_heads=4,
+        intermediate_size=256,
+        out_hidden_size=128,
+        num_position_embeddings=64,
+    ),
 }
 BUILTIN_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 448 * 448, "video_min_pixels": 56 * 56, "video_max_pixels": 224 * 224}
+BUILTIN_CLIP_PIXELS = {"video_min_pixels": 64 * 64, "video_max_pixels": 8 * 224 * 224}
+"""A builtin whose video processor bounds a clip (`PER_CLIP`): 8 frames of 224 x 224 at most."""
 BUILTIN_VERSION = 1
 
 
@@ -579,7 +660,7 @@ def builtin_dir(spec: QwenFamily, cache_dir: Path | str) -> Path:
     """The tiny builtin tower of `spec` with its image and video processor configs."""
 
     def build(tmp: Path) -> None:
-        from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+        import transformers
 
         config = _config_class(spec)(**BUILTIN_CONFIGS[spec.name])
         with torch.random.fork_rng(devices=[]):
@@ -587,12 +668,14 @@ def builtin_dir(spec: QwenFamily, cache_dir: Path | str) -> Path:
             model = _transformers_class(spec)._from_config(config, dtype=torch.float32)
         model.save_pretrained(tmp)
         common = dict(patch_size=spec.patch_size, temporal_patch_size=2, merge_size=2, image_mean=list(spec.mean), image_std=list(spec.std))
-        Qwen2VLImageProcessor(
+        transformers.Qwen2VLImageProcessor(
             size={"shortest_edge": BUILTIN_PIXELS["min_pixels"], "longest_edge": BUILTIN_PIXELS["max_pixels"]}, **common
         ).save_pretrained(tmp)
-        Qwen2VLVideoProcessor(
-            size={"shortest_edge": BUILTIN_PIXELS["video_min_pixels"], "longest_edge": BUILTIN_PIXELS["video_max_pixels"]},
-            **common,
+        # qwen2_vl..qwen3_vl builtins were made with Qwen2VLVideoProcessor; kept, so their vectors stay as they were.
+        video = spec.video_processor if spec.name == "qwen3_5" else PER_FRAME
+        bounds = {**BUILTIN_PIXELS, **BUILTIN_CLIP_PIXELS} if video == PER_CLIP else BUILTIN_PIXELS
+        getattr(transformers, video)(
+            size={"shortest_edge": bounds["video_min_pixels"], "longest_edge": bounds["video_max_pixels"]}, **common
         ).save_pretrained(tmp)
 
     return builtin_model(cache_dir, spec.name, BUILTIN_VERSION, build)
@@ -608,8 +691,8 @@ def _download(repo_id: str) -> Path:
         index = Path(hf_hub_download(repo_id, "model.safetensors.index.json"))
     except Exception:
         return download_snapshot(repo_id)
-    shards = sorted({f for k, f in json.loads(index.read_text())["weight_map"].items() if "visual." in k})
-    for name in shards + ["preprocessor_config.json", "video_preprocessor_config.json"]:
+    shards = sorted({f for k, f in json.loads(index.read_text())["weight_map"].items() if _visual_prefix(k) is not None})
+    for name in shards + list(PROCESSOR_FILES):
         try:
             hf_hub_download(repo_id, name)
         except Exception:
@@ -622,17 +705,20 @@ def load_model(spec: QwenFamily, directory: Path, dtype: torch.dtype) -> torch.n
     config = json.loads((directory / "config.json").read_text())
     model_type = config.get("model_type")
     cls = _transformers_class(spec)
-    if model_type == spec.vision_model_type:
+    if model_type == cls.config_class.model_type:
         return cls.from_pretrained(directory, dtype=dtype)
-    if model_type == spec.full_model_type:
+    if model_type in spec.vision_model_types:  # a variant's tower: the same fields, read by the family's config class
+        return cls.from_pretrained(directory, config=cls.config_class.from_dict(config), dtype=dtype)
+    if model_type in spec.full_model_types:
         return _load_from_full(spec, directory, config, dtype)
     hint = next(
-        (f"; set model.family to {f.name!r}" for f in FAMILIES.values() if model_type in (f.vision_model_type, f.full_model_type)),
+        (f"; set model.family to {f.name!r}" for f in FAMILIES.values() if model_type in f.vision_model_types + f.full_model_types),
         "",
     )
     raise ValueError(
         f"checkpoint {directory} has model_type {model_type!r}; model.family {spec.name!r} expects "
-        f"{spec.vision_model_type!r} (vision tower) or {spec.full_model_type!r} (full model){hint}"
+        f"{' or '.join(map(repr, spec.vision_model_types))} (vision tower) or "
+        f"{' or '.join(map(repr, spec.full_model_types))} (full model){hint}"
     )
 
 
@@ -665,12 +751,28 @@ def _visual_prefix(key: str) -> str | None:
     return None
 
 
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+"""The files a checkpoint's processor settings may be in: transformers 5 saves a processor's
+image and video processors nested in processor_config.json, earlier releases each in a
+file of its own."""
+VIDEO_DEFAULT_PIXELS = {PER_FRAME: (128 * 28 * 28, 28 * 28 * 768), PER_CLIP: (128 * 32 * 32, 32 * 32 * 768)}
+"""A video processor's default (min, max) pixels (its class's `size`), where the checkpoint gives none."""
+
+
 def load_processing(spec: QwenFamily, directory: Path, model_config: Any, options: AdapterOptions) -> QwenPreprocessor:
-    """Preprocessing parameters: the checkpoint's processor configs, then the job's overrides."""
-    image = _read_json(directory / "preprocessor_config.json")
-    video = _read_json(directory / "video_preprocessor_config.json")
+    """Preprocessing parameters: the checkpoint's processor configs, then the job's overrides.
+
+    A video bound the job sets (`video.min_pixels`, `video.max_pixels`) bounds each
+    frame, whatever the checkpoint's video processor does."""
+    image, video = processor_configs(directory)
+    kind = str(video.get("video_processor_type", spec.video_processor)).removesuffix("Fast")
+    if kind not in VIDEO_DEFAULT_PIXELS:
+        logger.warning("%s names the video processor %s; its videos are resized as %s resizes them", directory, kind, PER_FRAME)
+        kind = PER_FRAME
+    clip = kind == PER_CLIP and not (options.video_min_pixels or options.video_max_pixels)
+    factor = int(model_config.patch_size) * int(model_config.spatial_merge_size)
     min_px, max_px = _pixel_bounds(image, 56 * 56, 28 * 28 * 1280)
-    vmin_px, vmax_px = _pixel_bounds(video, 128 * 28 * 28, 28 * 28 * 768)
+    vmin_px, vmax_px = _pixel_bounds(video, *VIDEO_DEFAULT_PIXELS[kind])
     values = dict(
         min_pixels=options.min_pixels or min_px,
         max_pixels=options.max_pixels or max_px,
@@ -686,8 +788,19 @@ def load_processing(spec: QwenFamily, directory: Path, model_config: Any, option
         std=tuple(image.get("image_std", spec.std)),
         window_size=int(model_config.window_size) if spec.windowed else None,
         pos_grid_side=int(model_config.num_position_embeddings**0.5) if spec.interpolated_positions else None,
+        clip_pixels=clip,
+        frame_cap=int(video.get("max_video_tokens") or 768) * factor**2 if clip and video.get("cap_pixels_per_frame") else None,
         **values,
     )
+
+
+def processor_configs(directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint's image and video processor settings, each as transformers reads it:
+    nested in processor_config.json first, else its own file (empty where there is none)."""
+    nested = _read_json(directory / PROCESSOR_FILES[0])
+    image = nested.get("image_processor") or _read_json(directory / PROCESSOR_FILES[1])
+    video = nested.get("video_processor") or _read_json(directory / PROCESSOR_FILES[2])
+    return image, video
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -49,6 +49,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(_QWEN, False, ("qwen2_vl", "qwen2_vl_vision")),
     "qwen2_5_vl": Family(_QWEN, False, ("qwen2_5_vl", "qwen2_5_vl_vision")),
     "qwen3_vl": Family(_QWEN, False, ("qwen3_vl", "qwen3_vl_vision")),
+    "qwen3_5": Family(_QWEN, False, ("qwen3_5", "qwen3_5_vision", "qwen3_5_moe", "qwen3_5_moe_vision")),
     "clip": Family(_FIXED, True, ("clip", "clip_vision_model")),
     "siglip": Family(_FIXED, True, ("siglip", "siglip_vision_model")),
     "dinov2": Family(_FIXED, True, ("dinov2",), poolable=True),

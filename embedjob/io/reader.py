@@ -570,7 +570,7 @@ def _identity(location: str, metadata: pq.FileMetaData, options: dict[str, Any])
 
 def _file_info(location: str, pf: pq.ParquetFile, cfg: InputConfig, columns: Sequence[str] = ()) -> _FileInfo:
     schema = pf.schema_arrow
-    named = [("input.media_column", cfg.media_column), ("input.id_column", cfg.id_column)]
+    named = [("input.media_column", cfg.media_column), ("input.id_column", cfg.id_column), ("input.text_column", cfg.text_column)]
     for key, column in [*named, *(("output.columns", c) for c in columns)]:
         if column is not None and column not in schema.names:
             raise JobError(
@@ -584,6 +584,9 @@ def _file_info(location: str, pf: pq.ParquetFile, cfg: InputConfig, columns: Seq
             f"supported: {SUPPORTED_MEDIA_TYPES}"
         )
     ids = schema.field(cfg.id_column).type if cfg.id_column is not None else pa.int64()
+    text = schema.field(cfg.text_column).type if cfg.text_column is not None else pa.string()
+    if not (pa.types.is_string(text) or pa.types.is_large_string(text) or pa.types.is_null(text)):
+        raise JobError(f"input.text_column '{cfg.text_column}' of {location} holds {text}, not strings; name the column of captions")
     types = {c: schema.field(c).type for c in columns}
     return _FileInfo(location, pf.metadata, media_type, kind, ids, column_types=types)
 

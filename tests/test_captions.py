@@ -1,0 +1,279 @@
+"""Captions beside pictures (issue #55): text embeddings, image-text scores and zero-shot
+labels, for CLIP and SigLIP full checkpoints.
+
+Each test builds a tiny full checkpoint (random weights, fixed seed) with a tokenizer
+trained here through `tokenizers`, saves model, image processor and tokenizer with
+`save_pretrained`, and runs a Parquet of photos and captions through `embedjob run` on
+the CPU: what a user's checkpoint goes through. The reference is transformers'
+`get_text_features` on the tokenizer's own output.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+import embedjob
+from embedjob.config import JobError, job_from_dict
+from embedjob.encoders import load_adapter
+from embedjob.engine.graphs import GraphManager
+from embedjob.captions import text_plan
+
+REPO = Path(__file__).resolve().parent.parent
+PHOTOS = ["img2dataset_123_456.jpg", "img2dataset_456_123.jpg", "hfdatasets_test_image_rgba.png"]
+SENTENCES = [
+    "a photo of a cat", "a dog on the grass", "two birds in the sky", "a red car parked in the street",
+    "a cat sleeping on a sofa", "the sky over the sea at night", "a bird on a branch",
+]
+LENGTH = 16
+LABELS = ["a photo of a cat", "a dog on the grass", "a red car parked"]
+LONG = " ".join(SENTENCES)  # far beyond LENGTH tokens: truncated as the tokenizer truncates
+# (photo index or None for broken bytes, caption): a null caption, an image that does
+# not decode with a caption, a caption past the model's length, an empty caption.
+ROWS = [(0, "a photo of a cat"), (1, None), (None, "a dog on the grass"), (2, LONG), (0, "two birds in the sky"), (1, "")]
+VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=16)
+CPU = torch.device("cpu")
+
+
+def train_tokenizer(family: str) -> transformers.PreTrainedTokenizerFast:
+    """A small BPE tokenizer trained on SENTENCES, wrapped as transformers wraps one:
+    CLIP's frames a caption with BOS and EOS, SigLIP's ends it with EOS."""
+    specials = ["<pad>", "<unk>", "<bos>", "<eos>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(SENTENCES, trainers.BpeTrainer(vocab_size=120, special_tokens=specials))
+    template = "<bos> $A <eos>" if family == "clip" else "$A <eos>"
+    tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<bos>", 2), ("<eos>", 3)])
+    pad = "<pad>" if family == "clip" else "<eos>"  # SigLIP's tokenizers pad with their EOS
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token=pad, unk_token="<unk>", model_max_length=LENGTH
+    )
+
+
+def save_checkpoint(family: str, directory: Path, tokenizer: bool = True) -> Path:
+    """A tiny full CLIP or SigLIP model with its image processor and (unless told not
+    to) its tokenizer, saved as a user's checkpoint is."""
+    tok = train_tokenizer(family)
+    ids = dict(vocab_size=len(tok), max_position_embeddings=LENGTH, pad_token_id=0, bos_token_id=2, eos_token_id=3)
+    # SigLIP's text head projects to its own width, which is the vision tower's in every published checkpoint.
+    text = dict(hidden_size=32 if family == "clip" else 64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, **ids)
+    torch.manual_seed(0)
+    if family == "clip":
+        config = transformers.CLIPConfig(text_config=text, vision_config=VISION, projection_dim=24)
+        model = transformers.CLIPModel._from_config(config, dtype=torch.float32)
+        processor = transformers.CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
+    else:
+        config = transformers.SiglipConfig(text_config=text, vision_config=VISION)
+        model = transformers.SiglipModel._from_config(config, dtype=torch.float32)
+        processor = transformers.SiglipImageProcessor(size={"height": 64, "width": 64})
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    if tokenizer:
+        tok.save_pretrained(directory)
+    return directory
+
+
+def write_input(path: Path) -> Path:
+    photos = [(REPO / "tests" / "data" / name).read_bytes() for name in PHOTOS]
+    table = pa.table({
+        "key": [f"r{k}" for k in range(len(ROWS))],
+        "image": [photos[p] if p is not None else b"not an image at all" for p, _ in ROWS],
+        "caption": pa.array([c for _, c in ROWS], type=pa.string()),
+    })
+    pq.write_table(table, path)
+    return path
+
+
+def job(tmp_path: Path, cache_dir: str, family: str, model: Path, **sections: dict) -> dict:
+    raw = {
+        "input": {"path": str(write_input(tmp_path / "in.parquet")), "media_column": "image", "id_column": "key", "text_column": "caption"},
+        "model": {"family": family, "path": str(model)},
+        "output": {"path": str(tmp_path / "out"), "dtype": "float32", "labels": LABELS},
+        "runtime": {"device": "cpu", "workers": 0, "progress": False, "cache_dir": cache_dir},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return raw
+
+
+def read(out: Path) -> pa.Table:
+    return pq.read_table(sorted(out.glob("part-*.parquet")))
+
+
+def reference_text(family: str, model: Path, texts: list[str]) -> np.ndarray:
+    """transformers' get_text_features on the tokenizer's output, one caption at a time
+    (so unpadded for CLIP), tokenised as each model's documentation says: CLIP with its
+    attention mask; SigLIP padded to max_length and, as it was trained, without a mask
+    over the padding (its pad token is its EOS; a mask would change its vectors)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    full = (transformers.CLIPModel if family == "clip" else transformers.SiglipModel).from_pretrained(model)
+    rows = []
+    with torch.no_grad():
+        for text in texts:
+            if family == "clip":
+                inputs = tokenizer(text, truncation=True, max_length=LENGTH, return_tensors="pt")
+            else:
+                inputs = {"input_ids": tokenizer(text, padding="max_length", truncation=True, max_length=LENGTH, return_tensors="pt").input_ids}
+            rows.append(full.get_text_features(**inputs).pooler_output[0].numpy())
+    return np.stack(rows)
+
+
+def relative(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.mark.parametrize(("family", "workers", "normalize"), [("clip", 1, False), ("siglip", 0, True)])
+def test_each_row_gets_its_captions_vector_score_and_label(tmp_path: Path, cache_dir: str, family: str, workers: int, normalize: bool) -> None:
+    model = save_checkpoint(family, tmp_path / "model")
+    raw = job(tmp_path, cache_dir, family, model, output={"normalize": normalize}, runtime={"workers": workers})
+    stats = embedjob.run(raw)
+    table = read(tmp_path / "out")
+    rows = table.to_pylist()
+    assert [r["id"] for r in rows] == [f"r{k}" for k in range(len(ROWS))]
+    assert table.schema.names == [
+        "id", "row", "modality", "tokens", "frames", "embedding", "error", "text_embedding", "score", "label", "label_score"
+    ]
+    assert table.schema.field("text_embedding").type == pa.large_list(pa.float32())
+    assert table.schema.field("score").type == pa.float32()
+    captioned = [k for k, (_, caption) in enumerate(ROWS) if caption is not None]
+    reference = reference_text(family, model, [ROWS[k][1] for k in captioned])
+    for k, ref in zip(captioned, reference):
+        ours = np.array(rows[k]["text_embedding"], dtype=np.float32)
+        expected = ref / np.linalg.norm(ref) if normalize else ref
+        assert relative(ours, expected) < 1e-3, f"row {k}"
+    for k, row in enumerate(rows):
+        if row["error"] is None and row["text_embedding"] is not None:
+            assert row["score"] == pytest.approx(cosine(np.array(row["embedding"]), np.array(row["text_embedding"])), abs=1e-5)
+    null_caption, broken = rows[1], rows[2]
+    assert null_caption["text_embedding"] is None and null_caption["score"] is None
+    assert null_caption["embedding"] is not None and null_caption["error"] is None
+    assert broken["error"] is not None and broken["embedding"] is None
+    assert broken["text_embedding"] is not None and broken["score"] is None
+    assert broken["label"] is None and broken["label_score"] is None
+    prompts = reference_text(family, model, LABELS)
+    for row in rows:
+        if row["embedding"] is None:
+            continue
+        similarities = [cosine(np.array(row["embedding"]), p) for p in prompts]
+        assert row["label"] == LABELS[int(np.argmax(similarities))]
+        assert row["label_score"] == pytest.approx(max(similarities), abs=1e-5)
+    described = json.loads(table.schema.metadata[b"embedjob"])
+    assert described["text_column"] == "caption" and described["labels"] == LABELS
+    text = stats["text"]
+    assert text["graph_hits"] == len(captioned) and text["graph_misses"] == 0
+    assert all(budget % LENGTH == 0 for budget in text["token_budgets"])
+
+
+def test_the_caption_column_is_read_but_copied_only_when_asked(tmp_path: Path, cache_dir: str) -> None:
+    model = save_checkpoint("clip", tmp_path / "model")
+    embedjob.run(job(tmp_path, cache_dir, "clip", model, output={"labels": []}))
+    table = read(tmp_path / "out")
+    assert "caption" not in table.schema.names and "label" not in table.schema.names
+    assert table.column("score").null_count == 2  # the null caption and the broken image
+    copied = job(tmp_path, cache_dir, "clip", model, output={"labels": [], "columns": ["caption"], "path": str(tmp_path / "copied")})
+    embedjob.run(copied)
+    again = read(tmp_path / "copied")
+    assert again.column("caption").to_pylist() == [c for _, c in ROWS]
+    assert again.column("text_embedding").equals(table.column("text_embedding"))
+
+
+def test_labels_alone_label_every_image_without_a_caption_column(tmp_path: Path, cache_dir: str) -> None:
+    model = save_checkpoint("siglip", tmp_path / "model")
+    raw = job(tmp_path, cache_dir, "siglip", model)
+    raw["input"]["text_column"] = None
+    stats = embedjob.run(raw)
+    table = read(tmp_path / "out")
+    assert "text_embedding" not in table.schema.names and "score" not in table.schema.names
+    assert table.column("label").to_pylist()[2] is None
+    assert all(label in LABELS for k, label in enumerate(table.column("label").to_pylist()) if k != 2)
+    assert "text" not in stats
+
+
+def test_a_rerun_with_another_caption_setting_is_refused(tmp_path: Path, cache_dir: str) -> None:
+    model = save_checkpoint("clip", tmp_path / "model")
+    embedjob.run(job(tmp_path, cache_dir, "clip", model))
+    with pytest.raises(JobError):
+        embedjob.run(job(tmp_path, cache_dir, "clip", model, output={"labels": LABELS[:2]}))
+
+
+def test_a_checkpoint_without_a_text_tower_or_tokenizer_stops_before_any_row(tmp_path: Path, cache_dir: str) -> None:
+    vision_only = tmp_path / "vision"
+    torch.manual_seed(0)
+    transformers.CLIPVisionModelWithProjection._from_config(transformers.CLIPVisionConfig(**VISION, projection_dim=24)).save_pretrained(vision_only)
+    transformers.CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(vision_only)
+    no_tokenizer = save_checkpoint("siglip", tmp_path / "no-tokenizer", tokenizer=False)
+    for family, model, says in [("clip", vision_only, "vision-only"), ("siglip", no_tokenizer, "no tokenizer")]:
+        raw = job(tmp_path, cache_dir, family, model, output={"path": str(tmp_path / f"out-{family}")})
+        with pytest.raises(JobError) as refused:
+            embedjob.run(raw)
+        message = str(refused.value)
+        assert says in message and "\n" not in message
+        assert not list((tmp_path / f"out-{family}").glob("part-*.parquet"))
+
+
+def test_a_caption_column_the_input_lacks_or_that_holds_no_strings_stops_before_any_work(tmp_path: Path, cache_dir: str) -> None:
+    model = save_checkpoint("clip", tmp_path / "model")
+    raw = job(tmp_path, cache_dir, "clip", model)
+    raw["input"]["text_column"] = "title"
+    with pytest.raises(JobError, match="input.text_column 'title' is not a column"):
+        embedjob.run(raw)
+    table = pq.read_table(tmp_path / "in.parquet")
+    pq.write_table(table.append_column("likes", pa.array(range(len(ROWS)))), tmp_path / "likes.parquet")
+    raw["input"].update(path=str(tmp_path / "likes.parquet"), text_column="likes")
+    with pytest.raises(JobError, match="input.text_column 'likes' of .* holds int64, not strings"):
+        embedjob.run(raw)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"model": {"family": "dinov2", "path": "builtin:tiny-dinov2"}}, "needs a model with a text tower"),
+        ({"output": {"pooling": "none"}}, "output.pooling = 'none'"),
+        ({"preprocess": {"tiling": "anyres"}}, "tile_combine = 'concat'"),
+        ({"output": {"labels": ["a cat", "a cat"]}}, "more than once"),
+        ({"output": {"labels": ["a cat", " "]}}, "empty prompt"),
+        ({"input": {"text_column": "image"}}, "is the media or id column"),
+    ],
+)
+def test_a_job_spec_captions_cannot_serve_is_one_line_naming_what_to_change(changes: dict, says: str) -> None:
+    raw = {
+        "input": {"path": "in.parquet", "media_column": "image", "text_column": "caption"},
+        "model": {"family": "clip", "path": "builtin:tiny-clip"},
+        "output": {"path": "out", "labels": ["a cat"]},
+    }
+    for section, values in changes.items():
+        raw.setdefault(section, {}).update(values)
+    with pytest.raises(JobError, match=says) as refused:
+        job_from_dict(raw)
+    assert "\n" not in str(refused.value)
+
+
+def test_text_graphs_replay_what_the_tower_computes_eagerly(tmp_path: Path, cache_dir: str) -> None:
+    model = save_checkpoint("clip", tmp_path / "model")
+    raw = job(tmp_path, cache_dir, "clip", model)
+    text = load_adapter(job_from_dict(raw), CPU).text
+    plan = text_plan(text)
+    assert plan.token_budgets[0] == LENGTH and plan.token_budgets[-1] == LENGTH * 256
+    manager = GraphManager(text, plan, "replay")
+    manager.capture()
+    items = [text.preprocessor()(caption) for caption in SENTENCES[:3]]
+    replayed = torch.cat(manager.run(items, 4 * LENGTH))
+    padded = text.forward(manager.padded_inputs(items, 4 * LENGTH))[:3]
+    eager = text.forward(text.eager_inputs(items))
+    assert torch.equal(replayed, padded)
+    assert torch.allclose(replayed, eager, rtol=1e-5, atol=1e-6)
+    assert replayed.shape == (3, text.embed_dim) == (3, 24)

@@ -147,8 +147,13 @@ class CaptionEncoder:
             pending.texts, pending.scores = to_host(rows.to(self.dtype)), to_host(scores)
 
     def _index(self, positions: np.ndarray) -> torch.Tensor:
-        """Row numbers as an index tensor on the device."""
-        return torch.from_numpy(positions).to(self.device, non_blocking=True)
+        """Row numbers as an index tensor on the device. A GPU's copy is made from
+        page-locked memory: from pageable memory CUDA first waits for every kernel queued
+        on the stream, so the main thread would wait for the window's images here."""
+        index = torch.from_numpy(positions)
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        return index.to(self.device, non_blocking=True)
 
     def columns(self, pending: PendingCaptions) -> dict[str, pa.Array]:
         """The window's caption and label columns, one value (or null) per row, once the

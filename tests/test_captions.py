@@ -207,3 +207,25 @@ def test_text_graphs_replay_what_the_tower_computes_eagerly(tmp_path: Path, cach
     assert torch.equal(replayed, padded)
     assert torch.allclose(replayed, eager, rtol=1e-5, atol=1e-6)
     assert replayed.shape == (3, text.embed_dim) == (3, 24)
+
+
+def test_caption_columns_cross_to_rank_0_and_are_cut_and_joined_with_their_rows() -> None:
+    """A rank's row block, caption columns included, pickled as the rank link sends it,
+    then cut at a part's end and joined again, writes the table it started as."""
+    from embedjob.io.writer import RowBlock, block_to_table, output_schema
+    from embedjob.workers import wire
+
+    vectors = pa.LargeListArray.from_arrays(pa.array([0, 2, 2, 4]), pa.array([1.0, 2.0, 3.0, 4.0], type=pa.float32()), mask=pa.array([False, True, False]))
+    block = RowBlock(
+        10, ["a", "b", "c"], ["image"] * 3, [4] * 3, [0] * 3, [None] * 3, np.ones(3, dtype=np.int64), np.ones((3, 2), dtype=np.float32),
+        digests=np.zeros((3, 16), dtype=np.uint8),
+        computed={"text_embedding": vectors, "score": pa.array([0.5, None, -0.25], type=pa.float32())},
+    )
+    payload, buffers = wire.pickled(block)
+    received = wire.unpickle(memoryview(payload), [np.frombuffer(b, dtype=np.uint8) for b in buffers])
+    joined = RowBlock.concat([received.slice(0, 1), received.slice(1, 3)])
+    schema = output_schema(pa.string(), "mean", "float32", computed={"text_embedding": pa.large_list(pa.float32()), "score": pa.float32()})
+    table = block_to_table(joined, schema)
+    assert table.column("text_embedding").to_pylist() == [[1.0, 2.0], None, [3.0, 4.0]]
+    assert table.column("score").to_pylist() == [0.5, None, -0.25]
+    assert joined.nbytes == block.vectors.nbytes + vectors.nbytes + block.computed["score"].nbytes

@@ -147,9 +147,6 @@ class TextAdapter(EncoderAdapter):
     def compile_units(self) -> list[torch.nn.Module]:
         return self.blocks
 
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "length": self.length}
-
     def static_inputs(self, budget: int, max_items: int, max_frames: int) -> StaticInputs:
         """budget // length captions of zero ids (a valid dummy batch)."""
         count = budget // self.length

@@ -38,25 +38,29 @@ def train_tokenizer(family: str) -> transformers.PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(SENTENCES, trainers.BpeTrainer(vocab_size=120, special_tokens=specials))
-    template = "<bos> $A <eos>" if family == "clip" else "$A <eos>"
+    template = "$A <eos>" if family == "siglip" else "<bos> $A <eos>"
     tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<bos>", 2), ("<eos>", 3)])
-    pad = "<pad>" if family == "clip" else "<eos>"  # SigLIP's tokenizers pad with their EOS
+    pad = "<eos>" if family == "siglip" else "<pad>"  # SigLIP's tokenizers pad with their EOS
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token=pad, unk_token="<unk>", model_max_length=LENGTH
     )
 
 
 def save_checkpoint(family: str, directory: Path, tokenizer: bool = True) -> Path:
-    """A tiny full CLIP or SigLIP model with its image processor and (unless told not
+    """A tiny full CLIP, MetaCLIP 2 or SigLIP model with its image processor and (unless told not
     to) its tokenizer, saved as a user's checkpoint is."""
     tok = train_tokenizer(family)
     ids = dict(vocab_size=len(tok), max_position_embeddings=LENGTH, pad_token_id=0, bos_token_id=2, eos_token_id=3)
     # SigLIP's text head projects to its own width, which is the vision tower's in every published checkpoint.
-    text = dict(hidden_size=32 if family == "clip" else 64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, **ids)
+    text = dict(hidden_size=64 if family == "siglip" else 32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, **ids)
     torch.manual_seed(0)
     if family == "clip":
         config = transformers.CLIPConfig(text_config=text, vision_config=VISION, projection_dim=24)
         model = transformers.CLIPModel._from_config(config, dtype=torch.float32)
+        processor = transformers.CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
+    elif family == "metaclip2":
+        config = transformers.MetaClip2Config(text_config=text, vision_config=VISION, projection_dim=24)
+        model = transformers.MetaClip2Model._from_config(config, dtype=torch.float32)
         processor = transformers.CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
     else:
         config = transformers.SiglipConfig(text_config=text, vision_config=VISION)

@@ -1,5 +1,5 @@
 """Captions beside pictures (issue #55): text embeddings, image-text scores and zero-shot
-labels, for CLIP and SigLIP full checkpoints.
+labels, for CLIP, SigLIP and MetaCLIP 2 full checkpoints.
 
 Each test builds a tiny full checkpoint (random weights, fixed seed) with a tokenizer
 trained here through `tokenizers`, saves model, image processor and tokenizer with
@@ -36,11 +36,12 @@ def reference_text(family: str, model: Path, texts: list[str]) -> np.ndarray:
     attention mask; SigLIP padded to max_length and, as it was trained, without a mask
     over the padding (its pad token is its EOS; a mask would change its vectors)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    full = (transformers.CLIPModel if family == "clip" else transformers.SiglipModel).from_pretrained(model)
+    classes = {"clip": transformers.CLIPModel, "metaclip2": transformers.MetaClip2Model, "siglip": transformers.SiglipModel}
+    full = classes[family].from_pretrained(model)
     rows = []
     with torch.no_grad():
         for text in texts:
-            if family == "clip":
+            if family != "siglip":
                 inputs = tokenizer(text, truncation=True, max_length=LENGTH, return_tensors="pt")
             else:
                 inputs = {"input_ids": tokenizer(text, padding="max_length", truncation=True, max_length=LENGTH, return_tensors="pt").input_ids}
@@ -56,7 +57,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-@pytest.mark.parametrize(("family", "workers", "normalize"), [("clip", 1, False), ("siglip", 0, True)])
+@pytest.mark.parametrize(("family", "workers", "normalize"), [("clip", 1, False), ("siglip", 0, True), ("metaclip2", 0, False)])
 def test_each_row_gets_its_captions_vector_score_and_label(tmp_path: Path, cache_dir: str, family: str, workers: int, normalize: bool) -> None:
     model = save_checkpoint(family, tmp_path / "model")
     raw = job(tmp_path, cache_dir, family, model, output={"normalize": normalize}, runtime={"workers": workers})
@@ -229,3 +230,35 @@ def test_caption_columns_cross_to_rank_0_and_are_cut_and_joined_with_their_rows(
     assert table.column("text_embedding").to_pylist() == [[1.0, 2.0], None, [3.0, 4.0]]
     assert table.column("score").to_pylist() == [0.5, None, -0.25]
     assert joined.nbytes == block.vectors.nbytes + vectors.nbytes + block.computed["score"].nbytes
+
+
+def test_a_webdataset_samples_txt_member_is_its_caption(tmp_path: Path, cache_dir: str) -> None:
+    """`input.format: webdataset` with `text_column: txt`: a sample's caption is its txt
+    member (a sample without one has a null text_embedding), embedded as from Parquet;
+    a member extension no sample has stops the job naming input.text_column."""
+    import io
+    import tarfile
+
+    model = save_checkpoint("clip", tmp_path / "model")
+    photo = (Path(__file__).parent / "data" / "img2dataset_123_456.jpg").read_bytes()
+    samples = [("00000", "a photo of a cat"), ("00001", None), ("00002", " ".join(SENTENCES))]
+    (tmp_path / "tars").mkdir()
+    with tarfile.open(tmp_path / "tars" / "00000.tar", "w") as tar:
+        for key, text in samples:
+            for name, data in [(f"{key}.jpg", photo), *([(f"{key}.txt", text.encode())] if text is not None else [])]:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    raw = job(tmp_path, cache_dir, "clip", model, output={"labels": []})
+    raw["input"] = {"path": str(tmp_path / "tars"), "format": "webdataset", "media_column": "jpg", "text_column": "txt"}
+    embedjob.run(raw)
+    rows = read(tmp_path / "out").to_pylist()
+    assert [r["id"] for r in rows] == [key for key, _ in samples] and all(r["error"] is None for r in rows)
+    assert rows[1]["text_embedding"] is None and rows[1]["score"] is None
+    reference = reference_text("clip", model, [samples[0][1], samples[2][1]])
+    for row, ref in zip([rows[0], rows[2]], reference):
+        assert relative(np.array(row["text_embedding"], dtype=np.float32), ref) < 1e-3
+    raw["input"]["text_column"] = "caption"
+    raw["output"]["path"] = str(tmp_path / "refused")
+    with pytest.raises(JobError, match="input.text_column 'caption' is no member extension"):
+        embedjob.run(raw)

@@ -119,7 +119,7 @@ class FixedFamily:
     registers: str | None = None
     any_input_size: bool = False
     # Where the full model's text tower pools a caption, which says how captions are
-    # padded (`encoders.text`): "eos" (CLIP: causal, at the first EOS), "last" (SigLIP:
+    # padded (`encoders.text`): "eos" (CLIP, MetaCLIP 2: causal, at the first EOS), "last" (SigLIP:
     # the last position of a max_length caption); None: no text tower.
     text_pooling: str | None = None
 
@@ -149,6 +149,7 @@ FAMILIES = {
     "metaclip2": FixedFamily(
         "metaclip2", "metaclip_2", "metaclip_2_vision_model", "MetaClip2Model", "MetaClip2VisionModel",
         "MetaClip2VisionModelWithProjection", "CLIPImageProcessor", True, "encoder.layers", unnormed_states=True,
+        text_pooling="eos",
     ),
 }
 RESCALE_FIRST = frozenset({"DINOv3ViTImageProcessor"})

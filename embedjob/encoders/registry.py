@@ -58,7 +58,7 @@ FAMILIES: dict[str, Family] = {
     "siglip": Family(_FIXED, True, ("siglip", "siglip_vision_model"), text=True),
     "dinov2": Family(_FIXED, True, ("dinov2",), poolable=True),
     "dinov3": Family(_FIXED, True, ("dinov3_vit",), poolable=True),
-    "metaclip2": Family(_FIXED, True, ("metaclip_2", "metaclip_2_vision_model")),
+    "metaclip2": Family(_FIXED, True, ("metaclip_2", "metaclip_2_vision_model"), text=True),
     "siglip2": Family(_SIGLIP2, False, ("siglip2", "siglip2_vision_model")),
     "open_clip": Family("embedjob.encoders.open_clip", True, (), package="open_clip", extra="open_clip"),
 }

@@ -996,10 +996,11 @@ def _check_members(cfg: InputConfig, indexes: list[webdataset.TarIndex], columns
     """A carried column must be the extension of some sample's member (a sample that
     lacks it gets a null); one no sample has is a misspelt name."""
     found = {e for index in indexes for sample in index.samples for e in sample.extensions()}
-    for column in columns:
+    named = [("output.columns", c) for c in columns] + ([("input.text_column", cfg.text_column)] if cfg.text_column else [])
+    for key, column in named:
         if column.lower() not in found:
             raise JobError(
-                f"output.columns '{column}' is no member extension in the tars of input.path {cfg.path!r}; "
+                f"{key} '{column}' is no member extension in the tars of input.path {cfg.path!r}; "
                 f"extensions there: {', '.join(sorted(found)) or 'none'}"
             )
 

@@ -512,15 +512,14 @@ class RankPipeline:
             fn: Callable[[Any], Decoded] = functools.partial(
                 decode_task, options=self.options, preprocess=self.preprocess, captions=captions
             )
-            local = functools.partial(task_on_rank, options=self.options, preprocess=self.preprocess)
+            if captions is None:
+                local = functools.partial(task_on_rank, options=self.options, preprocess=self.preprocess)
             rows = ((row, self.split.leave()) for row in rows)
         else:
             options = dataclasses.replace(self.options, defer_jpeg=self.defer)
             fn = functools.partial(decode_row, options=options, preprocess=self.preprocess, captions=captions)
-            if self.defer:
+            if self.defer and captions is None:
                 local = functools.partial(jpeg_on_rank, options=options, preprocess=self.preprocess)
-        if captions is not None:
-            local = None
         in_flight = 2 * self.job.batching.window
 
         def start() -> tuple[DecodePool, Iterator[Any]]:

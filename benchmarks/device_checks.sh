@@ -22,9 +22,10 @@
 # longest), report (the saved mixes), kernels NAME... (benchmarks/precision.py --kernels:
 # bf16 and fp8 encoder-only on small mixes, each with its largest batch's kernel table;
 # PRECISIONS="bf16-varlen-attn fp8" picks other variants than fp8), attention
-# (benchmarks/attention.py: every attention kernel on the towers' segment layouts).
+# (benchmarks/attention.py: every attention kernel on the towers' segment layouts),
 # naflex (benchmarks/naflex.py --eager: SigLIP 2 NaFlex, packed graphs against
-# transformers' padded batches, compiled and eager).
+# transformers' padded batches, compiled and eager),
+# captions NAME... (benchmarks/captions.py: images alone against images + captions, clip and/or siglip).
 # TESTS="expr" runs only the GPU tests pytest's -k selects. SMOKE=1 passes --smoke to the
 # benchmarks, so the script can be checked on a machine without a GPU. Logs go to $OUT
 # (or /tmp/device-checks).
@@ -110,6 +111,12 @@ naflex() {
   summary+=("naflex.py:" "$(sed -n '/^# SigLIP 2 NaFlex/,$p' "$out/naflex.log")")
 }
 
+captions() {
+  timeout "$(budget 560)" python3 benchmarks/captions.py "${smoke[@]}" --photos bench-data --workdir "$work/captions" \
+    --models "$@" 2>&1 | tee "$out/captions-${1}.log"
+  summary+=("captions.py, $*:" "$(sed -n '/^device: /,$p' "$out/captions-${1}.log")")
+}
+
 report() {
   local mix saved=()
   for mix in qwen-mixed qwen-224 siglip clip; do
@@ -128,16 +135,16 @@ while [ $# -gt 0 ]; do
   shift
   case "$stage" in
     prep | tests | decode | attention | naflex | report) "$stage" ;;
-    mixes | kernels)
+    mixes | kernels | captions)
       names=()
-      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex report mixes kernels " != *" $1 "* ]]; do
+      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex report mixes kernels captions " != *" $1 "* ]]; do
         names+=("$1")
         shift
       done
       [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: '$stage' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
       "$stage" "${names[@]}"
       ;;
-    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, mixes NAME..., kernels NAME..., report)" >&2; exit 2 ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, mixes NAME..., kernels NAME..., captions NAME..., report)" >&2; exit 2 ;;
   esac
 done
 [ ${#summary[@]} -eq 0 ] || { echo; echo "=== device_checks.sh summary ==="; printf '%s\n' "${summary[@]}"; }

@@ -32,7 +32,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from embedjob.encoders.registry import FAMILIES, FIXED_RESOLUTION, POOLABLE, family_of
+from embedjob.encoders.registry import FAMILIES, FIXED_RESOLUTION, POOLABLE, TEXT_FAMILIES, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,9 @@ class InputConfig:
     )
     storage_options: dict[str, Any] = key(
         {}, "fsspec options for an input.path URL (e.g. {endpoint_url: ..., profile: ...}); credentials also come from the store's usual places"
+    )
+    text_column: str | None = key(
+        None, "a string column of captions (webdataset: a member, e.g. txt): each row also gets its text_embedding and score (clip, siglip, metaclip2); null: none"
     )
 
 
@@ -228,6 +231,7 @@ class OutputConfig:
     storage_options: dict[str, Any] = key(
         {}, "fsspec options for an output.path URL (s3://, gs://, ...; docs/output.md); credentials also come from the store's usual places"
     )
+    labels: list[str] = key([], "zero-shot label prompts: each row gets the best one (label) and its cosine (label_score)")
 
 
 @dataclass
@@ -284,7 +288,7 @@ REQUIRED_HINTS = {
         "builtin:tiny-<family> is a tiny random-weight model for demos and tests"
     ),
 }
-OUTPUT_COLUMNS = ("id", "row", "modality", "tokens", "frames", "grid", "embedding", "error")
+OUTPUT_COLUMNS = ("id", "row", "modality", "tokens", "frames", "grid", "embedding", "error", "text_embedding", "score", "label", "label_score")
 """The columns embedjob writes itself; `output.columns` may not reuse their names."""
 
 
@@ -569,6 +573,7 @@ def _check(job: Job, errors: list[str]) -> None:
     _check_batching(job, errors)
     _check_model(job, errors)
     _check_columns(job, errors)
+    _check_text(job, errors)
 
 
 def _value(job: Job, name: str) -> Any:
@@ -682,6 +687,38 @@ def _check_columns(job: Job, errors: list[str]) -> None:
             f"input.id_column '{ids}' is input.media_column: each id would be a copy of the media; "
             "name a column of ids, or null to use the row index"
         )
+
+
+def _check_text(job: Job, errors: list[str]) -> None:
+    """Captions (`input.text_column`) and zero-shot labels (`output.labels`) need a
+    family whose checkpoints carry a text tower (`registry.Family.text`) and one vector
+    per row in the text's space (not per token, not [global ; tiles], twice its width)."""
+    text, labels = job.input.text_column, job.output.labels
+    if text is None and not labels:
+        return
+    asked = "input.text_column" if text is not None else "output.labels"
+    family = job.model.family
+    if family not in TEXT_FAMILIES:
+        errors.append(
+            f"{asked} needs a model with a text tower ({', '.join(TEXT_FAMILIES)}); model.family {family!r} has none: "
+            f"remove {asked} or use one of those families"
+        )
+    if job.output.pooling == "none":
+        errors.append(f"{asked} compares one vector per row with text; output.pooling = 'none' gives one per token: use pooling: mean")
+    if job.preprocess.tiling == "anyres" and job.preprocess.tile_combine == "concat":
+        errors.append(
+            f"{asked} compares image and text vectors, and tile_combine = 'concat' makes image vectors twice the text's "
+            "width; use preprocess.tile_combine: mean or tiling: none"
+        )
+    if text is not None and not text:
+        errors.append("input.text_column = '' names no column; name the caption column, or null for none")
+    if text is not None and text in (job.input.media_column, job.input.id_column):
+        errors.append(f"input.text_column {text!r} is the media or id column; name the column of captions")
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        errors.append(f"output.labels names {repeated} more than once")
+    if any(not label.strip() for label in labels):
+        errors.append("output.labels has an empty prompt; give each label its text, e.g. 'a photo of a cat'")
 
 
 def cache_root(configured: str | None) -> Path:

@@ -46,20 +46,23 @@ import pyarrow as pa
 import torch
 
 from embedjob import stopping
+from embedjob.captions import CaptionEncoder, PendingCaptions, caption_encoder, caption_task
 from embedjob.config import Job, JobError
 from embedjob.decode import DecodeOptions, MediaError
 from embedjob.decode.device import nvjpeg_problem
 from embedjob.decode.nvdec import nvdec_problem
 from embedjob.encoders import EncoderAdapter, load_adapter
-from embedjob.engine.defs import Encoded, Encoder
+from embedjob.engine.defs import Encoded, Encoder, to_host
 from embedjob.engine.encode import build_encoder
 from embedjob.host import device_name
 from embedjob.io import reader
+from embedjob.io.checkpoint import caption_keys
 from embedjob.io.digest import UNREAD, digest_array
 from embedjob.io.writer import RowBlock
 from embedjob.jpeg_split import JpegSplit, gpu_share
 from embedjob.rows import (
     WORKER_MODULES,
+    Captions,
     Decoded,
     JpegsAhead,
     decode_ahead,
@@ -67,6 +70,7 @@ from embedjob.rows import (
     decode_options,
     decode_row,
     decode_task,
+    input_columns,
     jpeg_on_rank,
     task_on_rank,
 )
@@ -141,12 +145,15 @@ def load_encoder_adapter(job: Job, device: torch.device) -> EncoderAdapter:
 
 
 def compile_if_asked(job: Job, adapter: EncoderAdapter) -> None:
-    """Compile the adapter's blocks when the job asks for it (CUDA only); the work
-    happens at the first forward, i.e. when the graphs are captured."""
+    """Compile the adapter's blocks, and its text tower's, when the job asks for it
+    (CUDA only); the work happens at the first forward, i.e. when the graphs are
+    captured (the text tower's at setup where label prompts are embedded)."""
     if not job.batching.compile:
         return
     if adapter.device.type == "cuda":
         adapter.compile(dynamic=True)
+        if adapter.text is not None:
+            adapter.text.compile(dynamic=True)
     else:
         logger.info("batching.compile applies to CUDA only; running uncompiled on %s", adapter.device)
 
@@ -205,6 +212,7 @@ def vector_description(job: Job, model: dict[str, Any]) -> dict[str, Any]:
         "dtype": job.output.dtype,
         "width": model["embed_dim"],
         "embedjob_version": __version__,
+        **caption_keys(job),
     }
 
 
@@ -226,6 +234,7 @@ class PendingWindow:
     host: torch.Tensor
     busy: BusyClock
     started_at: float
+    captions: PendingCaptions | None = None
 
 
 class WindowEncoder:
@@ -237,8 +246,9 @@ class WindowEncoder:
     works on k.
     """
 
-    def __init__(self, encoder: Any, job: Job, device: torch.device) -> None:
+    def __init__(self, encoder: Any, job: Job, device: torch.device, captions: CaptionEncoder | None = None) -> None:
         self.encoder = encoder
+        self.captions = captions
         self.pooling = job.output.pooling
         self.normalize = job.output.normalize
         self.columns = job.output.columns
@@ -246,20 +256,25 @@ class WindowEncoder:
         self.device = device
 
     def enqueue(self, window: list[Decoded]) -> PendingWindow:
+        """With captions or labels the image rows are pooled in float32, scored against
+        the text in float32 (`CaptionEncoder.enqueue`), and only then normalised and cast
+        to the output dtype."""
         started = time.time()
         busy = BusyClock(self.device)
         items = [d.item for d in window if d.item is not None]
-        encoded = self.encoder.encode(items, self.pooling, self.dtype)
+        encoded = self.encoder.encode(items, self.pooling, self.dtype if self.captions is None else torch.float32)
+        captions = self.captions.enqueue(window, encoded) if self.captions is not None else None
         if self.normalize:
             encoded.rows = l2_normalize(encoded.rows)
-        host = _to_host(encoded.rows)
+        host = to_host(encoded.rows.to(self.dtype))
         busy.stop()
-        return PendingWindow(window, encoded, host, busy, started)
+        return PendingWindow(window, encoded, host, busy, started, captions)
 
     def finalize(self, pending: PendingWindow) -> tuple[list[RowBlock], float]:
         """The window's rows as blocks of consecutive rows, and its device seconds."""
         seconds = pending.busy.seconds()
-        return _row_blocks(pending.window, pending.encoded, pending.host.numpy(), self.columns), seconds
+        computed = self.captions.columns(pending.captions) if pending.captions is not None else {}
+        return _row_blocks(pending.window, pending.encoded, pending.host.numpy(), self.columns, computed), seconds
 
 
 def l2_normalize(rows: torch.Tensor) -> torch.Tensor:
@@ -269,19 +284,12 @@ def l2_normalize(rows: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.normalize(rows.float(), dim=-1).to(rows.dtype)
 
 
-def _to_host(rows: torch.Tensor) -> torch.Tensor:
-    """`rows` on the host: from a GPU, one copy into page-locked memory queued behind
-    the work that makes them (read it once that work is done)."""
-    if rows.device.type != "cuda":
-        return rows
-    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-    host.copy_(rows, non_blocking=True)
-    return host
-
-
-def _row_blocks(window: list[Decoded], encoded: Encoded, rows: np.ndarray, columns: list[str]) -> list[RowBlock]:
-    """The window's output rows, with the copied input `columns`, cut where its row
-    numbers jump (a rank's window may span chunks that other ranks' chunks separate)."""
+def _row_blocks(
+    window: list[Decoded], encoded: Encoded, rows: np.ndarray, columns: list[str], computed: dict[str, pa.Array]
+) -> list[RowBlock]:
+    """The window's output rows, with the copied input `columns` and the `computed`
+    ones (one value per window row), cut where its row numbers jump (a rank's window
+    may span chunks that other ranks' chunks separate)."""
     errors = [d.error for d in window]
     counts = np.zeros(len(window), dtype=np.int64)
     starts: list[int] = []
@@ -312,6 +320,7 @@ def _row_blocks(window: list[Decoded], encoded: Encoded, rows: np.ndarray, colum
         [d.item.token_grid if d.item is not None else None for d in window],
         {name: [d.extra[k] for d in window] for k, name in enumerate(columns)},
         digests=digest_array([d.digest for d in window]),
+        computed=computed,
     )
     numbers = np.fromiter((d.row for d in window), dtype=np.int64, count=len(window))
     cuts = [0, *(np.flatnonzero(np.diff(numbers) != 1) + 1).tolist(), len(window)]
@@ -407,6 +416,8 @@ class RankPipeline:
         """The loaded encoder's `describe()` (family, dtype, embed_dim), once prepared."""
         self.options: DecodeOptions | None = None
         self.preprocess: Any = None
+        self.captions: CaptionEncoder | None = None
+        self.caption_task: Captions | None = None
         self._unencoded = 0
         self._device_free = 0.0
         self.decoder = "cpu"
@@ -444,6 +455,8 @@ class RankPipeline:
         self.stats.decoder = self.decoder
         self.preprocess = adapter.preprocessor()
         self.encoder = build_encoder(self.job, adapter, self.device)
+        self.captions = caption_encoder(self.job, adapter, self.encoder, self.device)
+        self.caption_task = caption_task(self.job, adapter)
         self.model = adapter.describe()
         self._setup("plan", since)
 
@@ -475,12 +488,14 @@ class RankPipeline:
             self.stats.ready_at = time.time()
             self.stats.timeline.skip_to(self.stats.ready_at)
             self.ready()
-            windows = WindowEncoder(self.encoder, self.job, self.device)
+            windows = WindowEncoder(self.encoder, self.job, self.device, self.captions)
             decoded = self._decoded_on_device(self._gated(self._windows(stream, submitted)))
             with self._encode_stream():
                 self._pipeline(decoded, windows, ChunkAssembler(taken, self.deliver))
         self._finish()
         self.encoder.clear()
+        if self.captions is not None:
+            self.captions.clear()
         return self.stats
 
     def _start_decoding_while_capturing(self, rows: Iterator[reader.InputRow]) -> tuple[DecodePool, Iterator[Any]]:
@@ -489,16 +504,21 @@ class RankPipeline:
         each other (the workers' thread makes no CUDA call, which capture forbids).
 
         A JPEG left for the GPU needs only its header read, which the pool does on this
-        process (`rows.jpeg_on_rank`) rather than send it to a worker and back."""
+        process (`rows.jpeg_on_rank`) rather than send it to a worker and back, unless
+        the row has a caption to tokenise: that is per-item work, for the workers."""
         local: Callable[[Any], Decoded | None] | None = None
+        captions = self.caption_task
         if self.decoder == "auto":
-            fn: Callable[[Any], Decoded] = functools.partial(decode_task, options=self.options, preprocess=self.preprocess)
-            local = functools.partial(task_on_rank, options=self.options, preprocess=self.preprocess)
+            fn: Callable[[Any], Decoded] = functools.partial(
+                decode_task, options=self.options, preprocess=self.preprocess, captions=captions
+            )
+            if captions is None:
+                local = functools.partial(task_on_rank, options=self.options, preprocess=self.preprocess)
             rows = ((row, self.split.leave()) for row in rows)
         else:
             options = dataclasses.replace(self.options, defer_jpeg=self.defer)
-            fn = functools.partial(decode_row, options=options, preprocess=self.preprocess)
-            if self.defer:
+            fn = functools.partial(decode_row, options=options, preprocess=self.preprocess, captions=captions)
+            if self.defer and captions is None:
                 local = functools.partial(jpeg_on_rank, options=options, preprocess=self.preprocess)
         in_flight = 2 * self.job.batching.window
 
@@ -519,6 +539,8 @@ class RankPipeline:
             since = time.perf_counter()
             try:
                 self.encoder.capture()
+                if self.captions is not None:
+                    self.captions.capture()
             except BaseException:
                 starting.result()[0].close()
                 raise
@@ -548,7 +570,7 @@ class RankPipeline:
             taken.append(chunk)
             self.stats.chunks += 1
             since = time.perf_counter()
-            rows = reader.read_rows(self.job.input, chunk.fragments, chunk.first_row, chunk.end_row, self.job.output.columns)
+            rows = reader.read_rows(self.job.input, chunk.fragments, chunk.first_row, chunk.end_row, input_columns(self.job))
             for row in rows:
                 since = self.reading.add("reading rows", since)
                 submitted.append(row)
@@ -564,7 +586,8 @@ class RankPipeline:
 
         The pool returns a bare MediaError for an item it had to cut off (timeout,
         crash); the queue of submitted rows tells which row that was. No worker
-        finished reading that row's media, so its digest is UNREAD (`io/digest.py`).
+        finished reading that row's media, so its digest is UNREAD (`io/digest.py`);
+        its caption (a rare row) is tokenised here, as an image error keeps its text.
         """
         sizes = window_sizes(self.job.batching.window)
         size = next(sizes)
@@ -582,7 +605,8 @@ class RankPipeline:
                 continue
             row = submitted.popleft()
             if isinstance(result, MediaError):
-                result = Decoded(row.row, row.id, None, None, str(result), extra=row.extra, digest=UNREAD)
+                text = self.caption_task.item(row) if self.caption_task is not None else None
+                result = Decoded(row.row, row.id, None, None, str(result), extra=row.extra, digest=UNREAD, text=text)
             window.append(result)
             if len(window) >= size:
                 self.clock.add("waiting for decode", since)
@@ -814,6 +838,8 @@ class RankPipeline:
         self.stats.waits = {k: v for k, v in {**self.clock.seconds, **self.reading.seconds}.items() if not k.startswith("host")}
         self.stats.graphs = self.encoder.graph_stats()
         self.stats.plan = self.encoder.plan_stats()
+        if self.captions is not None and self.captions.text is not None:
+            self.stats.plan["text"] = self.captions.stats()
         self._sample()
 
 

@@ -53,7 +53,8 @@ class Decoded:
     """A row after the decode stage: a preprocessed item or an error, never both, the
     seconds the worker spent on it, the row's copied input columns (`extra`) and the
     digest of the media bytes it was made from (`io/digest.py`; UNREAD where no worker
-    finished the row)."""
+    finished the row). `text` is its caption's item (`input.text_column`), whatever
+    became of its media; None without a caption."""
 
     row: int
     id: Any
@@ -63,6 +64,44 @@ class Decoded:
     seconds: float = 0.0
     extra: tuple[Any, ...] = ()
     digest: bytes = UNREAD
+    text: EncoderInput | None = None
+
+
+@dataclass(frozen=True)
+class Captions:
+    """How a worker makes a row's caption item: the caption is `InputRow.extra[index]`
+    (read after the copied `output.columns`, `input_columns`), and `tokenize` is the text
+    tower's picklable preprocessing (`encoders.text.TextPreprocessor`)."""
+
+    index: int
+    tokenize: Any
+
+    def item(self, row: reader.InputRow) -> EncoderInput | None:
+        """The row's caption item; None for a null caption, a row whose columns could not
+        be read, or a caption its tokenizer refuses (said in the log): the row keeps its
+        image embedding, and its text_embedding and score are null."""
+        caption = row.extra[self.index] if len(row.extra) > self.index else None
+        if not isinstance(caption, str):
+            return None
+        try:
+            return self.tokenize(caption)
+        except Exception as exc:  # one caption's failure is that row's null text, never the job's
+            logger.warning("row %d: its caption could not be tokenised (%s: %s); its text_embedding is null", row.row, type(exc).__name__, exc)
+            return None
+
+
+def input_columns(job: Job) -> list[str]:
+    """The input columns read beside the media and the id, in `InputRow.extra`: those
+    copied to the output (`output.columns`), then the caption column where it is not one
+    of them, so a copied column's place in `extra` is its place in `output.columns`."""
+    text = job.input.text_column
+    return [*job.output.columns, *([text] if text is not None and text not in job.output.columns else [])]
+
+
+def caption_index(job: Job) -> int | None:
+    """Where a row's caption is in `InputRow.extra` (None: the job has no text_column)."""
+    text = job.input.text_column
+    return None if text is None else input_columns(job).index(text)
 
 
 @functools.cache
@@ -76,21 +115,26 @@ def _set_up_worker() -> None:
         warnings.simplefilter("ignore")
 
 
-def decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -> Decoded:
-    """Worker function: bytes (or a path) -> decoded media -> EncoderInput, or an error row."""
+def decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any, captions: Captions | None = None) -> Decoded:
+    """Worker function: bytes (or a path) -> decoded media -> EncoderInput, or an error
+    row; with `captions`, the row's caption item beside it, whatever became of the media."""
     _set_up_worker()
     start = time.perf_counter()
     decoded = _decode_row(row, options, preprocess)
+    if captions is not None:
+        decoded.text = captions.item(row)
     decoded.seconds = time.perf_counter() - start
     decoded.extra = row.extra
     return decoded
 
 
-def decode_task(task: tuple[reader.InputRow, bool], options: DecodeOptions, preprocess: Any) -> Decoded:
+def decode_task(
+    task: tuple[reader.InputRow, bool], options: DecodeOptions, preprocess: Any, captions: Captions | None = None
+) -> Decoded:
     """`decode_row` of a (row, defer) task: with `preprocess.decoder: auto` the rank
     decides as it goes whether the JPEGs of the rows it submits are left for its GPU."""
     row, defer = task
-    return decode_row(row, dataclasses.replace(options, defer_jpeg=True) if defer else options, preprocess)
+    return decode_row(row, dataclasses.replace(options, defer_jpeg=True) if defer else options, preprocess, captions)
 
 
 def jpeg_on_rank(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -> Decoded | None:
@@ -343,7 +387,7 @@ def _on_cpu(decoded: Decoded, data: bytes, options: DecodeOptions, preprocess: A
     except MediaError as err:
         return dataclasses.replace(decoded, modality=_error_modality(options), item=None, error=str(err))
     made = _preprocessed(decoded.row, decoded.id, media, preprocess, decoded.digest)
-    return dataclasses.replace(made, seconds=decoded.seconds, extra=decoded.extra)
+    return dataclasses.replace(made, seconds=decoded.seconds, extra=decoded.extra, text=decoded.text)
 
 
 def decode_options(job: Job, adapter: EncoderAdapter) -> DecodeOptions:

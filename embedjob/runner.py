@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from embedjob import stopping
+from embedjob.captions import caption_fields
 from embedjob.config import Job, JobError, RunFailure
 from embedjob.host import host_threads, main_script_hidden, refuse_starting_process, resolve_device, resolve_workers
 from embedjob.io import reader
@@ -107,7 +108,9 @@ class Runner:
             coordinator.open([])
             return self._finish_without_model(checkpoint, time.perf_counter() - start)
         try:
-            schema = output_schema(listing.id_type, self.job.output.pooling, self.job.output.dtype, listing.column_types)
+            schema = output_schema(
+                listing.id_type, self.job.output.pooling, self.job.output.dtype, listing.column_types, caption_fields(self.job)
+            )
             return self._encode(device, coordinator, checkpoint, chunks, schema, started, start)
         except BaseException:
             # Now, not when the checkpoint is collected: a caller that runs the shard

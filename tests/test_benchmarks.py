@@ -20,6 +20,7 @@ SCRIPTS = [
     "attention", "decode_rate", "device_gaps", "encoder_only", "fixed_compile",
     "gpu_decode", "packing", "precision", "scaling", "video_decode",
     "naflex",
+    "captions",
 ]
 SMOKE_SECONDS = 600
 
@@ -63,8 +64,9 @@ SMOKES = {
     "precision": (["--smoke", "--mixes", "qwen-224", "--images", "qwen-224=8", "--reference", "2", "--repeats", "1", "--precisions", "bf16-varlen-attn"], ["| mix | precision |"]),
     "scaling": (["--smoke", "--mixes", "qwen-224", "--images", "8"], ["| mix | run | rows |"]),
     "video_decode": (["--smoke"], ["skipped the nvdec run", "| decoder | workers |"]),
+    "captions": (["--smoke", "--models", "clip"], ["| model | run | rows |", "images + captions"]),
 }
-WORKDIRS = {"encoder_only", "gpu_decode", "precision", "scaling", "video_decode"}
+WORKDIRS = {"encoder_only", "gpu_decode", "precision", "scaling", "video_decode", "captions"}
 
 
 @pytest.mark.slow

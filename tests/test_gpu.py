@@ -1377,3 +1377,69 @@ def test_qwen3_5_fp8_compiled_graphs_replay_like_eager_and_keep_a_cosine_of_099_
         theirs = torch.stack([rows.float().mean(0) for rows in full.split(counts)])
         cos = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
         assert cos.min() >= 0.99, float(cos.min())
+
+
+# --- captions: text embeddings, scores and zero-shot labels (issue #55) ------------------
+
+
+@pytest.mark.parametrize("family", ["clip", "siglip"])
+def test_text_graphs_replay_equal_padded_eager_on_cuda_and_the_fp32_cpu_reference(tmp_path: Path, cache_dir: str, family: str) -> None:
+    """A text tower's graphs, one per batch size at the fixed length, captured into a pool
+    first filled with NaN: each replay's real rows are finite and equal the padded eager
+    run bit for bit (`nan_pool_replays`), and the bf16 vectors stay close to the float32
+    CPU tower's."""
+    from caption_helpers import SENTENCES, job, save_checkpoint
+
+    from embedjob.captions import text_plan
+    from embedjob.config import job_from_dict
+
+    model = save_checkpoint(family, tmp_path / "model")
+    spec = job_from_dict(job(tmp_path, cache_dir, family, model, runtime={"device": "cuda"}))
+    gpu, cpu = load_adapter(spec, torch.device("cuda")).text, load_adapter(spec, torch.device("cpu")).text
+    captions = [*SENTENCES, " ".join(SENTENCES), ""]
+    items = [gpu.preprocessor()(c) for c in captions]
+    assert sum(replayed.shape[0] for replayed, _ in nan_pool_replays(gpu, gpu, text_plan(gpu), items)) == len(items)
+    manager = GraphManager(gpu, text_plan(gpu), "cuda")
+    manager.capture()
+    replayed = torch.cat(manager.run(items, 16 * gpu.length))  # room for 16 captions: 7 pad rows
+    with torch.no_grad():
+        ref = cpu.forward(cpu.eager_inputs([cpu.preprocessor()(c) for c in captions]))
+    rel = (replayed.float().cpu() - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert float(rel.max()) < 3e-2, rel.tolist()
+    assert manager.stats.hits == len(items)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_captions_job_on_cuda_matches_the_cpu_run(tmp_path: Path, cache_dir: str, compiled: bool) -> None:
+    """CLIP with captions and labels on the GPU (text graphs replayed, compiled or not)
+    gives the CPU run's rows: the same nulls, close vectors and scores, and the CPU's
+    label, unless the GPU's is within bf16 noise of it by the CPU's own cosines."""
+    import transformers
+    from caption_helpers import LABELS, job, read, save_checkpoint
+
+    import embedjob
+
+    model = save_checkpoint("clip", tmp_path / "model")
+    tables, stats = {}, {}
+    for device in ("cpu", "cuda"):
+        raw = job(tmp_path, cache_dir, "clip", model, output={"path": str(tmp_path / device)},
+                  runtime={"device": device, "gpus": 1}, batching={"compile": compiled and device == "cuda"})
+        stats[device] = embedjob.run(raw)
+        tables[device] = read(tmp_path / device).to_pylist()
+    text = stats["cuda"]["text"]
+    assert text["graph_backend"] == "cuda" and text["hit_rate"] == 1.0 and text["graph_misses"] == 0
+    full, tokenizer = transformers.CLIPModel.from_pretrained(model), transformers.AutoTokenizer.from_pretrained(model)
+    with torch.no_grad():
+        prompts = full.get_text_features(**tokenizer(LABELS, padding=True, return_tensors="pt")).pooler_output
+    for cpu_row, gpu_row in zip(tables["cpu"], tables["cuda"], strict=True):
+        for name in ("error", "text_embedding", "score", "label"):
+            assert (cpu_row[name] is None) == (gpu_row[name] is None), name
+        if cpu_row["text_embedding"] is not None:
+            a, b = torch.tensor(cpu_row["text_embedding"]), torch.tensor(gpu_row["text_embedding"])
+            assert float((a - b).norm() / a.norm()) < 3e-2
+        if cpu_row["score"] is not None:
+            assert abs(cpu_row["score"] - gpu_row["score"]) < 2e-2
+        if cpu_row["label"] is not None:
+            assert abs(cpu_row["label_score"] - gpu_row["label_score"]) < 2e-2
+            cosines = torch.nn.functional.cosine_similarity(torch.tensor(cpu_row["embedding"])[None], prompts)
+            assert cosines[LABELS.index(cpu_row["label"])] - cosines[LABELS.index(gpu_row["label"])] < 2e-2

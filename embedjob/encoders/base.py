@@ -230,6 +230,9 @@ class EncoderAdapter(abc.ABC):
     # The attention `forward` runs (stats `attention`): transformers' scaled-dot-product
     # attention unless a family runs its own ("varlen" or "fa4", `encoders.attention`).
     attention: str = "sdpa"
+    # The text tower loaded beside this image tower from the same full checkpoint
+    # (`encoders.text.TextAdapter`), where the job asks for captions or labels.
+    text: EncoderAdapter | None = None
 
     def __init__(self, spec: Any, processing: Any, placement: Placement) -> None:
         """What every family has: its spec (`spec.name` is the family), the preprocessing

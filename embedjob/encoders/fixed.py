@@ -67,6 +67,7 @@ from embedjob.encoders.loading import (
     resolve_checkpoint,
     transformers_class,
 )
+from embedjob.encoders.text import PooledText, TextAdapter, TextPreprocessor, load_tokenizer
 from embedjob.encoders.tiling import cut_tiles, select_grid
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,10 @@ class FixedFamily:
     unnormed_states: bool = False
     registers: str | None = None
     any_input_size: bool = False
+    # Where the full model's text tower pools a caption, which says how captions are
+    # padded (`encoders.text`): "eos" (CLIP, MetaCLIP 2: causal, at the first EOS), "last" (SigLIP:
+    # the last position of a max_length caption); None: no text tower.
+    text_pooling: str | None = None
 
     def prefix_tokens(self, config: Any) -> int:
         """Tokens before the patches in the tower's sequence: CLS, then registers."""
@@ -127,11 +132,11 @@ class FixedFamily:
 FAMILIES = {
     "clip": FixedFamily(
         "clip", "clip", "clip_vision_model", "CLIPModel", "CLIPVisionModel", "CLIPVisionModelWithProjection",
-        "CLIPImageProcessor", True, "encoder.layers", unnormed_states=True,
+        "CLIPImageProcessor", True, "encoder.layers", unnormed_states=True, text_pooling="eos",
     ),
     "siglip": FixedFamily(
         "siglip", "siglip", "siglip_vision_model", "SiglipModel", "SiglipVisionModel", None,
-        "SiglipImageProcessor", False, "encoder.layers",
+        "SiglipImageProcessor", False, "encoder.layers", text_pooling="last",
     ),
     "dinov2": FixedFamily(
         "dinov2", None, "dinov2", None, "Dinov2Model", None, "BitImageProcessor", True, "encoder.layer",
@@ -144,6 +149,7 @@ FAMILIES = {
     "metaclip2": FixedFamily(
         "metaclip2", "metaclip_2", "metaclip_2_vision_model", "MetaClip2Model", "MetaClip2VisionModel",
         "MetaClip2VisionModelWithProjection", "CLIPImageProcessor", True, "encoder.layers", unnormed_states=True,
+        text_pooling="eos",
     ),
 }
 RESCALE_FIRST = frozenset({"DINOv3ViTImageProcessor"})
@@ -550,25 +556,35 @@ def builtin_dir(spec: FixedFamily, cache_dir: Path | str) -> Path:
     return builtin_model(cache_dir, spec.name, BUILTIN_VERSION, build)
 
 
-def load_model(spec: FixedFamily, directory: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """The vision tower and its projection (None where the checkpoint has none).
+def load_model(
+    spec: FixedFamily, directory: Path, dtype: torch.dtype, text: bool = False
+) -> tuple[torch.nn.Module, torch.nn.Module | None, torch.nn.Module | None]:
+    """The vision tower, its projection (None where the checkpoint has none) and, with
+    `text`, the full model the text tower is taken from (else None).
 
-    A full dual encoder is loaded whole and its text tower dropped, which works across
-    transformers versions whatever their weight-name layout; a vision-only checkpoint is
-    loaded as the class it was saved from.
+    A full dual encoder is loaded whole (once, whether or not its text tower is kept,
+    which works across transformers versions whatever their weight-name layout); without
+    `text` its text tower is dropped. A vision-only checkpoint is loaded as the class it
+    was saved from, and refused with `text` (ValueError: it has no text tower).
     """
     config = json.loads((directory / "config.json").read_text())
     model_type = config.get("model_type")
     if spec.full_class is not None and model_type == spec.full_type:
         full = transformers_class(spec.full_class).from_pretrained(directory, dtype=dtype)
-        return full.vision_model, getattr(full, "visual_projection", None)
+        return full.vision_model, getattr(full, "visual_projection", None), full if text else None
+    if text and model_type == spec.vision_type:
+        full_type = f"model_type {spec.full_type!r}, vision and text" if spec.full_type else "a family with text"
+        raise ValueError(
+            f"checkpoint {directory} is a vision-only {spec.name} model ({model_type!r}) with no text tower for "
+            f"input.text_column or output.labels; name the full checkpoint ({full_type}) or remove those keys"
+        )
     if model_type == spec.vision_type:
         if spec.projected_class is not None and spec.projected_class in (config.get("architectures") or []):
             model = transformers_class(spec.projected_class).from_pretrained(directory, dtype=dtype)
-            return model.vision_model, model.visual_projection
+            return model.vision_model, model.visual_projection, None
         if spec.projected_class is not None:
             logger.warning("%s has no visual projection: embeddings are the tower's pooled features", directory)
-        return transformers_class(spec.vision_class).from_pretrained(directory, dtype=dtype), None
+        return transformers_class(spec.vision_class).from_pretrained(directory, dtype=dtype), None, None
     expected = " or ".join(repr(t) for t in (spec.full_type, spec.vision_type) if t)
     hint = next((f"; set model.family to {f.name!r}" for f in FAMILIES.values() if model_type in (f.full_type, f.vision_type)), "")
     raise ValueError(f"checkpoint {directory} has model_type {model_type!r}; model.family {spec.name!r} expects {expected}{hint}")
@@ -666,7 +682,7 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
     directory = resolve_checkpoint(
         path, spec.name, FAMILIES, lambda: builtin_dir(spec, options.cache_dir), download_snapshot
     )
-    tower, projection = load_model(spec, directory, dtype)
+    tower, projection, full = load_model(spec, directory, dtype, text=options.text)
     tower = tower.to(device).eval().requires_grad_(False)
     if ROW_MAJOR:
         row_major_states(tower)
@@ -677,7 +693,31 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
         raise ValueError(f"checkpoint {directory} has no SigLIP pooling head (vision_use_head=false), so no image embedding")
     max_tiles = options.max_tiles if options.tiling == "anyres" else 0
     processing = load_processing(spec, directory, tower.config, max_tiles)
-    return FixedResAdapter(
-        spec, tower, projection, processing, options.placement(device, dtype, path), pool, options.tile_combine,
-        per_token=options.per_token,
-    )
+    placement = options.placement(device, dtype, path)
+    adapter = FixedResAdapter(spec, tower, projection, processing, placement, pool, options.tile_combine, per_token=options.per_token)
+    if full is not None:
+        adapter.text = build_text(spec, full, directory, placement)
+    return adapter
+
+
+def build_text(spec: FixedFamily, full: torch.nn.Module, directory: Path, placement: Placement) -> TextAdapter:
+    """The text tower of a loaded full CLIP or SigLIP model on the placement's device,
+    with the checkpoint's tokenizer: captions of the text model's length, padded as its
+    pooling needs (`encoders.text`). A tokenizer with nothing to pad a CLIP caption with
+    is a ValueError."""
+    tokenizer = load_tokenizer(str(directory))
+    model = full.text_model.to(placement.device).eval().requires_grad_(False)
+    projection = getattr(full, "text_projection", None)
+    if projection is not None:
+        projection = projection.to(placement.device).eval().requires_grad_(False)
+    pad_with = None
+    if spec.text_pooling == "eos":
+        pad_with = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_with is None:
+            raise ValueError(f"the tokenizer of {directory} has neither a pad nor an EOS token to pad captions with")
+    elif tokenizer.pad_token_id is None:
+        raise ValueError(f"the tokenizer of {directory} has no pad token, and {spec.name} pools captions padded to their length")
+    length = int(model.config.max_position_embeddings)
+    width = int(projection.out_features if projection is not None else model.config.projection_size)
+    processing = TextPreprocessor(str(directory), length, pad_with)
+    return TextAdapter(spec.name, PooledText(model, projection), model.encoder.layers, width, processing, placement)

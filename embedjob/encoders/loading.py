@@ -47,6 +47,8 @@ class AdapterOptions:
     per_token: bool = False
     # The backend `attention.resolve_backend` chose for the tower (Qwen-VL towers read it).
     attention: str = "varlen"
+    # Load the full checkpoint's text tower too (`EncoderAdapter.text`): captions or labels.
+    text: bool = False
 
     def placement(self, device: torch.device, dtype: torch.dtype, source: str) -> Placement:
         return Placement(device, dtype, source, self.video_max_frames, self.cache_dir)
@@ -67,6 +69,7 @@ class AdapterOptions:
             pool=job.model.image_pool,
             per_token=job.output.pooling == "none",
             attention=attention,
+            text=job.input.text_column is not None or bool(job.output.labels),
         )
 
 
@@ -86,11 +89,29 @@ def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
     module = importlib.import_module(family.adapter)
     options = AdapterOptions.from_job(job, attention)
     adapter = module.build_adapter(job.model.family, job.model.path, dtype, device, options)
+    if options.text:
+        check_text_tower(adapter)
     if job.model.precision == "fp8":
         adapter.use_fp8()
     elif device.type == "cuda" and dtype in HALF and epilogues.EPILOGUES:
         adapter.use_epilogues()
+        if adapter.text is not None:
+            adapter.text.use_epilogues()
     return adapter
+
+
+def check_text_tower(adapter: EncoderAdapter) -> None:
+    """The text tower a job asked for is there and its vectors are the image vectors'
+    width (one space, so a cosine between them means something); else a ValueError.
+    Its blocks stay in the model dtype under `model.precision: fp8`: a caption costs a
+    tenth of an image, and FP8's error would move every score."""
+    if adapter.text is None:
+        raise ValueError(f"model.family {adapter.family!r} loaded no text tower for input.text_column or output.labels")
+    if adapter.text.embed_dim != adapter.embed_dim:
+        raise ValueError(
+            f"its text vectors have width {adapter.text.embed_dim} and its image vectors {adapter.embed_dim}: "
+            "they are not one space, so captions and labels cannot be scored against the images"
+        )
 
 
 def builtin_model(cache_dir: Path | str, family: str, version: int, build: Callable[[Path], None]) -> Path:
@@ -107,10 +128,11 @@ def builtin_model(cache_dir: Path | str, family: str, version: int, build: Calla
 
 
 def download_snapshot(repo_id: str) -> Path:
-    """A hub checkpoint's configs and safetensors weights (nothing else it may hold)."""
+    """A hub checkpoint's configs, safetensors weights and tokenizer files (BPE merges,
+    SentencePiece models: captions and labels need them), nothing else it may hold."""
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"]))
+    return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "merges.txt", "vocab.txt", "*.model"]))
 
 
 def transformers_class(name: str) -> Any:

@@ -31,7 +31,10 @@ class Family:
     tower), as its adapter's spec checks them; `package`: the module its adapter needs
     beyond embedjob's own dependencies, from the extra `pip install 'embedjob[<extra>]'`
     (a job naming the family without it stops before any work); `poolable`: its image
-    vector is the job's choice (`model.pool`: the CLS token or the patch mean)."""
+    vector is the job's choice (`model.pool`: the CLS token or the patch mean); `text`:
+    its full checkpoints carry a text tower and tokenizer, which the adapter module's
+    `build_adapter` loads beside the image tower when `AdapterOptions.text` asks
+    (captions and zero-shot labels)."""
 
     adapter: str
     fixed_resolution: bool
@@ -39,6 +42,7 @@ class Family:
     package: str | None = None
     extra: str | None = None
     poolable: bool = False
+    text: bool = False
 
 
 _QWEN = "embedjob.encoders.qwen"
@@ -50,11 +54,11 @@ FAMILIES: dict[str, Family] = {
     "qwen2_5_vl": Family(_QWEN, False, ("qwen2_5_vl", "qwen2_5_vl_vision")),
     "qwen3_vl": Family(_QWEN, False, ("qwen3_vl", "qwen3_vl_vision")),
     "qwen3_5": Family(_QWEN, False, ("qwen3_5", "qwen3_5_vision", "qwen3_5_moe", "qwen3_5_moe_vision")),
-    "clip": Family(_FIXED, True, ("clip", "clip_vision_model")),
-    "siglip": Family(_FIXED, True, ("siglip", "siglip_vision_model")),
+    "clip": Family(_FIXED, True, ("clip", "clip_vision_model"), text=True),
+    "siglip": Family(_FIXED, True, ("siglip", "siglip_vision_model"), text=True),
     "dinov2": Family(_FIXED, True, ("dinov2",), poolable=True),
     "dinov3": Family(_FIXED, True, ("dinov3_vit",), poolable=True),
-    "metaclip2": Family(_FIXED, True, ("metaclip_2", "metaclip_2_vision_model")),
+    "metaclip2": Family(_FIXED, True, ("metaclip_2", "metaclip_2_vision_model"), text=True),
     "siglip2": Family(_SIGLIP2, False, ("siglip2", "siglip2_vision_model")),
     "open_clip": Family("embedjob.encoders.open_clip", True, (), package="open_clip", extra="open_clip"),
 }
@@ -110,6 +114,9 @@ def local_looking(path: str) -> bool:
 
 FIXED_RESOLUTION = tuple(name for name, family in FAMILIES.items() if family.fixed_resolution)
 POOLABLE = tuple(name for name, family in FAMILIES.items() if family.poolable)
+
+TEXT_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.text)
+"""The families that can embed captions and labels (`input.text_column`, `output.labels`)."""
 
 ADAPTER_MODULES = tuple(dict.fromkeys(family.adapter for family in FAMILIES.values()))
 """Every adapter module, once each: decode workers import them before their first task."""

@@ -25,6 +25,16 @@ def lap(seconds: MutableMapping[str, float], stage: str, since: float) -> float:
     return now
 
 
+def to_host(values: torch.Tensor) -> torch.Tensor:
+    """`values` on the host: from a GPU, one copy into page-locked memory queued behind
+    the work that makes them (read it once that work is done)."""
+    if values.device.type != "cuda":
+        return values
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host
+
+
 def hit_rate(hits: int, misses: int) -> float:
     """The share of items that replayed a graph; 0 before any item ran."""
     total = hits + misses

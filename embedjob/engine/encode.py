@@ -396,13 +396,15 @@ def _whole_image_plan(plan: BudgetPlan, tokens_per_image: int) -> BudgetPlan:
     return BudgetPlan(tuple(budgets), plan.max_items, plan.max_frames)
 
 
-def build_encoder(job: Job, adapter: EncoderAdapter, device: torch.device) -> BatchEncoder:
+def build_encoder(job: Job, adapter: EncoderAdapter, device: torch.device, plan: BudgetPlan | None = None) -> BatchEncoder:
     """The batch encoder for this job and adapter: budgets, graph backend, packing policy.
 
     The backend is real CUDA graphs on a GPU, the replay backend on a CPU (same packing
     and padding, so results and statistics match), or none when graphs are turned off.
-    Every path the adapter declares shares the job's budgets (a further path adds 0).
+    Every path the adapter declares shares the job's budgets (a further path adds 0);
+    `plan` replaces them where the job's batching keys are not this adapter's (a text
+    tower's batches of captions).
     """
-    plan = budget_plan(job, adapter)
+    plan = plan if plan is not None else budget_plan(job, adapter)
     paths = graph_paths(adapter, plan, _backend(job, device, adapter))
     return BatchEncoder(adapter, paths, job.batching.policy, refine=job.batching.refine_budgets)

@@ -163,6 +163,7 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
         # What a part holds besides the model's vectors: parts of one output must agree.
         "normalize": job.output.normalize,
         "columns": list(job.output.columns),
+        **caption_keys(job),
         "input": {
             **{k: getattr(job.input, k) for k in keys},
             **({"format": job.input.format} if job.input.format != "parquet" else {}),
@@ -170,6 +171,18 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
             "files": [dataclasses.asdict(f) for f in listing.files],
         },
     }
+
+
+def caption_keys(job: Job) -> dict[str, Any]:
+    """The caption column and label prompts, which add columns to every part: in the
+    fingerprint and in each part's metadata (`embedjob`), left out where unset, so
+    output made before they existed resumes."""
+    described: dict[str, Any] = {}
+    if job.input.text_column is not None:
+        described["text_column"] = job.input.text_column
+    if job.output.labels:
+        described["labels"] = list(job.output.labels)
+    return described
 
 
 def manifest_name(shard: int) -> str:

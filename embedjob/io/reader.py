@@ -570,7 +570,7 @@ def _identity(location: str, metadata: pq.FileMetaData, options: dict[str, Any])
 
 def _file_info(location: str, pf: pq.ParquetFile, cfg: InputConfig, columns: Sequence[str] = ()) -> _FileInfo:
     schema = pf.schema_arrow
-    named = [("input.media_column", cfg.media_column), ("input.id_column", cfg.id_column)]
+    named = [("input.media_column", cfg.media_column), ("input.id_column", cfg.id_column), ("input.text_column", cfg.text_column)]
     for key, column in [*named, *(("output.columns", c) for c in columns)]:
         if column is not None and column not in schema.names:
             raise JobError(
@@ -584,6 +584,9 @@ def _file_info(location: str, pf: pq.ParquetFile, cfg: InputConfig, columns: Seq
             f"supported: {SUPPORTED_MEDIA_TYPES}"
         )
     ids = schema.field(cfg.id_column).type if cfg.id_column is not None else pa.int64()
+    text = schema.field(cfg.text_column).type if cfg.text_column is not None else pa.string()
+    if not (pa.types.is_string(text) or pa.types.is_large_string(text) or pa.types.is_null(text)):
+        raise JobError(f"input.text_column '{cfg.text_column}' of {location} holds {text}, not strings; name the column of captions")
     types = {c: schema.field(c).type for c in columns}
     return _FileInfo(location, pf.metadata, media_type, kind, ids, column_types=types)
 
@@ -993,10 +996,11 @@ def _check_members(cfg: InputConfig, indexes: list[webdataset.TarIndex], columns
     """A carried column must be the extension of some sample's member (a sample that
     lacks it gets a null); one no sample has is a misspelt name."""
     found = {e for index in indexes for sample in index.samples for e in sample.extensions()}
-    for column in columns:
+    named = [("output.columns", c) for c in columns] + ([("input.text_column", cfg.text_column)] if cfg.text_column else [])
+    for key, column in named:
         if column.lower() not in found:
             raise JobError(
-                f"output.columns '{column}' is no member extension in the tars of input.path {cfg.path!r}; "
+                f"{key} '{column}' is no member extension in the tars of input.path {cfg.path!r}; "
                 f"extensions there: {', '.join(sorted(found)) or 'none'}"
             )
 

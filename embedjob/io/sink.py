@@ -103,7 +103,7 @@ class PartSink:
 
     def _hold(self, block: RowBlock) -> None:
         self.buffer.append(block)
-        self.held_bytes += block.vectors.nbytes
+        self.held_bytes += block.nbytes
         self.errors += block.errors
         self.digests.append(block.digests)
 

@@ -7,10 +7,11 @@ encode.
 
 Output contract (ARCHITECTURE.md): every input row of a shard appears exactly once, in input
 order, with an embedding or a non-null `error`. Columns: `id`, `row`, `modality`,
-`tokens`, `frames`, `grid` (per-token output only), `embedding`, `error`, then the
-input columns the job copies (`output.columns`). A part file either exists complete
-(renamed after fsync, or its upload completed) or not at all, so a reader never sees
-half a part.
+`tokens`, `frames`, `grid` (per-token output only), `embedding`, `error`, the columns
+computed beside the embedding (`text_embedding`, `score`, `label`, `label_score` where
+the job asks for captions or labels), then the input columns the job copies
+(`output.columns`). A part file either exists complete (renamed after fsync, or its
+upload completed) or not at all, so a reader never sees half a part.
 
 An error row's `embedding` (and `grid`) is null in every pooling mode, so no tool can
 take it for a vector: a null sorts last in a similarity search and is skipped by
@@ -46,14 +47,18 @@ class ErrorRateExceeded(RuntimeError):
     allows: the input or the settings are wrong. Its committed parts are kept."""
 
 PARQUET_OPTIONS: dict[str, Any] = {
-    "use_dictionary": ["id", "modality", "error"],
+    "use_dictionary": ["id", "modality", "error", "label"],
     "compression": {"id": "snappy", "row": "snappy", "modality": "snappy", "tokens": "snappy", "frames": "snappy",
-                    "grid": "snappy", "embedding": "none", "error": "snappy"},
+                    "grid": "snappy", "embedding": "none", "error": "snappy", "text_embedding": "none"},
 }
 """Embeddings neither repeat nor compress (a dictionary or snappy pass over float16
 vectors only costs time: writing a 6,144 x 3,584 float16 part took 1.04 s with
 pyarrow's defaults and 0.34 s without them, reading it 0.62 s against 0.09 s, for 8 %
 more bytes); the small columns keep the defaults. Statistics: see `parquet_options`."""
+
+
+VECTOR_COLUMNS = ("embedding", "text_embedding")
+"""The columns of vectors: no compression, no statistics (`parquet_options`)."""
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
@@ -65,7 +70,7 @@ def parquet_options(schema: pa.Schema) -> dict[str, Any]:
     (benchmarks/RESULTS.md's git history). On N GPUs one writer thread writes every
     rank's rows. The other columns keep theirs, so readers still skip row groups by
     `row`, `id` or a copied column."""
-    kept = [path for path in _leaf_paths(schema) if path.split(".")[0] != "embedding"]
+    kept = [path for path in _leaf_paths(schema) if path.split(".")[0] not in VECTOR_COLUMNS]
     return {**PARQUET_OPTIONS, "write_statistics": kept}
 
 
@@ -91,6 +96,8 @@ class RowBlock:
     `grids` None where nobody set them), `extra` the copied input columns by name, and
     `digests[i]` (a (rows, `digest.DIGEST_SIZE`) uint8 array) the digest of the media
     row i was computed from, which the part's record keeps (`io/digest.py`).
+    `computed` holds the output columns made beside the embeddings (captions' and
+    labels'), each an Arrow array of one value (or null) per row, by name.
     Columns rather than one object per row: a block is built, sent between processes
     and written with a few array operations whatever its length.
     """
@@ -106,6 +113,7 @@ class RowBlock:
     grids: list[tuple[int, ...] | None] | None = None
     extra: dict[str, list[Any]] = field(default_factory=dict)
     digests: np.ndarray = field(kw_only=True)
+    computed: dict[str, pa.Array] = field(default_factory=dict, kw_only=True)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -129,6 +137,7 @@ class RowBlock:
             None if self.grids is None else self.grids[start:stop],
             {name: values[start:stop] for name, values in self.extra.items()},
             digests=self.digests[start:stop],
+            computed={name: values.slice(start, stop - start) for name, values in self.computed.items()},
         )
 
     @classmethod
@@ -151,7 +160,13 @@ class RowBlock:
             None if any(b.grids is None for b in blocks) else [g for b in blocks for g in b.grids],
             {name: [v for b in blocks for v in b.extra[name]] for name in blocks[0].extra},
             digests=np.concatenate([b.digests for b in blocks]),
+            computed={name: pa.concat_arrays([b.computed[name] for b in blocks]) for name in blocks[0].computed},
         )
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its vectors, computed columns included (what a row group holds)."""
+        return self.vectors.nbytes + sum(values.nbytes for values in self.computed.values())
 
 
 PANDAS_INTEGERS = {
@@ -170,16 +185,22 @@ DESCRIPTION_KEY = b"embedjob"
 
 
 def output_schema(
-    id_type: pa.DataType, pooling: str, dtype: str, columns: dict[str, pa.DataType] | None = None
+    id_type: pa.DataType,
+    pooling: str,
+    dtype: str,
+    columns: dict[str, pa.DataType] | None = None,
+    computed: dict[str, pa.DataType] | None = None,
 ) -> pa.Schema:
     """The part schema: pooled rows hold one vector, `none` a list of per-token vectors
-    and the tokens' grid; the copied input columns (`columns`, by name) come last, in
-    their input types."""
+    and the tokens' grid; the columns computed beside the vectors (`computed`, by name,
+    `RowBlock.computed`) follow `error`; the copied input columns (`columns`, by name)
+    come last, in their input types."""
     vector = pa.large_list(pa.float16() if dtype == "float16" else pa.float32())
     fields = [("id", id_type), ("row", pa.int64()), ("modality", pa.string()), ("tokens", pa.int32()), ("frames", pa.int32())]
     if pooling == "none":
         fields.append(("grid", pa.list_(pa.int32())))
     fields += [("embedding", vector if pooling == "mean" else pa.large_list(vector)), ("error", pa.string())]
+    fields += list((computed or {}).items())
     return pa.schema(fields + list((columns or {}).items()), metadata={b"pandas": json.dumps(PANDAS_INTEGERS)})
 
 
@@ -206,6 +227,7 @@ def block_to_table(block: RowBlock, schema: pa.Schema) -> pa.Table:
     }
     if "grid" in schema.names:
         columns["grid"] = _grid_array(block)
+    columns.update(block.computed)
     for name in schema.names:
         if name not in columns:
             columns[name] = pa.array(block.extra[name], type=schema.field(name).type)

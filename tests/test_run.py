@@ -131,10 +131,10 @@ def test_a_run_whose_capture_fails_leaves_the_collector_as_it_was(
 
 
 def test_rerun_of_a_finished_shard_does_nothing(demo_out: Path, cache_dir: str, capsys: pytest.CaptureFixture) -> None:
-    before = {p.name: p.stat().st_mtime_ns for p in output_files(demo_out)}
+    before = {p: (demo_out / p).stat().st_mtime_ns for p in output_files(demo_out)}
     assert run(demo_out, cache_dir) == 0
     assert "already complete" in capsys.readouterr().err
-    assert {p.name: p.stat().st_mtime_ns for p in output_files(demo_out)} == before
+    assert {p: (demo_out / p).stat().st_mtime_ns for p in output_files(demo_out)} == before
 
 
 def test_changed_job_refuses_to_resume_unless_overwrite(demo_out: Path, tmp_path: Path, cache_dir: str, capsys) -> None:

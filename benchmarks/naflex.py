@@ -1,4 +1,4 @@
-"""SigLIP 2 NaFlex: packed graphs against transformers' padded batch (figures to RESULTS.md once measured).
+"""SigLIP 2 NaFlex: packed graphs against transformers' padded batch (RESULTS.md section 13).
 
 Usage (from the repository root, on a CUDA machine; --smoke checks the script on the CPU):
 

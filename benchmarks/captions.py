@@ -1,4 +1,4 @@
-"""Images and captions against images alone, end to end on one GPU (RESULTS.md section 13, once measured).
+"""Images and captions against images alone, end to end on one GPU (RESULTS.md section 14).
 
 On the GPU machine, from the repository root (`bench-data`: photos, optional as in scaling.py):
 

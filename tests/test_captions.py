@@ -1,11 +1,12 @@
 """Captions beside pictures (issue #55): text embeddings, image-text scores and zero-shot
-labels, for CLIP, SigLIP and MetaCLIP 2 full checkpoints.
+labels, for CLIP, SigLIP, MetaCLIP 2, SigLIP 2 and OpenCLIP full checkpoints.
 
 Each test builds a tiny full checkpoint (random weights, fixed seed) with a tokenizer
-trained here through `tokenizers`, saves model, image processor and tokenizer with
-`save_pretrained`, and runs a Parquet of photos and captions through `embedjob run` on
-the CPU: what a user's checkpoint goes through. The reference is transformers'
-`get_text_features` on the tokenizer's own output.
+trained here through `tokenizers` (or OpenCLIP's own), saves model, image processor and
+tokenizer as a user's checkpoint is saved, and runs a Parquet of photos and captions
+through `embedjob run` on the CPU: what a user's checkpoint goes through. The reference
+is transformers' `get_text_features` on the tokenizer's own output, or OpenCLIP's
+`encode_text` on its tokenizer's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
-from caption_helpers import LABELS, LENGTH, ROWS, SENTENCES, VISION, job, read, save_checkpoint
+from caption_helpers import FAMILY_OF, LABELS, LENGTH, ROWS, SENTENCES, SIGLIP2_VISION, VISION, job, read, save_checkpoint
 
 import embedjob
 from embedjob.captions import text_plan
@@ -33,20 +34,37 @@ CPU = torch.device("cpu")
 def reference_text(family: str, model: Path, texts: list[str]) -> np.ndarray:
     """transformers' get_text_features on the tokenizer's output, one caption at a time
     (so unpadded for CLIP), tokenised as each model's documentation says: CLIP with its
-    attention mask; SigLIP padded to max_length and, as it was trained, without a mask
-    over the padding (its pad token is its EOS; a mask would change its vectors)."""
+    attention mask; SigLIP and SigLIP 2 padded to max_length and, as they were trained,
+    without a mask over the padding (a mask would change their vectors). OpenCLIP:
+    `encode_text` on its own tokenizer's ids for the checkpoint."""
+    if family.startswith("open_clip"):
+        return open_clip_reference(model, texts)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    classes = {"clip": transformers.CLIPModel, "metaclip2": transformers.MetaClip2Model, "siglip": transformers.SiglipModel}
+    classes = {
+        "clip": transformers.CLIPModel, "metaclip2": transformers.MetaClip2Model, "siglip": transformers.SiglipModel,
+        "siglip2": transformers.Siglip2Model,
+    }
     full = classes[family].from_pretrained(model)
     rows = []
     with torch.no_grad():
         for text in texts:
-            if family != "siglip":
+            if family not in ("siglip", "siglip2"):
                 inputs = tokenizer(text, truncation=True, max_length=LENGTH, return_tensors="pt")
             else:
                 inputs = {"input_ids": tokenizer(text, padding="max_length", truncation=True, max_length=LENGTH, return_tensors="pt").input_ids}
             rows.append(full.get_text_features(**inputs).pooler_output[0].numpy())
     return np.stack(rows)
+
+
+def open_clip_reference(model: Path, texts: list[str]) -> np.ndarray:
+    """OpenCLIP's own `encode_text` (not normalised) on `get_tokenizer`'s ids, one caption
+    at a time, for the checkpoint directory as OpenCLIP loads it."""
+    import open_clip
+
+    full = open_clip.create_model(f"local-dir:{model}", require_pretrained=True).eval()
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{model}")
+    with torch.no_grad():
+        return np.stack([full.encode_text(tokenizer([text]))[0].numpy() for text in texts])
 
 
 def relative(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -57,10 +75,16 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-@pytest.mark.parametrize(("family", "workers", "normalize"), [("clip", 1, False), ("siglip", 0, True), ("metaclip2", 0, False)])
+@pytest.mark.parametrize(
+    ("family", "workers", "normalize"),
+    [
+        ("clip", 1, False), ("siglip", 0, True), ("metaclip2", 0, False), ("siglip2", 0, True), ("open_clip", 1, False),
+        ("open_clip_hf", 0, True),
+    ],
+)
 def test_each_row_gets_its_captions_vector_score_and_label(tmp_path: Path, cache_dir: str, family: str, workers: int, normalize: bool) -> None:
     model = save_checkpoint(family, tmp_path / "model")
-    raw = job(tmp_path, cache_dir, family, model, output={"normalize": normalize}, runtime={"workers": workers})
+    raw = job(tmp_path, cache_dir, FAMILY_OF.get(family, family), model, output={"normalize": normalize}, runtime={"workers": workers})
     stats = embedjob.run(raw)
     table = read(tmp_path / "out")
     rows = table.to_pylist()

@@ -170,13 +170,61 @@ def test_a_checkpoint_without_a_text_tower_or_tokenizer_stops_before_any_row(tmp
     transformers.CLIPVisionModelWithProjection._from_config(transformers.CLIPVisionConfig(**VISION, projection_dim=24)).save_pretrained(vision_only)
     transformers.CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(vision_only)
     no_tokenizer = save_checkpoint("siglip", tmp_path / "no-tokenizer", tokenizer=False)
-    for family, model, says in [("clip", vision_only, "vision-only"), ("siglip", no_tokenizer, "no tokenizer")]:
+    siglip2_vision = tmp_path / "siglip2-vision"
+    transformers.Siglip2VisionModel._from_config(transformers.Siglip2VisionConfig(**SIGLIP2_VISION)).save_pretrained(siglip2_vision)
+    transformers.Siglip2ImageProcessor(patch_size=8, max_num_patches=96).save_pretrained(siglip2_vision)
+    # OpenCLIP reads a Hugging Face tokenizer its config names from the checkpoint directory.
+    open_clip_no_tokenizer = save_checkpoint("open_clip_hf", tmp_path / "open-clip-no-tokenizer", tokenizer=False)
+    cases = [
+        ("clip", vision_only, "vision-only"), ("siglip", no_tokenizer, "no tokenizer"), ("siglip2", siglip2_vision, "vision-only"),
+        ("open_clip", open_clip_no_tokenizer, "no tokenizer (tokenizer.json or tokenizer_config.json) for its text_cfg's hf_tokenizer_name"),
+    ]
+    for family, model, says in cases:
         raw = job(tmp_path, cache_dir, family, model, output={"path": str(tmp_path / f"out-{family}")})
         with pytest.raises(JobError) as refused:
             embedjob.run(raw)
         message = str(refused.value)
         assert says in message and "\n" not in message
         assert not list((tmp_path / f"out-{family}").glob("part-*.parquet"))
+
+
+def test_an_open_clip_text_tower_the_tokenizer_overruns_or_of_hugging_faces_is_one_line(tmp_path: Path, cache_dir: str) -> None:
+    """OpenCLIP's default tokenizer gives ids up to 49407: a text tower embedding fewer
+    would fail on the device mid-run, so it stops at load; a text tower that is not
+    OpenCLIP's own transformer (a Hugging Face one) is named."""
+    import open_clip
+    from caption_helpers import OPEN_CLIP_PREPROCESS, OPEN_CLIP_VISION
+
+    from embedjob.encoders.open_clip import save_checkpoint as save_open_clip_checkpoint
+    from embedjob.encoders.open_clip import text_module
+
+    model_cfg = {"embed_dim": 24, "vision_cfg": OPEN_CLIP_VISION, "text_cfg": {"context_length": LENGTH, "vocab_size": 128, "width": 32, "heads": 2, "layers": 1}}
+    small = tmp_path / "small-vocabulary"
+    small.mkdir()
+    save_open_clip_checkpoint(open_clip.CLIP(**model_cfg), model_cfg, OPEN_CLIP_PREPROCESS, small)
+    with pytest.raises(JobError, match="its tokenizer has 49408 tokens and its text tower embeds 128") as refused:
+        embedjob.run(job(tmp_path, cache_dir, "open_clip", small))
+    assert "\n" not in str(refused.value)
+    custom = open_clip.create_model(f"local-dir:{save_checkpoint('open_clip_hf', tmp_path / 'custom')}")
+    assert text_module(custom, tmp_path) is custom.text
+    custom.text = torch.nn.Identity()
+    with pytest.raises(ValueError, match="its text tower is a Identity; captions and labels run OpenCLIP's own text transformer"):
+        text_module(custom, tmp_path)
+
+
+def test_the_builtin_open_clip_model_captions_with_open_clips_default_tokenizer(tmp_path: Path, cache_dir: str) -> None:
+    """`builtin:tiny-open_clip` has a text tower of OpenCLIP's default tokenizer (77
+    tokens), so the demo embeds captions and labels: OpenCLIP's own vectors."""
+    raw = job(tmp_path, cache_dir, "open_clip", "builtin:tiny-open_clip")
+    stats = embedjob.run(raw)
+    rows = read(tmp_path / "out").to_pylist()
+    captioned = [k for k, (_, caption) in enumerate(ROWS) if caption is not None]
+    reference = open_clip_reference(Path(cache_dir) / "builtin" / "tiny-open_clip-v1", [ROWS[k][1] for k in captioned])
+    for k, ref in zip(captioned, reference):
+        assert relative(np.array(rows[k]["text_embedding"], dtype=np.float32), ref) < 1e-3, f"row {k}"
+    assert rows[0]["score"] == pytest.approx(cosine(np.array(rows[0]["embedding"]), np.array(rows[0]["text_embedding"])), abs=1e-5)
+    assert all(row["label"] in LABELS for row in rows if row["error"] is None)
+    assert stats["text"]["token_budgets"][0] == 77
 
 
 def test_a_caption_column_the_input_lacks_or_that_holds_no_strings_stops_before_any_work(tmp_path: Path, cache_dir: str) -> None:

@@ -10,14 +10,14 @@ own tokenizer), and the adapter the graph engine runs.
 
 What the numbers mean (the contract the packer, the graph manager and the pipeline rely on):
 - An item is one caption: exactly `length` token ids (the model's length: its
-  `max_position_embeddings`, OpenCLIP's `context_length`), truncated by the tokenizer as the model's documentation
-  does and padded to `length`. Its `tokens` is `length`, so budgets are multiples of
-  `length` (`budget_unit`) and a budget of B tokens is a batch of B // length captions:
-  one captured graph per batch size at the fixed length.
+  `max_position_embeddings`, OpenCLIP's `context_length`), truncated by the tokenizer
+  as the model's documentation does and padded to `length`. Its `tokens` is `length`,
+  so budgets are multiples of `length` (`budget_unit`) and a budget of B tokens is a
+  batch of B // length captions: one captured graph per batch size at the fixed length.
 - `forward` returns one row per caption: the text tower's projected vector, what the
   full model's `get_text_features(...).pooler_output` (OpenCLIP's `encode_text`) gives
-  for the tokenizer's output, in the image vectors' space. Captions never attend to each other, so pad rows (all
-  zero ids) cannot change a real row.
+  for the tokenizer's output, in the image vectors' space. Captions never attend to
+  each other, so pad rows (all zero ids) cannot change a real row.
 - Padding never moves the position a tower pools: CLIP-like towers (causal attention,
   pooled at the first EOS) are padded on the right with the tokenizer's pad id (its EOS
   where it has none), which no earlier position attends to, so no attention mask is

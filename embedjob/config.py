@@ -125,7 +125,7 @@ class InputConfig:
         {}, "fsspec options for an input.path URL (e.g. {endpoint_url: ..., profile: ...}); credentials also come from the store's usual places"
     )
     text_column: str | None = key(
-        None, "a string column of captions (webdataset: a member, e.g. txt): each row also gets its text_embedding and score (clip, siglip, metaclip2); null: none"
+        None, "a string column of captions (webdataset: a member, e.g. txt): each row also gets its text_embedding and score (clip, siglip, metaclip2, siglip2, open_clip); null: none"
     )
 
 

@@ -1,11 +1,12 @@
 """Captions beside pictures (issue #55): text embeddings, image-text scores and zero-shot
-labels, for CLIP, SigLIP and MetaCLIP 2 full checkpoints.
+labels, for CLIP, SigLIP, MetaCLIP 2, SigLIP 2 and OpenCLIP full checkpoints.
 
 Each test builds a tiny full checkpoint (random weights, fixed seed) with a tokenizer
-trained here through `tokenizers`, saves model, image processor and tokenizer with
-`save_pretrained`, and runs a Parquet of photos and captions through `embedjob run` on
-the CPU: what a user's checkpoint goes through. The reference is transformers'
-`get_text_features` on the tokenizer's own output.
+trained here through `tokenizers` (or OpenCLIP's own), saves model, image processor and
+tokenizer as a user's checkpoint is saved, and runs a Parquet of photos and captions
+through `embedjob run` on the CPU: what a user's checkpoint goes through. The reference
+is transformers' `get_text_features` on the tokenizer's own output, or OpenCLIP's
+`encode_text` on its tokenizer's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import transformers
-from caption_helpers import LABELS, LENGTH, ROWS, SENTENCES, VISION, job, read, save_checkpoint
+from caption_helpers import FAMILY_OF, LABELS, LENGTH, ROWS, SENTENCES, SIGLIP2_VISION, VISION, job, read, save_checkpoint
 
 import embedjob
 from embedjob.captions import text_plan
@@ -33,20 +34,37 @@ CPU = torch.device("cpu")
 def reference_text(family: str, model: Path, texts: list[str]) -> np.ndarray:
     """transformers' get_text_features on the tokenizer's output, one caption at a time
     (so unpadded for CLIP), tokenised as each model's documentation says: CLIP with its
-    attention mask; SigLIP padded to max_length and, as it was trained, without a mask
-    over the padding (its pad token is its EOS; a mask would change its vectors)."""
+    attention mask; SigLIP and SigLIP 2 padded to max_length and, as they were trained,
+    without a mask over the padding (a mask would change their vectors). OpenCLIP:
+    `encode_text` on its own tokenizer's ids for the checkpoint."""
+    if family.startswith("open_clip"):
+        return open_clip_reference(model, texts)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    classes = {"clip": transformers.CLIPModel, "metaclip2": transformers.MetaClip2Model, "siglip": transformers.SiglipModel}
+    classes = {
+        "clip": transformers.CLIPModel, "metaclip2": transformers.MetaClip2Model, "siglip": transformers.SiglipModel,
+        "siglip2": transformers.Siglip2Model,
+    }
     full = classes[family].from_pretrained(model)
     rows = []
     with torch.no_grad():
         for text in texts:
-            if family != "siglip":
+            if family not in ("siglip", "siglip2"):
                 inputs = tokenizer(text, truncation=True, max_length=LENGTH, return_tensors="pt")
             else:
                 inputs = {"input_ids": tokenizer(text, padding="max_length", truncation=True, max_length=LENGTH, return_tensors="pt").input_ids}
             rows.append(full.get_text_features(**inputs).pooler_output[0].numpy())
     return np.stack(rows)
+
+
+def open_clip_reference(model: Path, texts: list[str]) -> np.ndarray:
+    """OpenCLIP's own `encode_text` (not normalised) on `get_tokenizer`'s ids, one caption
+    at a time, for the checkpoint directory as OpenCLIP loads it."""
+    import open_clip
+
+    full = open_clip.create_model(f"local-dir:{model}", require_pretrained=True).eval()
+    tokenizer = open_clip.get_tokenizer(f"local-dir:{model}")
+    with torch.no_grad():
+        return np.stack([full.encode_text(tokenizer([text]))[0].numpy() for text in texts])
 
 
 def relative(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -57,10 +75,16 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-@pytest.mark.parametrize(("family", "workers", "normalize"), [("clip", 1, False), ("siglip", 0, True), ("metaclip2", 0, False)])
+@pytest.mark.parametrize(
+    ("family", "workers", "normalize"),
+    [
+        ("clip", 1, False), ("siglip", 0, True), ("metaclip2", 0, False), ("siglip2", 0, True), ("open_clip", 1, False),
+        ("open_clip_hf", 0, True),
+    ],
+)
 def test_each_row_gets_its_captions_vector_score_and_label(tmp_path: Path, cache_dir: str, family: str, workers: int, normalize: bool) -> None:
     model = save_checkpoint(family, tmp_path / "model")
-    raw = job(tmp_path, cache_dir, family, model, output={"normalize": normalize}, runtime={"workers": workers})
+    raw = job(tmp_path, cache_dir, FAMILY_OF.get(family, family), model, output={"normalize": normalize}, runtime={"workers": workers})
     stats = embedjob.run(raw)
     table = read(tmp_path / "out")
     rows = table.to_pylist()
@@ -146,13 +170,61 @@ def test_a_checkpoint_without_a_text_tower_or_tokenizer_stops_before_any_row(tmp
     transformers.CLIPVisionModelWithProjection._from_config(transformers.CLIPVisionConfig(**VISION, projection_dim=24)).save_pretrained(vision_only)
     transformers.CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(vision_only)
     no_tokenizer = save_checkpoint("siglip", tmp_path / "no-tokenizer", tokenizer=False)
-    for family, model, says in [("clip", vision_only, "vision-only"), ("siglip", no_tokenizer, "no tokenizer")]:
+    siglip2_vision = tmp_path / "siglip2-vision"
+    transformers.Siglip2VisionModel._from_config(transformers.Siglip2VisionConfig(**SIGLIP2_VISION)).save_pretrained(siglip2_vision)
+    transformers.Siglip2ImageProcessor(patch_size=8, max_num_patches=96).save_pretrained(siglip2_vision)
+    # OpenCLIP reads a Hugging Face tokenizer its config names from the checkpoint directory.
+    open_clip_no_tokenizer = save_checkpoint("open_clip_hf", tmp_path / "open-clip-no-tokenizer", tokenizer=False)
+    cases = [
+        ("clip", vision_only, "vision-only"), ("siglip", no_tokenizer, "no tokenizer"), ("siglip2", siglip2_vision, "vision-only"),
+        ("open_clip", open_clip_no_tokenizer, "no tokenizer (tokenizer.json or tokenizer_config.json) for its text_cfg's hf_tokenizer_name"),
+    ]
+    for family, model, says in cases:
         raw = job(tmp_path, cache_dir, family, model, output={"path": str(tmp_path / f"out-{family}")})
         with pytest.raises(JobError) as refused:
             embedjob.run(raw)
         message = str(refused.value)
         assert says in message and "\n" not in message
         assert not list((tmp_path / f"out-{family}").glob("part-*.parquet"))
+
+
+def test_an_open_clip_text_tower_the_tokenizer_overruns_or_of_hugging_faces_is_one_line(tmp_path: Path, cache_dir: str) -> None:
+    """OpenCLIP's default tokenizer gives ids up to 49407: a text tower embedding fewer
+    would fail on the device mid-run, so it stops at load; a text tower that is not
+    OpenCLIP's own transformer (a Hugging Face one) is named."""
+    import open_clip
+    from caption_helpers import OPEN_CLIP_PREPROCESS, OPEN_CLIP_VISION
+
+    from embedjob.encoders.open_clip import save_checkpoint as save_open_clip_checkpoint
+    from embedjob.encoders.open_clip import text_module
+
+    model_cfg = {"embed_dim": 24, "vision_cfg": OPEN_CLIP_VISION, "text_cfg": {"context_length": LENGTH, "vocab_size": 128, "width": 32, "heads": 2, "layers": 1}}
+    small = tmp_path / "small-vocabulary"
+    small.mkdir()
+    save_open_clip_checkpoint(open_clip.CLIP(**model_cfg), model_cfg, OPEN_CLIP_PREPROCESS, small)
+    with pytest.raises(JobError, match="its tokenizer has 49408 tokens and its text tower embeds 128") as refused:
+        embedjob.run(job(tmp_path, cache_dir, "open_clip", small))
+    assert "\n" not in str(refused.value)
+    custom = open_clip.create_model(f"local-dir:{save_checkpoint('open_clip_hf', tmp_path / 'custom')}")
+    assert text_module(custom, tmp_path) is custom.text
+    custom.text = torch.nn.Identity()
+    with pytest.raises(ValueError, match="its text tower is a Identity; captions and labels run OpenCLIP's own text transformer"):
+        text_module(custom, tmp_path)
+
+
+def test_the_builtin_open_clip_model_captions_with_open_clips_default_tokenizer(tmp_path: Path, cache_dir: str) -> None:
+    """`builtin:tiny-open_clip` has a text tower of OpenCLIP's default tokenizer (77
+    tokens), so the demo embeds captions and labels: OpenCLIP's own vectors."""
+    raw = job(tmp_path, cache_dir, "open_clip", "builtin:tiny-open_clip")
+    stats = embedjob.run(raw)
+    rows = read(tmp_path / "out").to_pylist()
+    captioned = [k for k, (_, caption) in enumerate(ROWS) if caption is not None]
+    reference = open_clip_reference(Path(cache_dir) / "builtin" / "tiny-open_clip-v1", [ROWS[k][1] for k in captioned])
+    for k, ref in zip(captioned, reference):
+        assert relative(np.array(rows[k]["text_embedding"], dtype=np.float32), ref) < 1e-3, f"row {k}"
+    assert rows[0]["score"] == pytest.approx(cosine(np.array(rows[0]["embedding"]), np.array(rows[0]["text_embedding"])), abs=1e-5)
+    assert all(row["label"] in LABELS for row in rows if row["error"] is None)
+    assert stats["text"]["token_budgets"][0] == 77
 
 
 def test_a_caption_column_the_input_lacks_or_that_holds_no_strings_stops_before_any_work(tmp_path: Path, cache_dir: str) -> None:

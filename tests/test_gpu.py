@@ -1443,3 +1443,78 @@ def test_a_captions_job_on_cuda_matches_the_cpu_run(tmp_path: Path, cache_dir: s
             assert abs(cpu_row["label_score"] - gpu_row["label_score"]) < 2e-2
             cosines = torch.nn.functional.cosine_similarity(torch.tensor(cpu_row["embedding"])[None], prompts)
             assert cosines[LABELS.index(cpu_row["label"])] - cosines[LABELS.index(gpu_row["label"])] < 2e-2
+
+
+# --- captions for SigLIP 2 and OpenCLIP (issue #55) ---------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["siglip2", "open_clip", "open_clip_hf"])
+def test_siglip2_and_open_clip_text_graphs_replay_equal_padded_eager_on_cuda(tmp_path: Path, cache_dir: str, kind: str) -> None:
+    """SigLIP 2's text tower and OpenCLIP's (`encode_text`: a CLIP on OpenCLIP's default
+    tokenizer, and a SigLIP-like custom text tower on a Hugging Face tokenizer) in bf16 on
+    CUDA: graphs, one per batch size at the fixed length, captured into a pool first filled
+    with NaN, replay each batch's padded eager run bit for bit with finite rows
+    (`nan_pool_replays`); 9 captions in the 16-caption graph equal its padded eager run and
+    stay close to the float32 CPU tower's vectors."""
+    if kind.startswith("open_clip"):
+        pytest.importorskip("open_clip")
+    from caption_helpers import FAMILY_OF, SENTENCES, job, save_checkpoint
+
+    from embedjob.captions import text_plan
+    from embedjob.config import job_from_dict
+
+    model = save_checkpoint(kind, tmp_path / "model")
+    spec = job_from_dict(job(tmp_path, cache_dir, FAMILY_OF.get(kind, kind), model, runtime={"device": "cuda"}))
+    gpu, cpu = load_adapter(spec, torch.device("cuda")).text, load_adapter(spec, torch.device("cpu")).text
+    assert gpu.dtype == torch.bfloat16
+    captions = [*SENTENCES, " ".join(SENTENCES), ""]
+    items = [gpu.preprocessor()(c) for c in captions]
+    assert sum(replayed.shape[0] for replayed, _ in nan_pool_replays(gpu, gpu, text_plan(gpu), items)) == len(items)
+    manager = GraphManager(gpu, text_plan(gpu), "cuda")
+    manager.capture()
+    budget = 16 * gpu.length  # room for 16 captions: 7 pad rows
+    replayed = torch.cat(manager.run(items, budget))
+    assert torch.equal(replayed, padded_eager(manager, items, budget)[: len(items)])
+    with torch.no_grad():
+        ref = cpu.forward(cpu.eager_inputs([cpu.preprocessor()(c) for c in captions]))
+    rel = (replayed.float().cpu() - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert float(rel.max()) < 3e-2, rel.tolist()
+    assert manager.stats.hits == len(items)
+    manager.clear()
+
+
+@pytest.mark.parametrize("kind", ["siglip2", "open_clip"])
+def test_a_compiled_siglip2_or_open_clip_captions_job_on_cuda_matches_the_cpu_run(tmp_path: Path, cache_dir: str, kind: str) -> None:
+    """SigLIP 2 and OpenCLIP with captions and labels on the GPU, blocks compiled and text
+    graphs replayed, give the CPU run's rows: the same nulls, close text vectors, scores and
+    label scores, and the CPU's label unless the GPU's is within bf16 noise of it by the
+    CPU's own cosines with the prompts."""
+    if kind.startswith("open_clip"):
+        pytest.importorskip("open_clip")
+    from caption_helpers import LABELS, job, read, save_checkpoint
+
+    import embedjob
+    from embedjob.config import job_from_dict
+
+    model = save_checkpoint(kind, tmp_path / "model")
+    tables, stats = {}, {}
+    for device in ("cpu", "cuda"):
+        raw = job(tmp_path, cache_dir, kind, model, output={"path": str(tmp_path / device)},
+                  runtime={"device": device, "gpus": 1}, batching={"compile": device == "cuda"})
+        stats[device] = embedjob.run(raw)
+        tables[device] = read(tmp_path / device).to_pylist()
+    text = stats["cuda"]["text"]
+    assert text["graph_backend"] == "cuda" and text["hit_rate"] == 1.0 and text["graph_misses"] == 0
+    prompts = load_adapter(job_from_dict(job(tmp_path, cache_dir, kind, model)), torch.device("cpu")).text.embed(LABELS)
+    for cpu_row, gpu_row in zip(tables["cpu"], tables["cuda"], strict=True):
+        for name in ("error", "text_embedding", "score", "label"):
+            assert (cpu_row[name] is None) == (gpu_row[name] is None), name
+        if cpu_row["text_embedding"] is not None:
+            a, b = torch.tensor(cpu_row["text_embedding"]), torch.tensor(gpu_row["text_embedding"])
+            assert float((a - b).norm() / a.norm()) < 3e-2
+        if cpu_row["score"] is not None:
+            assert abs(cpu_row["score"] - gpu_row["score"]) < 2e-2
+        if cpu_row["label"] is not None:
+            assert abs(cpu_row["label_score"] - gpu_row["label_score"]) < 2e-2
+            cosines = torch.nn.functional.cosine_similarity(torch.tensor(cpu_row["embedding"])[None], prompts)
+            assert cosines[LABELS.index(cpu_row["label"])] - cosines[LABELS.index(gpu_row["label"])] < 2e-2

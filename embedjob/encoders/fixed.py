@@ -696,28 +696,30 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
     placement = options.placement(device, dtype, path)
     adapter = FixedResAdapter(spec, tower, projection, processing, placement, pool, options.tile_combine, per_token=options.per_token)
     if full is not None:
-        adapter.text = build_text(spec, full, directory, placement)
+        adapter.text = build_text(spec.name, spec.text_pooling, full, directory, placement)
     return adapter
 
 
-def build_text(spec: FixedFamily, full: torch.nn.Module, directory: Path, placement: Placement) -> TextAdapter:
-    """The text tower of a loaded full CLIP or SigLIP model on the placement's device,
-    with the checkpoint's tokenizer: captions of the text model's length, padded as its
-    pooling needs (`encoders.text`). A tokenizer with nothing to pad a CLIP caption with
-    is a ValueError."""
+def build_text(family: str, pooling: str | None, full: torch.nn.Module, directory: Path, placement: Placement) -> TextAdapter:
+    """The text tower of a loaded transformers dual encoder (CLIP, MetaCLIP 2, SigLIP,
+    SigLIP 2: `text_model`, its blocks at `encoder.layers`, a `text_projection` beside it
+    or a head inside it) on the placement's device, with the checkpoint's tokenizer:
+    captions of the text model's length, padded as its `pooling` needs (`encoders.text`:
+    "eos" on the right with the pad id, "last" by the tokenizer to max_length). A
+    tokenizer with nothing to pad a caption with is a ValueError."""
     tokenizer = load_tokenizer(str(directory))
     model = full.text_model.to(placement.device).eval().requires_grad_(False)
     projection = getattr(full, "text_projection", None)
     if projection is not None:
         projection = projection.to(placement.device).eval().requires_grad_(False)
     pad_with = None
-    if spec.text_pooling == "eos":
+    if pooling == "eos":
         pad_with = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_with is None:
             raise ValueError(f"the tokenizer of {directory} has neither a pad nor an EOS token to pad captions with")
     elif tokenizer.pad_token_id is None:
-        raise ValueError(f"the tokenizer of {directory} has no pad token, and {spec.name} pools captions padded to their length")
+        raise ValueError(f"the tokenizer of {directory} has no pad token, and {family} pools captions padded to their length")
     length = int(model.config.max_position_embeddings)
     width = int(projection.out_features if projection is not None else model.config.projection_size)
     processing = TextPreprocessor(str(directory), length, pad_with)
-    return TextAdapter(spec.name, PooledText(model, projection), model.encoder.layers, width, processing, placement)
+    return TextAdapter(family, PooledText(model, projection), model.encoder.layers, width, processing, placement)

@@ -5,8 +5,8 @@ model's `model_cfg` and the image transform's `preprocess_cfg`) beside its weigh
 `open_clip_model.safetensors` or else `open_clip_pytorch_model.bin`. `model.path` names
 a local directory of that layout, or a hub repository (`hf-hub:org/name`, or plain
 `org/name`), of which only those two files are fetched. The whole model is loaded
-(`open_clip.create_model`, so the text tower stays reachable as `adapter.model`), but
-only images are embedded.
+(`open_clip.create_model`), kept as `adapter.model`; its text tower embeds captions and
+label prompts where the job asks (`build_text`, below).
 
 The tower is open_clip's own ViT (`VisionTransformer`): every image is resized to the
 model's input size, so it costs `tokens_per_image` = patches + 1 (the class token)
@@ -36,10 +36,23 @@ adds that difference. The workers ship the resized, cropped uint8 views; normali
 runs on the device, inside the captured graph (`FixedPreprocessor.normalize`). Decoded
 images are RGB, with transparency composited on white by the decode stage, where
 OpenCLIP's `convert("RGB")` drops the alpha channel and keeps the hidden colours.
+
+Captions (`input.text_column`, `output.labels`; `encoders.text` has the contract): a
+caption's vector is `model.encode_text(ids)` (projected, not normalised), its ids what
+OpenCLIP's own tokenizer for the checkpoint gives (`open_clip.get_tokenizer` of the
+directory: CLIP's BPE, shipped inside the package, padded with zeros to the text
+config's `context_length`; or the Hugging Face tokenizer its `hf_tokenizer_name` names,
+read from the checkpoint directory, never fetched). Every caption is that one length,
+however the tower pools it (argmax at CLIP's end token, the last position, an EOS id):
+the tokenizer pads it as the model was trained, so pad rows cannot move a real row's
+pooled position. The text tower must be OpenCLIP's own `TextTransformer` (CLIP keeps its
+parts on the model itself); its forward has no host synchronisation (its causal mask a
+buffer, its pooling index computed on the device), so it is captured like the others.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -57,6 +70,7 @@ from embedjob.encoders.base import Placement, StaticInputs
 from embedjob.encoders.fixed import GLOBAL_KEY, FixedPreprocessor, FixedResAdapter
 from embedjob.encoders.loading import AdapterOptions, builtin_model, resolve_checkpoint
 from embedjob.encoders.registry import OPEN_CLIP_CONFIG, OPEN_CLIP_HUB
+from embedjob.encoders.text import TOKENIZER_FILES, TextAdapter, TextPreprocessor
 
 logger = logging.getLogger(__name__)
 
@@ -346,5 +360,101 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
     max_tiles = options.max_tiles if options.tiling == "anyres" else 0
     processing = load_processing(model.visual, max_tiles)
     placement = options.placement(device, dtype, path)
-    return OpenClipAdapter(model, processing, placement, options.tile_combine, options.per_token)
+    adapter = OpenClipAdapter(model, processing, placement, options.tile_combine, options.per_token)
+    if options.text:
+        adapter.text = build_text(model, directory, placement)
+    return adapter
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(directory: str, length: int) -> Any:
+    """OpenCLIP's tokenizer for the checkpoint in `directory` (`open_clip.get_tokenizer`
+    of its `open_clip_config.json`), making `length` ids a caption; loaded once per
+    process (a decode worker loads it at its first caption). A ValueError in one line
+    where the config names a Hugging Face tokenizer (`hf_tokenizer_name`) whose files
+    the directory lacks: OpenCLIP reads them from there, and a job fetches nothing."""
+    config = json.loads((Path(directory) / OPEN_CLIP_CONFIG).read_text())
+    hub_name = ((config.get("model_cfg") or {}).get("text_cfg") or {}).get("hf_tokenizer_name")
+    if hub_name and not any((Path(directory) / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"checkpoint {directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)}) for its text_cfg's "
+            f"hf_tokenizer_name {hub_name!r}, which captions and labels need; save it beside the weights "
+            f"(AutoTokenizer.from_pretrained({hub_name!r}).save_pretrained(directory)) and name that directory"
+        )
+    open_clip = import_open_clip()
+    try:
+        return open_clip.get_tokenizer(f"local-dir:{directory}", context_length=length)
+    except ImportError as exc:
+        raise ValueError(f"the tokenizer of {directory} needs {getattr(exc, 'name', None) or exc}: pip install 'embedjob[captions]'") from None
+    except (OSError, ValueError, TypeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"cannot load the tokenizer of {directory}: {first}") from None
+
+
+@dataclass(frozen=True)
+class OpenClipTextPreprocessor(TextPreprocessor):
+    """A caption -> its item of `length` token ids by OpenCLIP's tokenizer for the
+    checkpoint (which truncates and pads itself); picklable, run in decode workers."""
+
+    pad_with: int | None = None
+
+    def ids(self, text: str) -> list[int]:
+        return load_tokenizer(self.directory, self.length)([text])[0].tolist()
+
+
+class EncodedText(torch.nn.Module):
+    """`model.encode_text` as the text adapter's tower: (n, length) ids -> (n, width),
+    projected and not normalised (`output.normalize` normalises, as for images)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.encode_text(ids, normalize=False)
+
+
+def text_module(model: torch.nn.Module, directory: Path) -> torch.nn.Module:
+    """The module that holds the text transformer (`transformer`, `token_embedding`,
+    `text_projection`): a `CustomTextCLIP`'s or CoCa's `text`, or the `CLIP` model
+    itself, which keeps its text tower's parts as its own. A ValueError for a text tower
+    of Hugging Face's (`hf_model_name`)."""
+    from open_clip.transformer import TextTransformer
+
+    text = getattr(model, "text", None)
+    if isinstance(text, TextTransformer):
+        return text
+    if text is None and hasattr(model, "token_embedding"):
+        return model
+    raise ValueError(
+        f"{directory}: its text tower is a {type(text).__name__}; captions and labels run OpenCLIP's own text "
+        "transformer (TextTransformer), not Hugging Face text towers (text_cfg hf_model_name)"
+    )
+
+
+def _projected_width(projection: Any, width: int) -> int:
+    """The width of a caption's vector: the projection's output (a layer, or a bare
+    (width, embed_dim) matrix OpenCLIP multiplies by), or the tower's own without one."""
+    if projection is None:
+        return width
+    return int(projection.out_features) if isinstance(projection, torch.nn.Linear) else int(projection.shape[-1])
+
+
+def build_text(model: torch.nn.Module, directory: Path, placement: Placement) -> TextAdapter:
+    """The loaded model's text tower as a `TextAdapter` on its device: captions of the
+    model's `context_length` by OpenCLIP's tokenizer, loaded here once so a missing or
+    unfit tokenizer stops the job before any row (a ValueError: ids past the model's
+    vocabulary would fail on the device mid-run)."""
+    text = text_module(model, directory)
+    length = int(model.context_length)
+    tokenizer = load_tokenizer(str(directory), length)
+    vocabulary, embeddings = getattr(tokenizer, "vocab_size", None), int(text.token_embedding.num_embeddings)
+    if vocabulary is not None and vocabulary > embeddings:
+        raise ValueError(
+            f"{directory}: its tokenizer has {vocabulary} tokens and its text tower embeds {embeddings}; "
+            "set text_cfg's vocab_size or hf_tokenizer_name to the tokenizer the model was trained with"
+        )
+    width = _projected_width(text.text_projection, int(text.transformer.width))
+    processing = OpenClipTextPreprocessor(str(directory), length)
+    return TextAdapter(NAME, EncodedText(model), list(text.transformer.resblocks), width, processing, placement)
 

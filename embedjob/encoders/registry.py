@@ -34,7 +34,8 @@ class Family:
     vector is the job's choice (`model.pool`: the CLS token or the patch mean); `text`:
     its full checkpoints carry a text tower and tokenizer, which the adapter module's
     `build_adapter` loads beside the image tower when `AdapterOptions.text` asks
-    (captions and zero-shot labels)."""
+    (captions and zero-shot labels): CLIP, SigLIP, MetaCLIP 2 and SigLIP 2 through
+    `fixed.build_text`, OpenCLIP through `open_clip.build_text`."""
 
     adapter: str
     fixed_resolution: bool
@@ -59,8 +60,8 @@ FAMILIES: dict[str, Family] = {
     "dinov2": Family(_FIXED, True, ("dinov2",), poolable=True),
     "dinov3": Family(_FIXED, True, ("dinov3_vit",), poolable=True),
     "metaclip2": Family(_FIXED, True, ("metaclip_2", "metaclip_2_vision_model"), text=True),
-    "siglip2": Family(_SIGLIP2, False, ("siglip2", "siglip2_vision_model")),
-    "open_clip": Family("embedjob.encoders.open_clip", True, (), package="open_clip", extra="open_clip"),
+    "siglip2": Family(_SIGLIP2, False, ("siglip2", "siglip2_vision_model"), text=True),
+    "open_clip": Family("embedjob.encoders.open_clip", True, (), package="open_clip", extra="open_clip", text=True),
 }
 
 

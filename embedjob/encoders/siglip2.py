@@ -42,6 +42,13 @@ token instead of a resized table.
 
 The uint8 -> float normalisation runs on the device inside the graph, as in the other
 families: workers ship resized uint8 patch rows (a quarter of float32's bytes).
+
+Captions (`input.text_column`, `output.labels`): a full Siglip2Model's text tower is
+SigLIP's (Siglip2TextModel: bidirectional, pooled at the last position through its
+head), so `fixed.build_text` builds it: the checkpoint's tokenizer (Gemma's, lower-casing)
+pads every caption to the text model's length (64), as the processor does and as the
+model was trained, and no attention mask is passed, as in training; the vector is
+`Siglip2Model.get_text_features(input_ids).pooler_output`.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ from embedjob.encoders.base import (
     Placement,
     StaticInputs,
 )
-from embedjob.encoders.fixed import INTERPOLATIONS
+from embedjob.encoders.fixed import INTERPOLATIONS, build_text
 from embedjob.encoders.loading import (
     AdapterOptions,
     builtin_model,
@@ -496,14 +503,23 @@ def builtin_dir(cache_dir: Path | str) -> Path:
     return builtin_model(cache_dir, FAMILY, BUILTIN_VERSION, build)
 
 
-def load_tower(directory: Path, dtype: torch.dtype) -> torch.nn.Module:
-    """The vision tower (Siglip2VisionModel) of a full Siglip2Model checkpoint (loaded
-    whole, its text tower kept loadable, then dropped here) or of a vision-only one."""
+def load_model(directory: Path, dtype: torch.dtype, text: bool = False) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The vision tower (Siglip2VisionModel) and, with `text`, the full Siglip2Model its
+    text tower is taken from (else None). A full checkpoint is loaded whole (its text
+    tower dropped without `text`), a vision-only one as the class it was saved from, and
+    refused with `text` (ValueError: it has no text tower)."""
     model_type = json.loads((directory / "config.json").read_text()).get("model_type")
     if model_type == FULL_TYPE:
-        return transformers_class("Siglip2Model").from_pretrained(directory, dtype=dtype).vision_model
+        full = transformers_class("Siglip2Model").from_pretrained(directory, dtype=dtype)
+        return full.vision_model, full if text else None
+    if model_type == VISION_TYPE and text:
+        raise ValueError(
+            f"checkpoint {directory} is a vision-only {FAMILY} model ({model_type!r}) with no text tower for "
+            f"input.text_column or output.labels; name the full checkpoint (model_type {FULL_TYPE!r}, vision and text) "
+            "or remove those keys"
+        )
     if model_type == VISION_TYPE:
-        return transformers_class("Siglip2VisionModel").from_pretrained(directory, dtype=dtype)
+        return transformers_class("Siglip2VisionModel").from_pretrained(directory, dtype=dtype), None
     hint = next((f"; set model.family to {name!r}" for name, f in REGISTRY.items() if model_type in f.model_types), "")
     raise ValueError(
         f"checkpoint {directory} has model_type {model_type!r}; model.family {FAMILY!r} expects {FULL_TYPE!r} or "
@@ -547,9 +563,11 @@ def _patches(pixels: int | None, patch: int) -> int | None:
 
 
 def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: AdapterOptions) -> NaflexAdapter:
-    """Load a SigLIP 2 NaFlex tower ready for packed, capturable execution on `device`."""
+    """Load a SigLIP 2 NaFlex tower ready for packed, capturable execution on `device`,
+    and with `options.text` its text tower beside it (`fixed.build_text`: SigLIP's
+    structure, pooled at the last position of a caption padded to max_length)."""
     directory = resolve_checkpoint(path, FAMILY, [FAMILY], lambda: builtin_dir(options.cache_dir), download_snapshot)
-    tower = load_tower(directory, dtype)
+    tower, full = load_model(directory, dtype, text=options.text)
     if not getattr(tower.config, "vision_use_head", True) and not options.per_token:
         raise ValueError(
             f"checkpoint {directory} has no attention-pooling head (vision_use_head=false), so no image vector; "
@@ -558,4 +576,8 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
     tower = tower.to(device).eval().requires_grad_(False)
     processing = load_processing(directory, tower.config, options)
     register_attention(options.attention)
-    return NaflexAdapter(tower, processing, options.placement(device, dtype, path), options.attention, options.per_token)
+    placement = options.placement(device, dtype, path)
+    adapter = NaflexAdapter(tower, processing, placement, options.attention, options.per_token)
+    if full is not None:
+        adapter.text = build_text(FAMILY, "last", full, directory, placement)
+    return adapter

@@ -1,21 +1,23 @@
 """Text towers beside image towers: captions and zero-shot label prompts as token ids.
 
 A family whose full checkpoints carry a text tower (`registry.Family.text`) builds a
-`TextAdapter` from the loaded full model in its own module (e.g. `fixed.build_text`):
+`TextAdapter` from the loaded full model in its own module (`fixed.build_text` for the
+transformers dual encoders, `open_clip.build_text` with OpenCLIP's own tokenizer):
 which submodules make the caption's vector, and how its captions are padded. Everything
 else is here, the same for every family: the checkpoint's tokenizer, the picklable
-`TextPreprocessor` the decode workers run, and the adapter the graph engine runs.
+`TextPreprocessor` the decode workers run (OpenCLIP's subclass tokenises with OpenCLIP's
+own tokenizer), and the adapter the graph engine runs.
 
 What the numbers mean (the contract the packer, the graph manager and the pipeline rely on):
 - An item is one caption: exactly `length` token ids (the model's length: its
-  `max_position_embeddings`), truncated by the tokenizer as the model's documentation
-  does and padded to `length`. Its `tokens` is `length`, so budgets are multiples of
-  `length` (`budget_unit`) and a budget of B tokens is a batch of B // length captions:
-  one captured graph per batch size at the fixed length.
+  `max_position_embeddings`, OpenCLIP's `context_length`), truncated by the tokenizer
+  as the model's documentation does and padded to `length`. Its `tokens` is `length`,
+  so budgets are multiples of `length` (`budget_unit`) and a budget of B tokens is a
+  batch of B // length captions: one captured graph per batch size at the fixed length.
 - `forward` returns one row per caption: the text tower's projected vector, what the
-  full model's `get_text_features(...).pooler_output` gives for the tokenizer's output,
-  in the image vectors' space. Captions never attend to each other, so pad rows (all
-  zero ids) cannot change a real row.
+  full model's `get_text_features(...).pooler_output` (OpenCLIP's `encode_text`) gives
+  for the tokenizer's output, in the image vectors' space. Captions never attend to
+  each other, so pad rows (all zero ids) cannot change a real row.
 - Padding never moves the position a tower pools: CLIP-like towers (causal attention,
   pooled at the first EOS) are padded on the right with the tokenizer's pad id (its EOS
   where it has none), which no earlier position attends to, so no attention mask is

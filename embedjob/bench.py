@@ -626,14 +626,27 @@ def _fixed_tower_rows(
     values = adapter.processing.normalize(pixels, adapter.pixel_scale).to(adapter.dtype)
     plain = plain.to(device).eval().requires_grad_(False)
     plain_seconds, reference = _plain_seconds(plain, spec.projected_class is not None, values, repeats, compiled, device)
+    return _against_plain(label, "transformers", "model", adapter, pixels, (plain_seconds, reference), flops, peak, repeats, device, compiled)
+
+
+def _against_plain(
+    label: str, library: str, call: str, adapter: Any, pixels: torch.Tensor, plain: tuple[float, torch.Tensor],
+    flops: float, peak: float, repeats: int, device: torch.device, compiled: bool,
+) -> list[Row]:
+    """The plain library's row (its median seconds and float32 vectors, `plain`, timed by
+    the caller) and our graph replay's on the same `pixels` (the adapter compiled as a
+    job compiles it when `compiled`), whose note gives its speed over the plain one and
+    the smallest cosine between their vectors."""
+    plain_seconds, reference = plain
     torch._dynamo.reset()
     if compiled:
         adapter.compile(dynamic=True)
     ours_seconds, ours = _graph_seconds(adapter, pixels, repeats, device)
     cosine = float(torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min())
-    kind = "torch.compile(model)" if compiled else "eager"
+    batch = pixels.shape[0]
+    kind = f"torch.compile({call})" if compiled else "eager"
     return [
-        Row(label, f"plain_transformers_{'compile' if compiled else 'eager'}", batch, plain_seconds, flops, peak,
+        Row(label, f"plain_{library}_{'compile' if compiled else 'eager'}", batch, plain_seconds, flops, peak,
             note=f"{kind}, batch {batch} on the device"),
         Row(label, "ours_graphs_compiled" if compiled else "ours_graphs", batch, ours_seconds, flops, peak,
             note=f"{plain_seconds / ours_seconds:.3f}x plain; min cos to plain {cosine:.5f}"),
@@ -710,18 +723,9 @@ def open_clip_rows(
         plain_seconds = device_time(lambda: encode(values), repeats, device)
         reference = encode(values).float()
     del plain, encode
-    torch._dynamo.reset()
-    if compiled:
-        adapter.compile(dynamic=True)
-    ours_seconds, ours = _graph_seconds(adapter, pixels, repeats, device)
-    cosine = float(torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min())
-    kind = "torch.compile(model.encode_image)" if compiled else "eager"
-    return [
-        Row(label, f"plain_open_clip_{'compile' if compiled else 'eager'}", batch, plain_seconds, flops, peak,
-            note=f"{kind}, batch {batch} on the device"),
-        Row(label, "ours_graphs_compiled" if compiled else "ours_graphs", batch, ours_seconds, flops, peak,
-            note=f"{plain_seconds / ours_seconds:.3f}x plain; min cos to plain {cosine:.5f}"),
-    ]
+    return _against_plain(
+        label, "open_clip", "model.encode_image", adapter, pixels, (plain_seconds, reference), flops, peak, repeats, device, compiled
+    )
 
 
 def _plain_seconds(

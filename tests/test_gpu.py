@@ -1431,7 +1431,15 @@ def test_a_captions_job_on_cuda_matches_the_cpu_run(tmp_path: Path, cache_dir: s
     full, tokenizer = transformers.CLIPModel.from_pretrained(model), transformers.AutoTokenizer.from_pretrained(model)
     with torch.no_grad():
         prompts = full.get_text_features(**tokenizer(LABELS, padding=True, return_tensors="pt")).pooler_output
-    for cpu_row, gpu_row in zip(tables["cpu"], tables["cuda"], strict=True):
+    _caption_rows_agree(tables["cpu"], tables["cuda"], prompts)
+
+
+def _caption_rows_agree(cpu_rows: list[dict], gpu_rows: list[dict], prompts: torch.Tensor) -> None:
+    """A captions job's CUDA rows are its CPU rows: the same nulls, text vectors, scores
+    and label scores close, and a label that differs only where two prompts nearly tie."""
+    from caption_helpers import LABELS
+
+    for cpu_row, gpu_row in zip(cpu_rows, gpu_rows, strict=True):
         for name in ("error", "text_embedding", "score", "label"):
             assert (cpu_row[name] is None) == (gpu_row[name] is None), name
         if cpu_row["text_embedding"] is not None:
@@ -1506,15 +1514,4 @@ def test_a_compiled_siglip2_or_open_clip_captions_job_on_cuda_matches_the_cpu_ru
     text = stats["cuda"]["text"]
     assert text["graph_backend"] == "cuda" and text["hit_rate"] == 1.0 and text["graph_misses"] == 0
     prompts = load_adapter(job_from_dict(job(tmp_path, cache_dir, kind, model)), torch.device("cpu")).text.embed(LABELS)
-    for cpu_row, gpu_row in zip(tables["cpu"], tables["cuda"], strict=True):
-        for name in ("error", "text_embedding", "score", "label"):
-            assert (cpu_row[name] is None) == (gpu_row[name] is None), name
-        if cpu_row["text_embedding"] is not None:
-            a, b = torch.tensor(cpu_row["text_embedding"]), torch.tensor(gpu_row["text_embedding"])
-            assert float((a - b).norm() / a.norm()) < 3e-2
-        if cpu_row["score"] is not None:
-            assert abs(cpu_row["score"] - gpu_row["score"]) < 2e-2
-        if cpu_row["label"] is not None:
-            assert abs(cpu_row["label_score"] - gpu_row["label_score"]) < 2e-2
-            cosines = torch.nn.functional.cosine_similarity(torch.tensor(cpu_row["embedding"])[None], prompts)
-            assert cosines[LABELS.index(cpu_row["label"])] - cosines[LABELS.index(gpu_row["label"])] < 2e-2
+    _caption_rows_agree(tables["cpu"], tables["cuda"], prompts)

@@ -160,7 +160,7 @@ def test_keys_group_consecutive_members_as_webdataset_does() -> None:
 
 def test_rows_are_numbered_over_tars_in_path_order_and_shards_cut_between_fragments(tmp_path: Path) -> None:
     items = media()
-    tars = write_tars(tmp_path / "tars", items, (len(items) - 4, 4))
+    write_tars(tmp_path / "tars", items, (len(items) - 4, 4))
     (tmp_path / "tars" / "00000.tar").rename(tmp_path / "tars" / "00002.tar")  # now the last in path order
     cfg = InputConfig(path=str(tmp_path / "tars" / "*.tar"), media_column="jpg", format="webdataset")
     listing = reader.scan_input(cfg)

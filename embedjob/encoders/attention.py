@@ -41,6 +41,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -331,3 +332,20 @@ def register(backend: str = VARLEN) -> str:
     if TRITON:
         _register_segment_attention()
     return ATTN_NAMES[backend]
+
+
+def pad_offsets(offsets: np.ndarray, total: int, length: int, segment: int) -> np.ndarray:
+    """Extend cumulative offsets to `total` with segments of <= `segment`, then repeat the last.
+
+    Pad rows get segments of their own so they never attend to real rows and cost no
+    quadratic work; the repeated offsets make zero-length segments that kernels skip.
+    """
+    last = int(offsets[-1])
+    extra = list(range(last + segment, total, segment))
+    if last < total:
+        extra.append(total)
+    needed = offsets.shape[0] + len(extra)
+    if needed > length:
+        raise ValueError(f"batch needs {needed} segment offsets but the budget's buffer holds {length}")
+    tail = [total] * (length - needed)
+    return np.concatenate([offsets.astype(np.int32), np.array(extra + tail, dtype=np.int32)])

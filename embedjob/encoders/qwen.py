@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.encoders.attention import HALF, VARLEN
+from embedjob.encoders.attention import HALF, VARLEN, pad_offsets
 from embedjob.encoders.attention import register as register_attention
 from embedjob.encoders.base import (
     JPEG_KEY,
@@ -439,14 +439,14 @@ class QwenAdapter(EncoderAdapter):
         tensors = {
             "pixel_values": torch.zeros(patches, self.patch_dim, dtype=torch.uint8),
             "position_ids": torch.zeros(patches, 2, dtype=torch.int64),
-            "cu_seqlens": torch.from_numpy(_pad_offsets(_START, patches, full_slots, FULL_PAD_SEGMENT)),
+            "cu_seqlens": torch.from_numpy(pad_offsets(_START, patches, full_slots, FULL_PAD_SEGMENT)),
         }
         pad = {"cu_seqlens": PAD_REPEAT_LAST}
         constants = {"max_seqlen": min(patches, self.max_frame_patches), "budget": budget}
         if self.spec.windowed:
             window_slots = max_items + budget // 8 + math.ceil(patches / PAD_SEGMENT) + 1
             tensors["window_index"] = torch.arange(budget, dtype=torch.int64)
-            tensors["cu_window_seqlens"] = torch.from_numpy(_pad_offsets(_START, patches, window_slots, PAD_SEGMENT))
+            tensors["cu_window_seqlens"] = torch.from_numpy(pad_offsets(_START, patches, window_slots, PAD_SEGMENT))
             pad["cu_window_seqlens"] = PAD_REPEAT_LAST
             constants["max_window_seqlen"] = min(patches, self.window_patches)
         if self.spec.interpolated_positions:
@@ -472,12 +472,12 @@ class QwenAdapter(EncoderAdapter):
         patches = static.tensors["pixel_values"].shape[0]
         grids = _grids(items)
         values = self._patch_rows(items, grids)
-        offsets = _pad_offsets(_segment_offsets(grids), patches, static.tensors["cu_seqlens"].shape[0], FULL_PAD_SEGMENT)
+        offsets = pad_offsets(_segment_offsets(grids), patches, static.tensors["cu_seqlens"].shape[0], FULL_PAD_SEGMENT)
         values["cu_seqlens"] = self._host(offsets)
         if self.spec.windowed:
             values["window_index"] = self._window_index(items, patches // self.merge_unit)
             length = static.tensors["cu_window_seqlens"].shape[0]
-            values["cu_window_seqlens"] = self._host(_pad_offsets(_window_offsets(items, grids), patches, length, PAD_SEGMENT))
+            values["cu_window_seqlens"] = self._host(pad_offsets(_window_offsets(items, grids), patches, length, PAD_SEGMENT))
         return values
 
     def eager_inputs(self, items: list[EncoderInput]) -> StaticInputs:
@@ -593,23 +593,6 @@ def _max_gap(offsets: np.ndarray) -> int:
 
 
 _START = np.zeros(1, dtype=np.int32)
-
-
-def _pad_offsets(offsets: np.ndarray, total: int, length: int, segment: int) -> np.ndarray:
-    """Extend cumulative offsets to `total` with segments of <= `segment`, then repeat the last.
-
-    Pad rows get segments of their own so they never attend to real rows and cost no
-    quadratic work; the repeated offsets make zero-length segments that kernels skip.
-    """
-    last = int(offsets[-1])
-    extra = list(range(last + segment, total, segment))
-    if last < total:
-        extra.append(total)
-    needed = offsets.shape[0] + len(extra)
-    if needed > length:
-        raise ValueError(f"batch needs {needed} segment offsets but the budget's buffer holds {length}")
-    tail = [total] * (length - needed)
-    return np.concatenate([offsets.astype(np.int32), np.array(extra + tail, dtype=np.int32)])
 
 
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {

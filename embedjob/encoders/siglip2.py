@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.encoders.attention import HALF, varlen_attention
+from embedjob.encoders.attention import HALF, pad_offsets, varlen_attention
 from embedjob.encoders.attention import register as register_attention
 from embedjob.encoders.base import (
     JPEG_KEY,
@@ -85,7 +85,6 @@ from embedjob.encoders.loading import (
     resolve_checkpoint,
     transformers_class,
 )
-from embedjob.encoders.qwen import _pad_offsets
 from embedjob.encoders.registry import FAMILIES as REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -375,7 +374,7 @@ class NaflexAdapter(EncoderAdapter):
         tensors = {
             PIXELS_KEY: torch.zeros(budget, self.processing.patch_dim, dtype=torch.uint8),
             POSITIONS_KEY: positions,
-            "cu_seqlens": torch.from_numpy(_pad_offsets(_START, budget, slots, self.pad_segment)),
+            "cu_seqlens": torch.from_numpy(pad_offsets(_START, budget, slots, self.pad_segment)),
         }
         pad = {POSITIONS_KEY: PAD_REPEAT_LAST, "cu_seqlens": PAD_REPEAT_LAST}
         constants = {"max_seqlen": min(budget, self.max_view), "budget": budget}
@@ -393,7 +392,7 @@ class NaflexAdapter(EncoderAdapter):
         position)."""
         budget = static.tensors[PIXELS_KEY].shape[0]
         values, offsets = self._token_rows(items)
-        padded = _pad_offsets(offsets, budget, static.tensors["cu_seqlens"].shape[0], self.pad_segment)
+        padded = pad_offsets(offsets, budget, static.tensors["cu_seqlens"].shape[0], self.pad_segment)
         values["cu_seqlens"] = self._host(padded)
         return values
 

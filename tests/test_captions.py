@@ -23,6 +23,7 @@ import transformers
 from caption_helpers import FAMILY_OF, LABELS, LENGTH, ROWS, SENTENCES, SIGLIP2_VISION, VISION, job, read, save_checkpoint
 
 import embedjob
+import embedjob.cli
 from embedjob.captions import text_plan
 from embedjob.config import JobError, job_from_dict
 from embedjob.encoders import load_adapter
@@ -225,6 +226,39 @@ def test_the_builtin_open_clip_model_captions_with_open_clips_default_tokenizer(
     assert rows[0]["score"] == pytest.approx(cosine(np.array(rows[0]["embedding"]), np.array(rows[0]["text_embedding"])), abs=1e-5)
     assert all(row["label"] in LABELS for row in rows if row["error"] is None)
     assert stats["text"]["token_budgets"][0] == 77
+
+
+def test_the_captions_demo_job_gives_the_parquet_demos_vectors_with_each_tars_caption(tmp_path: Path, cache_dir: str) -> None:
+    """`jobs/demo-captions.yaml` reads the demo's photos from a WebDataset tar with their
+    captions: each row's image vector is the one the same photo gets from the Parquet
+    demo, its caption the tar's `txt` member with OpenCLIP's own text vector, the photo
+    without a caption keeps its vector, and the two broken files keep their captions'
+    error rows."""
+    import tarfile
+
+    from caption_helpers import REPO
+
+    common = ["--set", f"runtime.cache_dir={cache_dir}", "--set", "runtime.workers=0", "--set", "output.dtype=float32"]
+    tar_out, parquet_out = tmp_path / "tar", tmp_path / "parquet"
+    assert embedjob.cli.main(["run", str(REPO / "jobs" / "demo-captions.yaml"), "--set", f"output.path={tar_out}", *common]) == 0
+    parquet = ["--set", "input.format=parquet", "--set", "input.path=" + str(REPO / "jobs" / "data" / "demo-images.parquet"),
+               "--set", "input.media_column=image", "--set", "input.id_column=id", "--set", "input.text_column=null",
+               "--set", "output.columns=[]", "--set", "output.labels=[]"]
+    assert embedjob.cli.main(["run", str(REPO / "jobs" / "demo-captions.yaml"), "--set", f"output.path={parquet_out}", *parquet, *common]) == 0
+    tar_rows, parquet_rows = read(tar_out).to_pylist(), read(parquet_out).to_pylist()
+    assert [r["id"] for r in tar_rows] == [r["id"] for r in parquet_rows]
+    assert [r["embedding"] for r in tar_rows] == [r["embedding"] for r in parquet_rows]
+    with tarfile.open(REPO / "jobs" / "data" / "demo-images.tar") as tar:
+        captions = {m.name.removesuffix(".txt"): tar.extractfile(m).read().decode() for m in tar if m.name.endswith(".txt")}
+    assert [r["txt"] for r in tar_rows] == [captions.get(r["id"]) for r in tar_rows]
+    captioned = [r for r in tar_rows if r["txt"] is not None]
+    reference = open_clip_reference(Path(cache_dir) / "builtin" / "tiny-open_clip-v1", [r["txt"] for r in captioned])
+    for row, ref in zip(captioned, reference):
+        assert relative(np.array(row["text_embedding"], dtype=np.float32), ref) < 1e-3, row["id"]
+    uncaptioned = [r for r in tar_rows if r["txt"] is None and r["error"] is None]
+    assert uncaptioned and all(r["embedding"] is not None and r["text_embedding"] is None for r in uncaptioned)
+    broken = [r for r in tar_rows if r["error"] is not None]
+    assert len(broken) == 2 and all(r["score"] is None and r["label"] is None for r in broken)
 
 
 def test_a_caption_column_the_input_lacks_or_that_holds_no_strings_stops_before_any_work(tmp_path: Path, cache_dir: str) -> None:

@@ -107,7 +107,10 @@ ABOVE_0 = Range(0, low_open=True)
 class InputConfig:
     """Where the rows come from and which columns hold the media and the id."""
 
-    path: str = key("", "the Parquet input: a file, a directory, a glob or an fsspec URI (s3://, gs://, ...)")
+    path: str = key(
+        "", "the input files (Parquet, or .tar shards with format: webdataset): a file, a directory, a glob, an fsspec URI "
+        "(s3://, gs://, ...), or a list of these in braces (shards/{00000..00099}.tar, {a,b}/*.parquet)"
+    )
     media_column: str = key("", "the column of media: bytes, a Hugging Face image struct, or a path/URI string")
     id_column: str | None = key(None, "the column copied into the output's `id`; null: the row index")
     modality: Literal["image", "video", "auto"] = key("image", "what the media are; auto decides per row from the bytes")

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embedjob.config import InputConfig, JobError
-from embedjob.io.reader import Fragment, InputRow, assign_shards, id_type, list_fragments, read_rows
+from embedjob.io.reader import Fragment, InputRow, assign_shards, expand_braces, id_type, list_fragments, read_rows
 
 REAL = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "parquet"
 CATS = "hfhub_huggan-few-shot-cat_train-00000-of-00001.parquet"
@@ -162,12 +162,37 @@ def test_small_batches_do_not_change_rows(dataset):
         ("{root}/b.parquet", ["b"]),
         ("file://{root}", ORDER),
         ("file://{root}/**/*.parquet", ORDER),
+        ("{root}/{{b,sub/c}}.parquet", ["b", "c"]),
+        ("file://{root}/{{a,b}}.parquet", ["a", "b"]),
+        ("{root}/{{*,sub/*}}.parquet", ORDER),
     ],
 )
 def test_file_directory_glob_and_file_uri_inputs(dataset, spec, names):
     rows = read_all(cfg(spec.format(root=dataset)))
     assert [r.id.split("-")[0] for r in rows] == [n for n in names for _ in range(dict(a=7, b=5, c=4)[n])]
     assert [r.row for r in rows] == list(range(len(rows)))
+
+
+@pytest.mark.parametrize(
+    ("spec", "paths"),
+    [
+        ("s3://b/shards/{00008..00011}.tar", [f"s3://b/shards/{n:05d}.tar" for n in range(8, 12)]),
+        ("d/{a,b}/{0..1}.tar", ["d/a/0.tar", "d/a/1.tar", "d/b/0.tar", "d/b/1.tar"]),
+        ("d/[ab]*.parquet", ["d/[ab]*.parquet"]),
+        ("d/{x}.parquet", ["d/{x}.parquet"]),
+    ],
+)
+def test_a_list_of_inputs_is_written_in_braces_as_webdataset_writes_shard_lists(spec: str, paths: list[str]) -> None:
+    assert expand_braces(spec) == paths
+
+
+def test_a_brace_list_naming_a_missing_file_or_too_many_stops_naming_it(dataset):
+    with pytest.raises(JobError, match=r"input.path '.*/z.parquet' does not exist"):
+        read_all(cfg(f"{dataset}/{{a,z}}.parquet"))
+    with pytest.raises(JobError, match="must go up"):
+        expand_braces("{9..1}.tar")
+    with pytest.raises(JobError, match="at most 1,000,000 paths"):
+        expand_braces("{0..99999999}.tar")
 
 
 def test_directory_skips_hidden_underscore_and_non_parquet_files(dataset):

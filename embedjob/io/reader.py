@@ -20,7 +20,9 @@ Input forms (`input.path`): a file; a directory (every *.parquet file below it,
 skipping names that start with '.' or '_', as pyarrow.dataset and Spark do for temp and
 metadata files); a glob (`*`, `?`, `[...]`, `**` for any depth, taken as written, so
 matched files are read whatever their name); or any of these as an fsspec URI
-(`file://`, `s3://`, `gs://`, `memory://`; the protocol's package must be installed).
+(`file://`, `s3://`, `gs://`, `memory://`; the protocol's package must be installed);
+or a list of these in braces, as webdataset writes shard lists
+(`shards/{00000..00099}.tar`, `{a,b}/*.parquet`: `expand_braces`).
 Local paths are relative to the working directory; a message about a relative path
 that does not exist names that directory.
 
@@ -481,7 +483,16 @@ def _column_types(infos: list[_FileInfo], columns: Sequence[str]) -> dict[str, p
 
 def _find_files(spec: str, options: dict[str, Any], suffix: str = ".parquet") -> list[str]:
     """Input files (Parquet, or `suffix`) named by a file, directory, glob or fsspec
-    URI (with fsspec's storage `options`), sorted by path."""
+    URI (with fsspec's storage `options`), or by a list of these written with braces
+    (`expand_braces`), sorted by path; a file named twice is read once."""
+    files: set[str] = set()
+    for one in expand_braces(spec):
+        files.update(_files_of(one, options, suffix))
+    return sorted(files)
+
+
+def _files_of(spec: str, options: dict[str, Any], suffix: str) -> list[str]:
+    """The files one file, directory, glob or URI names; a JobError where none."""
     try:
         fs, target = fsspec.core.url_to_fs(os.path.expanduser(spec), **(options if _SCHEME.match(spec) else {}))
     except (ImportError, ValueError) as exc:
@@ -493,7 +504,39 @@ def _find_files(spec: str, options: dict[str, Any], suffix: str = ".parquet") ->
         raise JobError(f"cannot list input.path {spec!r}: {exc}") from None
     if not files:
         raise JobError(f"no *{suffix} file under input.path {spec!r}")
-    return sorted(_location(fs, p) for p in set(files))
+    return [_location(fs, p) for p in files]
+
+
+_BRACES = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"(\d+)\.\.(\d+)")
+MAX_EXPANDED = 1_000_000
+"""The most paths one input.path may expand to (a typo such as {0..99999999} stops at once)."""
+
+
+def expand_braces(spec: str) -> list[str]:
+    """The paths a brace pattern lists, in order, as webdataset and the shell write them:
+    `{a,b}` alternatives and `{000..099}` numeric ranges (zero-padded to the first
+    bound's width), any number of groups, each group expanded in turn (no nesting). A
+    path without such a group is itself; a group without `,` or `..` is kept as written
+    (a glob's `[...]` and `*` pass through to the glob)."""
+    match = next((m for m in _BRACES.finditer(spec) if "," in m.group(1) or _RANGE.fullmatch(m.group(1))), None)
+    if match is None:
+        return [spec]
+    head, tail = spec[: match.start()], spec[match.end() :]
+    body = match.group(1)
+    bounds = _RANGE.fullmatch(body)
+    if bounds is not None:
+        first, last = bounds.groups()
+        low, high = int(first), int(last)
+        if high < low or high - low >= MAX_EXPANDED:
+            raise JobError(f"input.path {spec!r}: the range {{{body}}} must go up and name at most {MAX_EXPANDED:,} paths")
+        choices = [str(n).zfill(len(first)) for n in range(low, high + 1)]
+    else:
+        choices = body.split(",")
+    rests = expand_braces(tail)
+    if len(choices) * len(rests) > MAX_EXPANDED:
+        raise JobError(f"input.path {spec!r} names more than {MAX_EXPANDED:,} paths")
+    return [head + choice + rest for choice in choices for rest in rests]
 
 
 def _list_files(fs: fsspec.AbstractFileSystem, target: str, spec: str, suffix: str) -> list[str]:

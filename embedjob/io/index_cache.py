@@ -16,8 +16,8 @@ without following a link, refuses anything that is not exactly an entry for this
 block boundary or whose member would end past the tar; members that do not have the
 entry's digest) and says why in one debug line, so the tar is indexed again. Entries are written as every shared file of the project is (`files`): a fresh
 file under a name nobody can guess, renamed into place, in a folder that is no link.
-Writing is best effort: a cache that cannot be written is one warning per scan, and the
-scan goes on without it.
+A folder that is a link is never read nor written; writing is best effort: a cache that
+cannot be written is one warning per scan, and the scan goes on reading what it holds.
 """
 
 from __future__ import annotations
@@ -61,12 +61,16 @@ class Entry:
 
 @dataclass
 class IndexCache:
-    """The tar-index folder under one cache root, for one scan: counts its hits and
-    stops writing (one warning) after the first failed write."""
+    """The tar-index folder under one cache root, for one scan: counts its hits; is
+    left alone (one warning) when it is no folder (a link, another kind of file); is
+    only read (one warning) once a write into it failed (another user's cache, a
+    read-only home)."""
 
     root: Path
     hits: int = 0
     writes: int = 0
+    unusable: bool | None = None
+    """None until the folder is first looked at."""
     unwritable: bool = False
 
     @property
@@ -77,6 +81,8 @@ class IndexCache:
         """The entry for the tar at `location` of `size` bytes and `stamp`, or None
         (absent, or not exactly such an entry, its members' `digest` included: one
         debug line says why)."""
+        if self._unusable():
+            return None
         path = self._path(location)
         try:
             data = _read_plain_file(path, size + _SLACK)
@@ -97,7 +103,7 @@ class IndexCache:
 
     def save(self, location: str, size: int, stamp: str, entry: Entry) -> None:
         """Write (or replace) the entry of a tar; a failure is one warning per scan."""
-        if self.unwritable:
+        if self.unwritable or self._unusable():
             return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -105,9 +111,30 @@ class IndexCache:
             files.write_bytes(self._path(location), _encode(location, size, stamp, entry))
         except (OSError, JobError) as exc:
             self.unwritable = True
-            logger.warning("cannot keep tar indexes in %s (%s): this scan indexes without saving them", self.folder, exc)
+            logger.warning("cannot keep tar indexes in %s (%s): the rest of this scan only reads them", self.folder, exc)
             return
         self.writes += 1
+
+    def _unusable(self) -> bool:
+        """Whether the folder is to be left alone: a link (whoever planted it would
+        choose the indexes we read) or anything but a folder; an absent one is made
+        by the first save."""
+        if self.unusable is None:
+            try:
+                mode = os.lstat(self.folder).st_mode
+            except FileNotFoundError:
+                mode = stat.S_IFDIR
+            except OSError as exc:
+                self._give_up(str(exc))
+                return True
+            self.unusable = False
+            if not stat.S_ISDIR(mode):
+                self._give_up("a symbolic link" if stat.S_ISLNK(mode) else "not a directory")
+        return self.unusable
+
+    def _give_up(self, why: str) -> None:
+        self.unusable = True
+        logger.warning("tar indexes are not kept in %s (%s): this scan indexes every tar anew", self.folder, why)
 
     def _path(self, location: str) -> Path:
         return self.folder / f"{hashlib.sha256(location.encode('utf-8', 'surrogateescape')).hexdigest()[:40]}.idx"

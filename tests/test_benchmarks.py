@@ -66,7 +66,7 @@ SMOKES = {
     "scaling": (["--smoke", "--mixes", "qwen-224", "--images", "8"], ["| mix | run | rows |"]),
     "video_decode": (["--smoke"], ["skipped the nvdec run", "| decoder | workers |"]),
     "captions": (["--smoke", "--models", "clip"], ["| model | run | rows |", "images + captions"]),
-    "wds_index": (["--smoke"], ["| scan | ms per tar |", "walk: ours", "index, cache hit"]),
+    "wds_index": (["--smoke"], ["| scan | ms per tar |", "walk alone: ours", "index, cache hit"]),
 }
 WORKDIRS = {"encoder_only", "gpu_decode", "precision", "scaling", "video_decode", "captions", "wds_index"}
 

@@ -101,7 +101,7 @@ def _walk(blocks: _Blocks, size: int) -> list[tuple[str, int, int]]:
         kind, name, length = _header(header)
         data = offset + BLOCK
         if kind in _EXTENSIONS:
-            name, length, data, kind = _extended(blocks, kind, name, length, data)
+            name, length, data, kind = _extended(blocks, kind, length, data)
         if length < 0 or data + length > size:
             raise _Irregular
         if kind in _REGULAR:
@@ -109,9 +109,10 @@ def _walk(blocks: _Blocks, size: int) -> list[tuple[str, int, int]]:
         offset = data if kind in _NO_DATA else data + _round(length)
 
 
-def _extended(blocks: _Blocks, kind: bytes, name: str, length: int, data: int) -> tuple[str, int, int, bytes]:
-    """(name, size, data offset, typeflag) of the member an extension header at `data`
-    - BLOCK describes: its own header's, with the long name or pax records applied."""
+def _extended(blocks: _Blocks, kind: bytes, length: int, data: int) -> tuple[str, int, int, bytes]:
+    """(name, size, data offset, typeflag) of the member that the extension header of
+    `kind` whose `length` bytes start at `data` describes: those of the member's own
+    header, with the long name or the pax records applied."""
     if data + length > blocks.size:
         raise _Irregular
     payload = blocks.read(data, _round(length))
@@ -122,7 +123,7 @@ def _extended(blocks: _Blocks, kind: bytes, name: str, length: int, data: int) -
     if kind == b"L":
         name_next = _text(payload)
     elif kind == b"x":
-        path, pax_size = _pax(payload[:length])
+        path, pax_size = _pax(payload)
         name_next = path if path is not None else name_next
         length_next = pax_size if pax_size is not None else length_next
     return name_next, length_next, following + BLOCK, kind_next
@@ -172,12 +173,16 @@ def _base256(field: bytes) -> int:
 
 def _pax(records: bytes) -> tuple[str | None, int | None]:
     """The `path` (trailing slashes removed, as tarfile does) and `size` records of a
-    pax extended header; _Irregular for records tarfile would read otherwise (a
-    malformed record, an invalid size, `hdrcharset`, GNU sparse keys)."""
+    pax extended header's blocks, read as tarfile reads them: record after record up to
+    the NUL padding, whatever the header's size says; _Irregular for anything tarfile
+    would read otherwise (a malformed record, anything but NULs after the records, an
+    invalid size, `hdrcharset`, GNU sparse keys)."""
+    if b"hdrcharset=" in records:
+        raise _Irregular
     path: str | None = None
     size: int | None = None
     position = 0
-    while position < len(records):
+    while position < len(records) and records[position]:
         space = records.find(b" ", position)
         digits = records[position:space] if space > position else b""
         if not digits.isdigit():
@@ -187,7 +192,7 @@ def _pax(records: bytes) -> tuple[str | None, int | None]:
         keyword, equals, value = record.partition(b"=")
         if position + length > len(records) or not equals or not record.endswith(b"\n"):
             raise _Irregular
-        if keyword == b"hdrcharset" or keyword.startswith(b"GNU.sparse."):
+        if not keyword or keyword.startswith(b"GNU.sparse."):
             raise _Irregular
         if keyword == b"path":
             path = value[:-1].decode("utf-8", "surrogateescape").rstrip("/")
@@ -197,6 +202,8 @@ def _pax(records: bytes) -> tuple[str | None, int | None]:
             except ValueError:
                 raise _Irregular from None
         position += length
+    if records[position:].strip(b"\0"):
+        raise _Irregular
     return path, size
 
 

@@ -247,7 +247,7 @@ class RuntimeConfig:
     )
     decode_timeout: float = key(60.0, "seconds one item may take to decode before it is a timeout row", ABOVE_0)
     gpus: Auto | int = key("auto", "GPUs (one process each) for a shard; auto: every visible GPU", AT_LEAST_1)
-    cache_dir: str | None = key(None, "where builtin models, compiled kernels and (where Python writes none) bytecode are kept; null: $EMBEDJOB_CACHE or ~/.cache/embedjob")
+    cache_dir: str | None = key(None, "where builtin models, compiled kernels, webdataset tar indexes and (where Python writes none) bytecode are kept; null: $EMBEDJOB_CACHE or ~/.cache/embedjob")
     progress: bool = key(True, "show a progress bar (where stderr is no terminal: a log line every 30 s)")
     max_error_rate: float | None = key(
         0.5,
@@ -725,8 +725,8 @@ def _check_text(job: Job, errors: list[str]) -> None:
 
 
 def cache_root(configured: str | None) -> Path:
-    """Where builtin models, compiled artefacts and the bytecode `embedjob run` keeps
-    (`keep_bytecode`) are kept.
+    """Where builtin models, compiled artefacts, webdataset tar indexes
+    (`io.index_cache`) and the bytecode `embedjob run` keeps (`keep_bytecode`) are kept.
 
     The job key wins, then $EMBEDJOB_CACHE, then ~/.cache/embedjob, so cluster users can
     point every task at one shared directory.

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from embedjob import stopping
 from embedjob.captions import caption_fields
-from embedjob.config import Job, JobError, RunFailure
+from embedjob.config import Job, JobError, RunFailure, cache_root
 from embedjob.host import host_threads, main_script_hidden, refuse_starting_process, resolve_device, resolve_workers
 from embedjob.io import reader
 from embedjob.io.checkpoint import Checkpoint, job_fingerprint, open_checkpoint, shard_finished
@@ -278,7 +278,7 @@ def scan_input(job: Job) -> reader.InputListing:
     library's own error, an hf:// or s3:// input listed offline) is a RunFailure that
     names input.path, not a traceback."""
     try:
-        return reader.scan_input(job.input, job.output.columns)
+        return reader.scan_input(job.input, job.output.columns, cache_root(job.runtime.cache_dir))
     except JobError:
         raise
     except Exception as exc:

@@ -41,7 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from embedjob.config import Job, JobError, load_job
+from embedjob.config import Job, JobError, cache_root, load_job
 from embedjob.io import reader
 from embedjob.io.checkpoint import (
     META,
@@ -374,7 +374,7 @@ def submit(
     job = load_job(job_file, overrides)
     options = replace(options, gpus_per_task=task_gpus(job, options.gpus_per_task))
     task = task_command(job_file, overrides, job)
-    listing = reader.scan_input(job.input, job.output.columns)
+    listing = reader.scan_input(job.input, job.output.columns, cache_root(job.runtime.cache_dir))
     ranges = shard_ranges(listing.fragments, options.num_shards)
     record = OutputRecord(job_fingerprint(job, listing), options.num_shards, job.output.rows_per_part)
     replacing = refuse_other_job(task.output, record, overwrite)

@@ -21,6 +21,7 @@ SCRIPTS = [
     "gpu_decode", "packing", "precision", "scaling", "video_decode",
     "naflex",
     "captions",
+    "wds_index",
 ]
 SMOKE_SECONDS = 600
 
@@ -65,8 +66,9 @@ SMOKES = {
     "scaling": (["--smoke", "--mixes", "qwen-224", "--images", "8"], ["| mix | run | rows |"]),
     "video_decode": (["--smoke"], ["skipped the nvdec run", "| decoder | workers |"]),
     "captions": (["--smoke", "--models", "clip"], ["| model | run | rows |", "images + captions"]),
+    "wds_index": (["--smoke"], ["| scan | ms per tar |", "walk alone: ours", "index, cache hit"]),
 }
-WORKDIRS = {"encoder_only", "gpu_decode", "precision", "scaling", "video_decode", "captions"}
+WORKDIRS = {"encoder_only", "gpu_decode", "precision", "scaling", "video_decode", "captions", "wds_index"}
 
 
 @pytest.mark.slow

@@ -80,7 +80,7 @@ from typing import Any
 
 import numpy as np
 
-from embedjob.config import Job, JobError
+from embedjob.config import Job, JobError, cache_root
 from embedjob.io import reader
 from embedjob.io.digest import recomputed_digest
 from embedjob.io.files import LOCK_PROBE_GRACE, FileLock, LocalStore, lock_holder  # noqa: F401 (their home before io/store.py)
@@ -149,7 +149,7 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
     (`reader.InputFile`), so an input rewritten in place is a different input.
     `listing` is `reader.scan_input(job.input)`; without it the input is scanned here.
     """
-    listing = listing if listing is not None else reader.scan_input(job.input)
+    listing = listing if listing is not None else reader.scan_input(job.input, cache_root=cache_root(job.runtime.cache_dir))
     keys = ("path", "media_column", "id_column", "modality", "media_root", "max_item_bytes")
     # Defaults of keys added later are left out: output written before they existed resumes.
     return {

@@ -84,6 +84,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -96,6 +97,7 @@ from pyarrow.fs import FSSpecHandler, PyFileSystem
 
 from embedjob.config import InputConfig, JobError, relative_note
 from embedjob.io import webdataset
+from embedjob.io.index_cache import IndexCache
 from embedjob.io.webdataset import Sample
 from embedjob.report.counts import plural
 
@@ -201,16 +203,18 @@ class InputListing:
     column_types: dict[str, pa.DataType] = field(default_factory=dict)
 
 
-def scan_input(cfg: InputConfig, columns: Sequence[str] = ()) -> InputListing:
+def scan_input(cfg: InputConfig, columns: Sequence[str] = (), cache_root: Path | None = None) -> InputListing:
     """Read every footer once and describe the input (see `list_fragments`, `id_type`).
 
     Footers of thousands of remote files are the expensive part of starting a shard,
     so the pipeline asks for both answers from one scan. `columns` are the input columns
     the job copies into its output: each must exist in every file (JobError listing
     the available ones) with one type across files (webdataset input: in some sample).
+    `cache_root` (`config.cache_root`) is where webdataset input's tar indexes are kept
+    between scans; None: none kept.
     """
     if cfg.format == "webdataset":
-        return _scan_tars(cfg, columns)
+        return _scan_tars(cfg, columns, cache_root)
     _media_root(cfg.media_root)  # a missing media_root is a job error, found before any row is read
     infos = _scan(cfg, columns)
     _check_paths_allowed(infos[0], cfg)
@@ -1014,11 +1018,13 @@ def _within(target: str, root: _Root) -> bool:
 # ---------------------------------------------------------------- webdataset
 
 
-def _scan_tars(cfg: InputConfig, columns: Sequence[str]) -> InputListing:
+def _scan_tars(cfg: InputConfig, columns: Sequence[str], cache_root: Path | None) -> InputListing:
     """The tars' index as a listing: per tar, fragments of `TAR_GROUP_SAMPLES` samples in
     tar order (each costing its members' bytes), string ids (the keys) and string
     carried columns (members' text)."""
-    indexes = [webdataset.index_tar(path, cfg.storage_options) for path in _find_files(cfg.path, cfg.storage_options, ".tar")]
+    cache = IndexCache(cache_root) if cache_root is not None else None
+    paths = _find_files(cfg.path, cfg.storage_options, ".tar")
+    indexes = [webdataset.index_tar(path, cfg.storage_options, cache) for path in paths]
     _check_members(cfg, indexes, columns)
     fragments = []
     first_row = 0
@@ -1028,9 +1034,8 @@ def _scan_tars(cfg: InputConfig, columns: Sequence[str]) -> InputListing:
             cost = sum(size for sample in samples for _, _, size in sample.members) + len(samples)
             fragments.append(Fragment(index.location, group, first_row, len(samples), cost, samples))
             first_row += len(samples)
-    logger.info(
-        "input %s: %s, %s", cfg.path, plural(len(indexes), "tar"), plural(first_row, "sample")
-    )
+    kept = f" ({cache.hits} indexed earlier, kept in {cache.folder})" if cache is not None and cache.hits else ""
+    logger.info("input %s: %s%s, %s", cfg.path, plural(len(indexes), "tar"), kept, plural(first_row, "sample"))
     files = [InputFile(i.location, i.size, i.digest, i.etag) for i in indexes]
     return InputListing(fragments, pa.string(), files, {c: pa.string() for c in columns})
 

@@ -195,7 +195,7 @@ def output_dir(job: Job) -> Store:
 def _claim(job: Job, output: Store, num_shards: int, overwrite: bool) -> list[tuple[int, int]]:
     """Check the input and the output's job, record the job there (replacing another
     job's output with `overwrite`); each shard's global row range."""
-    listing = reader.scan_input(job.input)
+    listing = reader.scan_input(job.input, cache_root=cache_root(job.runtime.cache_dir))
     ranges = shard_ranges(listing.fragments, num_shards)
     record = OutputRecord(job_fingerprint(job, listing), num_shards, job.output.rows_per_part)
     try:

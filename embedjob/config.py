@@ -125,7 +125,8 @@ class InputConfig:
         "parquet, or webdataset: .tar shards, one row per key, media from the member input.media_column names (e.g. jpg), id the key",
     )
     storage_options: dict[str, Any] = key(
-        {}, "fsspec options for an input.path URL (e.g. {endpoint_url: ..., profile: ...}); credentials also come from the store's usual places"
+        {}, "fsspec options for input.path URLs and the URIs in media cells (e.g. {endpoint_url: ..., profile: ...}); "
+        "credentials also come from the store's usual places"
     )
     text_column: str | None = key(
         None, "a string column of captions (webdataset: a member, e.g. txt): each row also gets its text_embedding and score (clip, siglip, metaclip2, siglip2, open_clip); null: none"

@@ -172,7 +172,7 @@ def _decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -
     if row.error is not None:
         return Decoded(row.row, row.id, fixed, None, row.error, digest=NO_MEDIA)
     try:
-        data = _media_bytes(row, options.media_root, options.max_item_bytes)
+        data = _media_bytes(row, options.media_root, options.max_item_bytes, options.storage_options)
     except MediaError as err:
         return Decoded(row.row, row.id, fixed, None, str(err), digest=NO_MEDIA)
     digest = media_digest(data)
@@ -183,9 +183,14 @@ def _decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -
     return _preprocessed(row.row, row.id, decoded, preprocess, digest)
 
 
-def _media_bytes(row: reader.InputRow, media_root: str | None, max_item_bytes: int | None) -> bytes:
-    """The media bytes of a row the reader gave media: its cell's, or the file its path names."""
-    return row.data if row.data is not None else read_source(row.uri or "", media_root, max_item_bytes)
+def _media_bytes(
+    row: reader.InputRow, media_root: str | None, max_item_bytes: int | None, storage_options: dict[str, Any]
+) -> bytes:
+    """The media bytes of a row the reader gave media: its cell's, or the file its path
+    names (a URI opened with `input.storage_options`, as the input files are)."""
+    if row.data is not None:
+        return row.data
+    return read_source(row.uri or "", media_root, max_item_bytes, storage_options)
 
 
 def input_digests(cfg: InputConfig, fragments: list[reader.Fragment], first_row: int, end_row: int) -> np.ndarray:
@@ -198,7 +203,7 @@ def input_digests(cfg: InputConfig, fragments: list[reader.Fragment], first_row:
     digests = []
     for row in reader.read_rows(cfg, fragments, first_row, end_row):
         try:
-            digests.append(NO_MEDIA if row.error is not None else media_digest(_media_bytes(row, root, cfg.max_item_bytes)))
+            digests.append(NO_MEDIA if row.error is not None else media_digest(_media_bytes(row, root, cfg.max_item_bytes, cfg.storage_options)))
         except MediaError:
             digests.append(NO_MEDIA)
     return digest_array(digests)
@@ -412,5 +417,6 @@ def decode_options(job: Job, adapter: EncoderAdapter) -> DecodeOptions:
         video_pixel_limit=job.video.max_total_pixels,
         media_root=reader.local_media_root(job.input),
         max_item_bytes=job.input.max_item_bytes,
+        storage_options=job.input.storage_options,
         defer_video=job.video.decoder == "nvdec",
     )

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import REPO
@@ -134,6 +136,40 @@ def test_a_job_reads_and_writes_s3_with_its_storage_options(
     assert s3_parts(fs, "optioned") == local_parts(reference)
     stats = json.loads(fs.cat_file(f"{BUCKET}/optioned/_embedjob/stats-00000.json"))
     assert stats["job"]["output"]["storage_options"] == ["endpoint_url"], "an option's value was recorded"
+
+
+@pytest.mark.slow
+def test_media_cells_naming_s3_objects_are_read_with_the_inputs_storage_options(
+    endpoint: str, inputs: Path, reference: Path, cache_dir: str, fs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Parquet of s3:// URIs (the img2dataset url-list layout) whose store is reachable
+    only through input.storage_options: every row's media is read from the bucket and
+    gets the vector the same bytes get inside Parquet, a missing object is one
+    not_found row, and nothing is read from the environment's endpoint."""
+    table = pq.read_table(sorted(inputs.glob("*.parquet"))[0]).to_pylist()
+    uris = []
+    for k, row in enumerate(table):
+        fs.pipe_file(f"{BUCKET}/media/{k}.bin", row["image"])
+        uris.append({"id": row["id"], "image": f"s3://{BUCKET}/media/{k}.bin"})
+    uris.append({"id": "gone", "image": f"s3://{BUCKET}/media/missing.bin"})
+    listing = tmp_path / "uris.parquet"
+    pq.write_table(pa.Table.from_pylist(uris), listing)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    out = tmp_path / "out"
+    args = job_args(listing, out, cache_dir) + [
+        "--set", f"input.storage_options={{endpoint_url: {endpoint}}}", "--set", f"input.media_root=s3://{BUCKET}/media",
+    ]
+    assert main(["run", *args]) == 0
+    got = read_output(out)
+    expected = {r["id"]: r for r in read_output(reference)}
+    assert [r["id"] for r in got] == [u["id"] for u in uris]
+    for row in got[:-1]:
+        want = expected[row["id"]]
+        assert row["error"] == want["error"], row["id"]
+        if want["embedding"] is not None:
+            ours, theirs = np.array(row["embedding"]), np.array(want["embedding"])
+            assert np.linalg.norm(ours - theirs) <= 1e-5 * np.linalg.norm(theirs), row["id"]
+    assert got[-1]["error"].startswith("not_found")
 
 
 @pytest.mark.slow

@@ -16,9 +16,12 @@ from embedjob.config import DEFAULT_MAX_ITEM_BYTES
 from embedjob.decode.types import MediaError
 
 
-def read_source(uri: str, root: str | None = None, max_bytes: int | None = DEFAULT_MAX_ITEM_BYTES) -> bytes:
-    """All bytes of a local path or an fsspec URI (s3://, gs://, file://, ...), checked
-    before they are read.
+def read_source(
+    uri: str, root: str | None = None, max_bytes: int | None = DEFAULT_MAX_ITEM_BYTES, options: dict[str, Any] | None = None
+) -> bytes:
+    """All bytes of a local path or an fsspec URI (s3://, gs://, file://, ...; opened
+    with fsspec's storage `options`, the job's `input.storage_options`), checked before
+    they are read.
 
     - An item of more than `max_bytes` bytes is "too_large", known from its size before
       any byte is read (the file's fstat, the store's size), and the read stops one byte
@@ -37,7 +40,7 @@ def read_source(uri: str, root: str | None = None, max_bytes: int | None = DEFAU
         import fsspec  # only URIs need it; plain paths skip the import
         from fsspec.implementations.local import LocalFileSystem
 
-        fs, path = fsspec.core.url_to_fs(uri)
+        fs, path = fsspec.core.url_to_fs(uri, **(options or {}))
         if isinstance(fs, LocalFileSystem):
             return _read_local(path, root, max_bytes)
         with fs.open(path, "rb") as handle:

@@ -7,7 +7,8 @@ importing each other (see ARCHITECTURE.md, "decode").
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -41,8 +42,9 @@ class DecodeOptions:
     `max_frame_pixels` scales frames down at decode time; `frame_pixel_limit` refuses a
     video whose frames are larger (`video.max_pixels_per_frame`), and
     `video_pixel_limit` one whose sampled frames hold more pixels together
-    (`video.max_total_pixels`): None means no limit. `media_root` (a real path) and
-    `max_item_bytes` are what the worker hands to `read_source`. `defer_jpeg` leaves
+    (`video.max_total_pixels`): None means no limit. `media_root` (a real path),
+    `max_item_bytes` and `storage_options` (`input.storage_options`, for the stores of
+    URIs in media cells) are what the worker hands to `read_source`. `defer_jpeg` leaves
     plain JPEGs undecoded (`DeferredImage`) for the device's decoder;
     `defer_video` plans a video's sampled frames and leaves them undecoded
     (`DeferredVideo`) for the GPU's video decoder.
@@ -59,6 +61,7 @@ class DecodeOptions:
     video_pixel_limit: int | None = DEFAULT_MAX_VIDEO_PIXELS
     media_root: str | None = None
     max_item_bytes: int | None = DEFAULT_MAX_ITEM_BYTES
+    storage_options: dict[str, Any] = field(default_factory=dict)
     defer_jpeg: bool = False
     defer_video: bool = False
 

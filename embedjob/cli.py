@@ -429,7 +429,7 @@ def _export_command(sub: Any) -> None:
     export = sub.add_parser(
         "export", help="write a finished output's vectors as embeddings/*.npy + metadata/*.parquet, or a faiss index"
     )
-    export.add_argument("output", help="the job's output.path")
+    export.add_argument("output", help="the job's output.path (a directory or an object-store URL)")
     export.add_argument("dest", help="a new or empty directory")
     export.add_argument("--format", choices=FORMATS, default="npy", help="npy arrays, or a faiss index (pip install 'embedjob[index]')")
     export.add_argument("--partial", action="store_true", help="export the committed rows of an unfinished output")
@@ -441,8 +441,8 @@ def _export_command(sub: Any) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    result = export_output(Path(args.output), Path(args.dest), args.format, args.partial, args.rows_per_file, args.flat_limit)
-    print(f"embedjob: {summary(result, Path(args.output))}", file=sys.stderr)
+    result = export_output(args.output, Path(args.dest), args.format, args.partial, args.rows_per_file, args.flat_limit)
+    print(f"embedjob: {summary(result, args.output)}", file=sys.stderr)
     print(result.dest)
     return 0
 

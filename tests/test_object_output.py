@@ -213,6 +213,17 @@ def test_verify_names_an_altered_and_a_missing_part_object(finished: str, fs, ca
 
 
 @pytest.mark.slow
+def test_export_reads_an_s3_output_as_it_reads_the_local_one(finished: str, reference: Path, tmp_path: Path) -> None:
+    """`embedjob export s3://...` gives the files the same job's local output exports to."""
+    assert main(["export", finished, str(tmp_path / "from-s3")]) == 0
+    assert main(["export", str(reference), str(tmp_path / "from-disk")]) == 0
+    exported = sorted(p.relative_to(tmp_path / "from-disk") for p in (tmp_path / "from-disk").rglob("*") if p.is_file())
+    assert exported and any(p.suffix == ".npy" for p in exported)
+    for name in exported:
+        assert (tmp_path / "from-s3" / name).read_bytes() == (tmp_path / "from-disk" / name).read_bytes(), name
+
+
+@pytest.mark.slow
 def test_status_and_report_read_an_s3_output(finished: str, fs, capsys: pytest.CaptureFixture) -> None:
     capsys.readouterr()
     assert main(["status", finished]) == 0

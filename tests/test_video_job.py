@@ -386,7 +386,7 @@ def test_images_and_videos_share_batches_and_match_each_item_run_alone(
 HANGING_ID = "hangs"
 
 
-def decode_or_hang(row: Any, options: DecodeOptions, preprocess: Any) -> Decoded:
+def decode_or_hang(row: Any, options: DecodeOptions, preprocess: Any, captions: Any = None) -> Decoded:
     """`decode_row`, except that the row with id HANGING_ID never returns.
 
     Module level so that the decode workers (forkserver: fresh processes) unpickle it by
@@ -394,7 +394,7 @@ def decode_or_hang(row: Any, options: DecodeOptions, preprocess: Any) -> Decoded
     """
     if row.id == HANGING_ID:
         time.sleep(3600)
-    return decode_row(row, options, preprocess)
+    return decode_row(row, options, preprocess, captions)
 
 
 @pytest.mark.slow

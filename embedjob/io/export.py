@@ -51,6 +51,7 @@ from embedjob.io.checkpoint import (
     read_output_record,
     shard_finished,
 )
+from embedjob.io.store import Store, is_url, output_store
 from embedjob.report.counts import plural
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class ExportResult:
 
 
 def export_output(
-    output: Path,
+    output: str | Path,
     dest: Path,
     fmt: Format,
     partial: bool = False,
@@ -101,14 +102,16 @@ def export_output(
     if rows_per_file < 1:
         raise JobError(f"--rows-per-file must be >= 1, got {rows_per_file}")
     faiss = _faiss() if fmt == "faiss" else None
-    parts = committed_parts(Path(output), partial)
-    for path in parts:
-        _refuse_per_token(path, pq.read_schema(path))
-    _check_dest(Path(output), Path(dest))
-    result = ExportResult(Path(dest), parts=[p.name for p in parts])
+    store = output_store(output)
+    parts = committed_parts(store, partial)
+    for name in parts:
+        where, filesystem = store.arrow(name)
+        _refuse_per_token(store, pq.read_schema(where, filesystem=filesystem))
+    _check_dest(store, Path(dest))
+    result = ExportResult(Path(dest), parts=list(parts))
     sink = _Sink(Path(dest), rows_per_file, fmt == "npy")
     vectors: list[np.ndarray] = []
-    for table in _valid_rows(Path(output), parts, result):
+    for table in _valid_rows(store, parts, result):
         block = _vectors(table, result)
         sink.add(block, table.drop_columns(["embedding"]))
         if faiss is not None:
@@ -119,11 +122,12 @@ def export_output(
     return result
 
 
-def committed_parts(output: Path, partial: bool) -> list[Path]:
-    """The committed part files of `output` in row order, each checked intact; JobError
-    where a shard is unfinished and not `partial`."""
-    if not output.is_dir():
-        raise JobError(f"output {output} {'is a file, not an output directory' if output.exists() else 'does not exist'}")
+def committed_parts(output: Store, partial: bool) -> list[str]:
+    """The names of `output`'s committed parts in row order, each checked intact (read
+    back whole through its store); JobError where a shard is unfinished and not `partial`."""
+    problem = output.problem()
+    if problem is not None:
+        raise JobError(f"output {output} {problem}")
     names = old_layout(output)
     if names:
         raise JobError(old_layout_message(output, names, "export it with that embedjob, or rerun the job into a new output.path"))
@@ -144,7 +148,7 @@ def committed_parts(output: Path, partial: bool) -> list[Path]:
             problem = part_problem(output, part)
             if problem is not None:
                 raise RunFailure(f"{part.name} {problem}; run embedjob verify {output}, then rerun the job to recompute it")
-            parts.append(output / part.name)
+            parts.append(part.name)
     return parts
 
 
@@ -155,18 +159,19 @@ def _faiss() -> ModuleType:
         raise JobError(FAISS_MISSING) from None
 
 
-def _check_dest(output: Path, dest: Path) -> None:
+def _check_dest(output: Store, dest: Path) -> None:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise JobError(f"export destination {dest} {'is a file' if not dest.is_dir() else 'holds files'}; name a new or empty directory")
-    if dest.resolve().is_relative_to(output.resolve()):
+    if not is_url(output.location) and dest.resolve().is_relative_to(Path(output.location).resolve()):
         raise JobError(f"export destination {dest} lies inside the output {output}, whose readers would take its files for parts; name another directory")
 
 
-def _valid_rows(output: Path, parts: list[Path], result: ExportResult) -> Iterator[pa.Table]:
+def _valid_rows(output: Store, parts: list[str], result: ExportResult) -> Iterator[pa.Table]:
     """Each part's rows that have a vector, a row group at a time, with `row`, `id`,
     the carried columns and `embedding`; error rows counted in `result.errors`."""
-    for path in parts:
-        handle = pq.ParquetFile(path)
+    for name in parts:
+        where, filesystem = output.arrow(name)
+        handle = pq.ParquetFile(where, filesystem=filesystem)
         carried = [n for n in handle.schema_arrow.names if n not in OUTPUT_COLUMNS]
         for group in range(handle.num_row_groups):
             table = handle.read_row_group(group).select(["row", "id", *carried, "embedding"])
@@ -176,12 +181,12 @@ def _valid_rows(output: Path, parts: list[Path], result: ExportResult) -> Iterat
             yield kept
 
 
-def _refuse_per_token(path: Path, schema: pa.Schema) -> None:
+def _refuse_per_token(output: Store, schema: pa.Schema) -> None:
     described = json.loads((schema.metadata or {}).get(b"embedjob", b"{}"))
     nested = pa.types.is_list(schema.field("embedding").type.value_type)
     if described.get("pooling") == "none" or nested:
         raise JobError(
-            f"{path.parent} holds a vector per token (output.pooling: none); an index holds one vector per row: "
+            f"{output} holds a vector per token (output.pooling: none); an index holds one vector per row: "
             "export an output of output.pooling: mean"
         )
 
@@ -292,7 +297,7 @@ def _write_index(faiss: ModuleType, vectors: np.ndarray, dest: Path, flat_limit:
     return description, recall, queries
 
 
-def summary(result: ExportResult, output: Path) -> str:
+def summary(result: ExportResult, output: str | Path) -> str:
     """The one line `embedjob export` prints."""
     vectors = f"{plural(result.rows, 'vector')}" + (f" ({result.width} x {result.dtype})" if result.width else "")
     line = (

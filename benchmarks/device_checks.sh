@@ -4,7 +4,7 @@
 # Together they take longer than one 10-minute device command, so each call names the
 # stages it runs, and every stage prints its table again at the end of the call.
 #
-# Here, once (downloads the decord and PyNvVideoCodec wheels into .whl, copies real
+# Here, once (downloads the decord, PyNvVideoCodec and open_clip wheels into .whl, copies real
 # photos from ../shared/data into bench-data; both kept out of git):
 #     bash benchmarks/device_checks.sh prep
 # On the device, carry [".whl", "bench-data"], one call each (a warm machine keeps /tmp,
@@ -53,14 +53,14 @@ prep() {
   done
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl decord==0.6.0 "PyNvVideoCodec>=2.2" || return
+    -d .whl decord==0.6.0 "PyNvVideoCodec>=2.2" "open_clip_torch>=3.0" ftfy wcwidth || return
   mkdir -p bench-data
   cp ../shared/data/parquet/hfhub_huggan-few-shot-cat_train-00000-of-00001.parquet ../shared/data/images/*.jpg bench-data/
   du -sh .whl bench-data
 }
 
 install_wheels() {
-  # The device's python (3.12) has torch but neither decord nor PyNvVideoCodec; a smoke
+  # The device's python (3.12) has torch but not decord, PyNvVideoCodec or open_clip; a smoke
   # run uses the python it finds, with what that has.
   [ -d .whl ] && [ ${#smoke[@]} -eq 0 ] || return 0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit

@@ -26,7 +26,7 @@
 # naflex (benchmarks/naflex.py --eager: SigLIP 2 NaFlex, packed graphs against
 # transformers' padded batches, compiled and eager),
 # captions NAME... (benchmarks/captions.py: images alone against images + captions, clip and/or siglip).
-# TESTS="expr" runs only the GPU tests pytest's -k selects. SMOKE=1 passes --smoke to the
+# TESTS="expr" runs only the GPU tests pytest's -k selects; TESTS_SECONDS (420) bounds them. SMOKE=1 passes --smoke to the
 # benchmarks, so the script can be checked on a machine without a GPU. Logs go to $OUT
 # (or /tmp/device-checks).
 # Every stage stops by DEADLINE seconds (570) after the script started, so a call that
@@ -68,7 +68,7 @@ install_wheels() {
 }
 
 tests() {
-  timeout "$(budget 420)" python3 -m pytest -q tests/test_gpu.py ${TESTS:+-k "$TESTS"} 2>&1 | tee "$out/tests.log"
+  timeout "$(budget "${TESTS_SECONDS:-420}")" python3 -m pytest -q -rfE tests/test_gpu.py ${TESTS:+-k "$TESTS"} 2>&1 | tee "$out/tests.log"
   summary+=("tests/test_gpu.py: $(tail -n 1 "$out/tests.log")")
 }
 

@@ -24,11 +24,12 @@ find the output theirs; `--overwrite` replaces an output of another job at submi
 (the tasks themselves never overwrite: a requeued task must resume, not start over).
 
 Every submission is recorded in the output's `_embedjob/slurm-job.json`, with its log
-directory, so `embedjob status` can ask SLURM (`scontrol show job`) about the tasks; without SLURM it reports from the
-files. Status states: done (`_SUCCESS`), running (SLURM says so, or a process holds the
-shard's lock: a run by hand counts too), pending (queued or requeued), failed (SLURM
-says the task ended, or no longer knows the job, and there is no `_SUCCESS`), and
-unfinished (not done, and nothing says more: not started, or stopped).
+directory, so `embedjob status` can ask SLURM (`scontrol show job`) about the tasks and
+name a failed task's log; without SLURM it reports from the files. Status states: done
+(`_SUCCESS`), running (SLURM says so, or a process holds the shard's lock: a run by
+hand counts too), pending (queued or requeued), failed (SLURM says the task ended, or
+no longer knows the job, and there is no `_SUCCESS`), and unfinished (not done, and
+nothing says more: not started, or stopped).
 """
 
 from __future__ import annotations
@@ -410,8 +411,9 @@ def submit(
     different job: JobError), so a mistake costs no queue time. The output's record
     names this job from then on; with `overwrite`, an output of another job is
     replaced (every shard's files removed) before anything is queued. The tasks run a
-    copy of the job file kept under `<output>/_embedjob/logs/`. With `dry_run` the script is
-    rendered (naming the job file itself) and nothing is written or submitted.
+    copy of the job file kept in the log directory. With `dry_run` the script is
+    rendered (naming the job file itself) and nothing is written or submitted, neither
+    to the output nor to the log directory.
 
     Everything read from or written to the output goes through its store, so the
     output may be a directory or an object-store URL; the script, the snapshot and the

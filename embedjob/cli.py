@@ -331,6 +331,11 @@ def _slurm_commands(sub: Any) -> None:
         "--sbatch-option", action="append", default=[], metavar="OPT",
         help="one more sbatch option, e.g. --sbatch-option=--account=proj (repeatable)",
     )
+    submit.add_argument(
+        "--log-dir", metavar="DIR",
+        help="where the sbatch script, the job snapshot and the task logs go, a directory every node sees "
+        "(default: OUTPUT/_embedjob/logs; for an object-store output ./embedjob-logs/BUCKET-PREFIX)",
+    )
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
     submit.add_argument(
         "--overwrite", action="store_true", help="replace an output of another job (all its shards) before submitting"
@@ -359,6 +364,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         time=args.time,
         cpus_per_task=args.cpus_per_task,
         sbatch_options=tuple(args.sbatch_option),
+        log_dir=args.log_dir,
     )
     result = submit(args.job, args.set, options, dry_run=args.dry_run, overwrite=args.overwrite)
     if result.done:
@@ -377,7 +383,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         print(
             f"embedjob: submitted {'shard' if len(result.shards) == 1 else 'shards'} {array_spec(result.shards)} "
             f"of {args.shards} as job {result.job_id}; "
-            f"logs in {result.script_path.parent}",
+            f"logs in {result.logs}",
             file=sys.stderr,
         )
         print(result.job_id)

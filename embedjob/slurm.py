@@ -1,7 +1,7 @@
 """SLURM: an sbatch array script per job, its submission, and the status of an output.
 
 One array task per shard, and the array index IS the shard index, so `squeue`, the
-log names (`<output>/_embedjob/logs/shard-SSSSS-job-J.log`) and the output files
+log names (`shard-SSSSS-job-J.log` in the log directory) and the output files
 (`part-SSSSS-*`) all use the same number. Each task runs `embedjob run JOB --shard
 I/N` with the submitter's Python and the job's `--set` overrides, from the directory
 `embedjob submit` ran in, so relative paths mean what they meant there. The task
@@ -12,17 +12,24 @@ Resubmission submits only shards without `_SUCCESS` that no earlier submission o
 output still has queued or running; with `--requeue`, SLURM itself restarts a task
 after a node failure or pre-emption, and the task resumes from its manifest.
 
+The output is a directory every node mounts, or an object-store URL (read and written
+only through its store, `io/store.py`). The log directory holds the sbatch script, the
+job snapshot the tasks run and the tasks' logs, which sbatch writes to a file path:
+`<output>/_embedjob/logs` for a directory output, else `embedjob-logs/<output>` under
+the working directory, or `--log-dir` (`log_dir`).
+
 Submission checks the output's job (`checkpoint.claim_output`) before it queues
 anything, and records the job there if it is the first, so tasks that start hours later
 find the output theirs; `--overwrite` replaces an output of another job at submission
 (the tasks themselves never overwrite: a requeued task must resume, not start over).
 
-Every submission is recorded in `<output>/_embedjob/slurm-job.json`, so `embedjob status`
-can ask SLURM (`scontrol show job`) about the tasks; without SLURM it reports from the
-files. Status states: done (`_SUCCESS`), running (SLURM says so, or a process holds the
-shard's lock: a run by hand counts too), pending (queued or requeued), failed (SLURM
-says the task ended, or no longer knows the job, and there is no `_SUCCESS`), and
-unfinished (not done, and nothing says more: not started, or stopped).
+Every submission is recorded in the output's `_embedjob/slurm-job.json`, with its log
+directory, so `embedjob status` can ask SLURM (`scontrol show job`) about the tasks and
+name a failed task's log; without SLURM it reports from the files. Status states: done
+(`_SUCCESS`), running (SLURM says so, or a process holds the shard's lock: a run by
+hand counts too), pending (queued or requeued), failed (SLURM says the task ended, or
+no longer knows the job, and there is no `_SUCCESS`), and unfinished (not done, and
+nothing says more: not started, or stopped).
 """
 
 from __future__ import annotations
@@ -58,9 +65,10 @@ from embedjob.io.checkpoint import (
     shard_finished,
     shard_progress,
     shards_in,
+    write_record,
 )
-from embedjob.io.files import own_directory, write_bytes, write_json
-from embedjob.io.store import Store, is_url, output_store
+from embedjob.io.files import LocalStore, own_directory, write_bytes
+from embedjob.io.store import Store, is_url, output_store, shared_store
 from embedjob.report.counts import codes_text, error_share_warning, plural
 
 logger = logging.getLogger(__name__)
@@ -68,6 +76,9 @@ logger = logging.getLogger(__name__)
 RECORD_NAME = f"{META}/slurm-job.json"
 LOGS = f"{META}/logs"
 LOG_PATTERN = "shard-%5a-job-%A.log"
+LOGS_ROOT = "embedjob-logs"
+"""The folder of the working directory under which an object-store output's logs go by
+default, one folder per output."""
 REQUIRE_CUDA = "--require-cuda"
 """What a task given GPUs passes to `embedjob run` when its job runs on CUDA."""
 SLURM_TIMEOUT_S = 30
@@ -133,6 +144,17 @@ class SubmitOptions:
     time: str | None = None
     cpus_per_task: int | None = None
     sbatch_options: tuple[str, ...] = ()
+    log_dir: str | None = None
+    """`--log-dir`; None: the output's own (`log_dir`)."""
+
+
+@dataclass(frozen=True)
+class LogDir:
+    """Where a submission's script, job snapshot and task logs go (absolute), and what
+    names it: what the user changes to move it, for a message refusing it."""
+
+    path: Path
+    named_by: str
 
 
 @dataclass(frozen=True)
@@ -144,7 +166,7 @@ class TaskCommand:
 
     job_file: Path
     overrides: tuple[str, ...]
-    output: Path
+    logs: LogDir
     workdir: Path
     python: str
     python_path: str | None
@@ -156,11 +178,13 @@ class TaskCommand:
 
 @dataclass
 class Submission:
-    """The outcome of `submit`: the shards submitted (none when nothing was left)."""
+    """The outcome of `submit`: the shards submitted (none when nothing was left), and
+    the log directory their tasks write to."""
 
     shards: list[int]
     done: list[int]
     active: dict[int, str]
+    logs: Path
     script: str | None = None
     script_path: Path | None = None
     job_id: str | None = None
@@ -168,7 +192,8 @@ class Submission:
 
 @dataclass
 class ShardStatus:
-    """One shard of an output: its state, its rows (None: not known yet), SLURM's view."""
+    """One shard of an output: its state, its rows (None: not known yet), SLURM's view,
+    and the log of its latest SLURM task (None: no task, or a log nobody recorded)."""
 
     shard: int
     state: str
@@ -179,6 +204,7 @@ class ShardStatus:
     slurm_state: str | None = None
     holder: str | None = None
     error_codes: dict[str, int] = field(default_factory=dict)
+    log: str | None = None
 
     def warning(self) -> str | None:
         """A finished shard with many error rows (`error_share_warning`), else None."""
@@ -261,7 +287,7 @@ def render_script(task: TaskCommand, shards: list[int], options: SubmitOptions) 
         "--requeue",
         # A requeued task appends to its log instead of wiping the first attempt's.
         "--open-mode=append",
-        f"--output={_sbatch_value(str(task.output / LOGS / LOG_PATTERN), 'output.path')}",
+        f"--output={_sbatch_value(str(task.logs.path / LOG_PATTERN), task.logs.named_by)}",
         f"--chdir={_sbatch_value(str(task.workdir), 'the working directory')}",
     ]
     if options.partition:
@@ -311,7 +337,7 @@ def _sbatch_value(value: str, what: str) -> str:
     return value
 
 
-def task_command(job_file: str | Path, overrides: list[str], job: Job) -> TaskCommand:
+def task_command(job_file: str | Path, overrides: list[str], job: Job, logs: LogDir) -> TaskCommand:
     """The task command for `job`, run by this Python from the current directory."""
     workdir = Path.cwd()
     package_root = str(Path(__file__).resolve().parent.parent)
@@ -320,7 +346,7 @@ def task_command(job_file: str | Path, overrides: list[str], job: Job) -> TaskCo
     return TaskCommand(
         job_file=(workdir / job_file).resolve(),
         overrides=tuple(overrides),
-        output=output_dir(job),
+        logs=logs,
         workdir=workdir,
         python=sys.executable,
         # Run from a source tree (or an editable install), the tasks must import the
@@ -341,13 +367,36 @@ def task_gpus(job: Job, asked: int | None) -> int:
     return job.runtime.gpus if isinstance(job.runtime.gpus, int) else 1
 
 
-def output_dir(job: Job) -> Path:
-    if is_url(job.output.path):
-        raise JobError(
-            f"output.path {job.output.path!r}: embedjob submit keeps its logs and job snapshots under output.path, "
-            "which must be a local or mounted directory; run the shards with --engine ray to write to a URL"
-        )
-    return (Path.cwd() / job.output.path).resolve()
+def log_dir(output: Store, asked: str | None, workdir: Path) -> LogDir:
+    """Where a submission keeps its sbatch script, job snapshot and task logs.
+
+    sbatch writes a task's log to a file path every node sees, so an object-store
+    output cannot hold it: its logs go to `embedjob-logs/<bucket>-<prefix>` under the
+    working directory, which the tasks share (they run there). A directory output
+    keeps them in its `_embedjob/logs`, as it always has. `asked` (`--log-dir`, taken
+    relative to `workdir`) overrides both; a URL or a file there is refused before any
+    work (JobError).
+    """
+    if asked is not None:
+        path = (workdir / asked).resolve()
+        if is_url(asked) or (path.exists() and not path.is_dir()):
+            raise JobError(
+                f"--log-dir {asked!r} is not a directory: SLURM writes each task's log to a file path, "
+                "so name a local or mounted directory every node sees (it is created if missing)"
+            )
+        return LogDir(path, "--log-dir")
+    if isinstance(output, LocalStore):
+        return LogDir(Path(output.where(LOGS)), "output.path")
+    return LogDir(workdir / LOGS_ROOT / _folder_name(output.location), "the working directory (or --log-dir)")
+
+
+def _folder_name(url: str) -> str:
+    """One folder name for an output URL: `s3://bucket/a/b` -> `bucket-a-b`. Runs of
+    characters other than letters, digits, `_`, `.` and `-` become one `-` (so the
+    name fits an #SBATCH line and makes no subfolders), and no leading dot can make it
+    hidden, `.` or `..`."""
+    rest = url.split("://", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", rest).strip("-.") or "output"
 
 
 # ---------------------------------------------------------------- submission
@@ -362,8 +411,13 @@ def submit(
     different job: JobError), so a mistake costs no queue time. The output's record
     names this job from then on; with `overwrite`, an output of another job is
     replaced (every shard's files removed) before anything is queued. The tasks run a
-    copy of the job file kept under `<output>/_embedjob/logs/`. With `dry_run` the script is
-    rendered (naming the job file itself) and nothing is written or submitted.
+    copy of the job file kept in the log directory. With `dry_run` the script is
+    rendered (naming the job file itself) and nothing is written or submitted, neither
+    to the output nor to the log directory.
+
+    Everything read from or written to the output goes through its store, so the
+    output may be a directory or an object-store URL; the script, the snapshot and the
+    logs go to the log directory (`log_dir`).
     """
     if options.num_shards < 1:
         raise JobError(f"--shards must be >= 1, got {options.num_shards}")
@@ -373,21 +427,22 @@ def submit(
         raise JobError(f"--cpus-per-task must be >= 1, got {options.cpus_per_task}")
     job = load_job(job_file, overrides)
     options = replace(options, gpus_per_task=task_gpus(job, options.gpus_per_task))
-    task = task_command(job_file, overrides, job)
+    output = shared_store(job.output)
+    task = task_command(job_file, overrides, job, log_dir(output, options.log_dir, Path.cwd()))
     listing = reader.scan_input(job.input, job.output.columns, cache_root(job.runtime.cache_dir))
     ranges = shard_ranges(listing.fragments, options.num_shards)
     record = OutputRecord(job_fingerprint(job, listing), options.num_shards, job.output.rows_per_part)
-    replacing = refuse_other_job(task.output, record, overwrite)
-    active = _active_shards(task.output, options.num_shards)
+    replacing = refuse_other_job(output, record, overwrite)
+    active = _active_shards(output, options.num_shards)
     if replacing and active:
         tasks = ", ".join(active[s] for s in sorted(active))
         raise JobError(
-            f"output {task.output} belongs to another job whose tasks are still queued or running ({tasks}); "
+            f"output {output} belongs to another job whose tasks are still queued or running ({tasks}); "
             "cancel them (scancel) before replacing it"
         )
-    done = [] if replacing else [s for s in range(options.num_shards) if shard_finished(task.output, s)]
+    done = [] if replacing else [s for s in range(options.num_shards) if shard_finished(output, s)]
     todo = [s for s in range(options.num_shards) if s not in done and s not in active]
-    result = Submission(todo, done, active)
+    result = Submission(todo, done, active, task.logs.path)
     if not todo:
         return result
     if dry_run:
@@ -396,8 +451,9 @@ def submit(
     if shutil.which("sbatch") is None:
         raise RuntimeError("sbatch is not on PATH: run `embedjob submit` where SLURM is installed, or use --dry-run")
     _check_array_size(todo[-1])
-    claim_output(task.output, record, overwrite)
-    logs = task.output / LOGS
+    claim_output(output, record, overwrite)
+    logs = task.logs.path
+    logs.parent.mkdir(parents=True, exist_ok=True)
     own_directory(logs)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
     # Tasks may start hours later: they read a copy of the job file as it is now, so an
@@ -408,7 +464,7 @@ def submit(
     result.script_path = logs / f"submit-{stamp}.sbatch"
     write_bytes(result.script_path, result.script.encode())
     result.job_id = _sbatch(result.script_path, task.workdir)
-    _record(task, options, result, ranges, snapshot)
+    _record(output, task, options, result, ranges, snapshot)
     logger.info("submitted job %s: shards %s of %d", result.job_id, array_spec(todo), options.num_shards)
     return result
 
@@ -424,9 +480,9 @@ def shard_ranges(fragments: list[reader.Fragment], num_shards: int) -> list[tupl
     return [(s[0].first_row, s[-1].first_row + s[-1].num_rows) if s else (0, 0) for s in shards]
 
 
-def _active_shards(output: Path, num_shards: int) -> dict[int, str]:
+def _active_shards(output: Store, num_shards: int) -> dict[int, str]:
     """Shards an earlier submission still has queued or running, with their task ids."""
-    status = output_status(output) if (output / RECORD_NAME).exists() else None
+    status = output_status(output) if output.exists(RECORD_NAME) else None
     if status is None:
         return {}
     active = {s.shard: s.slurm_task or "" for s in status.shards if s.state in ("running", "pending")}
@@ -470,9 +526,16 @@ def _sbatch(script: Path, workdir: Path) -> str:
 
 
 def _record(
-    task: TaskCommand, options: SubmitOptions, result: Submission, ranges: list[tuple[int, int]], snapshot: Path
+    output: Store,
+    task: TaskCommand,
+    options: SubmitOptions,
+    result: Submission,
+    ranges: list[tuple[int, int]],
+    snapshot: Path,
 ) -> None:
-    record = read_record(task.output)
+    """Add this submission to the output's record, with its log directory (which
+    `status` cannot work out for an object-store output or a `--log-dir`)."""
+    record = read_record(output)
     record.setdefault("submissions", []).append(
         {
             "job_id": result.job_id,
@@ -480,6 +543,7 @@ def _record(
             "shards": result.shards,
             "array": array_spec(result.shards),
             "script": str(result.script_path),
+            "logs": str(result.logs),
             "job_file": str(task.job_file),
             "job_snapshot": str(snapshot),
             "overrides": list(task.overrides),
@@ -488,7 +552,7 @@ def _record(
     )
     record["num_shards"] = options.num_shards
     record["shard_rows"] = [end - first for first, end in ranges]
-    write_json(task.output / RECORD_NAME, record)
+    write_record(output, RECORD_NAME, record)
 
 
 def read_record(output: Store | Path) -> dict[str, Any]:
@@ -522,18 +586,23 @@ def output_status(output: Store | Path) -> OutputStatus:
     progress = {s: shard_progress(output, s) for s in shards_in(output)}
     num_shards = _num_shards(output, record, progress)
     owner = _latest_task(record, num_shards)
-    slurm = _ask_slurm(sorted(set(owner.values())))
+    slurm = _ask_slurm(sorted({str(s["job_id"]) for s in owner.values()}))
     known_rows = record.get("shard_rows") if record.get("num_shards") == num_shards else None
     shards = []
     for shard in range(num_shards):
         p = progress.get(shard) or ShardProgress(shard, None, None, 0, 0, 0, False)
         rows = p.rows if p.rows is not None else (known_rows[shard] if known_rows else None)
-        job_id = owner.get(shard)
+        submission = owner.get(shard)
+        job_id = str(submission["job_id"]) if submission else None
         slurm_state = slurm.state(job_id, shard) if job_id else None
         task = f"{job_id}_{shard}" if job_id else None
+        logs = _submission_logs(output, submission) if submission else None
+        log = str(log_path(logs, task)) if logs and task else None
         holder = None if p.done else output.lock_holder(lock_name(shard))
         state = _classify(p.done, slurm_state, holder is not None)
-        shards.append(ShardStatus(shard, state, rows, p.committed, p.errors, task, slurm_state, holder, p.error_codes))
+        shards.append(
+            ShardStatus(shard, state, rows, p.committed, p.errors, task, slurm_state, holder, p.error_codes, log)
+        )
     job_ids = [str(s["job_id"]) for s in record.get("submissions", [])]
     return OutputStatus(output.location, num_shards, shards, slurm.source, job_ids)
 
@@ -554,14 +623,22 @@ def _num_shards(output: Store, record: dict[str, Any], progress: dict[int, Any])
     return counts.pop()
 
 
-def _latest_task(record: dict[str, Any], num_shards: int) -> dict[int, str]:
-    """For each shard, the job id of the latest submission of this shard count that ran it."""
-    owner: dict[int, str] = {}
+def _latest_task(record: dict[str, Any], num_shards: int) -> dict[int, dict[str, Any]]:
+    """For each shard, the latest submission of this shard count that ran it."""
+    owner: dict[int, dict[str, Any]] = {}
     for submission in record.get("submissions", []):
         if submission.get("num_shards") == num_shards:
             for shard in submission.get("shards", []):
-                owner[shard] = str(submission["job_id"])
+                owner[shard] = submission
     return owner
+
+
+def _submission_logs(output: Store, submission: dict[str, Any]) -> Path | None:
+    """The log directory of a submission: recorded with it; a submission recorded
+    before the record named it logged under its directory output, as all did then."""
+    if "logs" in submission:
+        return Path(submission["logs"])
+    return Path(output.where(LOGS)) if isinstance(output, LocalStore) else None
 
 
 def _classify(done: bool, slurm_state: str | None, locked: bool) -> str:
@@ -652,12 +729,13 @@ def format_status(status: OutputStatus) -> str:
         lines.append(f"errors by code: {codes_text(codes)}")
     lines += [f"warning: {w}" for w in status.warnings()]
     for s in status.shards:
-        if s.state == "failed" and s.slurm_task:
-            lines.append(f"shard {s.shard} failed; its log: {log_path(status.output, s.slurm_task)}")
+        if s.state == "failed" and s.log:
+            lines.append(f"shard {s.shard} failed; its log: {s.log}")
     return "\n".join(lines)
 
 
-def log_path(output: str | Path, slurm_task: str) -> Path:
-    """The log file of array task `JOB_INDEX`, as the script's --output names it."""
+def log_path(logs: Path, slurm_task: str) -> Path:
+    """The log file of array task `JOB_INDEX` in the log directory `logs`, as the
+    script's --output names it."""
     job_id, _, index = slurm_task.partition("_")
-    return Path(output) / LOGS / LOG_PATTERN.replace("%5a", f"{int(index):05d}").replace("%A", job_id)
+    return logs / LOG_PATTERN.replace("%5a", f"{int(index):05d}").replace("%A", job_id)

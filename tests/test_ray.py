@@ -44,6 +44,7 @@ from test_shards import assert_same_rows, job_args, read_output
 from embedjob.cli import main
 from embedjob.config import JobError, job_from_dict
 from embedjob.io.checkpoint import META, shard_lock, shard_progress, stats_name
+from embedjob.io.store import shared_store
 from embedjob.parallel import ray_engine
 from embedjob.parallel.engines import RAY_MISSING, pick_engine, shards_to_run
 from embedjob.parallel.ray_engine import (
@@ -52,7 +53,6 @@ from embedjob.parallel.ray_engine import (
     TaskContext,
     TaskShape,
     job_for_tasks,
-    output_dir,
     probe_task,
     reach_token,
     task_shape,
@@ -138,7 +138,7 @@ def test_the_ray_engine_needs_a_shard_count_and_takes_a_mounted_or_object_store_
     assert [s.index for s in shards_to_run(job, None, 3, "ray")] == [0, 1, 2]
     assert [(s.index, s.count) for s in shards_to_run(job, "1/4", None, "ray")] == [(1, 4)]
     bucket = job_from_dict({"input": {"path": "in.parquet", "media_column": "image"}, "model": {"path": "builtin:tiny-qwen2_5_vl"}, "output": {"path": "s3://b/o"}})
-    assert output_dir(bucket).location == "s3://b/o", "an object-store output is every node's as it is"
+    assert shared_store(bucket.output).location == "s3://b/o", "an object-store output is every node's as it is"
 
 
 def test_the_local_engine_runs_every_shard_in_turn_and_then_nothing(

@@ -29,6 +29,7 @@ from embedjob.cli import main
 from embedjob.config import JobError
 from embedjob.io.checkpoint import output_files
 from embedjob.slurm import (
+    LogDir,
     SubmitOptions,
     TaskCommand,
     array_spec,
@@ -51,7 +52,7 @@ def task(tmp_path: Path, python: str = "/opt/venv/bin/python", overrides: tuple[
     return TaskCommand(
         job_file=Path("/jobs/my job.yaml"),
         overrides=overrides,
-        output=tmp_path / "out",
+        logs=LogDir(tmp_path / "out" / "_embedjob" / "logs", "output.path"),
         workdir=tmp_path,
         python=python,
         python_path="/src/embedjob root",
@@ -138,7 +139,7 @@ def test_values_sbatch_cannot_take_are_refused(tmp_path: Path, options, named) -
 
 
 def test_an_output_path_with_spaces_is_refused_for_the_log_line(tmp_path: Path) -> None:
-    spaced = TaskCommand(Path("/j.yaml"), (), tmp_path / "my out", tmp_path, "python", None, "embedjob-j")
+    spaced = TaskCommand(Path("/j.yaml"), (), LogDir(tmp_path / "my out" / "_embedjob" / "logs", "output.path"), tmp_path, "python", None, "embedjob-j")
     with pytest.raises(JobError, match="output.path .* cannot go into an #SBATCH line"):
         render_script(spaced, [0], SubmitOptions(1))
 

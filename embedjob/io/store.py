@@ -109,3 +109,12 @@ def output_store(location: str | Path | Store, options: dict[str, Any] | None = 
 def job_store(output: Any) -> Store:
     """The store of a job's `output` section (`output.path`, `output.storage_options`)."""
     return output_store(output.path, output.storage_options)
+
+
+def shared_store(output: Any) -> Store:
+    """A job's `output` section as the nodes of a cluster must see it: a directory
+    resolved here (absolute, so it names the same directory wherever a task starts,
+    provided every node mounts it at the same path), or the object-store URL as it is,
+    which every node reaches the same way."""
+    store = job_store(output)
+    return LocalStore((Path.cwd() / store.path).resolve()) if isinstance(store, LocalStore) else store

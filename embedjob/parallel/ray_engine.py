@@ -73,8 +73,7 @@ from embedjob.io.checkpoint import (
     shard_finished,
     shard_progress,
 )
-from embedjob.io.files import LocalStore
-from embedjob.io.store import Store, job_store, output_store
+from embedjob.io.store import Store, output_store, shared_store
 from embedjob.parallel.outcome import ShardOutcome
 from embedjob.slurm import Shard, shard_ranges
 
@@ -141,7 +140,7 @@ class RayEngine:
         self.cpus_per_task = cpus_per_task
 
     def __call__(self, job: Job, shards: list[Shard], overwrite: bool = False) -> list[ShardOutcome]:
-        output = output_dir(job)
+        output = shared_store(job.output)
         rows = _claim(job, output, shards[0].count, overwrite)
         outcomes = {}
         for shard in shards:
@@ -183,13 +182,6 @@ class RayEngine:
 
 
 # ---------------------------------------------------------------- the driver's checks
-
-
-def output_dir(job: Job) -> Store:
-    """output.path as the driver sees it: a directory every node must see at the same
-    path (resolved here), or an object-store URL every node must reach."""
-    store = job_store(job.output)
-    return LocalStore((Path.cwd() / store.path).resolve()) if isinstance(store, LocalStore) else store
 
 
 def _claim(job: Job, output: Store, num_shards: int, overwrite: bool) -> list[tuple[int, int]]:
@@ -305,7 +297,7 @@ def driver_cwd(cwd: str) -> Iterator[None]:
 
 def check_reach(job: Job, context: TaskContext) -> Store:
     """output.path as this task sees it, which must hold the driver's token."""
-    here = output_dir(job)
+    here = shared_store(job.output)
     if not here.exists(f"{REACH}{context.token}"):
         seen = "" if str(here) == context.output else f" (here {here}, the driver's {context.output})"
         raise JobError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -36,6 +37,36 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             patch.delenv(name, raising=False)
         yield home
     shutil.rmtree(ray_state, ignore_errors=True)
+
+
+S3_BUCKET = "embedjob-test"
+"""The bucket `endpoint` makes, which the object-storage tests write under."""
+
+
+@pytest.fixture(scope="session")
+def endpoint() -> Iterator[str]:
+    """moto's S3 on 127.0.0.1 (a free port) with the bucket S3_BUCKET, and this
+    process's AWS settings pointing at it for the rest of the session (subprocesses
+    inherit them). One server for the session: fsspec keeps one S3 file system per set
+    of arguments, and one made for a server stopped at a module's end would be handed to
+    the next module's tests."""
+    moto_server = pytest.importorskip("moto.server")
+    s3fs = pytest.importorskip("s3fs")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    settings = {
+        "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in settings.items():
+            patch.setenv(name, value)
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(S3_BUCKET)
+        yield url
+    server.stop()
 
 
 @pytest.fixture(scope="session")

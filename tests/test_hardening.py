@@ -32,7 +32,7 @@ from embedjob.config import InputConfig
 from embedjob.decode import DecodeOptions, MediaError, decode, read_source
 from embedjob.decode.containers import matroska_frame_size
 from embedjob.io import checkpoint, reader
-from embedjob.slurm import SubmitOptions, TaskCommand, render_script
+from embedjob.slurm import LogDir, SubmitOptions, TaskCommand, render_script
 
 DEMO = str(REPO / "jobs" / "demo.yaml")
 
@@ -415,7 +415,8 @@ def test_a_job_file_name_with_a_newline_stays_one_argument_in_the_script(tmp_pat
     stand_in = tmp_path / "python"
     stand_in.write_text(f"#!{sys.executable}\nimport json, os, sys\njson.dump(sys.argv[1:], open(os.environ['ARGS_OUT'], 'w'))\n")
     stand_in.chmod(0o755)
-    task = TaskCommand(tmp_path / NASTY_JOB, (), tmp_path / "out", tmp_path, str(stand_in), None, "embedjob-job")
+    logs = LogDir(tmp_path / "out" / "_embedjob" / "logs", "output.path")
+    task = TaskCommand(tmp_path / NASTY_JOB, (), logs, tmp_path, str(stand_in), None, "embedjob-job")
     script = render_script(task, [0], SubmitOptions(num_shards=1))
     assert script.splitlines()[1].endswith("; written by `embedjob submit`."), "the comment must stay one line"
     (tmp_path / "job.sbatch").write_text(script)

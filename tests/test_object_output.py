@@ -11,14 +11,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO
+from conftest import REPO, S3_BUCKET
 from test_resume import Attempt
 from test_shards import assert_same_rows, job_args, read_output, write_inputs
 
@@ -30,30 +29,8 @@ from embedjob.io.object_store import ObjectStore
 s3fs = pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-BUCKET = "embedjob-test"
+BUCKET = S3_BUCKET
 SETTINGS = ["--set", "output.rows_per_part=2", "--set", "batching.window=2"]
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    """moto's S3 on 127.0.0.1 (a free port), with this process's AWS settings pointing
-    at it for the module (subprocesses inherit them) and put back afterwards."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    settings = {
-        "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-    }
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in settings.items():
-            patch.setenv(name, value)
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir(BUCKET)
-        yield url
-    server.stop()
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 """`embedjob submit` and `embedjob status` of a job whose output is in a bucket
-(`output.path: s3://...`), against moto's S3 on 127.0.0.1 (test_object_output's
-`endpoint`).
+(`output.path: s3://...`), against moto's S3 on 127.0.0.1 (conftest's `endpoint`).
 
 Without SLURM (stand-in `sbatch` and `scontrol`, as in test_slurm): the script, the job
 snapshot and the task logs go to a directory of the working directory (or `--log-dir`),
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_object_output import BUCKET, SETTINGS, endpoint, fs, inputs, local_parts, s3_parts  # noqa: F401 (fixtures)
+from test_object_output import BUCKET, SETTINGS, fs, inputs, local_parts, s3_parts  # noqa: F401 (fixtures)
 from test_shards import job_args
 from test_slurm import directives, scontrol_records, slurm_is_up, stand_in, stand_in_scontrol, stand_ins  # noqa: F401
 

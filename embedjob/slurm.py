@@ -56,10 +56,9 @@ from embedjob.io.checkpoint import (
     ShardProgress,
     claim_output,
     count_codes,
+    existing_output,
     job_fingerprint,
     lock_name,
-    old_layout,
-    old_layout_message,
     read_output_record,
     refuse_other_job,
     shard_finished,
@@ -575,13 +574,7 @@ def read_record(output: Store | Path) -> dict[str, Any]:
 
 def output_status(output: Store | Path) -> OutputStatus:
     """The state of every shard of `output`, from its files and (if it can) from SLURM."""
-    output = output_store(output)
-    problem = output.problem()
-    if problem is not None:
-        raise JobError(f"output {output} {problem}")
-    names = old_layout(output)
-    if names:
-        raise JobError(old_layout_message(output, names, "read its status with that embedjob, or rerun the job into a new output.path"))
+    output = existing_output(output, "read the status of")
     record = read_record(output)
     progress = {s: shard_progress(output, s) for s in shards_in(output)}
     num_shards = _num_shards(output, record, progress)

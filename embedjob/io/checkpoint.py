@@ -222,6 +222,20 @@ def old_layout_message(output: Store | Path, names: list[str], remedy: str) -> s
     )
 
 
+def existing_output(output: Output, verb: str) -> Store:
+    """The store of an output that `verb`s (`status`, `verify`, `export`) can read: a
+    JobError where it is missing or no directory (`Store.problem`), or of the earlier
+    layout (naming what to do instead)."""
+    store = output_store(output)
+    problem = store.problem()
+    if problem is not None:
+        raise JobError(f"output {store} {problem}")
+    names = old_layout(store)
+    if names:
+        raise JobError(old_layout_message(store, names, f"{verb} it with that embedjob, or rerun the job into a new output.path"))
+    return store
+
+
 def refuse_old_layout(output: Output, overwrite: bool) -> None:
     """JobError for an output in the earlier layout, unless `overwrite` replaces it."""
     names = old_layout(output)

@@ -45,8 +45,7 @@ from embedjob.config import OUTPUT_COLUMNS, JobError, RunFailure
 from embedjob.io.checkpoint import (
     PartRecord,
     load_manifest,
-    old_layout,
-    old_layout_message,
+    existing_output,
     part_problem,
     read_output_record,
     shard_finished,
@@ -125,12 +124,7 @@ def export_output(
 def committed_parts(output: Store, partial: bool) -> list[str]:
     """The names of `output`'s committed parts in row order, each checked intact (read
     back whole through its store); JobError where a shard is unfinished and not `partial`."""
-    problem = output.problem()
-    if problem is not None:
-        raise JobError(f"output {output} {problem}")
-    names = old_layout(output)
-    if names:
-        raise JobError(old_layout_message(output, names, "export it with that embedjob, or rerun the job into a new output.path"))
+    existing_output(output, "export")
     record = read_output_record(output)
     if record is None:
         raise JobError(f"{output} is not an embedjob output (it has no _embedjob/job.json)")

@@ -39,10 +39,9 @@ from embedjob.io.checkpoint import (
     OutputRecord,
     PartRecord,
     count_codes,
+    existing_output,
     load_manifest,
     manifest_name,
-    old_layout,
-    old_layout_message,
     output_files,
     part_problem,
     read_output_record,
@@ -52,7 +51,7 @@ from embedjob.io.checkpoint import (
     stats_name,
     success_name,
 )
-from embedjob.io.store import Store, output_store
+from embedjob.io.store import Store
 from embedjob.report.counts import error_share_warning, plural
 
 
@@ -86,13 +85,7 @@ def verify_output(output: Store | Path) -> Verification:
 
     Raises JobError only when `output` is not an embedjob output at all.
     """
-    output = output_store(output)
-    problem = output.problem()
-    if problem is not None:
-        raise JobError(f"output {output} {problem}")
-    names = old_layout(output)
-    if names:
-        raise JobError(old_layout_message(output, names, "verify it with that embedjob, or rerun the job into a new output.path"))
+    output = existing_output(output, "verify")
     problems: list[str] = []
     link = output.link_target(META)
     if link is not None:

@@ -95,6 +95,8 @@ SILENCE_LIMIT = 60.0
 """Seconds without a frame from a rank that has joined and not finished before rank 0
 warns of it. Ranks send a heartbeat every `heartbeat_interval()`, so only a stopped or
 hung process stays silent this long; a test shrinks it, and the ranks' heartbeat with it."""
+REAP_WAIT = 1.0
+"""Seconds the watchdog waits to reap a rank whose sentinel says it is exiting."""
 
 FAILURE_GRACE = 30.0
 """Seconds rank 0's main thread gets to notice a dead rank itself before the watchdog
@@ -929,7 +931,13 @@ class Cluster:
         GIL from rank 0's own work (8 CPU ranks: rank 0 encoded 130x slower)."""
         running = list(self.spawned)
         while running and not self._stopping.is_set():
-            multiprocessing.connection.wait([s.process.sentinel for s in running] + [self._wake_reader], timeout=0.5)
+            ready = multiprocessing.connection.wait([s.process.sentinel for s in running] + [self._wake_reader], timeout=0.5)
+            for s in running:
+                if s.process.sentinel in ready:
+                    # Its sentinel is ready as the process exits, a moment before the
+                    # kernel lets it be reaped; until then its exit code reads None and
+                    # the ready sentinel would wake this loop at once, over and over.
+                    s.process.join(REAP_WAIT)
             ended = [s for s in running if s.process.exitcode not in (None, 0)]
             if ended and not self._stopping.is_set():
                 if self._stopping.wait(FAILURE_GRACE):

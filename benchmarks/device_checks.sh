@@ -26,7 +26,7 @@
 # naflex (benchmarks/naflex.py --eager: SigLIP 2 NaFlex, packed graphs against
 # transformers' padded batches, compiled and eager),
 # captions NAME... (benchmarks/captions.py: images alone against images + captions, clip and/or siglip).
-# TESTS="expr" runs only the GPU tests pytest's -k selects; TESTS_SECONDS (420) bounds them. SMOKE=1 passes --smoke to the
+# MIX_REPEATS (2) sets the mixes' repeats (qwen-mixed always 1). TESTS="expr" runs only the GPU tests pytest's -k selects; TESTS_SECONDS (420) bounds them. SMOKE=1 passes --smoke to the
 # benchmarks, so the script can be checked on a machine without a GPU. Logs go to $OUT
 # (or /tmp/device-checks).
 # Every stage stops by DEADLINE seconds (570) after the script started, so a call that
@@ -83,7 +83,7 @@ decode() {
 mixes() {
   local mix repeats
   for mix in "$@"; do
-    repeats=2
+    repeats=${MIX_REPEATS:-2}
     [ "$mix" = qwen-mixed ] && repeats=1
     timeout "$(budget 560)" python3 benchmarks/scaling.py "${smoke[@]}" --photos bench-data --workdir "$work/scaling" \
       --repeats "$repeats" --mixes "$mix" 2>&1 | tee "$out/scaling-$mix.log"

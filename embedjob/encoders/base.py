@@ -354,6 +354,32 @@ class EncoderAdapter(abc.ABC):
         return info
 
 
+class PackedAdapter(EncoderAdapter):
+    """A native-resolution tower run on packed batches, items of many sizes in one batch
+    as attention segments (Qwen-VL, SigLIP 2 NaFlex): `blocks` are its transformer
+    blocks (what `compile` compiles and FP8 converts), and `attention` runs the segments."""
+
+    def __init__(self, spec: Any, processing: Any, placement: Placement, blocks: Any, attention: str) -> None:
+        super().__init__(spec, processing, placement)
+        self.blocks = list(blocks)
+        self.attention = attention
+
+    def compile_units(self) -> list[torch.nn.Module]:
+        return self.blocks
+
+    @property
+    def capturable(self) -> bool:
+        """Not in float32 on CUDA: its attention then runs per segment (`encoders.attention`)."""
+        return self.device.type != "cuda" or self.dtype in (torch.float16, torch.bfloat16)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "source": self.source, **self.limits()}
+
+    @abc.abstractmethod
+    def limits(self) -> dict[str, Any]:
+        """The preprocessing limits that decide each item's tokens (part of `describe`)."""
+
+
 def reduce_rows_in_one_pass(width: int) -> None:
     """From now on, on this thread (where the blocks compile: their first call), the
     compiler reduces rows of up to `width` elements along the inner dimension in one pass

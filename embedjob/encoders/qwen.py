@@ -35,14 +35,14 @@ import numpy as np
 import torch
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.encoders.attention import HALF, VARLEN, pad_offsets
+from embedjob.encoders.attention import VARLEN, pad_offsets
 from embedjob.encoders.attention import register as register_attention
 from embedjob.encoders.base import (
     JPEG_KEY,
     JPEG_SIZE_KEY,
     PAD_REPEAT_LAST,
-    EncoderAdapter,
     EncoderInput,
+    PackedAdapter,
     Placement,
     StaticInputs,
 )
@@ -373,7 +373,7 @@ def _grid_metadata(processor: QwenPreprocessor, grid: tuple[int, int, int]) -> d
     return out
 
 
-class QwenAdapter(EncoderAdapter):
+class QwenAdapter(PackedAdapter):
     """A Qwen-VL vision tower run on packed batches with precomputed metadata."""
 
     def __init__(
@@ -384,9 +384,8 @@ class QwenAdapter(EncoderAdapter):
         placement: Placement,
         attention: str = VARLEN,
     ) -> None:
-        super().__init__(family, processing, placement)
+        super().__init__(family, processing, placement, model.blocks, attention)
         self.model = model
-        self.attention = attention
         config = model.config
         self.embed_dim = int(getattr(config, "out_hidden_size", None) or config.hidden_size)
         self.merge_unit = processing.merge_size**2
@@ -401,25 +400,9 @@ class QwenAdapter(EncoderAdapter):
     def preprocessor(self) -> QwenPreprocessor:
         return self.processing
 
-    def compile_units(self) -> list[torch.nn.Module]:
-        return list(self.model.blocks)
-
-    @property
-    def capturable(self) -> bool:
-        """Not in float32 on CUDA: its attention then runs per segment (`attention`)."""
-        return self.device.type != "cuda" or self.dtype in HALF
-
-    def describe(self) -> dict[str, Any]:
-        info = super().describe()
+    def limits(self) -> dict[str, Any]:
         p = self.processing
-        info.update(
-            source=self.source,
-            min_pixels=p.min_pixels,
-            max_pixels=p.max_pixels,
-            video_min_pixels=p.video_min_pixels,
-            video_max_pixels=p.video_max_pixels,
-        )
-        return info
+        return dict(min_pixels=p.min_pixels, max_pixels=p.max_pixels, video_min_pixels=p.video_min_pixels, video_max_pixels=p.video_max_pixels)
 
     def static_inputs(self, budget: int, max_items: int, max_frames: int) -> StaticInputs:
         """Buffers for `budget` output tokens (4 patches each) and a dummy all-pad batch.

@@ -72,8 +72,8 @@ from embedjob.encoders.base import (
     JPEG_KEY,
     JPEG_SIZE_KEY,
     PAD_REPEAT_LAST,
-    EncoderAdapter,
     EncoderInput,
+    PackedAdapter,
     Placement,
     StaticInputs,
 )
@@ -324,16 +324,15 @@ def pool_segments(
     return out
 
 
-class NaflexAdapter(EncoderAdapter):
+class NaflexAdapter(PackedAdapter):
     """A SigLIP 2 NaFlex vision tower (transformers' Siglip2VisionModel) run on packed
     batches; see the module docstring for the rows it returns and the padding rules."""
 
     def __init__(
         self, tower: torch.nn.Module, processing: NaflexPreprocessor, placement: Placement, attention: str, per_token: bool
     ) -> None:
-        super().__init__(_Spec(FAMILY), processing, placement)
+        super().__init__(_Spec(FAMILY), processing, placement, tower.encoder.layers, attention)
         self.tower = tower
-        self.attention = attention
         self.per_token = per_token
         self.embed_dim = int(tower.config.hidden_size)
         self.side = int(tower.embeddings.position_embedding_size)
@@ -348,19 +347,9 @@ class NaflexAdapter(EncoderAdapter):
     def preprocessor(self) -> NaflexPreprocessor:
         return self.processing
 
-    def compile_units(self) -> list[torch.nn.Module]:
-        return list(self.tower.encoder.layers)
-
-    @property
-    def capturable(self) -> bool:
-        """Not in float32 on CUDA: its attention then runs per segment (`encoders.attention`)."""
-        return self.device.type != "cuda" or self.dtype in HALF
-
-    def describe(self) -> dict[str, Any]:
-        info = super().describe()
+    def limits(self) -> dict[str, Any]:
         p = self.processing
-        info.update(source=self.source, max_num_patches=p.max_patches, video_max_num_patches=p.video_max_patches, per_token=self.per_token)
-        return info
+        return dict(max_num_patches=p.max_patches, video_max_num_patches=p.video_max_patches, per_token=self.per_token)
 
     def static_inputs(self, budget: int, max_items: int, max_frames: int) -> StaticInputs:
         """Buffers for `budget` patches and a dummy all-pad batch (black pixels at

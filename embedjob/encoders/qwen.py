@@ -578,34 +578,12 @@ def _max_gap(offsets: np.ndarray) -> int:
 _START = np.zeros(1, dtype=np.int32)
 
 
+_TINY = dict(depth=4, hidden_size=128, num_heads=4, intermediate_size=256, out_hidden_size=128)
 BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_vl": dict(depth=4, embed_dim=128, hidden_size=128, num_heads=4, mlp_ratio=2),
-    "qwen2_5_vl": dict(
-        depth=4,
-        hidden_size=128,
-        num_heads=4,
-        intermediate_size=256,
-        out_hidden_size=128,
-        window_size=112,
-        fullatt_block_indexes=[1, 3],
-    ),
-    "qwen3_vl": dict(
-        depth=4,
-        hidden_size=128,
-        num_heads=4,
-        intermediate_size=256,
-        out_hidden_size=128,
-        num_position_embeddings=64,
-        deepstack_visual_indexes=[1, 2],
-    ),
-    "qwen3_5": dict(
-        depth=4,
-        hidden_size=128,
-        num_heads=4,
-        intermediate_size=256,
-        out_hidden_size=128,
-        num_position_embeddings=64,
-    ),
+    "qwen2_5_vl": {**_TINY, "window_size": 112, "fullatt_block_indexes": [1, 3]},
+    "qwen3_vl": {**_TINY, "num_position_embeddings": 64, "deepstack_visual_indexes": [1, 2]},
+    "qwen3_5": {**_TINY, "num_position_embeddings": 64},
 }
 BUILTIN_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 448 * 448, "video_min_pixels": 56 * 56, "video_max_pixels": 224 * 224}
 BUILTIN_CLIP_PIXELS = {"video_min_pixels": 64 * 64, "video_max_pixels": 8 * 224 * 224}

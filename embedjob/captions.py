@@ -20,7 +20,6 @@ embedding. See ARCHITECTURE.md, row "captions".
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +34,6 @@ from embedjob.engine.defs import Encoded, to_host
 from embedjob.engine.encode import BatchEncoder, build_encoder
 from embedjob.engine.packer import BudgetPlan, generate_budgets
 from embedjob.rows import Captions, Decoded, caption_index
-
-logger = logging.getLogger(__name__)
 
 TEXT_EMBEDDING = "text_embedding"
 SCORE = "score"

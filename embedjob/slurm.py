@@ -555,7 +555,7 @@ def _record(
 
 
 def read_record(output: Store | Path) -> dict[str, Any]:
-    """`<output>/slurm-job.json`, or an empty record when there is none."""
+    """`<output>/_embedjob/slurm-job.json` (`RECORD_NAME`), or an empty record when there is none."""
     out = output_store(output)
     path = out.where(RECORD_NAME)
     try:

@@ -208,6 +208,13 @@ class Placement:
     cache_dir: Path
 
 
+@dataclass(frozen=True)
+class NamedSpec:
+    """The spec of a family whose adapter reads nothing of it but its name (`family`)."""
+
+    name: str
+
+
 class EncoderAdapter(abc.ABC):
     """Base class of encoder families. Subclasses set the attributes below that `__init__`
     does not (the embedding width, the budget range, ...)."""

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +71,6 @@ from embedjob.encoders.loading import AdapterOptions, builtin_model, resolve_che
 from embedjob.encoders.registry import OPEN_CLIP_CONFIG, OPEN_CLIP_HUB
 from embedjob.encoders.text import TOKENIZER_FILES, TextAdapter, TextPreprocessor
 
-logger = logging.getLogger(__name__)
 
 NAME = "open_clip"
 EXTRA = "pip install 'embedjob[open_clip]'"
@@ -233,8 +231,8 @@ class OpenClipAdapter(FixedResAdapter):
     """An OpenCLIP model's image tower run on batches of fixed-size images.
 
     `model` is the whole OpenCLIP model (text tower included), `tower` its
-    `VisionTransformer`. Everything but the forward, the compiled units and the
-    description is the fixed-resolution adapter's (fixed.py): static inputs, batch
+    `VisionTransformer`. Everything but the forward and the description is the
+    fixed-resolution adapter's (fixed.py): static inputs, batch
     assembly, row counts, the tile paths and their combination.
     """
 
@@ -244,9 +242,6 @@ class OpenClipAdapter(FixedResAdapter):
             FAMILIES[NAME], visual, VisualProjection(visual.proj), processing, placement, "pooler", tile_combine, per_token=per_token,
         )
         self.model = model
-
-    def compile_units(self) -> list[torch.nn.Module]:
-        return list(self.tower.transformer.resblocks)
 
     def forward(self, inputs: StaticInputs) -> torch.Tensor:
         """(N, 3, h, w) uint8 -> (N, embed_dim): `model.encode_image` of the normalised

@@ -73,6 +73,7 @@ from embedjob.encoders.base import (
     JPEG_SIZE_KEY,
     PAD_REPEAT_LAST,
     EncoderInput,
+    NamedSpec,
     PackedAdapter,
     Placement,
     StaticInputs,
@@ -96,7 +97,7 @@ PIXELS_KEY = "pixel_values"
 POSITIONS_KEY = "positions"
 PAD_SEGMENT = 64
 """The longest pad segment: pad tokens attend only within their own segment, so short
-ones keep their quadratic cost small (DESIGN.md, "Padding inside a graph")."""
+ones keep their quadratic cost small (ARCHITECTURE.md, "Invariants across stages")."""
 MAX_BUDGET = 16384
 """The largest automatic budget: 64 so400m images of 256 patches, as Qwen-VL's."""
 SEARCH_EPS = 1e-5
@@ -331,7 +332,7 @@ class NaflexAdapter(PackedAdapter):
     def __init__(
         self, tower: torch.nn.Module, processing: NaflexPreprocessor, placement: Placement, attention: str, per_token: bool
     ) -> None:
-        super().__init__(_Spec(FAMILY), processing, placement, tower.encoder.layers, attention)
+        super().__init__(NamedSpec(FAMILY), processing, placement, tower.encoder.layers, attention)
         self.tower = tower
         self.per_token = per_token
         self.embed_dim = int(tower.config.hidden_size)
@@ -454,13 +455,6 @@ class NaflexAdapter(PackedAdapter):
         """A host tensor over `values`, page-locked when it feeds a GPU."""
         tensor = torch.from_numpy(values)
         return tensor.pin_memory() if self.pin_memory else tensor
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """What `EncoderAdapter` reads of a family's spec: its name."""
-
-    name: str
 
 
 BUILTIN_VERSION = 1

@@ -28,7 +28,6 @@ What the numbers mean (the contract the packer, the graph manager and the pipeli
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +35,8 @@ from typing import Any
 
 import torch
 
-from embedjob.encoders.base import EncoderAdapter, EncoderInput, Placement, StaticInputs
+from embedjob.encoders.base import EncoderAdapter, EncoderInput, NamedSpec, Placement, StaticInputs
 
-logger = logging.getLogger(__name__)
 
 IDS_KEY = "input_ids"
 MAX_TEXTS_PER_BATCH = 256
@@ -113,13 +111,6 @@ class PooledText(torch.nn.Module):
         return pooled if self.projection is None else self.projection(pooled)
 
 
-@dataclass(frozen=True)
-class TextSpec:
-    """Which family a text tower belongs to (the adapter's `family`)."""
-
-    name: str
-
-
 class TextAdapter(EncoderAdapter):
     """A text tower run on batches of captions of one length (see the module docstring).
 
@@ -135,7 +126,7 @@ class TextAdapter(EncoderAdapter):
         processing: TextPreprocessor,
         placement: Placement,
     ) -> None:
-        super().__init__(TextSpec(family), processing, placement)
+        super().__init__(NamedSpec(family), processing, placement)
         self.tower = tower
         self.blocks = list(blocks)
         self.length = processing.length

@@ -55,7 +55,7 @@ when the process dies, SIGKILL included). Removing temporary files on open relie
 this; a second run of the same shard (a duplicate submission, a requeue racing its old
 task) stops with a clear error instead of deleting the first run's files under it. The
 output's record is read and written under `_embedjob/.lock-job`, held for moments.
-`lock_holder` tells, read only, whether a shard's lock is held (`embedjob status`).
+The store's `lock_holder` tells, read only, whether a shard's lock is held (`embedjob status`).
 Lock files are opened without following a symlink and must be plain files: a link
 planted in a shared output directory cannot make a run truncate the file it points to.
 Nor can a link at `_embedjob/` itself: a run refuses it (`files.own_directory`). The
@@ -83,7 +83,7 @@ import numpy as np
 from embedjob.config import Job, JobError, cache_root
 from embedjob.io import reader
 from embedjob.io.digest import recomputed_digest
-from embedjob.io.files import LOCK_PROBE_GRACE, FileLock, LocalStore, lock_holder  # noqa: F401 (their home before io/store.py)
+from embedjob.io.files import LocalStore
 from embedjob.io.store import Lock, Store, output_store
 from embedjob.report.counts import plural
 
@@ -583,7 +583,7 @@ class Checkpoint:
     rows_per_part: int
     fingerprint: dict[str, Any]
     parts: list[PartRecord] = field(default_factory=list)
-    lock: FileLock | None = field(default=None, repr=False, compare=False)
+    lock: Lock | None = field(default=None, repr=False, compare=False)
     attempts: list[dict[str, Any]] = field(default_factory=list)
     _attempt: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     _attempt_started: float = field(default=0.0, repr=False, compare=False)

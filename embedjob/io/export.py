@@ -31,7 +31,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
@@ -81,7 +81,6 @@ class ExportResult:
     index: str | None = None
     recall: float | None = None
     queries: int = 0
-    parts: list[str] = field(default_factory=list)
 
 
 def export_output(
@@ -107,7 +106,7 @@ def export_output(
         where, filesystem = store.arrow(name)
         _refuse_per_token(store, pq.read_schema(where, filesystem=filesystem))
     _check_dest(store, Path(dest))
-    result = ExportResult(Path(dest), parts=list(parts))
+    result = ExportResult(Path(dest))
     sink = _Sink(Path(dest), rows_per_file, fmt == "npy")
     vectors: list[np.ndarray] = []
     for table in _valid_rows(store, parts, result):

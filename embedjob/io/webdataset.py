@@ -111,12 +111,6 @@ class TarIndex:
     damage: str | None = None
 
 
-def split_name(name: str) -> tuple[str, str] | None:
-    """(key, lower-cased extension) of a member name, or None for a name without one."""
-    match = _KEY_AND_EXTENSION.match(name)
-    return (match.group(1), match.group(2).lower()) if match else None
-
-
 def group_samples(members: Iterable[tuple[str, int, int]]) -> tuple[list[Sample], int]:
     """Samples of (name, data offset, size) members in tar order, and how many members
     repeated an extension within their sample (left out: the first is kept)."""
@@ -125,7 +119,7 @@ def group_samples(members: Iterable[tuple[str, int, int]]) -> tuple[list[Sample]
     current: list[Member] = []
     extensions: set[str] = set()
     repeated = 0
-    match = _KEY_AND_EXTENSION.match  # split_name inlined: this loop is most of a cached index's load
+    match = _KEY_AND_EXTENSION.match  # bound once: this loop is most of a cached index's load
     for name, offset, size in members:
         split = match(name)
         if split is None:

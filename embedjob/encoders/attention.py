@@ -334,6 +334,19 @@ def register(backend: str = VARLEN) -> str:
     return ATTN_NAMES[backend]
 
 
+def segment_offsets(grids: np.ndarray) -> np.ndarray:
+    """Cumulative patch offsets of full-attention segments from (items, 3) (t, h, w)
+    patch grids: one segment per temporal group (h * w patches) of every item, in batch
+    order, starting at 0."""
+    lengths = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def all_pad_offsets(total: int, length: int, segment: int) -> np.ndarray:
+    """A dummy batch's `length` offsets over `total` rows that are all pad rows (`pad_offsets` from 0)."""
+    return pad_offsets(np.zeros(1, dtype=np.int32), total, length, segment)
+
+
 def pad_offsets(offsets: np.ndarray, total: int, length: int, segment: int) -> np.ndarray:
     """Extend cumulative offsets to `total` with segments of <= `segment`, then repeat the last.
 

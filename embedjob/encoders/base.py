@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -385,6 +386,16 @@ class PackedAdapter(EncoderAdapter):
     @abc.abstractmethod
     def limits(self) -> dict[str, Any]:
         """The preprocessing limits that decide each item's tokens (part of `describe`)."""
+
+    @staticmethod
+    def _grids(items: list[EncoderInput]) -> np.ndarray:
+        """The items' (t, h, w) patch grids as an (items, 3) array, read without a torch call."""
+        return np.array([item.grid for item in items], dtype=np.int64).reshape(-1, 3)
+
+    def _host(self, values: np.ndarray) -> torch.Tensor:
+        """A host tensor over `values`, page-locked when it feeds a GPU."""
+        tensor = torch.from_numpy(values)
+        return tensor.pin_memory() if self.pin_memory else tensor
 
 
 def reduce_rows_in_one_pass(width: int) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.encoders.attention import VARLEN, pad_offsets
+from embedjob.encoders.attention import VARLEN, all_pad_offsets, pad_offsets, segment_offsets
 from embedjob.encoders.attention import register as register_attention
 from embedjob.encoders.base import (
     JPEG_KEY,
@@ -422,14 +422,14 @@ class QwenAdapter(PackedAdapter):
         tensors = {
             "pixel_values": torch.zeros(patches, self.patch_dim, dtype=torch.uint8),
             "position_ids": torch.zeros(patches, 2, dtype=torch.int64),
-            "cu_seqlens": torch.from_numpy(pad_offsets(_START, patches, full_slots, FULL_PAD_SEGMENT)),
+            "cu_seqlens": torch.from_numpy(all_pad_offsets(patches, full_slots, FULL_PAD_SEGMENT)),
         }
         pad = {"cu_seqlens": PAD_REPEAT_LAST}
         constants = {"max_seqlen": min(patches, self.max_frame_patches), "budget": budget}
         if self.spec.windowed:
             window_slots = max_items + budget // 8 + math.ceil(patches / PAD_SEGMENT) + 1
             tensors["window_index"] = torch.arange(budget, dtype=torch.int64)
-            tensors["cu_window_seqlens"] = torch.from_numpy(pad_offsets(_START, patches, window_slots, PAD_SEGMENT))
+            tensors["cu_window_seqlens"] = torch.from_numpy(all_pad_offsets(patches, window_slots, PAD_SEGMENT))
             pad["cu_window_seqlens"] = PAD_REPEAT_LAST
             constants["max_window_seqlen"] = min(patches, self.window_patches)
         if self.spec.interpolated_positions:
@@ -453,9 +453,9 @@ class QwenAdapter(PackedAdapter):
         """The batch with its offsets padded to the budget's buffers; per-patch rows stay
         at their real length (the manager zeroes the tail)."""
         patches = static.tensors["pixel_values"].shape[0]
-        grids = _grids(items)
+        grids = self._grids(items)
         values = self._patch_rows(items, grids)
-        offsets = pad_offsets(_segment_offsets(grids), patches, static.tensors["cu_seqlens"].shape[0], FULL_PAD_SEGMENT)
+        offsets = pad_offsets(segment_offsets(grids), patches, static.tensors["cu_seqlens"].shape[0], FULL_PAD_SEGMENT)
         values["cu_seqlens"] = self._host(offsets)
         if self.spec.windowed:
             values["window_index"] = self._window_index(items, patches // self.merge_unit)
@@ -464,9 +464,9 @@ class QwenAdapter(PackedAdapter):
         return values
 
     def eager_inputs(self, items: list[EncoderInput]) -> StaticInputs:
-        grids = _grids(items)
+        grids = self._grids(items)
         values = self._patch_rows(items, grids)
-        offsets = _segment_offsets(grids)
+        offsets = segment_offsets(grids)
         values["cu_seqlens"] = self._host(offsets)
         constants = {"max_seqlen": _max_gap(offsets)}
         if self.spec.windowed:
@@ -531,27 +531,10 @@ class QwenAdapter(PackedAdapter):
             torch.arange(real, length, out=out[real:])
         return out
 
-    def _host(self, offsets: np.ndarray) -> torch.Tensor:
-        """A host tensor over `offsets`, page-locked when it feeds a GPU."""
-        tensor = torch.from_numpy(offsets)
-        return tensor.pin_memory() if self.pin_memory else tensor
-
-
-def _grids(items: list[EncoderInput]) -> np.ndarray:
-    """The items' (t, h, w) patch grids as an (items, 3) array, read without a torch call."""
-    return np.array([item.grid for item in items], dtype=np.int64).reshape(-1, 3)
-
 
 def _starts(counts: np.ndarray) -> np.ndarray:
     """Where each of consecutive runs of `counts` elements starts."""
     return np.cumsum(counts) - counts
-
-
-def _segment_offsets(grids: np.ndarray) -> np.ndarray:
-    """Cumulative patch offsets of the full-attention segments: one per temporal group
-    (h * w patches) of every item, in batch order, starting at 0."""
-    lengths = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def _window_offsets(items: list[EncoderInput], grids: np.ndarray) -> np.ndarray:
@@ -573,9 +556,6 @@ def _joined(parts: list[torch.Tensor], rows: int, pin: bool) -> torch.Tensor:
 
 def _max_gap(offsets: np.ndarray) -> int:
     return int(np.diff(offsets).max()) if offsets.shape[0] > 1 else 0
-
-
-_START = np.zeros(1, dtype=np.int32)
 
 
 _TINY = dict(depth=4, hidden_size=128, num_heads=4, intermediate_size=256, out_hidden_size=128)

@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as tvF
 
-from embedjob.encoders.attention import HALF, pad_offsets, varlen_attention
+from embedjob.encoders.attention import HALF, all_pad_offsets, pad_offsets, segment_offsets, varlen_attention
 from embedjob.encoders.attention import register as register_attention
 from embedjob.encoders.base import (
     JPEG_KEY,
@@ -102,7 +102,6 @@ MAX_BUDGET = 16384
 """The largest automatic budget: 64 so400m images of 256 patches, as Qwen-VL's."""
 SEARCH_EPS = 1e-5
 """The processor's precision of the scale it searches (`naflex_size`)."""
-_START = np.zeros(1, dtype=np.int32)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -364,7 +363,7 @@ class NaflexAdapter(PackedAdapter):
         tensors = {
             PIXELS_KEY: torch.zeros(budget, self.processing.patch_dim, dtype=torch.uint8),
             POSITIONS_KEY: positions,
-            "cu_seqlens": torch.from_numpy(pad_offsets(_START, budget, slots, self.pad_segment)),
+            "cu_seqlens": torch.from_numpy(all_pad_offsets(budget, slots, self.pad_segment)),
         }
         pad = {POSITIONS_KEY: PAD_REPEAT_LAST, "cu_seqlens": PAD_REPEAT_LAST}
         constants = {"max_seqlen": min(budget, self.max_view), "budget": budget}
@@ -433,10 +432,10 @@ class NaflexAdapter(PackedAdapter):
         """Every item's uint8 patch rows joined in batch order, each token's (row,
         column, h, w) in its view (float32, as the resize reads them), and the views'
         cumulative offsets from 0 — with a constant number of torch calls per batch."""
-        grids = np.array([item.grid for item in items], dtype=np.int64).reshape(-1, 3)
+        grids = self._grids(items)
         heights, widths = np.repeat(grids[:, 1], grids[:, 0]), np.repeat(grids[:, 2], grids[:, 0])
         lengths = heights * widths
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        offsets = segment_offsets(grids)
         local = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1].astype(np.int64), lengths)
         tall, wide = np.repeat(heights, lengths), np.repeat(widths, lengths)
         positions = np.stack([local // wide, local % wide, tall, wide], axis=1).astype(np.float32)
@@ -450,12 +449,6 @@ class NaflexAdapter(PackedAdapter):
             return torch.cat([part.to(self.device, non_blocking=True) for part in parts])
         out = torch.empty((rows, self.processing.patch_dim), dtype=torch.uint8, pin_memory=self.pin_memory)
         return torch.cat(parts, out=out)
-
-    def _host(self, values: np.ndarray) -> torch.Tensor:
-        """A host tensor over `values`, page-locked when it feeds a GPU."""
-        tensor = torch.from_numpy(values)
-        return tensor.pin_memory() if self.pin_memory else tensor
-
 
 BUILTIN_VERSION = 1
 BUILTIN_VISION = dict(

@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -51,6 +52,14 @@ RENEW_S = LEASE_S / 4
 POLL_S = 0.5
 """How often a blocking `LeaseLock.acquire` looks again at a held lock."""
 _CHUNK = 8 << 20
+SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+"""What starts an fsspec URL (`s3://`, `gs://`, `file://`, ...)."""
+
+
+def etag_of(info: dict[str, Any]) -> str | None:
+    """The ETag in an fsspec `info` record (s3fs spells it `ETag`, others `etag`), if any."""
+    etag = info.get("ETag") or info.get("etag")
+    return str(etag) if etag else None
 
 
 def _conditional(fs: fsspec.AbstractFileSystem) -> bool:
@@ -219,7 +228,7 @@ class ObjectStore:
             pid=int(data.get("pid", 0)),
             expires=float(data.get("expires", 0.0)),
             nonce=str(data.get("nonce", "")),
-            etag=info.get("ETag") or info.get("etag"),
+            etag=etag_of(info),
         )
 
     def put_lock(self, name: str, body: dict[str, Any], replacing: "HeldLock | None") -> "HeldLock":

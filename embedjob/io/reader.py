@@ -98,6 +98,7 @@ from pyarrow.fs import FSSpecHandler, PyFileSystem
 from embedjob.config import InputConfig, JobError, relative_note
 from embedjob.io import webdataset
 from embedjob.io.index_cache import IndexCache
+from embedjob.io.object_store import SCHEME, etag_of
 from embedjob.io.webdataset import Sample
 from embedjob.report.counts import plural
 
@@ -117,7 +118,6 @@ _STREAM_BUFFER = 1 << 20
 """Bytes read at a time from a streamed row group (`_Source.streaming`): pyarrow grows
 it to the page being read, so a huge cell's page is read whole, but never more."""
 
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _GLOB_CHARS = ("*", "?", "[")
 
 TAR_GROUP_SAMPLES = 128
@@ -498,7 +498,7 @@ def _find_files(spec: str, options: dict[str, Any], suffix: str = ".parquet") ->
 def _files_of(spec: str, options: dict[str, Any], suffix: str) -> list[str]:
     """The files one file, directory, glob or URI names; a JobError where none."""
     try:
-        fs, target = fsspec.core.url_to_fs(os.path.expanduser(spec), **(options if _SCHEME.match(spec) else {}))
+        fs, target = fsspec.core.url_to_fs(os.path.expanduser(spec), **(options if SCHEME.match(spec) else {}))
     except (ImportError, ValueError) as exc:
         # ImportError: the protocol's package (s3fs, gcsfs, ...) is not installed.
         raise JobError(f"cannot access input.path {spec!r}: {exc}") from None
@@ -585,7 +585,7 @@ def _open(location: str, options: dict[str, Any], streaming: bool = False) -> pq
     group's chunks whole (what `_decode` needs for a row group that may hold a huge cell)."""
     reading: dict[str, Any] = {"pre_buffer": False, "buffer_size": _STREAM_BUFFER} if streaming else {}
     try:
-        if _SCHEME.match(location):
+        if SCHEME.match(location):
             fs, path = fsspec.core.url_to_fs(location, **options)
             return pq.ParquetFile(path, filesystem=PyFileSystem(FSSpecHandler(fs)), **reading)
         return pq.ParquetFile(location, **reading)
@@ -605,14 +605,13 @@ def _identity(location: str, metadata: pq.FileMetaData, options: dict[str, Any])
     """Size, footer hash and ETag of one input file: one metadata call and one read of
     the footer (its length is known from the footer pyarrow already parsed)."""
     try:
-        fs, path = fsspec.core.url_to_fs(location, **(options if _SCHEME.match(location) else {}))
+        fs, path = fsspec.core.url_to_fs(location, **(options if SCHEME.match(location) else {}))
         info = fs.info(path)
         size = int(info["size"])
         footer = fs.cat_file(path, start=max(0, size - metadata.serialized_size - 8), end=size)
     except OSError as exc:
         raise JobError(f"cannot read input file {location}: {exc}") from None
-    etag = info.get("ETag") or info.get("etag")
-    return InputFile(location, size, hashlib.sha256(footer).hexdigest(), str(etag) if etag else None)
+    return InputFile(location, size, hashlib.sha256(footer).hexdigest(), etag_of(info))
 
 
 def _file_info(location: str, pf: pq.ParquetFile, cfg: InputConfig, columns: Sequence[str] = ()) -> _FileInfo:
@@ -632,7 +631,7 @@ def _file_info(location: str, pf: pq.ParquetFile, cfg: InputConfig, columns: Seq
         )
     ids = schema.field(cfg.id_column).type if cfg.id_column is not None else pa.int64()
     text = schema.field(cfg.text_column).type if cfg.text_column is not None else pa.string()
-    if not (pa.types.is_string(text) or pa.types.is_large_string(text) or pa.types.is_null(text)):
+    if not (_is_string(text) or pa.types.is_null(text)):
         raise JobError(f"input.text_column '{cfg.text_column}' of {location} holds {text}, not strings; name the column of captions")
     types = {c: schema.field(c).type for c in columns}
     return _FileInfo(location, pf.metadata, media_type, kind, ids, column_types=types)
@@ -752,7 +751,7 @@ class _Source:
     def __init__(self, location: str, cfg: InputConfig, columns: tuple[str, ...] = ()):
         self.location = location
         self.columns = columns
-        self.base = os.path.dirname(location) if not _SCHEME.match(location) else location.rsplit("/", 1)[0]
+        self.base = os.path.dirname(location) if not SCHEME.match(location) else location.rsplit("/", 1)[0]
         self.options = cfg.storage_options
         self.pf = _open(location, self.options)
         self._streamed: pq.ParquetFile | None = None
@@ -952,7 +951,7 @@ def _media_root(media_root: str | None) -> _Root | None:
     if media_root is None:
         return None
     location = _strip_file_scheme(os.path.expanduser(media_root))
-    if _SCHEME.match(location):
+    if SCHEME.match(location):
         return _Root(_normalise_uri(location).rstrip("/"), None)
     absolute = os.path.abspath(location)
     if not os.path.isdir(absolute):
@@ -971,7 +970,7 @@ def local_media_root(cfg: InputConfig) -> str | None:
 def _resolve(value: str, base: str, root: _Root | None) -> tuple[str | None, str | None]:
     """(uri, None) for a path that may be read, (None, "path_escape: ...") otherwise."""
     location = _strip_file_scheme(value)
-    if _SCHEME.match(location):
+    if SCHEME.match(location):
         if root is None:
             return location, None
         target = _normalise_uri(location)
@@ -987,7 +986,7 @@ def _strip_file_scheme(value: str) -> str:
 
 
 def _join(anchor: str, path: str) -> str:
-    if os.path.isabs(path) or not _SCHEME.match(anchor):
+    if os.path.isabs(path) or not SCHEME.match(anchor):
         return os.path.normpath(os.path.join(anchor, path))
     return _normalise_uri(anchor.rstrip("/") + "/" + path)
 
@@ -1009,7 +1008,7 @@ def _normalise_uri(uri: str) -> str:
 def _within(target: str, root: _Root) -> bool:
     if root.real is None:
         return target == root.location or target.startswith(root.location + "/")
-    if _SCHEME.match(target):
+    if SCHEME.match(target):
         return False
     real = os.path.realpath(target)
     return os.path.commonpath([real, root.real]) == root.real

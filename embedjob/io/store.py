@@ -13,15 +13,13 @@ writer per shard.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from embedjob.io.files import LocalStore
-from embedjob.io.object_store import ObjectStore
+from embedjob.io.object_store import SCHEME, ObjectStore
 
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 class PartUpload(Protocol):
@@ -91,7 +89,7 @@ class Store(Protocol):
 
 def is_url(location: str) -> bool:
     """Whether `location` names an fsspec URL (`s3://...`) rather than a local path."""
-    return bool(_SCHEME.match(location)) and not location.startswith("file://")
+    return bool(SCHEME.match(location)) and not location.startswith("file://")
 
 
 def output_store(location: str | Path | Store, options: dict[str, Any] | None = None) -> Store:

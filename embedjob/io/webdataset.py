@@ -55,6 +55,7 @@ import fsspec
 from embedjob.config import JobError
 from embedjob.io import tar_headers
 from embedjob.io.index_cache import Entry, IndexCache
+from embedjob.io.object_store import SCHEME, etag_of
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,6 @@ step would leave its stamp as it was (the racy-timestamp problem git's index has
 _MODIFIED_KEYS = ("LastModified", "last_modified", "mtime", "updated")
 """Where fsspec's stores put an object's modification time (s3fs, adlfs, sftp, gcsfs)."""
 
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # webdataset's split: the key is everything up to the first dot of the base name.
 _KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]*)$")
 
@@ -142,7 +142,7 @@ def group_samples(members: Iterable[tuple[str, int, int]]) -> tuple[list[Sample]
 def open_tar(location: str, options: dict[str, Any]) -> BinaryIO:
     """A tar opened for reading by offset: a local file, or a remote one (with fsspec's
     storage `options`) read ahead `READ_BLOCK` at a time."""
-    if not _SCHEME.match(location):
+    if not SCHEME.match(location):
         return open(location, "rb")
     fs, path = fsspec.core.url_to_fs(location, **options)
     return fs.open(path, "rb", block_size=READ_BLOCK, cache_type="readahead")
@@ -196,17 +196,17 @@ def _stat(location: str, options: dict[str, Any]) -> _Stat:
     rewrite in place that keeps the size and resets the modification time still moves
     the change time); a remote one's is its ETag (with its modification time where the
     store gives one); without an ETag a remote tar is indexed every time."""
-    if not _SCHEME.match(location):
+    if not SCHEME.match(location):
         info = os.stat(location)
         stamp = f"inode {info.st_ino} mtime_ns {info.st_mtime_ns} ctime_ns {info.st_ctime_ns}"
         changed = max(info.st_mtime_ns, info.st_ctime_ns)
         return _Stat(info.st_size, None, stamp, time.time_ns() - changed >= SETTLED_NS)
     fs, path = fsspec.core.url_to_fs(location, **options)
     info = fs.info(path)
-    etag = info.get("ETag") or info.get("etag")
+    etag = etag_of(info)
     modified = next((str(info[k]) for k in _MODIFIED_KEYS if info.get(k)), None)
     stamp = f"etag {etag} modified {modified}" if etag else None
-    return _Stat(int(info["size"]), str(etag) if etag else None, stamp, True)
+    return _Stat(int(info["size"]), etag, stamp, True)
 
 
 def _index(location: str, options: dict[str, Any], found: _Stat, cache: IndexCache | None) -> Entry:

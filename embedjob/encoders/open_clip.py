@@ -69,7 +69,7 @@ from embedjob.encoders.base import Placement, StaticInputs
 from embedjob.encoders.fixed import GLOBAL_KEY, FixedPreprocessor, FixedResAdapter
 from embedjob.encoders.loading import AdapterOptions, builtin_model, resolve_checkpoint
 from embedjob.encoders.registry import OPEN_CLIP_CONFIG, OPEN_CLIP_HUB
-from embedjob.encoders.text import TOKENIZER_FILES, TextAdapter, TextPreprocessor
+from embedjob.encoders.text import TOKENIZER_FILES, TextAdapter, TextPreprocessor, has_tokenizer, load_in_one_line
 
 
 NAME = "open_clip"
@@ -370,20 +370,14 @@ def load_tokenizer(directory: str, length: int) -> Any:
     the directory lacks: OpenCLIP reads them from there, and a job fetches nothing."""
     config = json.loads((Path(directory) / OPEN_CLIP_CONFIG).read_text())
     hub_name = ((config.get("model_cfg") or {}).get("text_cfg") or {}).get("hf_tokenizer_name")
-    if hub_name and not any((Path(directory) / name).exists() for name in TOKENIZER_FILES):
+    if hub_name and not has_tokenizer(directory):
         raise ValueError(
             f"checkpoint {directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)}) for its text_cfg's "
             f"hf_tokenizer_name {hub_name!r}, which captions and labels need; save it beside the weights "
             f"(AutoTokenizer.from_pretrained({hub_name!r}).save_pretrained(directory)) and name that directory"
         )
     open_clip = import_open_clip()
-    try:
-        return open_clip.get_tokenizer(f"local-dir:{directory}", context_length=length)
-    except ImportError as exc:
-        raise ValueError(f"the tokenizer of {directory} needs {getattr(exc, 'name', None) or exc}: pip install 'embedjob[captions]'") from None
-    except (OSError, ValueError, TypeError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ValueError(f"cannot load the tokenizer of {directory}: {first}") from None
+    return load_in_one_line(directory, lambda: open_clip.get_tokenizer(f"local-dir:{directory}", context_length=length), "a tokenizer library")
 
 
 @dataclass(frozen=True)

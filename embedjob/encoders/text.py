@@ -28,7 +28,7 @@ What the numbers mean (the contract the packer, the graph manager and the pipeli
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,17 +51,28 @@ def load_tokenizer(directory: str) -> Any:
     """The checkpoint's own tokenizer (transformers' `AutoTokenizer`), loaded once per
     process (a decode worker loads it at its first caption). A ValueError in one line
     where there is none, or where it needs a library that is missing."""
-    if not any((Path(directory) / name).exists() for name in TOKENIZER_FILES):
+    if not has_tokenizer(directory):
         raise ValueError(
             f"checkpoint {directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)}), which captions and labels need; "
             "save the model's tokenizer beside it (tokenizer.save_pretrained(directory))"
         )
     from transformers import AutoTokenizer
 
+    return load_in_one_line(directory, lambda: AutoTokenizer.from_pretrained(directory), "sentencepiece")
+
+
+def has_tokenizer(directory: str) -> bool:
+    """Whether the checkpoint directory holds a saved tokenizer (`TOKENIZER_FILES`)."""
+    return any((Path(directory) / name).exists() for name in TOKENIZER_FILES)
+
+
+def load_in_one_line(directory: str, load: Callable[[], Any], library: str) -> Any:
+    """`load()` of the tokenizer of `directory`, its failure a one-line ValueError: a
+    missing library (`library` where the error names none) says what to install."""
     try:
-        return AutoTokenizer.from_pretrained(directory)
+        return load()
     except ImportError as exc:
-        missing = getattr(exc, "name", None) or "sentencepiece"
+        missing = getattr(exc, "name", None) or library
         raise ValueError(f"the tokenizer of {directory} needs {missing}: pip install 'embedjob[captions]'") from None
     except (OSError, ValueError, TypeError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

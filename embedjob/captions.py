@@ -30,9 +30,10 @@ import torch
 from embedjob.config import Job
 from embedjob.encoders.base import EncoderAdapter
 from embedjob.encoders.text import MAX_TEXTS_PER_BATCH
-from embedjob.engine.defs import Encoded, to_host
+from embedjob.engine.defs import Encoded, output_dtype, to_host
 from embedjob.engine.encode import BatchEncoder, build_encoder
 from embedjob.engine.packer import BudgetPlan, generate_budgets
+from embedjob.io.writer import vector_array
 from embedjob.rows import Captions, Decoded, caption_index
 
 TEXT_EMBEDDING = "text_embedding"
@@ -86,7 +87,7 @@ class CaptionEncoder:
         self.labels = labels
         self.label_names = pa.array(job.output.labels, type=pa.string())
         self.normalize = job.output.normalize
-        self.dtype = torch.float16 if job.output.dtype == "float16" else torch.float32
+        self.dtype = output_dtype(job)
         self.vector_type = caption_fields(job).get(TEXT_EMBEDDING)
         self.device = device
         self.failed = 0
@@ -157,7 +158,7 @@ class CaptionEncoder:
         window's work is done."""
         columns: dict[str, pa.Array] = {}
         if self.text is not None:
-            columns[TEXT_EMBEDDING] = _vectors(pending.texts.numpy(), pending.has_text, self.vector_type)
+            columns[TEXT_EMBEDDING] = vector_array(pending.texts.numpy(), pending.has_text, self.vector_type.value_type)
             columns[SCORE] = _scalars(pending.scores.numpy(), pending.scored)
         if self.labels is not None:
             which = np.zeros(len(pending.labelled), dtype=np.int64)
@@ -176,14 +177,6 @@ def _image_rows(window: list[Decoded], images: Encoded) -> np.ndarray:
         if failure is None:
             at[position] = offset
     return at
-
-
-def _vectors(values: np.ndarray, present: np.ndarray, kind: pa.DataType) -> pa.Array:
-    """One vector per present row (`values`, in row order), null elsewhere."""
-    width = values.shape[1] if values.ndim == 2 else 0
-    offsets = np.concatenate([[0], np.cumsum(present, dtype=np.int64) * width])
-    flat = pa.array(values.reshape(-1), type=kind.value_type)
-    return pa.LargeListArray.from_arrays(pa.array(offsets), flat, mask=pa.array(~present))
 
 
 def _scalars(values: np.ndarray, present: np.ndarray) -> pa.Array:

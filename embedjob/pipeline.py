@@ -52,7 +52,7 @@ from embedjob.decode import DecodeOptions, MediaError
 from embedjob.decode.device import nvjpeg_problem
 from embedjob.decode.nvdec import nvdec_problem
 from embedjob.encoders import EncoderAdapter, load_adapter
-from embedjob.engine.defs import Encoded, Encoder, to_host
+from embedjob.engine.defs import Encoded, Encoder, output_dtype, to_host
 from embedjob.engine.encode import build_encoder
 from embedjob.host import device_name
 from embedjob.io import reader
@@ -218,10 +218,6 @@ def vector_description(job: Job, model: dict[str, Any]) -> dict[str, Any]:
         "embedjob_version": __version__,
         **caption_keys(job),
     }
-
-
-def output_dtype(job: Job) -> torch.dtype:
-    return torch.float16 if job.output.dtype == "float16" else torch.float32
 
 
 # --- one window on the device -------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from embedjob.config import Job
 from embedjob.encoders.base import EncoderInput
 
 
@@ -164,3 +165,8 @@ class Encoder(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
     def encode(self, items: list[EncoderInput], pooling: str, dtype: torch.dtype) -> Encoded: ...
+
+
+def output_dtype(job: Job) -> torch.dtype:
+    """The dtype vectors leave the device in: `output.dtype`'s."""
+    return torch.float16 if job.output.dtype == "float16" else torch.float32

@@ -241,14 +241,22 @@ def _embedding_array(block: RowBlock, kind: pa.DataType) -> pa.Array:
     value_type = kind.value_type.value_type if per_token else kind.value_type
     np_dtype = np.float16 if value_type == pa.float16() else np.float32
     vectors = np.asarray(block.vectors, dtype=np_dtype)
+    if not per_token:
+        return vector_array(vectors, block.counts > 0, value_type)
     dim = vectors.shape[1] if vectors.ndim == 2 else 0
     values = pa.array(vectors.reshape(-1), type=value_type)
-    missing = pa.array(block.counts == 0)
-    if per_token:
-        values = pa.LargeListArray.from_arrays(pa.array(np.arange(len(vectors) + 1, dtype=np.int64) * dim), values)
-        dim = 1
-    offsets = np.concatenate([[0], np.cumsum(block.counts, dtype=np.int64) * dim])
-    return pa.LargeListArray.from_arrays(pa.array(offsets), values, mask=missing)
+    values = pa.LargeListArray.from_arrays(pa.array(np.arange(len(vectors) + 1, dtype=np.int64) * dim), values)
+    offsets = np.concatenate([[0], np.cumsum(block.counts, dtype=np.int64)])
+    return pa.LargeListArray.from_arrays(pa.array(offsets), values, mask=pa.array(block.counts == 0))
+
+
+def vector_array(vectors: np.ndarray, present: np.ndarray, value_type: pa.DataType) -> pa.Array:
+    """A large-list column of one vector per present row (`vectors`, in row order), null
+    elsewhere: the pooled `embedding` column, and captions' `text_embedding`."""
+    width = vectors.shape[1] if vectors.ndim == 2 else 0
+    offsets = np.concatenate([[0], np.cumsum(present, dtype=np.int64) * width])
+    flat = pa.array(vectors.reshape(-1), type=value_type)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), flat, mask=pa.array(~present))
 
 
 def _grid_array(block: RowBlock) -> pa.Array:

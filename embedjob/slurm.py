@@ -418,12 +418,7 @@ def submit(
     output may be a directory or an object-store URL; the script, the snapshot and the
     logs go to the log directory (`log_dir`).
     """
-    if options.num_shards < 1:
-        raise JobError(f"--shards must be >= 1, got {options.num_shards}")
-    if options.gpus_per_task is not None and options.gpus_per_task < 0:
-        raise JobError(f"--gpus-per-task must be >= 0, got {options.gpus_per_task}")
-    if options.cpus_per_task is not None and options.cpus_per_task < 1:
-        raise JobError(f"--cpus-per-task must be >= 1, got {options.cpus_per_task}")
+    _check_options(options)
     job = load_job(job_file, overrides)
     options = replace(options, gpus_per_task=task_gpus(job, options.gpus_per_task))
     output = shared_store(job.output)
@@ -451,21 +446,40 @@ def submit(
         raise RuntimeError("sbatch is not on PATH: run `embedjob submit` where SLURM is installed, or use --dry-run")
     _check_array_size(todo[-1])
     claim_output(output, record, overwrite)
+    snapshot = _queue(task, options, result)
+    _record(output, task, options, result, ranges, snapshot)
+    logger.info("submitted job %s: shards %s of %d", result.job_id, array_spec(todo), options.num_shards)
+    return result
+
+
+def _check_options(options: SubmitOptions) -> None:
+    """A JobError for a count on the command line that SLURM could not take."""
+    if options.num_shards < 1:
+        raise JobError(f"--shards must be >= 1, got {options.num_shards}")
+    if options.gpus_per_task is not None and options.gpus_per_task < 0:
+        raise JobError(f"--gpus-per-task must be >= 0, got {options.gpus_per_task}")
+    if options.cpus_per_task is not None and options.cpus_per_task < 1:
+        raise JobError(f"--cpus-per-task must be >= 1, got {options.cpus_per_task}")
+
+
+def _queue(task: TaskCommand, options: SubmitOptions, result: Submission) -> Path:
+    """Write the job file's snapshot and the script into the log directory and sbatch
+    the script for `result.shards` (setting the result's script, its path and the job
+    id); the snapshot's path.
+
+    Tasks may start hours later: they read a copy of the job file as it is now, so an
+    edit in the meantime cannot make one output out of two different jobs."""
     logs = task.logs.path
     logs.parent.mkdir(parents=True, exist_ok=True)
     own_directory(logs)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-    # Tasks may start hours later: they read a copy of the job file as it is now, so an
-    # edit in the meantime cannot make one output out of two different jobs.
     snapshot = logs / f"job-{stamp}.yaml"
     write_bytes(snapshot, task.job_file.read_bytes())
-    result.script = render_script(replace(task, job_file=snapshot), todo, options)
+    result.script = render_script(replace(task, job_file=snapshot), result.shards, options)
     result.script_path = logs / f"submit-{stamp}.sbatch"
     write_bytes(result.script_path, result.script.encode())
     result.job_id = _sbatch(result.script_path, task.workdir)
-    _record(output, task, options, result, ranges, snapshot)
-    logger.info("submitted job %s: shards %s of %d", result.job_id, array_spec(todo), options.num_shards)
-    return result
+    return snapshot
 
 
 def shard_ranges(fragments: list[reader.Fragment], num_shards: int) -> list[tuple[int, int]]:

@@ -83,7 +83,7 @@ import numpy as np
 from embedjob.config import Job, JobError, cache_root
 from embedjob.io import reader
 from embedjob.io.digest import recomputed_digest
-from embedjob.io.files import LocalStore
+from embedjob.io.files import LocalStore, json_bytes
 from embedjob.io.store import Lock, Store, output_store
 from embedjob.report.counts import plural
 
@@ -121,7 +121,7 @@ Output = Store | Path | str
 
 def write_record(out: Store, name: str, data: dict[str, Any]) -> None:
     """Replace a small JSON file of the output whole (manifest, marker, statistics, records)."""
-    out.replace(name, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
+    out.replace(name, json_bytes(data))
 
 
 def _without_default(section: Any, key: str, default: Any) -> dict[str, Any]:

@@ -66,9 +66,15 @@ def write_new(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def json_bytes(data: dict[str, Any]) -> bytes:
+    """How the output's small JSON files are written (manifest, marker, statistics,
+    records): indented, keys sorted, so a rewrite of the same record is the same bytes."""
+    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Atomically replace a small JSON file (manifest, marker, statistics, records)."""
-    write_bytes(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
+    """Atomically replace a small JSON file of a local output (`json_bytes`)."""
+    write_bytes(path, json_bytes(data))
 
 
 def write_bytes(path: Path, data: bytes) -> None:

@@ -356,13 +356,14 @@ def read_rows(
     """
     lo = 0 if start_row is None else start_row
     hi = stop_row
-    if cfg.format == "webdataset":
-        yield from _read_tars(cfg, fragments, lo, hi, tuple(columns))
-        return
-    root = _media_root(cfg.media_root)
+    root = _media_root(cfg.media_root) if cfg.format != "webdataset" else None
     for path, group in itertools.groupby(fragments, key=lambda f: f.path):
         wanted = [f for f in group if f.first_row + f.num_rows > lo and (hi is None or f.first_row < hi)]
-        if wanted:
+        if not wanted:
+            continue
+        if cfg.format == "webdataset":
+            yield from _read_tar(cfg, path, wanted, lo, hi, tuple(columns))
+        else:
             yield from _read_file(cfg, path, wanted, lo, hi, root, tuple(columns))
 
 
@@ -1052,25 +1053,21 @@ def _check_members(cfg: InputConfig, indexes: list[webdataset.TarIndex], columns
             )
 
 
-def _read_tars(
-    cfg: InputConfig, fragments: Iterable[Fragment], lo: int, hi: int | None, columns: tuple[str, ...]
+def _read_tar(
+    cfg: InputConfig, path: str, fragments: list[Fragment], lo: int, hi: int | None, columns: tuple[str, ...]
 ) -> Iterator[InputRow]:
-    """`read_rows` of webdataset input: rows [lo, hi) of `fragments`, one open handle
-    per run of fragments of one tar, every member read by its offset."""
-    for path, group in itertools.groupby(fragments, key=lambda f: f.path):
-        wanted = [f for f in group if f.first_row + f.num_rows > lo and (hi is None or f.first_row < hi)]
-        if not wanted:
-            continue
-        try:
-            handle = webdataset.open_tar(path, cfg.storage_options)
-        except OSError as exc:
-            raise JobError(f"cannot open input file {path}: {exc}") from None
-        with handle:
-            for fragment in wanted:
-                for offset, sample in enumerate(fragment.samples):
-                    row = fragment.first_row + offset
-                    if row >= lo and (hi is None or row < hi):
-                        yield _tar_row(cfg, handle, path, row, sample, columns)
+    """`read_rows` of one tar: rows [lo, hi) of its `fragments`, through one open
+    handle, every member read by its offset."""
+    try:
+        handle = webdataset.open_tar(path, cfg.storage_options)
+    except OSError as exc:
+        raise JobError(f"cannot open input file {path}: {exc}") from None
+    with handle:
+        for fragment in fragments:
+            for offset, sample in enumerate(fragment.samples):
+                row = fragment.first_row + offset
+                if row >= lo and (hi is None or row < hi):
+                    yield _tar_row(cfg, handle, path, row, sample, columns)
 
 
 def _tar_row(cfg: InputConfig, handle: Any, location: str, row: int, sample: Sample, columns: tuple[str, ...]) -> InputRow:

@@ -1411,6 +1411,57 @@ def test_text_graphs_replay_equal_padded_eager_on_cuda_and_the_fp32_cpu_referenc
     assert manager.stats.hits == len(items)
 
 
+def _text_modules(text) -> dict[str, torch.nn.Module]:
+    """The text model's stages in order: embeddings, each layer's attention, MLP and
+    output, the final norm and (SigLIP's) head."""
+    model = text.tower.model
+    modules = {"embeddings": model.embeddings}
+    for k, layer in enumerate(model.encoder.layers):
+        modules.update({f"layer {k} attention": layer.self_attn, f"layer {k} mlp": layer.mlp, f"layer {k}": layer})
+    modules.update({name: getattr(model, name) for name in ("final_layer_norm", "head") if hasattr(model, name)})
+    return modules
+
+
+@pytest.mark.parametrize("family", ["clip", "siglip", "siglip2"])
+def test_every_stage_of_a_text_graph_replays_its_eager_run_on_the_same_padded_batch(tmp_path: Path, cache_dir: str, family: str) -> None:
+    """Each stage of a text tower's graph (embeddings, attention, MLP, layer, norm, head),
+    replayed on a padded batch, equals the same stage run eagerly on the same buffers bit
+    for bit, and the eager run equals itself: where a whole-tower replay departs from
+    eager, the message names the first stage that does."""
+    from caption_helpers import SENTENCES, job, save_checkpoint
+
+    from embedjob.config import job_from_dict
+
+    model = save_checkpoint(family, tmp_path / "model")
+    text = load_adapter(job_from_dict(job(tmp_path, cache_dir, family, model, runtime={"device": "cuda"})), torch.device("cuda")).text
+    items = [text.preprocessor()(c) for c in [*SENTENCES, ""]]
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):
+        def hook(module, args, out) -> None:
+            seen[name] = (out[0] if isinstance(out, tuple) else out).clone()
+        return hook
+
+    modules = _text_modules(text)
+    handles = [module.register_forward_hook(keep(name)) for name, module in modules.items()]
+    budget = 16 * text.length
+    manager = GraphManager(text, BudgetPlan((budget,), 16, 0), "cuda")
+    manager.capture()
+    captured = dict(seen)  # the clones the graph writes at each replay
+    static = manager.padded_inputs(items, budget)
+    manager.run_batch(items, budget)
+    torch.cuda.synchronize()
+    with torch.inference_mode():
+        first, eager = text.forward(static).clone(), dict(seen)
+        again = text.forward(static)
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(first, again), "the eager text tower is not deterministic on one batch"
+    differ = [name for name in modules if not torch.equal(captured[name], eager[name])]
+    assert not differ, f"replay departs from eager first at {differ[0]} (then: {differ[1:]})"
+    manager.clear()
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_captions_job_on_cuda_matches_the_cpu_run(tmp_path: Path, cache_dir: str, compiled: bool) -> None:
     """CLIP with captions and labels on the GPU (text graphs replayed, compiled or not)

@@ -334,11 +334,9 @@ def register(backend: str = VARLEN) -> str:
     return ATTN_NAMES[backend]
 
 
-def segment_offsets(grids: np.ndarray) -> np.ndarray:
-    """Cumulative patch offsets of full-attention segments from (items, 3) (t, h, w)
-    patch grids: one segment per temporal group (h * w patches) of every item, in batch
-    order, starting at 0."""
-    lengths = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+def segment_offsets(lengths: np.ndarray) -> np.ndarray:
+    """Cumulative int32 offsets, from 0, of consecutive segments of `lengths` rows
+    (`PackedAdapter._view_patches`: one per view of every item, in batch order)."""
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 

@@ -36,6 +36,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from embedjob.encoders.attention import HALF
+
 logger = logging.getLogger(__name__)
 
 WIDE_ROWS = 4096
@@ -378,7 +380,7 @@ class PackedAdapter(EncoderAdapter):
     @property
     def capturable(self) -> bool:
         """Not in float32 on CUDA: its attention then runs per segment (`encoders.attention`)."""
-        return self.device.type != "cuda" or self.dtype in (torch.float16, torch.bfloat16)
+        return self.device.type != "cuda" or self.dtype in HALF
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "source": self.source, **self.limits()}
@@ -391,6 +393,12 @@ class PackedAdapter(EncoderAdapter):
     def _grids(items: list[EncoderInput]) -> np.ndarray:
         """The items' (t, h, w) patch grids as an (items, 3) array, read without a torch call."""
         return np.array([item.grid for item in items], dtype=np.int64).reshape(-1, 3)
+
+    @staticmethod
+    def _view_patches(grids: np.ndarray) -> np.ndarray:
+        """The patches of each view (an image, or a temporal group of a video: h * w
+        each), every item's in batch order: the full-attention segments' lengths."""
+        return np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
 
     def _host(self, values: np.ndarray) -> torch.Tensor:
         """A host tensor over `values`, page-locked when it feeds a GPU."""

@@ -455,7 +455,7 @@ class QwenAdapter(PackedAdapter):
         patches = static.tensors["pixel_values"].shape[0]
         grids = self._grids(items)
         values = self._patch_rows(items, grids)
-        offsets = pad_offsets(segment_offsets(grids), patches, static.tensors["cu_seqlens"].shape[0], FULL_PAD_SEGMENT)
+        offsets = pad_offsets(segment_offsets(self._view_patches(grids)), patches, static.tensors["cu_seqlens"].shape[0], FULL_PAD_SEGMENT)
         values["cu_seqlens"] = self._host(offsets)
         if self.spec.windowed:
             values["window_index"] = self._window_index(items, patches // self.merge_unit)
@@ -466,7 +466,7 @@ class QwenAdapter(PackedAdapter):
     def eager_inputs(self, items: list[EncoderInput]) -> StaticInputs:
         grids = self._grids(items)
         values = self._patch_rows(items, grids)
-        offsets = segment_offsets(grids)
+        offsets = segment_offsets(self._view_patches(grids))
         values["cu_seqlens"] = self._host(offsets)
         constants = {"max_seqlen": _max_gap(offsets)}
         if self.spec.windowed:

@@ -435,7 +435,7 @@ class NaflexAdapter(PackedAdapter):
         grids = self._grids(items)
         heights, widths = np.repeat(grids[:, 1], grids[:, 0]), np.repeat(grids[:, 2], grids[:, 0])
         lengths = heights * widths
-        offsets = segment_offsets(grids)
+        offsets = segment_offsets(lengths)
         local = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1].astype(np.int64), lengths)
         tall, wide = np.repeat(heights, lengths), np.repeat(widths, lengths)
         positions = np.stack([local // wide, local % wide, tall, wide], axis=1).astype(np.float32)

@@ -25,7 +25,9 @@
 # (benchmarks/attention.py: every attention kernel on the towers' segment layouts),
 # naflex (benchmarks/naflex.py --eager: SigLIP 2 NaFlex, packed graphs against
 # transformers' padded batches, compiled and eager),
-# captions NAME... (benchmarks/captions.py: images alone against images + captions, clip and/or siglip).
+# captions NAME... (benchmarks/captions.py: images alone against images + captions, clip and/or siglip),
+# bench (`embedjob bench --mixes`: the fixed towers, OpenCLIP, NaFlex and Qwen3.5 rows with MFU; BENCH_TOWERS="siglip
+# dinov3" picks fixed towers, BENCH_FLAGS="--no-naflex --no-qwen3-5" drops the others).
 # MIX_REPEATS (2) sets the mixes' repeats (qwen-mixed always 1). TESTS="expr" runs only the GPU tests pytest's -k selects; TESTS_SECONDS (420) bounds them. SMOKE=1 passes --smoke to the
 # benchmarks, so the script can be checked on a machine without a GPU. Logs go to $OUT
 # (or /tmp/device-checks).
@@ -111,6 +113,16 @@ naflex() {
   summary+=("naflex.py:" "$(sed -n '/^# SigLIP 2 NaFlex/,$p' "$out/naflex.log")")
 }
 
+bench() {
+  # The new families' `embedjob bench` rows (fixed towers, OpenCLIP, NaFlex, Qwen3.5), compiled, without the
+  # Qwen2.5 tower's mixes; rows are logged and saved as they come, so a call cut short keeps what it timed.
+  if [ ${#smoke[@]} -gt 0 ]; then summary+=("embedjob bench: skipped with SMOKE=1 (it needs a CUDA GPU)"); return; fi
+  # shellcheck disable=SC2086  # BENCH_TOWERS is a list of tower names
+  timeout "$(budget 560)" python3 -m embedjob.cli bench --mixes --compile-modes dynamic --no-profile --no-fp8 --e2e-images 0 \
+    --repeats 5 ${BENCH_TOWERS:+--fixed-towers $BENCH_TOWERS} ${BENCH_FLAGS:-} --workdir "$work/bench" 2>&1 | tee "$out/bench.log"
+  summary+=("embedjob bench (families):" "$(cat "$work/bench/bench.md" 2>/dev/null || echo 'no table: see bench.log')")
+}
+
 captions() {
   timeout "$(budget 560)" python3 benchmarks/captions.py "${smoke[@]}" --photos bench-data --workdir "$work/captions" \
     --models "$@" 2>&1 | tee "$out/captions-${1}.log"
@@ -134,17 +146,17 @@ while [ $# -gt 0 ]; do
   stage="$1"
   shift
   case "$stage" in
-    prep | tests | decode | attention | naflex | report) "$stage" ;;
+    prep | tests | decode | attention | naflex | bench | report) "$stage" ;;
     mixes | kernels | captions)
       names=()
-      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex report mixes kernels captions " != *" $1 "* ]]; do
+      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench report mixes kernels captions " != *" $1 "* ]]; do
         names+=("$1")
         shift
       done
       [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: '$stage' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
       "$stage" "${names[@]}"
       ;;
-    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, mixes NAME..., kernels NAME..., captions NAME..., report)" >&2; exit 2 ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, mixes NAME..., kernels NAME..., captions NAME..., report)" >&2; exit 2 ;;
   esac
 done
 [ ${#summary[@]} -eq 0 ] || { echo; echo "=== device_checks.sh summary ==="; printf '%s\n' "${summary[@]}"; }

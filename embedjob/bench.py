@@ -22,7 +22,10 @@ transformers' padded batches against embedjob's packed graphs (`naflex_rows`;
 --no-naflex skips it), and an OpenCLIP ViT-H-14-size model against open_clip's own
 `encode_image` where open_clip_torch is installed (`open_clip_rows`). Times are CUDA-event medians after a
 warm-up; MFU is useful FLOPs (real tokens only, padding excluded) over the time, against
-a bf16 matmul timed in the same process. The last thing printed is the table.
+a bf16 matmul timed in the same process. The last thing printed is the table; each row
+is also logged and `bench.md` rewritten as it is timed (`Table`), so a run cut short keeps
+its rows. A bare `--mixes` skips the Qwen2.5-VL tower and times only the other families
+(`--fixed-towers` picks among the fixed ones).
 """
 
 from __future__ import annotations
@@ -992,13 +995,32 @@ def render(rows: list[Row], header: dict[str, Any]) -> str:
     lines = [f"# embedjob bench — {header['date']}", ""]
     lines += [f"- {k}: {v}" for k, v in header.items() if k != "date"]
     lines += ["", "| mix | variant | items | seconds | items/s | MFU | hit rate | padding | note |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for r in rows:
-        hit = "-" if r.hit_rate is None else f"{r.hit_rate:.0%}"
-        waste = "-" if r.waste is None else f"{r.waste:.1%}"
-        lines.append(
-            f"| {r.mix} | {r.variant} | {r.items} | {r.seconds:.3f} | {r.items_per_second:.1f} | {r.mfu:.1%} | {hit} | {waste} | {r.note} |"
-        )
-    return "\n".join(lines)
+    return "\n".join(lines + [_row_line(r) for r in rows])
+
+
+def _row_line(r: Row) -> str:
+    hit = "-" if r.hit_rate is None else f"{r.hit_rate:.0%}"
+    waste = "-" if r.waste is None else f"{r.waste:.1%}"
+    return f"| {r.mix} | {r.variant} | {r.items} | {r.seconds:.3f} | {r.items_per_second:.1f} | {r.mfu:.1%} | {hit} | {waste} | {r.note} |"
+
+
+class Table:
+    """The rows measured so far, logged as each arrives and written to `bench.md` after
+    each tower's rows: a run cut short (a device call's time limit) keeps what it measured."""
+
+    def __init__(self, path: Path, header: dict[str, Any]) -> None:
+        self.path = path
+        self.header = header
+        self.rows: list[Row] = []
+
+    def add(self, rows: list[Row]) -> None:
+        for row in rows:
+            logger.info("bench row: %s", _row_line(row))
+        self.rows += rows
+        self.path.write_text(render(self.rows, self.header) + "\n")
+
+    def text(self) -> str:
+        return render(self.rows, self.header)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -1008,23 +1030,57 @@ def main(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     peak = matmul_peak()
+    table = Table(workdir / "bench.md", {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name(),
+        "versions": f"python {platform.python_version()}, torch {torch.__version__}, transformers {_version('transformers')}",
+        "bf16 matmul": f"{peak / 1e12:.0f} TFLOP/s (8192^3, median of 10)",
+    })
+    if args.mixes:
+        qwen2_5_rows(args, device, peak, workdir, table)
+    compiled = bool(args.compile_modes)
+    towers = {name: FIXED_TOWERS[name] for name in args.fixed_towers if name in FIXED_TOWERS}
+    if args.fixed:
+        for name, tower in towers.items():
+            table.add(fixed_rows(workdir, {name: tower}, FIXED_BATCH, args.repeats, peak, device, compiled=compiled))
+    if args.fixed and "open_clip" in args.fixed_towers:
+        if importlib.util.find_spec("open_clip") is None:
+            table.header["open_clip"] = "skipped: open_clip_torch is not installed (pip install 'embedjob[open_clip]')"
+        else:
+            table.add(open_clip_rows(
+                workdir, f"OpenCLIP {OPEN_CLIP_TOWER}-size", _open_clip_config(OPEN_CLIP_TOWER), FIXED_BATCH, args.repeats, peak,
+                device, compiled=compiled,
+            ))
+    if args.naflex:
+        table.add(bench_naflex(workdir, args.repeats, peak, device, compiled=compiled))
+    if args.qwen3_5:
+        table.add(qwen3_5_rows(workdir, *QWEN3_5_TOWER, QWEN3_5_IMAGES, args.repeats, peak, device, compiled=compiled))
+    print(table.text())
+    return 0
+
+
+def qwen2_5_rows(args: argparse.Namespace, device: torch.device, peak: float, workdir: Path, table: Table) -> None:
+    """The Qwen2.5-VL-7B-size tower on `args.mixes`, every way the module docstring lists,
+    into `table` (its header gets the tower's budgets, fidelity and setup notes)."""
     adapter = build_tower(device)
     checkpoint = save_checkpoint(adapter, workdir) if args.e2e_images else None
     plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
-    notes: dict[str, Any] = {}
-    rows: list[Row] = []
+    notes = table.header
+    notes["tower"] = "Qwen2.5-VL-7B-size vision tower, random bf16 weights"
+    notes["budgets"] = list(plan.token_budgets)
+    notes["max_items/max_frames"] = f"{plan.max_items}/{plan.max_frames}"
     fidelity = Fidelity(adapter, args.fidelity_items)
     fidelity.transformers_bf16(adapter)
     untuned = _our_managers(adapter, plan, notes, "")
     fidelity.graphs("embedjob graphs", untuned["ours_graphs"])
     for mix in args.mixes:
-        rows += bench_mix(mix, adapter, plan, untuned, args, peak)
+        table.add(bench_mix(mix, adapter, plan, untuned, args, peak))
     untuned["ours_graphs"].clear()
     tune_for_cuda(adapter.model)
     only_ours = argparse.Namespace(**{**vars(args), "skip": {"hf_sdpa", "hf_varlen"}})
     tuned = _our_managers(adapter, plan, notes, "_tuned")
     for mix in args.mixes:
-        rows += bench_mix(mix, adapter, plan, tuned, only_ours, peak)
+        table.add(bench_mix(mix, adapter, plan, tuned, only_ours, peak))
     tuned["ours_graphs_tuned"].clear()
     for mode in args.compile_modes:
         start = time.perf_counter()
@@ -1037,42 +1093,15 @@ def main(args: argparse.Namespace) -> int:
         fidelity.graphs(f"embedjob graphs tuned compiled {mode}", compiled)
         mixes = args.mixes if mode == "dynamic" else args.mixes[:1]
         for mix in mixes:
-            rows += bench_mix(mix, adapter, plan, {f"ours_graphs_tuned_compiled_{mode}": compiled}, only_ours, peak)
+            table.add(bench_mix(mix, adapter, plan, {f"ours_graphs_tuned_compiled_{mode}": compiled}, only_ours, peak))
         compiled.clear()
         if mode == "dynamic" and args.profile:
             kernel_table(adapter, plan, workdir)
     if checkpoint is not None:
-        rows += end_to_end(adapter, checkpoint, workdir, args, peak, compiled="dynamic" in args.compile_modes)
+        table.add(end_to_end(adapter, checkpoint, workdir, args, peak, compiled="dynamic" in args.compile_modes))
     if args.fp8:
-        rows += fp8_rows(adapter, plan, workdir, args, peak, fidelity, notes)
-    if args.fixed:
-        rows += fixed_rows(workdir, FIXED_TOWERS, FIXED_BATCH, args.repeats, peak, device, compiled=bool(args.compile_modes))
-        if importlib.util.find_spec("open_clip") is None:
-            notes["open_clip"] = "skipped: open_clip_torch is not installed (pip install 'embedjob[open_clip]')"
-        else:
-            rows += open_clip_rows(
-                workdir, f"OpenCLIP {OPEN_CLIP_TOWER}-size", _open_clip_config(OPEN_CLIP_TOWER), FIXED_BATCH, args.repeats, peak,
-                device, compiled=bool(args.compile_modes),
-            )
-    if args.naflex:
-        rows += bench_naflex(workdir, args.repeats, peak, device, compiled=bool(args.compile_modes))
-    if args.qwen3_5:
-        rows += qwen3_5_rows(workdir, *QWEN3_5_TOWER, QWEN3_5_IMAGES, args.repeats, peak, device, compiled=bool(args.compile_modes))
-    header = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "device": torch.cuda.get_device_name(),
-        "versions": f"python {platform.python_version()}, torch {torch.__version__}, transformers {_version('transformers')}",
-        "bf16 matmul": f"{peak / 1e12:.0f} TFLOP/s (8192^3, median of 10)",
-        "tower": "Qwen2.5-VL-7B-size vision tower, random bf16 weights",
-        "budgets": list(plan.token_budgets),
-        "max_items/max_frames": f"{plan.max_items}/{plan.max_frames}",
-        "fidelity vs fp32 (per image, first images of the mixed mix)": fidelity.summary(),
-        **notes,
-    }
-    table = render(rows, header)
-    (workdir / "bench.md").write_text(table + "\n")
-    print(table)
-    return 0
+        table.add(fp8_rows(adapter, plan, workdir, args, peak, fidelity, notes))
+    notes["fidelity vs fp32 (per image, first images of the mixed mix)"] = fidelity.summary()
 
 
 def _open_clip_config(name: str) -> dict[str, Any]:

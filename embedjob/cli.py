@@ -131,7 +131,10 @@ def _parser() -> argparse.ArgumentParser:
 def _bench_command(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmark the encoder four ways on one GPU and print a table")
     mixes = ["mixed", "224px", "video"]
-    bench.add_argument("--mixes", nargs="*", default=mixes, choices=mixes)
+    bench.add_argument(
+        "--mixes", nargs="*", default=mixes, choices=mixes,
+        help="the Qwen2.5-VL-7B-size tower's mixes; none (a bare --mixes) skips that tower and times only the other families",
+    )
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--fidelity-items", type=int, default=16, help="images compared with the fp32 reference")
     bench.add_argument("--hf-repeats", type=int, default=2)
@@ -151,7 +154,12 @@ def _bench_command(sub: Any) -> None:
     bench.add_argument("--e2e-profile", action="store_true", help="profile the end-to-end run (cProfile)")
     bench.add_argument(
         "--fixed", action=argparse.BooleanOptionalAction, default=True,
-        help="also SigLIP-so400m-384 and CLIP-L/14-336-size towers at batch 256 against plain transformers + torch.compile",
+        help="also the fixed-resolution towers (--fixed-towers) at batch 256 against plain transformers (open_clip) + torch.compile",
+    )
+    towers = ["siglip", "clip", "dinov3", "metaclip2", "open_clip"]
+    bench.add_argument(
+        "--fixed-towers", nargs="*", default=towers, choices=towers,
+        help="which fixed-resolution towers --fixed times (all by default; a device call's time can hold a few)",
     )
     bench.add_argument(
         "--naflex", action=argparse.BooleanOptionalAction, default=True,

@@ -367,3 +367,27 @@ def test_fixed_flops_reads_a_siglip_vision_checkpoint_saved_without_vision_use_h
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(pixel_values=torch.zeros(1, 3, 32, 32))
     assert fixed_flops("siglip", config, None) == counter.get_total_flops()
+
+
+def test_embedjob_bench_keeps_each_row_it_timed_when_cut_short_and_offers_every_tower(tmp_path: Path, caplog) -> None:
+    """A bench a device call's time limit cuts short still leaves the rows it timed, in its
+    log and in bench.md, each as it was timed; `--fixed-towers` offers every tower the bench
+    builds, and a bare `--mixes` (the families only) parses."""
+    import logging
+
+    from embedjob.bench import FIXED_TOWERS, Row, Table
+    from embedjob.cli import _parser
+
+    table = Table(tmp_path / "bench.md", {"date": "today", "device": "cpu"})
+    with caplog.at_level(logging.INFO, logger="embedjob.bench"):
+        table.add([Row("tiny SigLIP", "ours_graphs", 3, 0.5, 3e9, 1e12, note="1.200x plain")])
+    saved = (tmp_path / "bench.md").read_text()
+    assert "| tiny SigLIP | ours_graphs | 3 | 0.500 | 6.0 | 0.6% |" in saved and "- device: cpu" in saved
+    assert "tiny SigLIP | ours_graphs | 3 | 0.500 | 6.0" in caplog.text
+    table.add([Row("tiny CLIP", "ours_graphs", 2, 0.25, 1e9, 1e12)])
+    assert "tiny SigLIP" in (tmp_path / "bench.md").read_text() and "tiny CLIP" in table.text()
+
+    args = _parser().parse_args(["bench", "--mixes", "--fixed-towers", "dinov3", "open_clip"])
+    assert args.mixes == [] and args.fixed_towers == ["dinov3", "open_clip"]
+    offered = _parser().parse_args(["bench"]).fixed_towers
+    assert set(offered) == {*FIXED_TOWERS, "open_clip"}

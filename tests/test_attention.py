@@ -303,3 +303,22 @@ def test_the_setting_leaves_the_fingerprint_of_earlier_output_unchanged(tmp_path
     prints = [job_fingerprint(make_job(cache_dir, input={"path": str(table)}, model={"attention": value}))
               for value in ("auto", "varlen", "fa4")]
     assert "attention" not in prints[0]["model"] and prints[0] == prints[1] == prints[2]
+
+
+def test_the_unmasked_sdpa_of_siglip_text_towers_refuses_a_mask_rather_than_drop_it() -> None:
+    """`register_unmasked`'s attention is transformers' SDPA with no mask; a mask would mean
+    positions to hide, which it must not ignore silently."""
+    from transformers import AttentionInterface
+
+    from embedjob.encoders.attention import UNMASKED, register_unmasked
+
+    assert register_unmasked() == UNMASKED and "flash" not in UNMASKED
+    function = AttentionInterface()[UNMASKED]
+    module = torch.nn.Module()
+    module.is_causal = False
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    out, _ = function(module, q, k, v, None, scaling=8**-0.5, dropout=0.0)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=8**-0.5).transpose(1, 2)
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="attend to every position"):
+        function(module, q, k, v, torch.ones(2, 1, 5, 5, dtype=torch.bool), scaling=8**-0.5)

@@ -27,7 +27,8 @@ them, the segment kernel gives them no work, and so do both flash kernels
 CUDA kernel against the per-segment result on such offsets).
 
 flash_attn is imported only where a Qwen-VL tower may use it (`fa4_problem`, `_fa4_varlen`):
-importing it takes seconds. transformers is imported only by `register`, so
+importing it takes seconds. transformers is imported only by `register` (and
+`register_unmasked`, for the SigLIP text towers' SDPA without a mask), so
 `encoders.loading` resolves the backend before any model library is loaded.
 """
 
@@ -332,6 +333,41 @@ def register(backend: str = VARLEN) -> str:
     if TRITON:
         _register_segment_attention()
     return ATTN_NAMES[backend]
+
+
+UNMASKED = "embedjob_sdpa_unmasked"
+"""The name `register_unmasked` registers: no "flash" in it, so transformers treats the
+tower as it treats SDPA in all but the mask."""
+
+
+def register_unmasked() -> str:
+    """Register, for text towers that attend to every position of every caption (SigLIP
+    and SigLIP 2: captions padded to the model's length and the pads attended, as they
+    were trained), transformers' own SDPA under a name transformers builds no mask for
+    (`unmasked_sdpa`); idempotent; returns the name.
+
+    Why: under the default "sdpa", transformers decides whether to build the all-True
+    bidirectional mask by asking whether it is tracing, which some of its versions
+    answer yes to while a CUDA graph is captured. The captured graph then ran SDPA with a
+    mask (the memory-efficient kernel) and the eager run without one (flash), so replay
+    and eager differed in the last bits from the first layer's attention on (seen on an
+    H100 with transformers 5.17, tests/test_gpu.py). With no mask at all, both run the
+    same call: the one the default makes eagerly, so the vectors are unchanged."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(UNMASKED, functools.partial(unmasked_sdpa, sdpa=sdpa_attention_forward))
+    return UNMASKED
+
+
+def unmasked_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, *, sdpa: Callable[..., tuple[torch.Tensor, None]], **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' `sdpa` attention with no mask. A mask means a caller that masks some
+    position, which these towers never do (their captions are not masked): a ValueError
+    rather than a mask silently ignored."""
+    if attention_mask is not None:
+        raise ValueError(f"{UNMASKED} serves towers that attend to every position, but a mask was passed")
+    return sdpa(module, query, key, value, None, **kwargs)
 
 
 def segment_offsets(lengths: np.ndarray) -> np.ndarray:

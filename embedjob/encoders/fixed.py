@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torchvision.transforms.v2.functional as tvF
 
+from embedjob.encoders.attention import register_unmasked
 from embedjob.encoders.base import (
     JPEG_KEY,
     JPEG_SIZE_KEY,
@@ -705,8 +706,9 @@ def build_text(family: str, pooling: str | None, full: torch.nn.Module, director
     SigLIP 2: `text_model`, its blocks at `encoder.layers`, a `text_projection` beside it
     or a head inside it) on the placement's device, with the checkpoint's tokenizer:
     captions of the text model's length, padded as its `pooling` needs (`encoders.text`:
-    "eos" on the right with the pad id, "last" by the tokenizer to max_length). A
-    tokenizer with nothing to pad a caption with is a ValueError."""
+    "eos" on the right with the pad id, "last" by the tokenizer to max_length, every
+    position attended: `attention.register_unmasked`). A tokenizer with nothing to pad a
+    caption with is a ValueError."""
     tokenizer = load_tokenizer(str(directory))
     model = full.text_model.to(placement.device).eval().requires_grad_(False)
     projection = getattr(full, "text_projection", None)
@@ -719,6 +721,9 @@ def build_text(family: str, pooling: str | None, full: torch.nn.Module, director
             raise ValueError(f"the tokenizer of {directory} has neither a pad nor an EOS token to pad captions with")
     elif tokenizer.pad_token_id is None:
         raise ValueError(f"the tokenizer of {directory} has no pad token, and {family} pools captions padded to their length")
+    if pooling == "last":
+        # Every position attended, pads included: no mask, so graphs and eager runs agree.
+        model.config._attn_implementation = register_unmasked()
     length = int(model.config.max_position_embeddings)
     width = int(projection.out_features if projection is not None else model.config.projection_size)
     processing = TextPreprocessor(str(directory), length, pad_with)

@@ -197,8 +197,10 @@ class VideoConfig:
     # frames are decoded: a larger video is one `too_large` error row.
     max_pixels_per_frame: int = key(DEFAULT_MAX_FRAME_PIXELS, "videos with larger frames are too_large rows", AT_LEAST_1)
     max_total_pixels: int = key(DEFAULT_MAX_VIDEO_PIXELS, "videos whose sampled frames hold more pixels together are too_large rows", AT_LEAST_1)
-    decoder: Literal["decord", "nvdec"] = key(
-        "decord", "where sampled frames are decoded: decord (the decode workers) or nvdec (the rank's GPU; pip install 'embedjob[nvdec]')"
+    decoder: Literal["decord", "nvdec", "auto"] = key(
+        "decord",
+        "where sampled frames are decoded: decord (the decode workers), nvdec (the rank's GPU; pip install 'embedjob[nvdec]'), "
+        "auto (both in a video job: the GPU takes the share of videos the workers cannot keep up with; decord where it cannot)",
     )
 
 

@@ -59,7 +59,7 @@ from embedjob.io import reader
 from embedjob.io.checkpoint import caption_keys
 from embedjob.io.digest import UNREAD, digest_array
 from embedjob.io.writer import RowBlock
-from embedjob.jpeg_split import JpegSplit, gpu_share
+from embedjob.decode_split import DecodeSplit, gpu_share
 from embedjob.rows import (
     WORKER_MODULES,
     Captions,
@@ -177,7 +177,7 @@ def _warm_imports(compiler: bool) -> None:
 
 def jpeg_decoder(job: Job, device: torch.device) -> str:
     """Where this rank decodes JPEGs: "cpu", "gpu", or "auto" (both, in the shares
-    `RankPipeline._split_jpegs` sets). `gpu` on a device that cannot is a job error before
+    `RankPipeline._split_decoding` sets). `gpu` on a device that cannot is a job error before
     any work; `auto` there (or in a job with nothing for it: tiles, video only) is "cpu"."""
     setting = job.preprocess.decoder
     if setting == "cpu":
@@ -193,13 +193,25 @@ def jpeg_decoder(job: Job, device: torch.device) -> str:
     return "cpu"
 
 
-def check_video_decoder(job: Job, device: torch.device) -> None:
-    """`video.decoder: nvdec` where it cannot run is a job error before any work."""
-    if job.video.decoder != "nvdec":
-        return
+def video_decoder(job: Job, device: torch.device) -> str:
+    """Where this rank decodes videos: "decord" (the workers), "nvdec" (the GPU's video
+    decoder) or "auto" (both, in the shares `RankPipeline._split_decoding` sets).
+    `nvdec` where it cannot run is a job error before any work; `auto` there, or in a job
+    whose rows are not all videos (the split counts rows of one kind), is "decord"."""
+    setting = job.video.decoder
+    if setting == "decord":
+        return setting
     problem = nvdec_problem(device)
+    if setting == "nvdec":
+        if problem is not None:
+            raise JobError(f"video.decoder = 'nvdec' cannot run here: {problem}; or use video.decoder: decord")
+        return setting
+    if job.input.modality != "video":
+        problem = f"input.modality is {job.input.modality!r}, and auto splits the rows of a video job"
     if problem is not None:
-        raise JobError(f"video.decoder = 'nvdec' cannot run here: {problem}; or use video.decoder: decord")
+        logger.info("video.decoder auto: videos decode in the workers (%s)", problem)
+        return "decord"
+    return setting
 
 
 def vector_description(job: Job, model: dict[str, Any]) -> dict[str, Any]:
@@ -421,8 +433,11 @@ class RankPipeline:
         self._unencoded = 0
         self._device_free = 0.0
         self.decoder = "cpu"
+        self.video = "decord"
+        self.splitting: str | None = None
+        """The media the GPU decodes a share of ("jpeg" or "video", the decoder set to auto), or None."""
         self.defer = False
-        self.split = JpegSplit()
+        self.split = DecodeSplit()
         self.stopped = False
 
     def prepare(self) -> None:
@@ -450,7 +465,9 @@ class RankPipeline:
         compile_if_asked(self.job, adapter)
         self.options = decode_options(self.job, adapter)
         self.decoder = jpeg_decoder(self.job, self.device)
-        check_video_decoder(self.job, self.device)
+        self.video = video_decoder(self.job, self.device)
+        # preprocess.decoder auto is "cpu" in a video job, and video.decoder auto "decord" elsewhere.
+        self.splitting = "jpeg" if self.decoder == "auto" else "video" if self.video == "auto" else None
         self.defer = self.decoder == "gpu"
         self.stats.decoder = self.decoder
         self.preprocess = adapter.preprocessor()
@@ -508,11 +525,11 @@ class RankPipeline:
         the row has a caption to tokenise: that is per-item work, for the workers."""
         local: Callable[[Any], Decoded | None] | None = None
         captions = self.caption_task
-        if self.decoder == "auto":
+        if self.splitting is not None:
             fn: Callable[[Any], Decoded] = functools.partial(
-                decode_task, options=self.options, preprocess=self.preprocess, captions=captions
+                decode_task, options=self.options, preprocess=self.preprocess, captions=captions, media=self.splitting
             )
-            if captions is None:
+            if captions is None and self.splitting == "jpeg":
                 local = functools.partial(task_on_rank, options=self.options, preprocess=self.preprocess)
             rows = ((row, self.split.leave()) for row in rows)
         else:
@@ -664,7 +681,7 @@ class RankPipeline:
                         ahead = None
                     yield None
                     continue
-                if self.decoder == "auto":
+                if self.splitting is not None:
                     self.split.count(window)
                 first = nvjpeg.submit(self._decode_ahead, window, stream)
                 future = thread.submit(self._decode_window, window, stream, first)
@@ -677,8 +694,8 @@ class RankPipeline:
     @property
     def _gpu_decodes(self) -> bool:
         """Whether this rank's GPU decodes media the workers leave it (JPEGs with
-        `preprocess.decoder` gpu or auto, videos with `video.decoder: nvdec`)."""
-        return self.decoder != "cpu" or self.job.video.decoder == "nvdec"
+        `preprocess.decoder` gpu or auto, videos with `video.decoder` nvdec or auto)."""
+        return self.decoder != "cpu" or self.video != "decord"
 
     def _encode_stream(self) -> contextlib.AbstractContextManager[Any]:
         """Where the encoder's work queues while media decode on the GPU beside it: a
@@ -767,16 +784,16 @@ class RankPipeline:
         self.stats.items += sum(d.item is not None for d in window)
         self.stats.load += sum(d.item.size for d in window if d.item is not None)
         self._sample(self._device_span(pending.started_at, busy))
-        if self.decoder == "auto":
-            self._split_jpegs()
+        if self.splitting is not None:
+            self._split_decoding()
 
-    def _split_jpegs(self) -> None:
-        """`preprocess.decoder: auto`, after every window once AUTO_ROWS items are
-        encoded: the share of the rows submitted from now on that leave their JPEGs for
-        the GPU (`gpu_share`), from the rates so far: the workers' (workers / their mean
-        seconds per row they decoded), the device's (items per busy second) and the
-        GPU-decode thread's (rows per second of its time). Rows already submitted keep
-        their decoder, so a window may hold both."""
+    def _split_decoding(self) -> None:
+        """`preprocess.decoder: auto` (JPEGs) or `video.decoder: auto` (videos), after
+        every window once AUTO_ROWS items are encoded: the share of the rows submitted
+        from now on that leave their media for the GPU (`gpu_share`), from the rates so
+        far: the workers' (workers / their mean seconds per row they decoded), the
+        device's (items per busy second) and the GPU-decode thread's (rows per second of
+        its time). Rows already submitted keep their decoder, so a window may hold both."""
         stats, split = self.stats, self.split
         if stats.items < AUTO_ROWS or stats.busy_seconds <= 0:
             return
@@ -786,11 +803,12 @@ class RankPipeline:
         share = gpu_share(worker_rate, device_rate, gpu_rate)
         first = stats.gpu_share is None
         level = logging.INFO if first or abs(share - split.share) >= AUTO_LOGGED_CHANGE else logging.DEBUG
+        setting, media = ("preprocess.decoder", "JPEGs") if self.splitting == "jpeg" else ("video.decoder", "videos")
         logger.log(
             level,
-            "preprocess.decoder auto: %d decode workers make %.0f rows/s, the GPU's decoder %.0f, the device encodes %.0f items/s: "
-            "%.0f%% of the JPEGs from here on decode on the GPU",
-            self.workers, worker_rate, gpu_rate, device_rate, 100 * share,
+            "%s auto: %d decode workers make %.0f rows/s, the GPU's decoder %.0f, the device encodes %.0f items/s: "
+            "%.0f%% of the %s from here on decode on the GPU",
+            setting, self.workers, worker_rate, gpu_rate, device_rate, 100 * share, media,
         )
         split.share = stats.gpu_share = share
 

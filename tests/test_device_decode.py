@@ -31,12 +31,12 @@ from embedjob.config import JobError, job_from_dict
 from embedjob.decode import DeferredImage, MediaError, decode
 from embedjob.decode import image as image_decode
 from embedjob.decode.device import GROUP_PIXELS, pixel_groups
+from embedjob.decode_split import DecodeSplit, gpu_share
 from embedjob.encoders import load_adapter
 from embedjob.encoders.base import JPEG_KEY
 from embedjob.io.checkpoint import job_fingerprint
 from embedjob.io.reader import InputRow
-from embedjob.jpeg_split import JpegSplit, gpu_share
-from embedjob.pipeline import RankPipeline
+from embedjob.pipeline import RankPipeline, video_decoder
 
 DEFER = dataclasses.replace(IMAGE, defer_jpeg=True)
 RED, BLUE = (220, 20, 30), (10, 40, 200)
@@ -321,7 +321,7 @@ def test_the_gpus_share_is_a_fraction_no_larger_than_the_workers_need(worker_rat
 
 @pytest.mark.parametrize("share", [0.0, 0.25, 0.4, 1.0])
 def test_auto_leaves_its_share_of_rows_evenly_spread(share: float) -> None:
-    split = JpegSplit(share=share)
+    split = DecodeSplit(share=share)
     left = [split.leave() for _ in range(100)]
     assert sum(left) == round(100 * share)
     runs = "".join("g" if x else "c" for x in left).split("g")
@@ -329,31 +329,36 @@ def test_auto_leaves_its_share_of_rows_evenly_spread(share: float) -> None:
         assert max(len(r) for r in runs[1:-1]) <= round(1 / share)
 
 
-def test_auto_splits_the_jpegs_from_the_rates_it_measures_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(("splitting", "setting", "media"), [("jpeg", "preprocess.decoder", "JPEGs"), ("video", "video.decoder", "videos")])
+def test_auto_splits_the_media_from_the_rates_it_measures_and_says_so(
+    caplog: pytest.LogCaptureFixture, splitting: str, setting: str, media: str
+) -> None:
     """4 workers at 10 ms a row (400 rows/s) against a device at 1,000 items/s and a
-    GPU decoder still unmeasured: the GPU gets 1 - 400 / 1,200 of the rows. Nothing is
-    decided before AUTO_ROWS items; then every window's figures move the share."""
+    GPU decoder still unmeasured: the GPU gets 1 - 400 / 1,200 of the rows (JPEGs with
+    `preprocess.decoder: auto`, videos with `video.decoder: auto`). Nothing is decided
+    before AUTO_ROWS items; then every window's figures move the share."""
     job = job_from_dict(spec(decoder="auto"))
     rank = RankPipeline(job, torch.device("cpu"), 0, 4, lambda: None, lambda *a: None, lambda: None, lambda t: True)
-    rank.decoder = "auto"
+    rank.splitting = splitting
     stats, split = rank.stats, rank.split
     worker_rows = [worker.Decoded(k, k, None, None, "bad", seconds=0.01) for k in range(32)]
     split.count(worker_rows)
     stats.rows = stats.items = 32
     stats.busy_seconds = 32 / 1000
     stats.device_decode_seconds = 0.001  # the GPU-decode thread's windows with nothing to decode
-    rank._split_jpegs()
+    rank._split_decoding()
     assert split.share == 0.0 and stats.gpu_share is None and not any(split.leave() for _ in range(10))
     split.count(worker_rows)
     stats.rows = stats.items = 64
     stats.busy_seconds = 64 / 1000
     with caplog.at_level("INFO", logger="embedjob.pipeline"):
-        rank._split_jpegs()
+        rank._split_decoding()
     assert split.share == stats.gpu_share == pytest.approx(2 / 3)
-    assert "4 decode workers make 400 rows/s" in caplog.text and "67% of the JPEGs from here on decode on the GPU" in caplog.text
+    assert f"{setting} auto: 4 decode workers make 400 rows/s" in caplog.text
+    assert f"67% of the {media} from here on decode on the GPU" in caplog.text
     assert sum(split.leave() for _ in range(300)) == 200
     stats.device_decoded, stats.device_decode_seconds = 100, 0.501
-    rank._split_jpegs()
+    rank._split_decoding()
     assert split.share == pytest.approx(200 / 600, rel=1e-2)
 
 
@@ -591,6 +596,57 @@ def test_clips_below_the_decoders_reliable_size_take_the_cpu_path(
     # One session for the first (small) clip, one for the 568 x 320 clip; the small
     # clips after it are refused from that one without a session of their own.
     assert len(read) == 1 and Counting.made == 2
+
+
+def test_video_auto_tasks_leave_each_video_for_the_gpu_or_decode_it_as_the_rank_decided(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`video.decoder: auto` hands the workers (row, defer) tasks: a video left for the GPU
+    comes back planned and undecoded, the others decoded as decord decodes them, and the
+    window of both, once the rank's decoder has read the left ones, is the CPU path's rows."""
+    stand_in(monkeypatch)
+    names = ["decord_video_0.mov", "decord_video_90.mov", "decord_video_180.mov", "decord_video_270.mov", "torchcodec_nasa_13013.mp4"]
+    rows = [row for row in video_rows() if row.id in names]
+    leave = [k % 2 == 0 for k in range(len(rows))]
+    window = [
+        pickle.loads(pickle.dumps(worker.decode_task((row, left), VIDEO_OPTIONS, preprocess, media="video"), protocol=5))
+        for row, left in zip(rows, leave)
+    ]
+    assert [worker.left_for_device(d) for d in window] == leave
+    assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == sum(leave)
+    assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess) for row in rows])
+
+
+def test_video_auto_decodes_with_decord_where_the_gpu_cannot_and_says_why(
+    cache_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """auto is "auto" only in a video job on a device whose video decoder can run; else
+    "decord", in one log line naming why. nvdec where it cannot run stops the job."""
+    caplog.set_level("INFO", logger="embedjob.pipeline")
+    video = make_job(cache_dir, input={"modality": "video"}, video={"decoder": "auto"})
+    assert video_decoder(video, torch.device("cpu")) == "decord"
+    assert "video.decoder auto: videos decode in the workers (cpu is not a CUDA device)" in caplog.text
+    monkeypatch.setattr("embedjob.pipeline.nvdec_problem", lambda device: None)
+    assert video_decoder(video, torch.device("cpu")) == "auto"
+    mixed = make_job(cache_dir, input={"modality": "auto"}, video={"decoder": "auto"})
+    assert video_decoder(mixed, torch.device("cpu")) == "decord"
+    assert "input.modality is 'auto', and auto splits the rows of a video job" in caplog.text
+    assert video_decoder(make_job(cache_dir, video={"decoder": "decord"}), torch.device("cpu")) == "decord"
+    monkeypatch.setattr("embedjob.pipeline.nvdec_problem", lambda device: "no GPU here")
+    with pytest.raises(JobError, match="video.decoder = 'nvdec' cannot run here: no GPU here"):
+        video_decoder(make_job(cache_dir, input={"modality": "video"}, video={"decoder": "nvdec"}), torch.device("cpu"))
+
+
+def test_a_video_job_with_video_decoder_auto_on_a_cpu_gives_decords_rows(tmp_path: Path, cache_dir: str) -> None:
+    """`embedjob run --set video.decoder=auto` where no GPU decodes: the decode workers do
+    all of it, and the rows are a decord job's."""
+    import pyarrow.parquet as pq
+
+    demo = str(REPO / "jobs" / "demo-video.yaml")
+    for name, decoder in (("decord", "decord"), ("auto", "auto")):
+        code = main(["run", demo, "--set", f"output.path={tmp_path / name}", "--set", f"runtime.cache_dir={cache_dir}",
+                     "--set", f"video.decoder={decoder}"])
+        assert code == 0
+    tables = [pq.read_table(sorted((tmp_path / name).glob("part-*.parquet"))).to_pylist() for name in ("decord", "auto")]
+    assert tables[0] == tables[1] and any(row["frames"] for row in tables[0])
 
 
 def test_nvdec_without_its_package_or_a_gpu_is_one_line_before_any_row(tmp_path: Path, cache_dir: str, capsys) -> None:

@@ -825,20 +825,31 @@ def test_videos_decoded_by_nvdec_are_the_cpu_rows_up_to_the_decoders_rounding(ca
 
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
-def test_an_nvdec_job_gives_the_decord_jobs_rows(tmp_path: Path, cache_dir: str) -> None:
+@pytest.mark.parametrize("setting", ["nvdec", "auto"])
+def test_an_nvdec_job_gives_the_decord_jobs_rows(tmp_path: Path, cache_dir: str, setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`video.decoder` nvdec, or auto with the GPU's share held at a half from the first
+    window on (windows then mix clips the workers decoded with clips the GPU decoded):
+    each row is the decord job's, in order, up to the decoders' rounding."""
+    from embedjob import pipeline
     from embedjob.config import load_job
     from embedjob.runner import run_job
 
+    monkeypatch.setattr(pipeline, "AUTO_ROWS", 1)
+    monkeypatch.setattr(pipeline, "gpu_share", lambda *rates: 0.5)
     outputs, stats = {}, {}
-    for decoder in ("decord", "nvdec"):
+    for decoder in ("decord", setting):
         overrides = [f"output.path={tmp_path / decoder}", "runtime.device=cuda", f"runtime.cache_dir={cache_dir}",
-                     "runtime.workers=2", "runtime.gpus=1", f"video.decoder={decoder}"]
+                     "runtime.workers=2", "runtime.gpus=1", f"video.decoder={decoder}", "input.modality=video", "batching.window=4"]
         stats[decoder] = run_job(load_job(REPO / "jobs" / "demo-video.yaml", overrides))
         outputs[decoder] = pq.read_table(sorted((tmp_path / decoder).glob("part-*.parquet"))).to_pylist()
-    assert stats["decord"]["device_decoded"] == 0 and stats["nvdec"]["device_decoded"] > 0
-    for cpu_row, gpu_row in zip(outputs["decord"], outputs["nvdec"], strict=True):
+    assert stats["decord"]["device_decoded"] == 0 and stats[setting]["device_decoded"] > 0
+    if setting == "auto":
+        assert stats["auto"]["ranks"][0]["gpu_share"] == 0.5
+    for cpu_row, gpu_row in zip(outputs["decord"], outputs[setting], strict=True):
         if cpu_row["id"] == AV1.removesuffix(".mkv"):
-            _assert_av1_row(gpu_row["error"], gpu_row["frames"], cpu_row["error"])
+            # auto may have left it to the workers: then it is their error row as it is.
+            if not (setting == "auto" and gpu_row["error"] == cpu_row["error"]):
+                _assert_av1_row(gpu_row["error"], gpu_row["frames"], cpu_row["error"])
             continue
         assert (cpu_row["id"], cpu_row["error"], cpu_row["tokens"], cpu_row["frames"]) == (
             gpu_row["id"], gpu_row["error"], gpu_row["tokens"], gpu_row["frames"]

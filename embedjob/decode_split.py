@@ -1,9 +1,11 @@
-"""`preprocess.decoder: auto`: how many of a rank's rows leave their JPEG for the GPU.
+"""`preprocess.decoder: auto` and `video.decoder: auto`: how many of a rank's rows leave
+their media (a JPEG, a video's sampled frames) for the GPU's decoder.
 
 A rank's pipeline (pipeline.py) measures three rates as it runs (what its decode
 workers decode, what its device encodes, what its GPU-decode thread decodes) and, after
-every window, sets the share of the rows it submits whose JPEGs the GPU decodes
-(`gpu_share`); the decode pool's task thread picks those rows evenly (`JpegSplit`).
+every window, sets the share of the rows it submits whose media the GPU decodes
+(`gpu_share`); the decode pool's task thread picks those rows evenly (`DecodeSplit`).
+One split serves one kind of media: a video job splits its videos, any other its JPEGs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ AUTO_MARGIN = 1.2
 
 
 def gpu_share(worker_rate: float, device_rate: float, gpu_rate: float, margin: float = AUTO_MARGIN) -> float:
-    """The share of rows whose JPEGs `preprocess.decoder: auto` leaves for the GPU, in
+    """The share of rows whose media auto leaves for the GPU, in
     [0, 1], from rows per second: what the decode workers decode, what the device
     encodes, what the GPU-decode thread decodes (inf while unmeasured).
 
@@ -33,8 +35,8 @@ def gpu_share(worker_rate: float, device_rate: float, gpu_rate: float, margin: f
 
 
 @dataclass
-class JpegSplit:
-    """`preprocess.decoder: auto`: which submitted rows leave their JPEG for the GPU.
+class DecodeSplit:
+    """Which submitted rows leave their media for the GPU (the decoder set to auto).
 
     `share` of them, spread evenly: a row is left when the running sum of `share` passes
     a whole number, so a share of 0.25 leaves every fourth row. `leave` runs on the

@@ -27,7 +27,10 @@
 # transformers' padded batches, compiled and eager),
 # captions NAME... (benchmarks/captions.py: images alone against images + captions, clip and/or siglip),
 # bench (`embedjob bench --mixes`: the fixed towers, OpenCLIP, NaFlex and Qwen3.5 rows with MFU; BENCH_TOWERS="siglip
-# dinov3" picks fixed towers, BENCH_FLAGS="--no-naflex --no-qwen3-5" drops the others).
+# dinov3" picks fixed towers, BENCH_FLAGS="--no-naflex --no-qwen3-5" drops the others), clips (CLIPS=1152
+# distinct clips made on the device by the FFmpeg prep puts in .ffmpeg; carry [".ffmpeg", "bench-data"]), then
+# at once video NAME... (benchmarks/video_decode.py on them: decord, nvdec and auto, tower qwen, siglip or clip;
+# VIDEO_DECODERS picks settings).
 # MIX_REPEATS (2) sets the mixes' repeats (qwen-mixed always 1). TESTS="expr" runs only the GPU tests pytest's -k selects; TESTS_SECONDS (420) bounds them. SMOKE=1 passes --smoke to the
 # benchmarks, so the script can be checked on a machine without a GPU. Logs go to $OUT
 # (or /tmp/device-checks).
@@ -50,7 +53,7 @@ budget() {
 }
 
 prep() {
-  for path in /.whl/ /bench-data/; do
+  for path in /.whl/ /bench-data/ /.ffmpeg/; do
     grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >>.git/info/exclude
   done
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -58,7 +61,21 @@ prep() {
     -d .whl decord==0.6.0 "PyNvVideoCodec>=2.2" "open_clip_torch>=3.0" ftfy wcwidth || return
   mkdir -p bench-data
   cp ../shared/data/parquet/hfhub_huggan-few-shot-cat_train-00000-of-00001.parquet ../shared/data/images/*.jpg bench-data/
-  du -sh .whl bench-data
+  ffmpeg_for_clips
+  du -sh .whl bench-data .ffmpeg
+}
+
+ffmpeg_for_clips() {
+  # The device has no video encoder (no NVENC, no FFmpeg): the `clips` stage carries imageio-ffmpeg's
+  # Python files and its static FFmpeg (libx264, libx265), xz-compressed to fit a call's 64 MiB, in .ffmpeg.
+  [ -f .ffmpeg/ffmpeg.xz ] && return
+  local wheel
+  mkdir -p .ffmpeg/wheel
+  python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 -d .ffmpeg/wheel imageio-ffmpeg || return
+  wheel=$(ls .ffmpeg/wheel/imageio_ffmpeg-*.whl)
+  (cd .ffmpeg && unzip -q -o "wheel/${wheel##*/}" 'imageio_ffmpeg/*' -x 'imageio_ffmpeg/binaries/ffmpeg-*')
+  unzip -p "$wheel" 'imageio_ffmpeg/binaries/ffmpeg-*' | xz -9 -T0 >.ffmpeg/ffmpeg.xz
+  rm -r .ffmpeg/wheel
 }
 
 install_wheels() {
@@ -129,6 +146,26 @@ captions() {
   summary+=("captions.py, $*:" "$(sed -n '/^device: /,$p' "$out/captions-${1}.log")")
 }
 
+clips() {
+  # Distinct clips for `video`, made here from the photos (H.264 and HEVC, 1080p and 720p, keyframes every
+  # 1-8 s); carry [".ffmpeg", "bench-data"] (not .whl: both would pass 64 MiB), then call `video` at once
+  # on the warm machine, which keeps them in $work/clips.
+  xz -dc .ffmpeg/ffmpeg.xz >/tmp/ffmpeg && chmod +x /tmp/ffmpeg || return
+  IMAGEIO_FFMPEG_EXE=/tmp/ffmpeg PYTHONPATH=".ffmpeg:$PYTHONPATH" timeout "$(budget 560)" python3 benchmarks/video_decode.py \
+    --make-clips "$work/clips" --photos bench-data --count "${CLIPS:-1152}" --kinds mixed 2>&1 | tail -n 3 | tee "$out/clips.log"
+  summary+=("clips: $(find "$work/clips" -name '*.mp4' | wc -l) in $work/clips, $(du -sh "$work/clips" | cut -f1)")
+}
+
+video() {
+  # `video.decoder` decord, nvdec and auto on the clips `clips` made, one tower per name (qwen, siglip, clip).
+  local tower
+  for tower in "$@"; do
+    timeout "$(budget 560)" python3 benchmarks/video_decode.py "${smoke[@]}" --clips "$work/clips" --tower "$tower" \
+      --decoders ${VIDEO_DECODERS:-decord nvdec auto} --workdir "$work/video-$tower" 2>&1 | tee "$out/video-$tower.log"
+    summary+=("video_decode.py, $tower:" "$(cat "$work/video-$tower/video_decode.md" 2>/dev/null || echo "no table: see video-$tower.log")")
+  done
+}
+
 report() {
   local mix saved=()
   for mix in qwen-mixed qwen-224 siglip clip; do
@@ -146,17 +183,17 @@ while [ $# -gt 0 ]; do
   stage="$1"
   shift
   case "$stage" in
-    prep | tests | decode | attention | naflex | bench | report) "$stage" ;;
-    mixes | kernels | captions)
+    prep | tests | decode | attention | naflex | bench | clips | report) "$stage" ;;
+    mixes | kernels | captions | video)
       names=()
-      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench report mixes kernels captions " != *" $1 "* ]]; do
+      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench clips report mixes kernels captions video " != *" $1 "* ]]; do
         names+=("$1")
         shift
       done
       [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: '$stage' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
       "$stage" "${names[@]}"
       ;;
-    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, mixes NAME..., kernels NAME..., captions NAME..., report)" >&2; exit 2 ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, clips, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., report)" >&2; exit 2 ;;
   esac
 done
 [ ${#summary[@]} -eq 0 ] || { echo; echo "=== device_checks.sh summary ==="; printf '%s\n' "${summary[@]}"; }

@@ -1,4 +1,4 @@
-"""Video decode: seconds of 1080p video embedded per second with `video.decoder` decord and nvdec (RESULTS.md section 11).
+"""Video decode: seconds of 1080p video embedded per second with `video.decoder` decord, nvdec and auto (RESULTS.md section 11).
 
 Two steps. Make the clips from real photos, on any machine with `pip install
 imageio-ffmpeg` (its FFmpeg has libx264; the H200 has no video encoder of its own), one
@@ -10,21 +10,22 @@ Each clip is its own slow pan and zoom across one photo (a random start and end 
 of the photo, 1920 x 1080, `--seconds` 7 s at 30 fps), H.264 in MP4 by libx264 at CRF 18
 with one GOP per clip. Then on the GPU machine (with PyNvVideoCodec installed for `nvdec`):
 
-    PYTHONPATH=. python3 benchmarks/video_decode.py --clips bench-data/clips [--workers 16] [--nvdec-workers 4]
+    PYTHONPATH=. python3 benchmarks/video_decode.py --clips bench-data/clips [--tower siglip] [--decoders decord auto]
 
 It writes the clips into a Parquet file, measures the encoder-only rate of their items
-(`benchmarks/encoder_only.py`: the Qwen2.5-VL-7B-size tower of the scaling benchmark,
-bf16, compiled, graphs; 2 frames per second, at most 32 frames), then runs
-`embedjob run --gpus 1` on them once with `video.decoder: decord` and `--workers`
-decode processes and once with `nvdec` and `--nvdec-workers`, and prints one table:
-seconds of video embedded per second of pipeline (the clips' durations over
-`pipeline_seconds`), clips per second, that over the encoder-only rate, the clips the
-GPU decoded, the workers' and the GPU-decode thread's seconds, the per-clip cosine of
-the nvdec run's embeddings to the decord run's (min and median), and what the rank's main
-thread waited for (its `waits`, in seconds). The table is written to
-`<workdir>/video_decode.md` and printed. `--smoke` runs it on the CPU with the tiny tower
-on a few of the test clips when `--clips` has none, 2 workers, and skips the nvdec run
-(it needs a GPU), saying so.
+(`benchmarks/encoder_only.py`: `--tower`, the scaling benchmark's Qwen2.5-VL-7B-,
+SigLIP-so400m-384- or CLIP-L/14-336-size tower, bf16, compiled, graphs; 2 frames per
+second, at most 32 frames), then runs `embedjob run --gpus 1` on them once per
+`--decoders` setting (decord first): `decord` and `auto` with `--workers` decode
+processes, `nvdec` with `--nvdec-workers`, and prints one table: seconds of video
+embedded per second of pipeline (the clips' durations over `pipeline_seconds`), clips
+per second, that over the encoder-only rate, the clips the GPU decoded, the workers' and
+the GPU-decode thread's seconds, the per-clip cosine of each other run's embeddings to
+the decord run's (min and median), and what the rank's main thread waited for (its
+`waits`, in seconds). The table is written to `<workdir>/video_decode.md` and printed.
+`--smoke` runs it on the CPU with the tiny tower on a few of the test clips when
+`--clips` has none, 2 workers, and skips the nvdec run (it needs a GPU), saying so
+(`auto` there decodes with decord, as on any machine without a video decoder).
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ from embedjob.config import load_job  # noqa: E402
 
 FPS = 30
 SIZE = (1920, 1080)
-DECODERS = ("decord", "nvdec")
+DECODERS = ("decord", "nvdec", "auto")
 
 
 def main() -> int:
     args = parse_args()
     if args.make_clips:
-        make_clips(Path(args.make_clips), collect_photos(args.photos), args.count, args.seconds, args.seed)
+        make_clips(Path(args.make_clips), collect_photos(args.photos), args.count, args.seconds, args.seed, args.kinds)
         return 0
     for key, value in NO_MULTICAST.items():
         os.environ.setdefault(key, value)
@@ -72,13 +73,14 @@ def main() -> int:
     if args.smoke and not clips.is_dir():
         clips = smoke_clips(workdir / "clips")
     parquet, seconds = clips_parquet(clips, workdir)
-    job = write_job(workdir, parquet, args.smoke)
+    job = write_job(workdir, parquet, args.smoke, args.tower)
     device = torch.device("cpu" if args.smoke else "cuda")
     log(f"[video] encoder only on {parquet}")
     encoder = measure(load_job(job, []), device, len(os.sched_getaffinity(0)), 3)
     runs: dict[str, dict[str, Any] | None] = {}
     outputs: dict[str, pa.Table] = {}
-    for decoder, workers in zip(DECODERS, (args.workers, args.nvdec_workers)):
+    for decoder in args.decoders:
+        workers = args.nvdec_workers if decoder == "nvdec" else args.workers
         if decoder == "nvdec" and args.smoke:
             skipped("video_decode", "the nvdec run", "NVDEC needs a CUDA device")
             runs[decoder] = None
@@ -89,7 +91,7 @@ def main() -> int:
         if runs[decoder] is not None:
             outputs[decoder] = pq.read_table(sorted(output.glob("part-*.parquet")))
         log(f"[video] decoder {decoder}: {'done' if runs[decoder] else 'FAILED'}")
-    cosines = compare(outputs["decord"], outputs["nvdec"]) if len(outputs) == 2 else None
+    cosines = {d: compare(outputs["decord"], outputs[d]) for d in outputs if d != "decord" and "decord" in outputs}
     text = render(seconds, encoder, runs, cosines, args)
     (workdir / "video_decode.md").write_text(text + "\n")
     print(text, flush=True)
@@ -116,9 +118,15 @@ def smoke_clips(directory: Path) -> Path:
 # --- the clips --------------------------------------------------------------------------
 
 
-def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, seed: int) -> None:
-    """`count` H.264 clips, each a pan and zoom over its own photo (see the module
-    docstring), made by as many processes as there are cores."""
+KINDS = [(codec, size, gop) for gop in (1, 2, 4, 8) for size in ((1920, 1080), (1280, 720)) for codec in ("libx264", "libx265")]
+"""`--kinds mixed`: clip k is KINDS[k % 16]: H.264 or HEVC, 1080p (`--seconds`) or 720p
+(three quarters of it), a keyframe every 1, 2, 4 or 8 s."""
+
+
+def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, seed: int, kinds: str = "h264-1080p") -> None:
+    """`count` clips, each a pan and zoom over its own photo (see the module docstring),
+    made by as many processes as there are cores: all 1080p H.264 of one GOP, or with
+    `kinds` "mixed" the codecs, sizes and GOPs of `KINDS` in turn."""
     directory.mkdir(parents=True, exist_ok=True)
     usable = [p.data for p in photos if _opens(p.data)]
     if not usable:
@@ -128,7 +136,10 @@ def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, s
     for k in range(count):
         photo = usable[k % len(usable)]
         size = _photo_size(photo)
-        jobs.append(ClipJob(directory / f"clip-{k:03d}.mp4", photo, _window(size, rng), _window(size, rng), round(seconds * FPS)))
+        codec, frame, gop = KINDS[k % len(KINDS)] if kinds == "mixed" else ("libx264", SIZE, None)
+        length = seconds if frame == SIZE else 0.75 * seconds
+        jobs.append(ClipJob(directory / f"clip-{k:04d}.mp4", photo, _window(size, rng), _window(size, rng), round(length * FPS),
+                            codec, frame, gop))
     processes = min(len(jobs), len(os.sched_getaffinity(0)))
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         for path in pool.imap(make_clip, jobs):
@@ -144,30 +155,39 @@ class ClipJob:
     start: tuple[float, float, float, float]
     end: tuple[float, float, float, float]
     frames: int
+    codec: str = "libx264"
+    size: tuple[int, int] = SIZE
+    gop: int | None = None
+    """Seconds between keyframes; None: the encoder's default (one GOP for these clips)."""
 
 
 def make_clip(job: ClipJob) -> Path:
     from PIL import Image
 
     photo = Image.open(io.BytesIO(job.photo)).convert("RGB")
-    writer = X264Writer(job.path)
+    writer = ClipWriter(job.path, job.codec, job.size, job.gop)
     for f in range(job.frames):
         t = f / max(job.frames - 1, 1)
         box = tuple(a + (b - a) * t for a, b in zip(job.start, job.end))
-        writer.send(np.asarray(photo.resize(SIZE, Image.Resampling.BILINEAR, box=box)))
+        writer.send(np.asarray(photo.resize(job.size, Image.Resampling.BILINEAR, box=box)))
     writer.close()
     return job.path
 
 
-class X264Writer:
-    """libx264 (imageio-ffmpeg's FFmpeg), CRF 18, one GOP per clip (its default keyint 250)."""
+class ClipWriter:
+    """libx264 or libx265 (imageio-ffmpeg's FFmpeg; IMAGEIO_FFMPEG_EXE names another),
+    CRF 18, a keyframe every `gop` seconds or the encoder's default (keyint 250: one GOP
+    per clip)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, codec: str = "libx264", size: tuple[int, int] = SIZE, gop: int | None = None) -> None:
         import imageio_ffmpeg
 
+        keyframes = ["-g", str(gop * FPS)] if gop else []
+        tag = ["-tag:v", "hvc1"] if codec == "libx265" else []
+        quiet = ["-x265-params", "log-level=error"] if codec == "libx265" else []
         self.writer = imageio_ffmpeg.write_frames(
-            str(path), SIZE, fps=FPS, codec="libx264", pix_fmt_out="yuv420p", macro_block_size=1,
-            output_params=["-crf", "18", "-preset", "veryfast"],
+            str(path), size, fps=FPS, codec=codec, pix_fmt_out="yuv420p", macro_block_size=1,
+            output_params=["-crf", "18", "-preset", "veryfast", *keyframes, *tag, *quiet],
         )
         self.writer.send(None)
 
@@ -223,13 +243,13 @@ def clips_parquet(directory: Path, workdir: Path) -> tuple[Path, float]:
     return parquet, seconds
 
 
-def write_job(workdir: Path, parquet: Path, smoke: bool) -> Path:
+def write_job(workdir: Path, parquet: Path, smoke: bool, name: str = "qwen") -> Path:
     import yaml
 
-    tower = save_tower(TOWERS["qwen"], workdir / "towers", smoke)
+    tower = save_tower(TOWERS[name], workdir / "towers", smoke)
     job = {
         "input": {"path": str(parquet), "media_column": "video", "id_column": "id", "modality": "video"},
-        "model": {"family": "qwen2_5_vl", "path": str(tower), "dtype": "bfloat16"},
+        "model": {"family": TOWERS[name].family, "path": str(tower), "dtype": "bfloat16"},
         "video": {"fps": 2.0, "max_frames": 32},
         "output": {"path": str(workdir / "out"), "rows_per_part": 100_000},
         "batching": {"compile": not smoke},
@@ -245,37 +265,40 @@ def write_job(workdir: Path, parquet: Path, smoke: bool) -> Path:
 
 def render(
     seconds: float, encoder: EncoderOnly, runs: dict[str, dict[str, Any] | None],
-    cosines: tuple[bool, np.ndarray, int] | None, args: argparse.Namespace,
+    cosines: dict[str, tuple[bool, np.ndarray, int]], args: argparse.Namespace,
 ) -> str:
     head = ["decoder", "workers", "clips", "video s", "pipeline s", "video s / s", "clips/s", "/ enc.-only",
             "GPU-decoded", "worker decode s", "GPU-decode thread s", "cos min", "cos median", "rows identical",
             "main thread's waits s"]
     lines = [
-        f"# video.decoder decord vs nvdec ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        f"# video.decoder: {', '.join(args.decoders)} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
         f"device: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}; torch {torch.__version__}; "
-        f"command: {' '.join(sys.argv)}",
+        f"tower: {TOWERS[args.tower].describe(args.smoke)}; command: {' '.join(sys.argv)}",
         "",
         "| " + " | ".join(head) + " |",
         "| " + " | ".join(["---"] + ["---:"] * (len(head) - 1)) + " |",
         table_row(["encoder only", "-", encoder.items, f"{seconds:.1f}", f"{encoder.seconds:.2f}", f"{seconds / encoder.seconds:.1f}",
               f"{encoder.rate:.2f}"] + ["-"] * (len(head) - 7)),
     ]
-    for decoder, workers in zip(DECODERS, (args.workers, args.nvdec_workers)):
+    for decoder in args.decoders:
+        workers = args.nvdec_workers if decoder == "nvdec" else args.workers
         stats = runs[decoder]
         if stats is None:
-            lines.append(table_row([decoder, workers, "FAILED"] + ["-"] * (len(head) - 3)))
+            said = "skipped (needs a GPU)" if args.smoke and decoder == "nvdec" else "FAILED"
+            lines.append(table_row([decoder, workers, said] + ["-"] * (len(head) - 3)))
             continue
         pipeline = stats["pipeline_seconds"]
         rate = stats["rows"] / pipeline if pipeline else None
-        cos = cosines[1] if decoder == "nvdec" and cosines is not None and len(cosines[1]) else None
+        compared = cosines.get(decoder)
+        cos = compared[1] if compared is not None and len(compared[1]) else None
         first = rank0(stats)
         lines.append(table_row([
             decoder, workers, stats["rows"], f"{seconds:.1f}", fmt(pipeline, ".2f"), fmt(seconds / pipeline if pipeline else None, ".1f"),
             fmt(rate, ".2f"), fmt(rate / encoder.rate if rate else None, ".3f"), stats.get("device_decoded", "-"),
             fmt(first.get("decode_seconds"), ".1f"), fmt(first.get("device_decode_seconds"), ".2f"),
             fmt(cos.min() if cos is not None else None, ".5f"), fmt(float(np.median(cos)) if cos is not None else None, ".5f"),
-            "-" if decoder == "decord" or cosines is None else ("yes" if cosines[0] else "NO"),
+            "-" if compared is None else ("yes" if compared[0] else "NO"),
             _waits(first),
         ]))
     return "\n".join(lines)
@@ -295,13 +318,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--count", type=int, default=8, help="clips to make")
     parser.add_argument("--seconds", type=float, default=7.0, help="seconds per clip")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", choices=["h264-1080p", "mixed"], default="h264-1080p",
+                        help="the clips made: 1080p H.264 of one GOP, or H.264 and HEVC, 1080p and 720p, keyframes every 1-8 s (KINDS)")
     parser.add_argument("--clips", default="bench-data/clips", help="directory of the clips to embed")
     parser.add_argument("--workers", type=int, help="runtime.workers of the decord run (16; 2 with --smoke)")
     parser.add_argument("--nvdec-workers", type=int, default=4, help="runtime.workers of the nvdec run")
+    parser.add_argument("--tower", choices=sorted(TOWERS), default="qwen", help="the vision tower, at its published size (qwen: Qwen2.5-VL-7B)")
+    parser.add_argument("--decoders", nargs="+", choices=DECODERS, default=list(DECODERS),
+                        help="video.decoder settings to run (auto: decord and NVDEC in the shares the rank measures; decord always runs first)")
     parser.add_argument("--workdir", default="video-decode-work")
     parser.add_argument("--smoke", action="store_true", help="CPU only: the tiny tower, test clips where --clips has none")
     args = parser.parse_args()
     args.workers = args.workers or (2 if args.smoke else 16)
+    args.decoders = ["decord", *[d for d in args.decoders if d != "decord"]]
     return args
 
 

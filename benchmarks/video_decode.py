@@ -80,7 +80,7 @@ def main() -> int:
     runs: dict[str, dict[str, Any] | None] = {}
     outputs: dict[str, pa.Table] = {}
     for decoder in args.decoders:
-        workers = args.nvdec_workers if decoder == "nvdec" else args.workers
+        workers = _workers(args, decoder)
         if decoder == "nvdec" and args.smoke:
             skipped("video_decode", "the nvdec run", "NVDEC needs a CUDA device")
             runs[decoder] = None
@@ -282,7 +282,7 @@ def render(
               f"{encoder.rate:.2f}"] + ["-"] * (len(head) - 7)),
     ]
     for decoder in args.decoders:
-        workers = args.nvdec_workers if decoder == "nvdec" else args.workers
+        workers = _workers(args, decoder)
         stats = runs[decoder]
         if stats is None:
             said = "skipped (needs a GPU)" if args.smoke and decoder == "nvdec" else "FAILED"
@@ -302,6 +302,11 @@ def render(
             _waits(first),
         ]))
     return "\n".join(lines)
+
+
+def _workers(args: argparse.Namespace, decoder: str) -> int:
+    """The decode processes of a `decoder` run: `--nvdec-workers` for nvdec, `--workers` else."""
+    return args.nvdec_workers if decoder == "nvdec" else args.workers
 
 
 def _waits(rank: dict[str, Any]) -> str:

@@ -201,17 +201,16 @@ def video_decoder(job: Job, device: torch.device) -> str:
     setting = job.video.decoder
     if setting == "decord":
         return setting
-    problem = nvdec_problem(device)
-    if setting == "nvdec":
-        if problem is not None:
-            raise JobError(f"video.decoder = 'nvdec' cannot run here: {problem}; or use video.decoder: decord")
+    if setting == "auto" and job.input.modality != "video":
+        problem: str | None = f"input.modality is {job.input.modality!r}, and auto splits the rows of a video job"
+    else:
+        problem = nvdec_problem(device)
+    if problem is None:
         return setting
-    if job.input.modality != "video":
-        problem = f"input.modality is {job.input.modality!r}, and auto splits the rows of a video job"
-    if problem is not None:
-        logger.info("video.decoder auto: videos decode in the workers (%s)", problem)
-        return "decord"
-    return setting
+    if setting == "nvdec":
+        raise JobError(f"video.decoder = 'nvdec' cannot run here: {problem}; or use video.decoder: decord")
+    logger.info("video.decoder auto: videos decode in the workers (%s)", problem)
+    return "decord"
 
 
 def vector_description(job: Job, model: dict[str, Any]) -> dict[str, Any]:
@@ -434,8 +433,6 @@ class RankPipeline:
         self._device_free = 0.0
         self.decoder = "cpu"
         self.video = "decord"
-        self.splitting: str | None = None
-        """The media the GPU decodes a share of ("jpeg" or "video", the decoder set to auto), or None."""
         self.defer = False
         self.split = DecodeSplit()
         self.stopped = False
@@ -466,8 +463,6 @@ class RankPipeline:
         self.options = decode_options(self.job, adapter)
         self.decoder = jpeg_decoder(self.job, self.device)
         self.video = video_decoder(self.job, self.device)
-        # preprocess.decoder auto is "cpu" in a video job, and video.decoder auto "decord" elsewhere.
-        self.splitting = "jpeg" if self.decoder == "auto" else "video" if self.video == "auto" else None
         self.defer = self.decoder == "gpu"
         self.stats.decoder = self.decoder
         self.preprocess = adapter.preprocessor()
@@ -526,8 +521,10 @@ class RankPipeline:
         local: Callable[[Any], Decoded | None] | None = None
         captions = self.caption_task
         if self.splitting is not None:
+            flag = "defer_jpeg" if self.splitting == "jpeg" else "defer_video"
             fn: Callable[[Any], Decoded] = functools.partial(
-                decode_task, options=self.options, preprocess=self.preprocess, captions=captions, media=self.splitting
+                decode_task, options=self.options, left=dataclasses.replace(self.options, **{flag: True}),
+                preprocess=self.preprocess, captions=captions,
             )
             if captions is None and self.splitting == "jpeg":
                 local = functools.partial(task_on_rank, options=self.options, preprocess=self.preprocess)
@@ -690,6 +687,13 @@ class RankPipeline:
                 ahead = (window, future)
             if ahead is not None:
                 yield self._decoded(*ahead)
+
+    @property
+    def splitting(self) -> str | None:
+        """The media the GPU decodes a share of ("jpeg" or "video": the decoder set to
+        auto), or None. Never both: `jpeg_decoder` makes auto "cpu" in a video job, and
+        `video_decoder` makes it "decord" in any other."""
+        return "jpeg" if self.decoder == "auto" else "video" if self.video == "auto" else None
 
     @property
     def _gpu_decodes(self) -> bool:

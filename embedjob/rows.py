@@ -128,19 +128,16 @@ def decode_row(row: reader.InputRow, options: DecodeOptions, preprocess: Any, ca
     return decoded
 
 
-DEFERRING = {"jpeg": "defer_jpeg", "video": "defer_video"}
-"""The `DecodeOptions` flag that leaves each medium for the GPU."""
-
-
 def decode_task(
-    task: tuple[reader.InputRow, bool], options: DecodeOptions, preprocess: Any, captions: Captions | None = None,
-    media: str = "jpeg",
+    task: tuple[reader.InputRow, bool], options: DecodeOptions, left: DecodeOptions, preprocess: Any,
+    captions: Captions | None = None,
 ) -> Decoded:
-    """`decode_row` of a (row, defer) task: with `preprocess.decoder: auto` (`media`
-    "jpeg") or `video.decoder: auto` ("video") the rank decides as it goes whether the
-    media of the rows it submits are left for its GPU."""
+    """`decode_row` of a (row, defer) task: with `preprocess.decoder: auto` or
+    `video.decoder: auto` the rank decides as it goes whether the media of the rows it
+    submits are left for its GPU; those decode with `left`, `options` with `defer_jpeg`
+    or `defer_video` set (made once by the rank, not per row)."""
     row, defer = task
-    return decode_row(row, dataclasses.replace(options, **{DEFERRING[media]: True}) if defer else options, preprocess, captions)
+    return decode_row(row, left if defer else options, preprocess, captions)
 
 
 def jpeg_on_rank(row: reader.InputRow, options: DecodeOptions, preprocess: Any) -> Decoded | None:

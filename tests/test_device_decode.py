@@ -339,7 +339,8 @@ def test_auto_splits_the_media_from_the_rates_it_measures_and_says_so(
     before AUTO_ROWS items; then every window's figures move the share."""
     job = job_from_dict(spec(decoder="auto"))
     rank = RankPipeline(job, torch.device("cpu"), 0, 4, lambda: None, lambda *a: None, lambda: None, lambda t: True)
-    rank.splitting = splitting
+    rank.decoder, rank.video = ("auto", "decord") if splitting == "jpeg" else ("cpu", "auto")
+    assert rank.splitting == splitting
     stats, split = rank.stats, rank.split
     worker_rows = [worker.Decoded(k, k, None, None, "bad", seconds=0.01) for k in range(32)]
     split.count(worker_rows)
@@ -366,8 +367,9 @@ def test_a_task_says_whether_its_jpeg_is_left_for_the_gpu(preprocess) -> None:
     """`decoder: auto` hands the workers (row, defer) tasks: the same row gives the CPU
     path's item, or the undecoded JPEG's, as the rank decided when it submitted it."""
     row = rows_of(["gray"])[0]
-    on_cpu = worker.decode_task((row, False), IMAGE, preprocess)
-    left = worker.decode_task((row, True), IMAGE, preprocess)
+    deferring = dataclasses.replace(IMAGE, defer_jpeg=True)
+    on_cpu = worker.decode_task((row, False), IMAGE, deferring, preprocess)
+    left = worker.decode_task((row, True), IMAGE, deferring, preprocess)
     assert JPEG_KEY not in on_cpu.item.tensors and JPEG_KEY in left.item.tensors
     assert_same_rows([on_cpu], [worker.decode_row(row, IMAGE, preprocess)])
 
@@ -396,7 +398,7 @@ def test_the_rank_reads_a_plain_jpegs_header_as_a_worker_would_and_leaves_it_eve
     assert all(worker.jpeg_on_rank(row, video_job, preprocess) is None for row in rows)
     gray = rows_of(["gray"])[0]
     assert worker.task_on_rank((gray, False), IMAGE, preprocess) is None
-    assert_same_rows([worker.task_on_rank((gray, True), IMAGE, preprocess)], [worker.decode_task((gray, True), IMAGE, preprocess)])
+    assert_same_rows([worker.task_on_rank((gray, True), IMAGE, preprocess)], [worker.decode_task((gray, True), IMAGE, dataclasses.replace(IMAGE, defer_jpeg=True), preprocess)])
 
 
 def test_videos_and_other_images_in_a_window_pass_the_gpu_decode_untouched(preprocess) -> None:
@@ -606,8 +608,9 @@ def test_video_auto_tasks_leave_each_video_for_the_gpu_or_decode_it_as_the_rank_
     names = ["decord_video_0.mov", "decord_video_90.mov", "decord_video_180.mov", "decord_video_270.mov", "torchcodec_nasa_13013.mp4"]
     rows = [row for row in video_rows() if row.id in names]
     leave = [k % 2 == 0 for k in range(len(rows))]
+    deferring = dataclasses.replace(VIDEO_OPTIONS, defer_video=True)
     window = [
-        pickle.loads(pickle.dumps(worker.decode_task((row, left), VIDEO_OPTIONS, preprocess, media="video"), protocol=5))
+        pickle.loads(pickle.dumps(worker.decode_task((row, left), VIDEO_OPTIONS, deferring, preprocess), protocol=5))
         for row, left in zip(rows, leave)
     ]
     assert [worker.left_for_device(d) for d in window] == leave

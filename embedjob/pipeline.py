@@ -148,18 +148,23 @@ def compile_if_asked(job: Job, adapter: EncoderAdapter) -> None:
     """Compile the adapter's blocks when the job asks for it (CUDA only); the work
     happens at the first forward, i.e. when the graphs are captured.
 
-    A text tower (captions, labels) stays uncompiled: on an H100, capturing the compiled
-    CLIP and SigLIP 2 text blocks failed (`cudaErrorStreamCaptureInvalidated`,
-    tests/test_gpu.py's compiled captions jobs), and its graphs replay uncompiled as
-    they should; a text tower is a small share of a job's work."""
+    A text tower (captions, labels) compiles with them only where its attention takes no
+    mask (`TextAdapter.compiles`: SigLIP, SigLIP 2); the others (CLIP's and MetaCLIP 2's
+    causal towers, OpenCLIP's) replay their graphs uncompiled, as they should: CLIP's
+    compiled text blocks invalidated the capture on an H100 (tests/test_gpu.py's compiled
+    captions jobs)."""
     if not job.batching.compile:
         return
-    if adapter.device.type == "cuda":
-        adapter.compile(dynamic=True)
-        if adapter.text is not None:
-            logger.info("batching.compile: the image tower is compiled; the text tower runs its graphs uncompiled")
-    else:
+    if adapter.device.type != "cuda":
         logger.info("batching.compile applies to CUDA only; running uncompiled on %s", adapter.device)
+        return
+    adapter.compile(dynamic=True)
+    if adapter.text is None:
+        return
+    if adapter.text.compiles:
+        adapter.text.compile(dynamic=True)
+    else:
+        logger.info("batching.compile: the image tower is compiled; the %s text tower runs its graphs uncompiled", adapter.text.spec.name)
 
 
 def _warm_imports(compiler: bool) -> None:

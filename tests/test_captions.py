@@ -412,3 +412,26 @@ def test_siglip_text_towers_attend_without_a_mask_whatever_transformers_decides_
     assert len(theirs) == 2 and all(mask is not None for mask in theirs), "the test no longer makes transformers build the mask"
     assert mine == [None, None]
     assert torch.equal(ours[0], reference)
+
+
+@pytest.mark.parametrize(("kind", "compiled"), [("clip", False), ("siglip", True), ("siglip2", True), ("open_clip", False)])
+def test_batching_compile_compiles_the_text_towers_that_attend_without_a_mask(
+    tmp_path: Path, cache_dir: str, kind: str, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """batching.compile on a GPU compiles the image tower, and the text tower too where its
+    attention takes no mask (SigLIP, SigLIP 2): its captions then run compiled blocks as the
+    images do. CLIP's causal and OpenCLIP's text towers stay uncompiled, since their
+    compiled blocks invalidated the capture of their graphs."""
+    if kind == "open_clip":
+        pytest.importorskip("open_clip")
+    from embedjob.encoders.base import EncoderAdapter
+    from embedjob.pipeline import compile_if_asked
+
+    model = save_checkpoint(kind, tmp_path / "model")
+    spec = job_from_dict(job(tmp_path, cache_dir, FAMILY_OF.get(kind, kind), model, batching={"compile": True}))
+    adapter = load_adapter(spec, CPU)
+    compiled_towers: list[EncoderAdapter] = []
+    monkeypatch.setattr(EncoderAdapter, "compile", lambda self, dynamic: compiled_towers.append(self))
+    adapter.device = torch.device("cuda")  # compile_if_asked compiles for CUDA only; nothing runs here
+    compile_if_asked(spec, adapter)
+    assert compiled_towers == ([adapter, adapter.text] if compiled else [adapter])

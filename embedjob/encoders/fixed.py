@@ -707,7 +707,8 @@ def build_text(family: str, pooling: str | None, full: torch.nn.Module, director
     or a head inside it) on the placement's device, with the checkpoint's tokenizer:
     captions of the text model's length, padded as its `pooling` needs (`encoders.text`:
     "eos" on the right with the pad id, "last" by the tokenizer to max_length, every
-    position attended: `attention.register_unmasked`). A tokenizer with nothing to pad a
+    position attended: `attention.register_unmasked`, and then its blocks compile with
+    the image tower's). A tokenizer with nothing to pad a
     caption with is a ValueError."""
     tokenizer = load_tokenizer(str(directory))
     model = full.text_model.to(placement.device).eval().requires_grad_(False)
@@ -727,4 +728,4 @@ def build_text(family: str, pooling: str | None, full: torch.nn.Module, director
     length = int(model.config.max_position_embeddings)
     width = int(projection.out_features if projection is not None else model.config.projection_size)
     processing = TextPreprocessor(str(directory), length, pad_with)
-    return TextAdapter(family, PooledText(model, projection), model.encoder.layers, width, processing, placement)
+    return TextAdapter(family, PooledText(model, projection), model.encoder.layers, width, processing, placement, compiles=pooling == "last")

@@ -126,7 +126,11 @@ class TextAdapter(EncoderAdapter):
     """A text tower run on batches of captions of one length (see the module docstring).
 
     `tower` maps (n, length) int64 ids to (n, width) vectors; `blocks` are its repeated
-    modules (what `batching.compile` compiles, and where epilogues apply)."""
+    modules (what `batching.compile` compiles, and where epilogues apply). `compiles`:
+    whether `batching.compile` compiles them too. Only towers whose attention takes no mask
+    do: a mask transformers builds only while a graph is captured makes the compiled blocks
+    recompile inside the capture, which invalidates it (`cudaErrorStreamCaptureInvalidated`,
+    seen on an H100 for CLIP's causal text blocks)."""
 
     def __init__(
         self,
@@ -136,10 +140,12 @@ class TextAdapter(EncoderAdapter):
         width: int,
         processing: TextPreprocessor,
         placement: Placement,
+        compiles: bool = False,
     ) -> None:
         super().__init__(NamedSpec(family), processing, placement)
         self.tower = tower
         self.blocks = list(blocks)
+        self.compiles = compiles
         self.length = processing.length
         self.embed_dim = width
         self.budget_unit = self.min_budget = self.length

@@ -202,6 +202,10 @@ class VideoConfig:
         "where sampled frames are decoded: decord (the decode workers), nvdec (the rank's GPU; pip install 'embedjob[nvdec]'), "
         "auto (both in a video job: the GPU takes the share of videos the workers cannot keep up with; decord where it cannot)",
     )
+    nvdec_sessions: int = key(
+        4, "with decoder nvdec or auto: videos the GPU's decoder reads at once, one decoder session each "
+        "(an H100 or H200 has 7 decode engines, an A100 5)", AT_LEAST_1,
+    )
 
 
 @dataclass

@@ -15,6 +15,14 @@ from dataclasses import dataclass
 
 from embedjob.rows import Decoded, left_for_device
 
+FIRST_SHARE = {"jpeg": 0.0, "video": 0.5}
+"""The GPU's share of the rows submitted before auto first measures its rates (after
+`pipeline.AUTO_ROWS` items: by then the pool has submitted the two windows it keeps in
+flight). JPEGs start on the workers, whose pixels are the processors' own. Videos start
+split evenly: two windows are 512 clips, tens of seconds of decoding (on an H100, 16 decord
+workers read 16.9 clips/s, NVDEC in 4 sessions 11.7), and a job of 216 clips that started
+on the workers alone gave NVDEC none of them."""
+
 AUTO_MARGIN = 1.2
 """How much faster than the device the workers must decode the rows auto leaves them."""
 
@@ -48,6 +56,12 @@ class DecodeSplit:
     credit: float = 0.0
     worker_rows: int = 0
     worker_seconds: float = 0.0
+
+    @classmethod
+    def first(cls, media: str | None) -> DecodeSplit:
+        """The split a rank starts with for `media` ("jpeg", "video"; None where nothing is
+        split): `FIRST_SHARE` of the rows until auto has measured."""
+        return cls(share=FIRST_SHARE.get(media, 0.0)) if media is not None else cls()
 
     def leave(self) -> bool:
         self.credit += self.share

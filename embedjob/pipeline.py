@@ -468,6 +468,7 @@ class RankPipeline:
         self.options = decode_options(self.job, adapter)
         self.decoder = jpeg_decoder(self.job, self.device)
         self.video = video_decoder(self.job, self.device)
+        self.split = DecodeSplit.first(self.splitting)
         self.defer = self.decoder == "gpu"
         self.stats.decoder = self.decoder
         self.preprocess = adapter.preprocessor()

@@ -422,4 +422,5 @@ def decode_options(job: Job, adapter: EncoderAdapter) -> DecodeOptions:
         max_item_bytes=job.input.max_item_bytes,
         storage_options=job.input.storage_options,
         defer_video=job.video.decoder == "nvdec",
+        nvdec_sessions=job.video.nvdec_sessions,
     )

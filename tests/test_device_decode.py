@@ -516,6 +516,38 @@ def test_videos_decoded_on_the_device_are_the_cpu_paths_rows(preprocess, monkeyp
     assert StandInDecoder.made < len(deferred)
 
 
+@pytest.mark.parametrize("sessions", [2, 3])
+def test_the_gpu_decodes_as_many_videos_at_once_as_video_nvdec_sessions_says(
+    preprocess, monkeypatch: pytest.MonkeyPatch, sessions: int
+) -> None:
+    """`video.nvdec_sessions` decoder sessions read a window's videos at once, each kept
+    by its own thread: a window of eight clips of one kind makes exactly that many
+    sessions (one engine each on the GPU), and its rows are the CPU path's."""
+    threads: set[str] = set()
+
+    class Counted(StandInDecoder):
+        def reconfigure_decoder(self, path: str) -> None:
+            threads.add(threading.current_thread().name)
+            super().reconfigure_decoder(path)
+
+    stand_in(monkeypatch, Counted)
+    options = dataclasses.replace(VIDEO_OPTIONS, nvdec_sessions=sessions)
+    rows = [row for row in video_rows() if row.id.startswith("decord_video_")] * 2
+    window = [worker.decode_row(row, dataclasses.replace(options, defer_video=True), preprocess) for row in rows]
+    assert worker.decode_on_device(window, options, preprocess, torch.device("cpu")) == len(rows) == 8
+    assert_same_rows(window, [worker.decode_row(row, options, preprocess) for row in rows])
+    assert len(threads) == Counted.made == sessions
+
+
+def test_a_video_jobs_auto_split_starts_even_and_a_jpeg_jobs_on_the_workers() -> None:
+    """Before auto has measured a rate (two windows of rows are submitted by then), a
+    video job already leaves every other clip to the GPU's decoder, which would otherwise
+    sit idle through tens of seconds of clips; a JPEG job starts on its workers."""
+    video, jpeg, neither = DecodeSplit.first("video"), DecodeSplit.first("jpeg"), DecodeSplit.first(None)
+    assert [video.leave() for _ in range(8)] == [False, True] * 4
+    assert not any(jpeg.leave() for _ in range(8)) and not any(neither.leave() for _ in range(8))
+
+
 def test_a_codec_decord_lacks_is_planned_on_the_rank_by_the_cpu_paths_rules(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
     """A video decord cannot open (its codec missing from decord's FFmpeg, as AV1 is)
     is planned by the rank from what its decoder reads of the stream: the same frames,

@@ -827,9 +827,11 @@ def test_videos_decoded_by_nvdec_are_the_cpu_rows_up_to_the_decoders_rounding(ca
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
 @pytest.mark.parametrize("setting", ["nvdec", "auto"])
 def test_an_nvdec_job_gives_the_decord_jobs_rows(tmp_path: Path, cache_dir: str, setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`video.decoder` nvdec, or auto with the GPU's share held at a half from the first
-    window on (windows then mix clips the workers decoded with clips the GPU decoded):
-    each row is the decord job's, in order, up to the decoders' rounding."""
+    """`video.decoder` nvdec, or auto, which leaves every other clip to the GPU from the
+    first row on (`decode_split.FIRST_SHARE`: the 9 rows are all submitted before auto
+    measures) and here holds that share (windows then mix clips the workers decoded with
+    clips the GPU decoded): each row is the decord job's, in order, up to the decoders'
+    rounding."""
     from embedjob import pipeline
     from embedjob.config import load_job
     from embedjob.runner import run_job

@@ -4,8 +4,8 @@ PyNvVideoCodec (the optional extra `embedjob[nvdec]`).
 The decode workers plan a video as the CPU path does (`video.decode_video` with
 `defer_video`: which frames, at which size, under which display matrix) and leave the
 frames undecoded (`DeferredVideo`); the rank reads exactly those frames here, from the
-bytes (a file in memory while it reads them), as RGB on its GPU, `SESSIONS` videos at a
-time, and applies the rest of the CPU path's steps there (`frames_as_decoded`). A failure
+bytes (a file in memory while it reads them), as RGB on its GPU, `nvdec_sessions` videos
+at a time (`video.nvdec_sessions`), and applies the rest of the CPU path's steps there (`frames_as_decoded`). A failure
 raises, and the caller takes the CPU path for that video.
 """
 
@@ -39,13 +39,11 @@ def nvdec_problem(device: torch.device) -> str | None:
     return None
 
 
-# Concurrent decoder sessions per rank. An H200 has 7 NVDEC engines and one session
-# keeps one of them busy (a 1080p H.264 clip: 0.34 s for 14 sampled frames in one
-# session), so one session alone is slower than 16 decord processes.
-SESSIONS = 4
-
+# Each thread of `_threads` keeps one decoder session. An H100 or H200 has 7 NVDEC
+# engines and one session keeps about one of them busy (a 1080p H.264 clip: 0.34 s for
+# 14 sampled frames in one session), so one session alone is slower than 16 decord processes.
 _sessions = threading.local()
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
 
@@ -53,8 +51,8 @@ def decode_videos(
     videos: list[DeferredVideo], device: torch.device, options: DecodeOptions
 ) -> list[tuple[torch.Tensor, DeferredVideo] | Exception]:
     """Each video's frames and plan (`decode_frames`), or the exception that stopped it,
-    decoded `SESSIONS` at a time on threads that keep their decoder sessions between
-    calls. Their copies and resizes queue on the caller's current stream."""
+    decoded `options.nvdec_sessions` at a time on threads that keep their decoder
+    sessions between calls. Their copies and resizes queue on the caller's current stream."""
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def one(video: DeferredVideo) -> tuple[torch.Tensor, DeferredVideo] | Exception:
@@ -66,15 +64,19 @@ def decode_videos(
 
     if len(videos) <= 1:
         return [one(video) for video in videos]
-    return list(_threads().map(one, videos))
+    return list(_threads(options.nvdec_sessions).map(one, videos))
 
 
-def _threads() -> concurrent.futures.ThreadPoolExecutor:
+def _threads(sessions: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's decode threads, `sessions` of them: kept between calls (and jobs) with
+    their sessions, made anew, sessions and all, when a job asks for another count."""
     global _pool
     with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(SESSIONS, thread_name_prefix="embedjob-nvdec")
-        return _pool
+        if _pool is None or _pool[0] != sessions:
+            if _pool is not None:
+                _pool[1].shutdown(wait=True)
+            _pool = (sessions, concurrent.futures.ThreadPoolExecutor(sessions, thread_name_prefix="embedjob-nvdec"))
+        return _pool[1]
 
 
 # Streams with a side below this take the CPU path. It is HEVC's documented NVDEC

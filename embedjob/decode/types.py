@@ -47,7 +47,8 @@ class DecodeOptions:
     URIs in media cells) are what the worker hands to `read_source`. `defer_jpeg` leaves
     plain JPEGs undecoded (`DeferredImage`) for the device's decoder;
     `defer_video` plans a video's sampled frames and leaves them undecoded
-    (`DeferredVideo`) for the GPU's video decoder.
+    (`DeferredVideo`) for the GPU's video decoder, which the rank runs in
+    `nvdec_sessions` sessions at once (`video.nvdec_sessions`).
     """
 
     modality: str
@@ -64,6 +65,7 @@ class DecodeOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)
     defer_jpeg: bool = False
     defer_video: bool = False
+    nvdec_sessions: int = 4
 
     def __post_init__(self) -> None:
         if self.modality not in ("image", "video", "auto"):
@@ -85,6 +87,8 @@ class DecodeOptions:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
         if self.decoder_threads < 0:
             raise ValueError(f"decoder_threads must be >= 0, got {self.decoder_threads}")
+        if self.nvdec_sessions < 1:
+            raise ValueError(f"nvdec_sessions must be >= 1, got {self.nvdec_sessions}")
 
 
 @dataclass

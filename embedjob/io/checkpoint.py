@@ -129,6 +129,14 @@ def _without_default(section: Any, key: str, default: Any) -> dict[str, Any]:
     return {k: v for k, v in vars(section).items() if (k, v) != (key, default)}
 
 
+def _video_identity(job: Job) -> dict[str, Any]:
+    """The video keys that determine the embeddings: `nvdec_sessions` is left out (how many
+    videos the GPU decodes at once changes no frame)."""
+    values = _without_default(job.video, "decoder", "decord")
+    del values["nvdec_sessions"]
+    return values
+
+
 def _model_identity(job: Job) -> dict[str, Any]:
     """The model keys that determine the embeddings. `attention` is left out: it picks a
     kernel, as `batching.compile` does, and its backends agree to bf16 rounding
@@ -156,7 +164,7 @@ def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dic
         "model": _model_identity(job),
         "preprocessing": {
             "preprocess": _without_default(job.preprocess, "decoder", "cpu"),
-            "video": _without_default(job.video, "decoder", "decord"),
+            "video": _video_identity(job),
         },
         "pooling": job.output.pooling,
         "output_dtype": job.output.dtype,

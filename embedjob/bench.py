@@ -628,19 +628,21 @@ def _fixed_tower_rows(
     plain = transformers_class(spec.projected_class or spec.vision_class).from_pretrained(directory, dtype=adapter.dtype)
     values = adapter.processing.normalize(pixels, adapter.pixel_scale).to(adapter.dtype)
     plain = plain.to(device).eval().requires_grad_(False)
-    plain_seconds, reference = _plain_seconds(plain, spec.projected_class is not None, values, repeats, compiled, device)
-    return _against_plain(label, "transformers", "model", adapter, pixels, (plain_seconds, reference), flops, peak, repeats, device, compiled)
+    plain_rows = _plain_seconds(plain, spec.projected_class is not None, values, repeats, compiled, device)
+    return _against_plain(label, "transformers", "model", adapter, pixels, plain_rows, flops, peak, repeats, device, compiled)
 
 
 def _against_plain(
-    label: str, library: str, call: str, adapter: Any, pixels: torch.Tensor, plain: tuple[float, torch.Tensor],
+    label: str, library: str, call: str, adapter: Any, pixels: torch.Tensor, plain: tuple[float, torch.Tensor, torch.Tensor],
     flops: float, peak: float, repeats: int, device: torch.device, compiled: bool,
 ) -> list[Row]:
-    """The plain library's row (its median seconds and float32 vectors, `plain`, timed by
-    the caller) and our graph replay's on the same `pixels` (the adapter compiled as a
-    job compiles it when `compiled`), whose note gives its speed over the plain one and
-    the smallest cosine between their vectors."""
-    plain_seconds, reference = plain
+    """The plain library's row (`plain`, timed by the caller: its median seconds, its
+    float32 vectors, and those of its uncompiled model) and our graph replay's on the same
+    `pixels` (the adapter compiled as a job compiles it when `compiled`), whose note gives
+    its speed over the plain one and the smallest cosine between their vectors; compiled,
+    also to the uncompiled model's, the reference of the fidelity tests, so a departure
+    says which side made it."""
+    plain_seconds, reference, uncompiled = plain
     torch._dynamo.reset()
     if compiled:
         adapter.compile(dynamic=True)
@@ -648,11 +650,14 @@ def _against_plain(
     cosine = float(torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min())
     batch = pixels.shape[0]
     kind = f"torch.compile({call})" if compiled else "eager"
+    to_uncompiled = ""
+    if compiled:
+        to_uncompiled = f"min cos to plain uncompiled {float(torch.nn.functional.cosine_similarity(ours, uncompiled, dim=-1).min()):.5f}; "
     return [
         Row(label, f"plain_{library}_{'compile' if compiled else 'eager'}", batch, plain_seconds, flops, peak,
             note=f"{kind}, batch {batch} on the device"),
         Row(label, "ours_graphs_compiled" if compiled else "ours_graphs", batch, ours_seconds, flops, peak,
-            note=f"{plain_seconds / ours_seconds:.3f}x plain; min cos to plain {cosine:.5f}"),
+            note=f"{plain_seconds / ours_seconds:.3f}x plain; {to_uncompiled}min cos to plain {cosine:.5f}"),
     ]
 
 
@@ -724,27 +729,28 @@ def open_clip_rows(
     encode = torch.compile(plain.encode_image) if compiled else plain.encode_image
     with torch.inference_mode():
         plain_seconds = device_time(lambda: encode(values), repeats, device)
-        reference = encode(values).float()
+        reference, uncompiled = encode(values).float(), plain.encode_image(values).float()
     del plain, encode
     return _against_plain(
-        label, "open_clip", "model.encode_image", adapter, pixels, (plain_seconds, reference), flops, peak, repeats, device, compiled
+        label, "open_clip", "model.encode_image", adapter, pixels, (plain_seconds, reference, uncompiled), flops, peak, repeats,
+        device, compiled,
     )
 
 
 def _plain_seconds(
     model: torch.nn.Module, projected: bool, values: torch.Tensor, repeats: int, compiled: bool, device: torch.device
-) -> tuple[float, torch.Tensor]:
+) -> tuple[float, torch.Tensor, torch.Tensor]:
     """The transformers model's median seconds on `values` (compiled with torch.compile
-    when asked) and its embeddings in float32 (`projected`, CLIP and MetaCLIP 2:
-    image_embeds; SigLIP and DINOv3: the pooled output)."""
+    when asked), its embeddings in float32 (`projected`, CLIP and MetaCLIP 2:
+    image_embeds; SigLIP and DINOv3: the pooled output), and the uncompiled model's."""
     run = torch.compile(model) if compiled else model
 
-    def embed() -> torch.Tensor:
-        out = run(pixel_values=values)
+    def embed(module: Any) -> torch.Tensor:
+        out = module(pixel_values=values)
         return out.image_embeds if projected else out.pooler_output
 
     with torch.inference_mode():
-        return device_time(embed, repeats, device), embed().float()
+        return device_time(lambda: embed(run), repeats, device), embed(run).float(), embed(model).float()
 
 
 

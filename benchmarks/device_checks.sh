@@ -30,7 +30,7 @@
 # dinov3" picks fixed towers, BENCH_FLAGS="--no-naflex --no-qwen3-5" drops the others), clips (CLIPS=1152
 # distinct clips made on the device by the FFmpeg prep puts in .ffmpeg; carry [".ffmpeg", "bench-data"]), then
 # at once video NAME... (benchmarks/video_decode.py on them: decord, nvdec and auto, tower qwen, siglip or clip;
-# VIDEO_DECODERS picks settings).
+# VIDEO_DECODERS picks settings, NVDEC_SESSIONS the GPU decoder's sessions, 4 by default).
 # MIX_REPEATS (2) sets the mixes' repeats (qwen-mixed always 1). TESTS="expr" runs only the GPU tests pytest's -k selects; TESTS_SECONDS (420) bounds them. SMOKE=1 passes --smoke to the
 # benchmarks, so the script can be checked on a machine without a GPU. Logs go to $OUT
 # (or /tmp/device-checks).
@@ -149,7 +149,8 @@ captions() {
 clips() {
   # Distinct clips for `video`, made here from the photos (H.264 and HEVC, 1080p and 720p, keyframes every
   # 1-8 s); carry [".ffmpeg", "bench-data"] (not .whl: both would pass 64 MiB), then call `video` at once
-  # on the warm machine, which keeps them in $work/clips.
+  # on the warm machine, which keeps them in $work/clips. A call cut short keeps the clips it made, and the next
+  # `clips` call on that machine tops them up to CLIPS.
   xz -dc .ffmpeg/ffmpeg.xz >/tmp/ffmpeg && chmod +x /tmp/ffmpeg || return
   IMAGEIO_FFMPEG_EXE=/tmp/ffmpeg PYTHONPATH=".ffmpeg:$PYTHONPATH" timeout "$(budget 560)" python3 benchmarks/video_decode.py \
     --make-clips "$work/clips" --photos bench-data --count "${CLIPS:-1152}" --kinds mixed 2>&1 | tail -n 3 | tee "$out/clips.log"
@@ -161,7 +162,10 @@ video() {
   local tower
   for tower in "$@"; do
     timeout "$(budget 560)" python3 benchmarks/video_decode.py "${smoke[@]}" --clips "$work/clips" --tower "$tower" \
-      --decoders ${VIDEO_DECODERS:-decord nvdec auto} --workdir "$work/video-$tower" 2>&1 | tee "$out/video-$tower.log"
+      --decoders ${VIDEO_DECODERS:-decord nvdec auto} --nvdec-sessions "${NVDEC_SESSIONS:-4}" --workdir "$work/video-$tower" 2>&1 |
+      tee "$out/video-$tower.log"
+    # The jobs' own logs (auto's shares, the decoders' refusals) come back beside the table.
+    cp -r "$work/video-$tower/logs" "$out/video-$tower-logs" 2>/dev/null
     summary+=("video_decode.py, $tower:" "$(cat "$work/video-$tower/video_decode.md" 2>/dev/null || echo "no table: see video-$tower.log")")
   done
 }

@@ -17,7 +17,8 @@ It writes the clips into a Parquet file, measures the encoder-only rate of their
 SigLIP-so400m-384- or CLIP-L/14-336-size tower, bf16, compiled, graphs; 2 frames per
 second, at most 32 frames), then runs `embedjob run --gpus 1` on them once per
 `--decoders` setting (decord first): `decord` and `auto` with `--workers` decode
-processes, `nvdec` with `--nvdec-workers`, and prints one table: seconds of video
+processes, `nvdec` with `--nvdec-workers` (both GPU settings with `--nvdec-sessions` decoder
+sessions), and prints one table: seconds of video
 embedded per second of pipeline (the clips' durations over `pipeline_seconds`), clips
 per second, that over the encoder-only rate, the clips the GPU decoded, the workers' and
 the GPU-decode thread's seconds, the per-clip cosine of each other run's embeddings to
@@ -86,7 +87,7 @@ def main() -> int:
             runs[decoder] = None
             continue
         output = workdir / f"out-{decoder}"
-        overrides = [f"runtime.workers={workers}", f"video.decoder={decoder}"]
+        overrides = [f"runtime.workers={workers}", f"video.decoder={decoder}", f"video.nvdec_sessions={args.nvdec_sessions}"]
         runs[decoder] = run_cli(job, output, 1, overrides, workdir / "logs" / f"{decoder}.log")
         if runs[decoder] is not None:
             outputs[decoder] = pq.read_table(sorted(output.glob("part-*.parquet")))
@@ -126,7 +127,9 @@ KINDS = [(codec, size, gop) for gop in (1, 2, 4, 8) for size in ((1920, 1080), (
 def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, seed: int, kinds: str = "h264-1080p") -> None:
     """`count` clips, each a pan and zoom over its own photo (see the module docstring),
     made by as many processes as there are cores: all 1080p H.264 of one GOP, or with
-    `kinds` "mixed" the codecs, sizes and GOPs of `KINDS` in turn."""
+    `kinds` "mixed" the codecs, sizes and GOPs of `KINDS` in turn. Clips already in
+    `directory` are kept (each is written under another name and renamed when whole), so
+    a run cut short is topped up by the next with the same arguments."""
     directory.mkdir(parents=True, exist_ok=True)
     usable = [p.data for p in photos if _opens(p.data)]
     if not usable:
@@ -140,6 +143,9 @@ def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, s
         length = seconds if frame == SIZE else 0.75 * seconds
         jobs.append(ClipJob(directory / f"clip-{k:04d}.mp4", photo, _window(size, rng), _window(size, rng), round(length * FPS),
                             codec, frame, gop))
+    jobs = [job for job in jobs if not job.path.exists()]
+    if not jobs:
+        return
     processes = min(len(jobs), len(os.sched_getaffinity(0)))
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         for path in pool.imap(make_clip, jobs):
@@ -165,12 +171,14 @@ def make_clip(job: ClipJob) -> Path:
     from PIL import Image
 
     photo = Image.open(io.BytesIO(job.photo)).convert("RGB")
-    writer = ClipWriter(job.path, job.codec, job.size, job.gop)
+    partial = job.path.with_name(job.path.name + ".part")
+    writer = ClipWriter(partial, job.codec, job.size, job.gop)
     for f in range(job.frames):
         t = f / max(job.frames - 1, 1)
         box = tuple(a + (b - a) * t for a, b in zip(job.start, job.end))
         writer.send(np.asarray(photo.resize(job.size, Image.Resampling.BILINEAR, box=box)))
     writer.close()
+    partial.rename(job.path)
     return job.path
 
 
@@ -187,7 +195,7 @@ class ClipWriter:
         quiet = ["-x265-params", "log-level=error"] if codec == "libx265" else []
         self.writer = imageio_ffmpeg.write_frames(
             str(path), size, fps=FPS, codec=codec, pix_fmt_out="yuv420p", macro_block_size=1,
-            output_params=["-crf", "18", "-preset", "veryfast", *keyframes, *tag, *quiet],
+            output_params=["-crf", "18", "-preset", "veryfast", *keyframes, *tag, *quiet, "-f", "mp4"],
         )
         self.writer.send(None)
 
@@ -293,8 +301,9 @@ def render(
         compared = cosines.get(decoder)
         cos = compared[1] if compared is not None and len(compared[1]) else None
         first = rank0(stats)
+        label = decoder if decoder == "decord" else f"{decoder} ({args.nvdec_sessions} sessions)"
         lines.append(table_row([
-            decoder, workers, stats["rows"], f"{seconds:.1f}", fmt(pipeline, ".2f"), fmt(seconds / pipeline if pipeline else None, ".1f"),
+            label, workers, stats["rows"], f"{seconds:.1f}", fmt(pipeline, ".2f"), fmt(seconds / pipeline if pipeline else None, ".1f"),
             fmt(rate, ".2f"), fmt(rate / encoder.rate if rate else None, ".3f"), stats.get("device_decoded", "-"),
             fmt(first.get("decode_seconds"), ".1f"), fmt(first.get("device_decode_seconds"), ".2f"),
             fmt(cos.min() if cos is not None else None, ".5f"), fmt(float(np.median(cos)) if cos is not None else None, ".5f"),
@@ -328,6 +337,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clips", default="bench-data/clips", help="directory of the clips to embed")
     parser.add_argument("--workers", type=int, help="runtime.workers of the decord run (16; 2 with --smoke)")
     parser.add_argument("--nvdec-workers", type=int, default=4, help="runtime.workers of the nvdec run")
+    parser.add_argument("--nvdec-sessions", type=int, default=4, help="video.nvdec_sessions of the nvdec and auto runs")
     parser.add_argument("--tower", choices=sorted(TOWERS), default="qwen", help="the vision tower, at its published size (qwen: Qwen2.5-VL-7B)")
     parser.add_argument("--decoders", nargs="+", choices=DECODERS, default=list(DECODERS),
                         help="video.decoder settings to run (auto: decord and NVDEC in the shares the rank measures; decord always runs first)")

@@ -23,7 +23,9 @@ embedded per second of pipeline (the clips' durations over `pipeline_seconds`), 
 per second, that over the encoder-only rate, the clips the GPU decoded, the workers' and
 the GPU-decode thread's seconds, the per-clip cosine of each other run's embeddings to
 the decord run's (min and median), and what the rank's main thread waited for (its
-`waits`, in seconds). The table is written to `<workdir>/video_decode.md` and printed.
+`waits`, in seconds), then each GPU setting's four clips furthest from decord's vectors
+(clip names say codec, height and keyframe interval). The table is written to
+`<workdir>/video_decode.md` and printed.
 `--smoke` runs it on the CPU with the tiny tower on a few of the test clips when
 `--clips` has none, 2 workers, and skips the nvdec run (it needs a GPU), saying so
 (`auto` there decodes with decord, as on any machine without a video decoder).
@@ -94,6 +96,8 @@ def main() -> int:
         log(f"[video] decoder {decoder}: {'done' if runs[decoder] else 'FAILED'}")
     cosines = {d: compare(outputs["decord"], outputs[d]) for d in outputs if d != "decord" and "decord" in outputs}
     text = render(seconds, encoder, runs, cosines, args)
+    lowest = [f"{d}: {worst_clips(outputs['decord'], outputs[d])}" for d in outputs if d != "decord" and "decord" in outputs]
+    text += "".join(f"\nlowest cosines to decord, {line}" for line in lowest)
     (workdir / "video_decode.md").write_text(text + "\n")
     print(text, flush=True)
     return 0
@@ -141,8 +145,8 @@ def make_clips(directory: Path, photos: list[Any], count: int, seconds: float, s
         size = _photo_size(photo)
         codec, frame, gop = KINDS[k % len(KINDS)] if kinds == "mixed" else ("libx264", SIZE, None)
         length = seconds if frame == SIZE else 0.75 * seconds
-        jobs.append(ClipJob(directory / f"clip-{k:04d}.mp4", photo, _window(size, rng), _window(size, rng), round(length * FPS),
-                            codec, frame, gop))
+        name = f"clip-{k:04d}-{codec.removeprefix('lib').replace('x26', 'h26')}-{frame[1]}p{f'-gop{gop}s' if gop else ''}.mp4"
+        jobs.append(ClipJob(directory / name, photo, _window(size, rng), _window(size, rng), round(length * FPS), codec, frame, gop))
     jobs = [job for job in jobs if not job.path.exists()]
     if not jobs:
         return
@@ -302,6 +306,8 @@ def render(
         cos = compared[1] if compared is not None and len(compared[1]) else None
         first = rank0(stats)
         label = decoder if decoder == "decord" else f"{decoder} ({args.nvdec_sessions} sessions)"
+        if decoder == "auto" and first.get("gpu_share") is not None:
+            label = f"auto ({args.nvdec_sessions} sessions, last GPU share {first['gpu_share']:.2f})"
         lines.append(table_row([
             label, workers, stats["rows"], f"{seconds:.1f}", fmt(pipeline, ".2f"), fmt(seconds / pipeline if pipeline else None, ".1f"),
             fmt(rate, ".2f"), fmt(rate / encoder.rate if rate else None, ".3f"), stats.get("device_decoded", "-"),
@@ -311,6 +317,19 @@ def render(
             _waits(first),
         ]))
     return "\n".join(lines)
+
+
+def worst_clips(decord: pa.Table, other: pa.Table, count: int = 4) -> str:
+    """The `count` clips whose vectors are furthest from decord's (by cosine), with their
+    names, which say codec, height and keyframe interval: where a decoder departs."""
+    scored = []
+    for name, x, y in zip(decord.column("id").to_pylist(), decord.column("embedding").to_pylist(), other.column("embedding").to_pylist()):
+        if x is None or y is None:
+            continue
+        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        if np.isfinite(x).all() and np.isfinite(y).all():
+            scored.append((float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y))), name))
+    return ", ".join(f"{name} {cos:.5f}" for cos, name in sorted(scored)[:count]) or "none"
 
 
 def _workers(args: argparse.Namespace, decoder: str) -> int:

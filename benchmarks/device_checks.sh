@@ -28,7 +28,8 @@
 # captions NAME... (benchmarks/captions.py: images alone against images + captions, clip and/or siglip),
 # bench (`embedjob bench --mixes`: the fixed towers, OpenCLIP, NaFlex and Qwen3.5 rows with MFU; BENCH_TOWERS="siglip
 # dinov3" picks fixed towers, BENCH_FLAGS="--no-naflex --no-qwen3-5" drops the others), clips (CLIPS=1152
-# distinct clips made on the device by the FFmpeg prep puts in .ffmpeg; carry [".ffmpeg", "bench-data"]), then
+# distinct clips made on the device by the FFmpeg prep puts in .ffmpeg; carry [".ffmpeg", "bench-data"]; topped
+# up by each call; clips-bg makes them in the background while the call's other stages use the GPU), then
 # at once video NAME... (benchmarks/video_decode.py on them: decord, nvdec and auto, tower qwen, siglip or clip;
 # VIDEO_DECODERS picks settings, NVDEC_SESSIONS the GPU decoder's sessions, 4 by default).
 # MIX_REPEATS (2) sets the mixes' repeats (qwen-mixed always 1). TESTS="expr" runs only the GPU tests pytest's -k selects; TESTS_SECONDS (420) bounds them. SMOKE=1 passes --smoke to the
@@ -150,11 +151,31 @@ clips() {
   # Distinct clips for `video`, made here from the photos (H.264 and HEVC, 1080p and 720p, keyframes every
   # 1-8 s); carry [".ffmpeg", "bench-data"] (not .whl: both would pass 64 MiB), then call `video` at once
   # on the warm machine, which keeps them in $work/clips. A call cut short keeps the clips it made, and the next
-  # `clips` call on that machine tops them up to CLIPS.
-  xz -dc .ffmpeg/ffmpeg.xz >/tmp/ffmpeg && chmod +x /tmp/ffmpeg || return
-  IMAGEIO_FFMPEG_EXE=/tmp/ffmpeg PYTHONPATH=".ffmpeg:$PYTHONPATH" timeout "$(budget 560)" python3 benchmarks/video_decode.py \
-    --make-clips "$work/clips" --photos bench-data --count "${CLIPS:-1152}" --kinds mixed 2>&1 | tail -n 3 | tee "$out/clips.log"
-  summary+=("clips: $(find "$work/clips" -name '*.mp4' | wc -l) in $work/clips, $(du -sh "$work/clips" | cut -f1)")
+  # `clips` or `clips-bg` call on that machine tops them up to CLIPS.
+  make_clips
+  clips_said
+}
+
+clips_bg() {
+  # `clips` on the CPUs while the stages after it use the GPU (bench, kernels, tests); the call waits for it at
+  # its end, by its deadline. The FFmpeg one call unpacked stays on the warm machine, so a later call may carry
+  # .whl instead of .ffmpeg.
+  make_clips &
+  clips_pid=$!
+}
+
+make_clips() {
+  if [ -f .ffmpeg/ffmpeg.xz ]; then
+    xz -dc .ffmpeg/ffmpeg.xz >/tmp/ffmpeg.part && chmod +x /tmp/ffmpeg.part && mv /tmp/ffmpeg.part /tmp/ffmpeg || return
+    rm -rf /tmp/imageio-ffmpeg && cp -r .ffmpeg /tmp/imageio-ffmpeg
+  fi
+  [ -x /tmp/ffmpeg ] || { echo "clips: carry .ffmpeg (this machine has no FFmpeg from an earlier call)" | tee "$out/clips.log"; return; }
+  IMAGEIO_FFMPEG_EXE=/tmp/ffmpeg PYTHONPATH="/tmp/imageio-ffmpeg:$PYTHONPATH" timeout "$(budget 560)" python3 benchmarks/video_decode.py \
+    --make-clips "$work/clips" --photos bench-data --count "${CLIPS:-1152}" --kinds mixed 2>&1 | tail -n 3 >"$out/clips.log"
+}
+
+clips_said() {
+  summary+=("clips: $(find "$work/clips" -name '*.mp4' 2>/dev/null | wc -l) in $work/clips, $(du -sh "$work/clips" 2>/dev/null | cut -f1)")
 }
 
 video() {
@@ -188,16 +209,21 @@ while [ $# -gt 0 ]; do
   shift
   case "$stage" in
     prep | tests | decode | attention | naflex | bench | clips | report) "$stage" ;;
+    clips-bg) clips_bg ;;
     mixes | kernels | captions | video)
       names=()
-      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench clips report mixes kernels captions video " != *" $1 "* ]]; do
+      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench clips clips-bg report mixes kernels captions video " != *" $1 "* ]]; do
         names+=("$1")
         shift
       done
       [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: '$stage' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
       "$stage" "${names[@]}"
       ;;
-    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, clips, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., report)" >&2; exit 2 ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, clips, clips-bg, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., report)" >&2; exit 2 ;;
   esac
 done
+if [ -n "${clips_pid:-}" ]; then
+  wait "$clips_pid"
+  clips_said
+fi
 [ ${#summary[@]} -eq 0 ] || { echo; echo "=== device_checks.sh summary ==="; printf '%s\n' "${summary[@]}"; }

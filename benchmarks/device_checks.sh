@@ -31,7 +31,8 @@
 # distinct clips made on the device by the FFmpeg prep puts in .ffmpeg; carry [".ffmpeg", "bench-data"]; topped
 # up by each call; clips-bg makes them in the background while the call's other stages use the GPU), then
 # at once video NAME... (benchmarks/video_decode.py on them: decord, nvdec and auto, tower qwen, siglip or clip;
-# VIDEO_DECODERS picks settings, NVDEC_SESSIONS the GPU decoder's sessions, 4 by default).
+# VIDEO_DECODERS picks settings, NVDEC_SESSIONS the GPU decoder's sessions, 4 by default), fp8-layers NAME...
+# (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57).
 # MIX_REPEATS (2) sets the mixes' repeats (qwen-mixed always 1). TESTS="expr" runs only the GPU tests pytest's -k selects; TESTS_SECONDS (420) bounds them. SMOKE=1 passes --smoke to the
 # benchmarks, so the script can be checked on a machine without a GPU. Logs go to $OUT
 # (or /tmp/device-checks).
@@ -109,6 +110,13 @@ mixes() {
       --repeats "$repeats" --mixes "$mix" 2>&1 | tee "$out/scaling-$mix.log"
   done
   summary+=("scaling.py, $*:" "$(python3 benchmarks/scaling.py "${smoke[@]}" --workdir "$work/scaling" --report --mixes "$@" 2>&1)")
+}
+
+fp8_layers() {
+  # Each linear layer's FP8 error on the mixes' photos and the cosine to bf16 that keeping the worst in bf16 buys.
+  timeout "$(budget 560)" python3 benchmarks/fp8_layers.py "${smoke[@]}" --photos bench-data --mixes "$@" \
+    --workdir "$work/fp8-layers" 2>&1 | tee "$out/fp8-layers.log"
+  summary+=("fp8_layers.py, $*:" "$(cat "$work/fp8-layers/fp8_layers.md" 2>/dev/null || echo 'no table: see fp8-layers.log')")
 }
 
 attention() {
@@ -210,16 +218,16 @@ while [ $# -gt 0 ]; do
   case "$stage" in
     prep | tests | decode | attention | naflex | bench | clips | report) "$stage" ;;
     clips-bg) clips_bg ;;
-    mixes | kernels | captions | video)
+    mixes | kernels | captions | video | fp8-layers)
       names=()
-      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench clips clips-bg report mixes kernels captions video " != *" $1 "* ]]; do
+      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench clips clips-bg report mixes kernels captions video fp8-layers " != *" $1 "* ]]; do
         names+=("$1")
         shift
       done
       [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: '$stage' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
-      "$stage" "${names[@]}"
+      "${stage//-/_}" "${names[@]}"
       ;;
-    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, clips, clips-bg, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., report)" >&2; exit 2 ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, clips, clips-bg, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., fp8-layers NAME..., report)" >&2; exit 2 ;;
   esac
 done
 if [ -n "${clips_pid:-}" ]; then

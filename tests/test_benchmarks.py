@@ -22,6 +22,7 @@ SCRIPTS = [
     "naflex",
     "captions",
     "wds_index",
+    "fp8_layers",
 ]
 SMOKE_SECONDS = 600
 
@@ -67,8 +68,9 @@ SMOKES = {
     "video_decode": (["--smoke"], ["skipped the nvdec run", "| decoder | workers |"]),
     "captions": (["--smoke", "--models", "clip"], ["| model | run | rows |", "images + captions"]),
     "wds_index": (["--smoke"], ["| scan | ms per tar |", "walk alone: ours", "index, cache hit"]),
+    "fp8_layers": (["--smoke", "--mixes", "siglip", "--keep", "0", "4"], ["| layer (worst first) |", "block 1: mlp.fc2", "| 4 | 8 |"]),
 }
-WORKDIRS = {"encoder_only", "gpu_decode", "precision", "scaling", "video_decode", "captions", "wds_index"}
+WORKDIRS = {"encoder_only", "gpu_decode", "precision", "scaling", "video_decode", "captions", "wds_index", "fp8_layers"}
 
 
 @pytest.mark.slow

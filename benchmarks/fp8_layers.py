@@ -1,0 +1,233 @@
+"""FP8 per layer: each linear layer's error in row-wise FP8 on real photos, and the cosine to bf16 that keeping the worst layers in bf16 buys (RESULTS.md section 6).
+
+On the GPU machine, from the repository root (`bench-data`: photos, as in scaling.py):
+
+    PYTHONPATH=. python3 benchmarks/fp8_layers.py --photos bench-data --mixes siglip qwen-mixed [--images 64] [--keep 0 2 4 8]
+
+For each mix (`benchmarks/mixes.py`: its tower at the published size, random bf16 weights,
+seed 0, and its distinct JPEGs cut from the photos), the items run eagerly through the
+tower twice. First in bf16, with a hook on every linear layer of the blocks (what
+`model.precision: fp8` converts, `compile_units`): each layer's product on (at most
+`--rows` of) the rows it reads is done again in FP8 as `encoders.fp8` does it (the rows
+quantised to e4m3 with one scale each, the weight with one scale per output channel,
+`fp8.quantize_rows`; the products and the bias in float32) and its relative error
+||fp8 - exact|| / ||exact|| summed over the batches. Then, for each `--keep` k, every
+such layer but the k with the largest error runs in that FP8 (simulated: the same
+quantisation, the product in float32, so any device runs it) and the table gives each
+item's cosine to its bf16 vector, min and median: how many layers kept in bf16 the 0.995
+target of issue #57 takes, and which ones (block index and name, worst first).
+`--smoke` runs tiny towers of the same architectures on 8 images on the CPU. The table is
+written to `<workdir>/fp8_layers.md` and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import builtin_sources, collect_photos, cosine  # noqa: E402
+from benchmarks.common import log as _log  # noqa: E402
+from benchmarks.encoder_only import preprocess_rows  # noqa: E402
+from benchmarks.mixes import MIXES, jpeg_dataset, save_tower, write_job  # noqa: E402
+from embedjob.config import load_job  # noqa: E402
+from embedjob.encoders import load_adapter  # noqa: E402
+from embedjob.encoders.fp8 import quantize_rows  # noqa: E402
+from embedjob.engine import packer  # noqa: E402
+from embedjob.engine.encode import budget_plan  # noqa: E402
+from embedjob.engine.graphs import GraphManager, pool_rows  # noqa: E402
+
+SMOKE_IMAGES = 8
+WORST_SHOWN = 12
+
+
+def log(message: str) -> None:
+    """Progress on stderr."""
+    _log("fp8_layers", message)
+
+
+def fp8_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) with x quantised per row and weight per output channel to
+    e4m3, as `encoders.fp8` quantises them; dequantised and multiplied in float32."""
+    q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    wq, wscale = quantize_rows(weight)
+    out = (q.float() * scale) @ (wq.float() * wscale).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@dataclass
+class LayerError:
+    """One linear layer's squared error and squared norm of its exact output, summed."""
+
+    name: str
+    error: float = 0.0
+    norm: float = 0.0
+
+    @property
+    def relative(self) -> float:
+        return (self.error / self.norm) ** 0.5 if self.norm > 0 else 0.0
+
+
+@dataclass
+class Layers:
+    """The linear layers of the tower's blocks, by name ("block 3: mlp.fc1")."""
+
+    modules: dict[str, torch.nn.Linear]
+    errors: dict[str, LayerError] = field(default_factory=dict)
+
+
+def linear_layers(adapter: Any) -> Layers:
+    """Every `torch.nn.Linear` of the adapter's blocks (`compile_units`), named by block and path."""
+    modules = {}
+    for k, block in enumerate(adapter.compile_units()):
+        for path, module in block.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                modules[f"block {k}: {path}"] = module
+    return Layers(modules)
+
+
+@contextmanager
+def measuring(layers: Layers, rows: int) -> Iterator[None]:
+    """While inside, every layer's forward also adds its FP8 product's error on (a spread
+    of at most `rows` of) its input rows to `layers.errors`."""
+
+    def hook(name: str, module: torch.nn.Linear):
+        def measure(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x = args[0].reshape(-1, args[0].shape[-1])
+            if x.shape[0] > rows:
+                x = x[torch.linspace(0, x.shape[0] - 1, rows, device=x.device).long()]
+            exact = torch.nn.functional.linear(x.float(), module.weight.float(), None if module.bias is None else module.bias.float())
+            seen = layers.errors.setdefault(name, LayerError(name))
+            seen.error += float((fp8_product(x, module.weight, module.bias) - exact).pow(2).sum())
+            seen.norm += float(exact.pow(2).sum())
+        return measure
+
+    handles = [module.register_forward_pre_hook(hook(name, module)) for name, module in layers.modules.items()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def simulated_fp8(layers: Layers, names: list[str]) -> Iterator[None]:
+    """While inside, the layers `names` compute their products in FP8 (`fp8_product`), the
+    result cast to the layer's dtype as the FP8 kernels return it."""
+    originals = {name: layers.modules[name].forward for name in names}
+    for name in names:
+        module = layers.modules[name]
+        module.forward = lambda x, m=module: fp8_product(x, m.weight, m.bias).to(x.dtype)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for name, forward in originals.items():
+            layers.modules[name].forward = forward  # type: ignore[method-assign]
+
+
+def pooled(job: Any, adapter: Any, items: list[Any]) -> np.ndarray:
+    """Each item's pooled vector (float32), the items packed as a job packs them and run eagerly."""
+    plan = budget_plan(job, adapter)
+    manager = GraphManager(adapter, plan, None)
+    out: list[np.ndarray | None] = [None] * len(items)
+    for batch in packer.pack([i.tokens for i in items], [i.frames for i in items], plan, job.batching.policy):
+        chosen = [items[i] for i in batch.indices]
+        with torch.inference_mode():
+            vectors, _ = pool_rows(manager.run_batch(chosen, None), adapter.row_counts(chosen), "mean")
+        for index, vector in zip(batch.indices, vectors.float().cpu().numpy()):
+            out[index] = vector
+    return np.stack(out)
+
+
+def bench_mix(name: str, args: argparse.Namespace, photos: list[Any], device: torch.device) -> dict[str, Any]:
+    mix = MIXES[name]
+    workdir = Path(args.workdir).resolve()
+    count = SMOKE_IMAGES if args.smoke else args.images
+    dataset = jpeg_dataset(mix, count, args.seed, photos, workdir / "data", len(os.sched_getaffinity(0)))
+    tower = save_tower(mix.tower, workdir / "towers", args.smoke)
+    job = load_job(write_job(workdir / name, mix, tower, dataset.path, workdir / "cache", args.smoke), ["batching.compile=false"])
+    adapter = load_adapter(job, device)
+    items, failed = preprocess_rows(job, adapter, len(os.sched_getaffinity(0)))
+    log(f"[{name}] {len(items)} items ({failed} did not decode); bf16 with the layers' FP8 errors measured")
+    layers = linear_layers(adapter)
+    with measuring(layers, args.rows):
+        reference = pooled(job, adapter, items)
+    worst = sorted(layers.errors.values(), key=lambda e: e.relative, reverse=True)
+    sweeps = []
+    for keep in args.keep:
+        kept = {e.name for e in worst[:keep]}
+        log(f"[{name}] every linear layer in FP8 but the {keep} worst")
+        with simulated_fp8(layers, [n for n in layers.modules if n not in kept]):
+            cos = cosine(pooled(job, adapter, items), reference)
+        sweeps.append((keep, len(layers.modules) - len(kept), float(cos.min()), float(np.median(cos))))
+    return {"mix": name, "tower": mix.tower.describe(args.smoke), "items": len(items), "worst": worst, "sweeps": sweeps,
+            "layers": len(layers.modules), "dtype": str(adapter.dtype).removeprefix("torch.")}
+
+
+def render(results: list[dict[str, Any]], args: argparse.Namespace, device: torch.device, wall: float) -> str:
+    lines = [
+        f"# FP8 per layer, simulated e4m3 (rows, and weights per output channel) ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+        f"device: {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+        f"command: {' '.join(sys.argv)}; wall {wall:.0f} s",
+    ]
+    for result in results:
+        lines += [
+            "",
+            f"## {result['mix']}: {result['tower']}, {result['items']} items, {result['layers']} linear layers in the blocks, "
+            f"reference in {result['dtype']}",
+            "",
+            "| layer (worst first) | relative error of its FP8 product |",
+            "| --- | ---: |",
+            *(f"| {e.name} | {e.relative:.2e} |" for e in result["worst"][:WORST_SHOWN]),
+            "",
+            "| kept in bf16 (the worst) | layers in FP8 | cos to bf16 min | median |",
+            "| ---: | ---: | ---: | ---: |",
+            *(f"| {keep} | {fp8} | {low:.5f} | {median:.5f} |" for keep, fp8, low, median in result["sweeps"]),
+        ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    start = time.perf_counter()
+    photos = collect_photos([*builtin_sources(), *args.photos])
+    results = [bench_mix(name, args, photos, device) for name in args.mixes]
+    text = render(results, args, device, time.perf_counter() - start)
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "fp8_layers.md").write_text(text + "\n")
+    print(text, flush=True)
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--photos", nargs="+", type=Path, default=[], help="photos the mixes' JPEGs are cut from")
+    parser.add_argument("--mixes", nargs="+", choices=sorted(MIXES), default=["siglip", "qwen-mixed"])
+    parser.add_argument("--images", type=int, default=64, help="items per mix")
+    parser.add_argument("--keep", nargs="+", type=int, default=[0, 2, 4, 8], help="how many of the worst layers stay in bf16, one pass each")
+    parser.add_argument("--rows", type=int, default=1024, help="the most input rows of one batch each layer's error is measured on")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", default="/tmp/fp8_layers")
+    parser.add_argument("--smoke", action="store_true", help=f"CPU only: tiny towers, {SMOKE_IMAGES} images")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

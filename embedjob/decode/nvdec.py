@@ -5,8 +5,8 @@ The decode workers plan a video as the CPU path does (`video.decode_video` with
 `defer_video`: which frames, at which size, under which display matrix) and leave the
 frames undecoded (`DeferredVideo`); the rank reads exactly those frames here, from the
 bytes (a file in memory while it reads them), as RGB on its GPU, `nvdec_sessions` videos
-at a time (`video.nvdec_sessions`), and applies the rest of the CPU path's steps there (`frames_as_decoded`). A failure
-raises, and the caller takes the CPU path for that video.
+at a time (`video.nvdec_sessions`), and applies the rest of the CPU path's steps there
+(`frames_as_decoded`). A failure raises, and the caller takes the CPU path for that video.
 """
 
 from __future__ import annotations

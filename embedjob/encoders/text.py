@@ -127,10 +127,11 @@ class TextAdapter(EncoderAdapter):
 
     `tower` maps (n, length) int64 ids to (n, width) vectors; `blocks` are its repeated
     modules (what `batching.compile` compiles, and where epilogues apply). `compiles`:
-    whether `batching.compile` compiles them too. Only towers whose attention takes no mask
-    do: a mask transformers builds only while a graph is captured makes the compiled blocks
-    recompile inside the capture, which invalidates it (`cudaErrorStreamCaptureInvalidated`,
-    seen on an H100 for CLIP's causal text blocks)."""
+    whether `batching.compile` compiles them too: only towers whose attention takes no mask
+    (SigLIP, SigLIP 2, `attention.register_unmasked`), so that warm-up and capture trace
+    the same blocks; their compiled graphs replay like eager on an H100. CLIP's compiled
+    causal blocks invalidated the capture there (`cudaErrorStreamCaptureInvalidated`, cause
+    not found), so causal towers stay uncompiled."""
 
     def __init__(
         self,

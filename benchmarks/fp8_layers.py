@@ -59,12 +59,18 @@ def log(message: str) -> None:
     _log("fp8_layers", message)
 
 
-def fp8_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias) with x quantised per row and weight per output channel to
-    e4m3, as `encoders.fp8` quantises them; dequantised and multiplied in float32."""
-    q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+def fp8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` quantised to e4m3 with one scale per output channel, as `encoders.fp8`
+    quantises it once at load, dequantised to float32."""
     wq, wscale = quantize_rows(weight)
-    out = (q.float() * scale) @ (wq.float() * wscale).T
+    return wq.float() * wscale
+
+
+def fp8_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) with x quantised per row to e4m3, as `encoders.fp8` quantises
+    it, and `weight` already quantised (`fp8_weight`); multiplied in float32."""
+    q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = (q.float() * scale) @ weight.T
     if bias is not None:
         out = out + bias.float()
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -85,10 +91,17 @@ class LayerError:
 
 @dataclass
 class Layers:
-    """The linear layers of the tower's blocks, by name ("block 3: mlp.fc1")."""
+    """The linear layers of the tower's blocks, by name ("block 3: mlp.fc1"), and their
+    FP8 weights (`fp8_weight`, made once per layer at its first use)."""
 
     modules: dict[str, torch.nn.Linear]
     errors: dict[str, LayerError] = field(default_factory=dict)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def fp8(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            self.weights[name] = fp8_weight(self.modules[name].weight)
+        return self.weights[name]
 
 
 def linear_layers(adapter: Any) -> Layers:
@@ -113,7 +126,7 @@ def measuring(layers: Layers, rows: int) -> Iterator[None]:
                 x = x[torch.linspace(0, x.shape[0] - 1, rows, device=x.device).long()]
             exact = torch.nn.functional.linear(x.float(), module.weight.float(), None if module.bias is None else module.bias.float())
             seen = layers.errors.setdefault(name, LayerError(name))
-            seen.error += float((fp8_product(x, module.weight, module.bias) - exact).pow(2).sum())
+            seen.error += float((fp8_product(x, layers.fp8(name), module.bias) - exact).pow(2).sum())
             seen.norm += float(exact.pow(2).sum())
         return measure
 
@@ -132,7 +145,7 @@ def simulated_fp8(layers: Layers, names: list[str]) -> Iterator[None]:
     originals = {name: layers.modules[name].forward for name in names}
     for name in names:
         module = layers.modules[name]
-        module.forward = lambda x, m=module: fp8_product(x, m.weight, m.bias).to(x.dtype)  # type: ignore[method-assign]
+        module.forward = lambda x, m=module, w=layers.fp8(name): fp8_product(x, w, m.bias).to(x.dtype)  # type: ignore[method-assign]
     try:
         yield
     finally:

@@ -52,7 +52,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import NO_MULTICAST, collect_photos, fmt, rank0, run_cli, skipped, table_row  # noqa: E402
+from benchmarks.common import NO_MULTICAST, collect_photos, cosine, fmt, rank0, run_cli, skipped, table_row  # noqa: E402
 from benchmarks.common import log as _log  # noqa: E402
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
 from benchmarks.gpu_decode import compare  # noqa: E402
@@ -94,10 +94,10 @@ def main() -> int:
         if runs[decoder] is not None:
             outputs[decoder] = pq.read_table(sorted(output.glob("part-*.parquet")))
         log(f"[video] decoder {decoder}: {'done' if runs[decoder] else 'FAILED'}")
-    cosines = {d: compare(outputs["decord"], outputs[d]) for d in outputs if d != "decord" and "decord" in outputs}
+    compared = [d for d in outputs if d != "decord"] if "decord" in outputs else []
+    cosines = {d: compare(outputs["decord"], outputs[d]) for d in compared}
     text = render(seconds, encoder, runs, cosines, args)
-    lowest = [f"{d}: {worst_clips(outputs['decord'], outputs[d])}" for d in outputs if d != "decord" and "decord" in outputs]
-    text += "".join(f"\nlowest cosines to decord, {line}" for line in lowest)
+    text += "".join(f"\nlowest cosines to decord, {d}: {worst_clips(outputs['decord'], outputs[d])}" for d in compared)
     (workdir / "video_decode.md").write_text(text + "\n")
     print(text, flush=True)
     return 0
@@ -322,14 +322,14 @@ def render(
 def worst_clips(decord: pa.Table, other: pa.Table, count: int = 4) -> str:
     """The `count` clips whose vectors are furthest from decord's (by cosine), with their
     names, which say codec, height and keyframe interval: where a decoder departs."""
-    scored = []
-    for name, x, y in zip(decord.column("id").to_pylist(), decord.column("embedding").to_pylist(), other.column("embedding").to_pylist()):
-        if x is None or y is None:
-            continue
-        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-        if np.isfinite(x).all() and np.isfinite(y).all():
-            scored.append((float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y))), name))
-    return ", ".join(f"{name} {cos:.5f}" for cos, name in sorted(scored)[:count]) or "none"
+    pairs = [(name, x, y) for name, x, y in zip(decord.column("id").to_pylist(), decord.column("embedding").to_pylist(),
+                                                  other.column("embedding").to_pylist()) if x is not None and y is not None]
+    if not pairs:
+        return "none"
+    names, a, b = zip(*pairs)
+    cos = cosine(np.array(a), np.array(b))
+    order = [k for k in np.argsort(cos) if np.isfinite(cos[k])][:count]
+    return ", ".join(f"{names[k]} {cos[k]:.5f}" for k in order) or "none"
 
 
 def _workers(args: argparse.Namespace, decoder: str) -> int:

@@ -729,7 +729,8 @@ def open_clip_rows(
     encode = torch.compile(plain.encode_image) if compiled else plain.encode_image
     with torch.inference_mode():
         plain_seconds = device_time(lambda: encode(values), repeats, device)
-        reference, uncompiled = encode(values).float(), plain.encode_image(values).float()
+        reference = encode(values).float()
+        uncompiled = plain.encode_image(values).float() if compiled else reference
     del plain, encode
     return _against_plain(
         label, "open_clip", "model.encode_image", adapter, pixels, (plain_seconds, reference, uncompiled), flops, peak, repeats,
@@ -750,7 +751,8 @@ def _plain_seconds(
         return out.image_embeds if projected else out.pooler_output
 
     with torch.inference_mode():
-        return device_time(lambda: embed(run), repeats, device), embed(run).float(), embed(model).float()
+        seconds, reference = device_time(lambda: embed(run), repeats, device), embed(run).float()
+        return seconds, reference, embed(model).float() if compiled else reference
 
 
 

@@ -61,7 +61,7 @@ class DecodeSplit:
     def first(cls, media: str | None) -> DecodeSplit:
         """The split a rank starts with for `media` ("jpeg", "video"; None where nothing is
         split): `FIRST_SHARE` of the rows until auto has measured."""
-        return cls(share=FIRST_SHARE.get(media, 0.0)) if media is not None else cls()
+        return cls(share=FIRST_SHARE.get(media, 0.0))
 
     def leave(self) -> bool:
         self.credit += self.share

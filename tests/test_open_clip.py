@@ -290,28 +290,48 @@ def test_a_tower_other_than_open_clips_vit_is_a_clear_error(tmp_path: Path, cach
 
 
 @pytest.mark.parametrize("scale_fc", [False, True])
-def test_fp8_converts_the_mlp_and_leaves_multihead_attention_alone(tmp_path: Path, cache_dir: str, scale_fc: bool) -> None:
-    """nn.MultiheadAttention reads its out_proj's weight itself, so it stays; the MLP's
-    c_fc applies ln_2 and c_proj the GELU as they quantise, except where a norm stands
-    between the GELU and c_proj (`scale_fc`); vectors stay within FP8 rounding."""
+def test_fp8_converts_the_attention_and_mlp_and_applies_the_norms_and_gelu(tmp_path: Path, cache_dir: str, scale_fc: bool) -> None:
+    """The image blocks' attention runs batch first (`BatchFirstAttention`), so FP8
+    converts its packed in-projection (applying ln_1) and out_proj as well as the MLP
+    (c_fc applying ln_2, c_proj the GELU, except where a norm stands between the GELU
+    and c_proj: `scale_fc`, OpenCLIP's custom blocks with their own attention); vectors
+    stay within FP8 rounding."""
+    from embedjob.encoders.fp8 import Fp8Linear
+    from embedjob.encoders.open_clip import BatchFirstAttention
+
     checkpoint = user_checkpoint(tmp_path / "ckpt", {"scale_fc": scale_fc} if scale_fc else None)
     full = load_adapter(job(cache_dir, checkpoint), CPU)
     fp8 = load_adapter(job(cache_dir, checkpoint, model={"precision": "fp8"}), CPU)
-    from embedjob.encoders.fp8 import Fp8Linear
-
-    blocks = fp8.compile_units()
-    expected = {"mlp.c_fc": 2, "mlp.c_proj": 2} | ({"attn.out_proj": 2} if scale_fc else {})
-    assert fp8.fp8_layers == expected
-    for block in blocks:
+    attention = {"attn.out_proj": 2} if scale_fc else {"attn.qkv": 2, "attn.out_proj": 2}
+    assert fp8.fp8_layers == {"mlp.c_fc": 2, "mlp.c_proj": 2, **attention}
+    for block in fp8.compile_units():
         assert isinstance(block.mlp.c_fc, Fp8Linear) and isinstance(block.ln_2, torch.nn.Identity)
         assert isinstance(block.mlp.gelu, torch.nn.Identity) != scale_fc
-        if not scale_fc:
-            assert type(block.attn) is torch.nn.MultiheadAttention and not isinstance(block.attn.out_proj, Fp8Linear)
+        assert isinstance(block.attn, BatchFirstAttention) != scale_fc
+        assert isinstance(block.ln_1, torch.nn.Identity) != scale_fc
     items = [full.preprocessor()(decoded(p)) for p in PHOTOS]
     with torch.no_grad():
         a, b = full.forward(full.eager_inputs(items)), fp8.forward(fp8.eager_inputs(items))
     cosine = torch.nn.functional.cosine_similarity(a, b)
     assert cosine.min() > 0.99 and not torch.equal(a, b)
+
+
+def test_batch_first_attention_is_multihead_attentions_and_refuses_what_it_does_not_compute() -> None:
+    """The replacement shares the module's parameters and gives its output for
+    self-attention without a mask; a mask or cross-attention is an error, never ignored."""
+    from embedjob.encoders.open_clip import BatchFirstAttention
+
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(64, 4, batch_first=True).eval()
+    ours = BatchFirstAttention(module)
+    x = torch.randn(3, 17, 64)
+    with torch.no_grad():
+        assert torch.allclose(ours(x, x, x)[0], module(x, x, x, need_weights=False)[0], rtol=1e-5, atol=1e-6)
+    assert ours.qkv.weight is module.in_proj_weight and ours.out_proj.bias is module.out_proj.bias
+    with pytest.raises(ValueError, match="unmasked self-attention"):
+        ours(x, x, x, attn_mask=torch.zeros(17, 17))
+    with pytest.raises(ValueError, match="unmasked self-attention"):
+        ours(x, x.clone(), x)
 
 
 def test_embedjob_bench_row_times_an_open_clip_tower_against_open_clip(tmp_path: Path) -> None:

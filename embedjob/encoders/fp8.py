@@ -136,7 +136,8 @@ NORM_INTO = (
     ("norm2", ("mlp.fc1",)),  # DINOv2, Qwen2-VL
     ("norm2", ("mlp.up_proj",)),  # DINOv3 (its gated MLP is the next entry's)
     ("norm2", ("mlp.gate_proj", "mlp.up_proj")),  # Qwen2.5-VL
-    ("ln_2", ("mlp.c_fc",)),  # OpenCLIP (its ln_1 feeds nn.MultiheadAttention, which stays as it is)
+    ("ln_1", ("attn.qkv",)),  # OpenCLIP's image blocks (open_clip.BatchFirstAttention)
+    ("ln_2", ("mlp.c_fc",)),  # OpenCLIP
     ("norm2", ("mlp.linear_fc1",)),  # Qwen3-VL, Qwen3.5
 )
 """(norm, the layers that read its output) by their names within a block, for blocks

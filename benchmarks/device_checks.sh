@@ -32,7 +32,8 @@
 # up by each call; clips-bg makes them in the background while the call's other stages use the GPU), then
 # at once video NAME... (benchmarks/video_decode.py on them: decord, nvdec and auto, tower qwen, siglip or clip;
 # VIDEO_DECODERS picks settings, NVDEC_SESSIONS the GPU decoder's sessions, 4 by default), fp8-layers NAME...
-# (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57).
+# (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),
+# families (benchmarks/family_checks.py: DINOv3's bf16 paths against float32, Qwen3.5's batches and kernels).
 # MIX_REPEATS (2) sets the mixes' repeats (qwen-mixed always 1). TESTS="expr" runs only the GPU tests pytest's -k selects; TESTS_SECONDS (420) bounds them. SMOKE=1 passes --smoke to the
 # benchmarks, so the script can be checked on a machine without a GPU. Logs go to $OUT
 # (or /tmp/device-checks).
@@ -149,6 +150,11 @@ bench() {
   summary+=("embedjob bench (families):" "$(cat "$work/bench/bench.md" 2>/dev/null || echo 'no table: see bench.log')")
 }
 
+families() {
+  timeout "$(budget 400)" python3 benchmarks/family_checks.py "${smoke[@]}" --workdir "$work/families" 2>&1 | tee "$out/families.log"
+  summary+=("family_checks.py:" "$(sed -n '/^device: /,$p' "$out/families.log")")
+}
+
 captions() {
   timeout "$(budget 560)" python3 benchmarks/captions.py "${smoke[@]}" --photos bench-data --workdir "$work/captions" \
     --models "$@" 2>&1 | tee "$out/captions-${1}.log"
@@ -216,18 +222,18 @@ while [ $# -gt 0 ]; do
   stage="$1"
   shift
   case "$stage" in
-    prep | tests | decode | attention | naflex | bench | clips | report) "$stage" ;;
+    prep | tests | decode | attention | naflex | bench | families | clips | report) "$stage" ;;
     clips-bg) clips_bg ;;
     mixes | kernels | captions | video | fp8-layers)
       names=()
-      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench clips clips-bg report mixes kernels captions video fp8-layers " != *" $1 "* ]]; do
+      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench families clips clips-bg report mixes kernels captions video fp8-layers " != *" $1 "* ]]; do
         names+=("$1")
         shift
       done
       [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: '$stage' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
       "${stage//-/_}" "${names[@]}"
       ;;
-    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, clips, clips-bg, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., fp8-layers NAME..., report)" >&2; exit 2 ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, families, clips, clips-bg, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., fp8-layers NAME..., report)" >&2; exit 2 ;;
   esac
 done
 if [ -n "${clips_pid:-}" ]; then

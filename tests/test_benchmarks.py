@@ -23,6 +23,7 @@ SCRIPTS = [
     "captions",
     "wds_index",
     "fp8_layers",
+    "family_checks",
 ]
 SMOKE_SECONDS = 600
 
@@ -69,8 +70,9 @@ SMOKES = {
     "captions": (["--smoke", "--models", "clip"], ["| model | run | rows |", "images + captions"]),
     "wds_index": (["--smoke"], ["| scan | ms per tar |", "walk alone: ours", "index, cache hit"]),
     "fp8_layers": (["--smoke", "--mixes", "siglip", "--keep", "0", "4"], ["| layer (worst first) |", "block 1: mlp.fc2", "| 4 | 8 |"]),
+    "family_checks": (["--smoke"], ["| check | result |", "DINOv3: embedjob bf16, compiled graphs", "Qwen3.5: all batches"]),
 }
-WORKDIRS = {"encoder_only", "gpu_decode", "precision", "scaling", "video_decode", "captions", "wds_index", "fp8_layers"}
+WORKDIRS = {"family_checks", "encoder_only", "gpu_decode", "precision", "scaling", "video_decode", "captions", "wds_index", "fp8_layers"}
 
 
 @pytest.mark.slow

@@ -1,0 +1,203 @@
+"""Where `embedjob bench`'s new-family rows depart from plain transformers (issue #53).
+
+Two questions the bench rows leave open, answered on the device in one call:
+
+- DINOv3-ViT-L/16 size: is the low cosine between embedjob's bf16 vectors and
+  transformers' (0.83 on random pixels) embedjob's departure or bf16's? Each bf16 path
+  (transformers eager under each SDPA kernel, embedjob eager, embedjob's compiled
+  graphs) is compared with transformers in float32 on the same images.
+- Qwen3.5-27B size: where embedjob's graphs spend their time on the mixed mix against
+  transformers' eager packed batches: per batch, the replay's device time, the host's
+  time to assemble and launch it, and the kernels of the largest batch both ways.
+
+The table is printed last; `--smoke` runs it on a CPU with tiny towers.
+RESULTS.md section: 7 (Compiled bf16 towers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from embedjob import bench  # noqa: E402
+from embedjob.config import job_from_dict  # noqa: E402
+from embedjob.encoders import load_adapter  # noqa: E402
+from embedjob.encoders.loading import save_atomically, transformers_class  # noqa: E402
+from embedjob.engine import packer  # noqa: E402
+from embedjob.engine.graphs import GraphManager  # noqa: E402
+
+SMOKE_DINOV3 = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, patch_size=16,
+                    image_size=64, num_register_tokens=4)
+SMOKE_QWEN = dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=128, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=64, out_hidden_size=32)
+
+
+def adapter_for(family: str, directory: Path, dtype: str, compiled: bool, device: torch.device):
+    job = job_from_dict({
+        "input": {"path": "unused.parquet", "media_column": "image"},
+        "model": {"family": family, "path": str(directory), "dtype": dtype},
+        "output": {"path": "unused"},
+        "batching": {"compile": compiled},
+        "runtime": {"cache_dir": str(directory.parent / "cache")},
+    })
+    return load_adapter(job, device)
+
+
+def cos_min(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min())
+
+
+def dinov3_rows(workdir: Path, values: dict, batch: int, device: torch.device) -> list[tuple[str, str]]:
+    """Each bf16 path's smallest cosine to transformers' float32 vectors (and to its bf16 ones)."""
+    from embedjob.encoders.fixed import FAMILIES as FIXED
+
+    directory = workdir / "dinov3-tower"
+    if not directory.exists():
+        save_atomically(lambda tmp: bench.save_fixed_tower("dinov3", values, tmp), directory)
+    ours = adapter_for("dinov3", directory, "bfloat16", False, device)
+    pictures = torch.randint(0, 256, (batch, 3, *ours.processing.input_size), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    pixels = ours.processing.process(pictures).to(device)
+    values32 = ours.processing.normalize(pixels, ours.pixel_scale).float()
+    cls = transformers_class(FIXED["dinov3"].vision_class)
+    rows = []
+    with torch.inference_mode():
+        fp32 = cls.from_pretrained(directory, dtype=torch.float32).to(device).eval()
+        reference = fp32(pixel_values=values32).pooler_output.float()
+        plain = cls.from_pretrained(directory, dtype=torch.bfloat16).to(device).eval()
+        plain_default = plain(pixel_values=values32.bfloat16()).pooler_output.float()
+        rows.append(("transformers bf16, eager (default SDPA)", f"{cos_min(plain_default, reference):.5f}"))
+        if device.type == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+                try:
+                    with sdpa_kernel(backend):
+                        out = plain(pixel_values=values32.bfloat16()).pooler_output.float()
+                    rows.append((f"transformers bf16, eager, SDPA {backend.name}", f"{cos_min(out, reference):.5f}"))
+                except RuntimeError as exc:
+                    rows.append((f"transformers bf16, eager, SDPA {backend.name}", f"not run: {str(exc).splitlines()[0][:60]}"))
+        items_eager = ours.forward(ours.eager_inputs(_fixed_items(ours, pixels))).float()
+        rows.append(("embedjob bf16, eager", f"{cos_min(items_eager, reference):.5f} (to transformers bf16 {cos_min(items_eager, plain_default):.5f})"))
+        scale = reference.norm(dim=-1)
+        rows.append(("transformers float32 vector norms, min / max", f"{float(scale.min()):.3g} / {float(scale.max()):.3g}"))
+        del fp32, plain
+    torch._dynamo.reset()
+    compiled = adapter_for("dinov3", directory, "bfloat16", True, device)
+    if device.type == "cuda":
+        compiled.compile(dynamic=True)
+    _, graphs = bench._graph_seconds(compiled, pixels, 1, device)
+    rows.append(("embedjob bf16, compiled graphs", f"{cos_min(graphs, reference):.5f} (to embedjob eager {cos_min(graphs, items_eager):.5f})"))
+    return [(f"DINOv3: {name}", value) for name, value in rows]
+
+
+def _fixed_items(adapter, pixels: torch.Tensor):
+    from embedjob.encoders.base import EncoderInput
+    from embedjob.encoders.fixed import GLOBAL_KEY
+
+    t = adapter.tokens_per_image
+    return [EncoderInput({GLOBAL_KEY: pixels[k : k + 1]}, tokens=t, frames=0, size=t) for k in range(pixels.shape[0])]
+
+
+def qwen3_5_rows(workdir: Path, values: dict, count: int, device: torch.device, compiled: bool, kernels: Path) -> list[tuple[str, str]]:
+    """Per batch of the mixed mix: transformers' and the replay's device milliseconds, and
+    the host's milliseconds to assemble and launch the replay; the largest batch's kernels."""
+    directory = workdir / "qwen3_5-tower"
+    if not directory.exists():
+        save_atomically(lambda tmp: bench.save_qwen3_5_tower(values, tmp), directory)
+    adapter = adapter_for("qwen3_5", directory, "bfloat16", compiled, device)
+    items = bench.make_mix("mixed", adapter.preprocessor())[:count]
+    plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
+    batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")
+    plain = transformers_class("Qwen3_5VisionModel").from_pretrained(directory, dtype=adapter.dtype).to(device).eval()
+    inputs = []
+    for b in batches:
+        chosen = [items[i] for i in b.indices]
+        pixels = torch.cat([adapter.processing.model_pixels(i.tensors["pixel_values"]) for i in chosen])
+        inputs.append((pixels.to(device, adapter.dtype), torch.tensor([i.grid for i in chosen], device=device)))
+    largest = max(range(len(batches)), key=lambda k: batches[k].budget)
+    table = []
+    with torch.inference_mode():
+        plain_ms = [1e3 * bench.device_time(lambda p=p, g=g: plain(hidden_states=p, grid_thw=g), 3, device) for p, g in inputs]
+        _kernels(lambda: plain(hidden_states=inputs[largest][0], grid_thw=inputs[largest][1]), kernels / "qwen3_5-plain.txt", device)
+    del plain
+    if compiled and device.type == "cuda":
+        torch._dynamo.reset()
+        adapter.compile(dynamic=True)
+    manager = GraphManager(adapter, plan, "cuda" if device.type == "cuda" else "replay")
+    manager.capture()
+    ours_ms, host_ms = [], []
+    with torch.inference_mode():
+        for b in batches:
+            chosen = [items[i] for i in b.indices]
+            ours_ms.append(1e3 * bench.device_time(lambda c=chosen, budget=b.budget: manager.run_batch(c, budget), 3, device))
+            host_ms.append(1e3 * _host_seconds(lambda c=chosen, budget=b.budget: manager.run_batch(c, budget), device))
+        chosen = [items[i] for i in batches[largest].indices]
+        _kernels(lambda: manager.run_batch(chosen, batches[largest].budget), kernels / "qwen3_5-ours.txt", device)
+    manager.clear()
+    for k, b in enumerate(batches):
+        table.append((f"Qwen3.5: batch {k} ({len(b.indices)} items, {sum(items[i].tokens for i in b.indices)} tokens, budget {b.budget})",
+                      f"transformers {plain_ms[k]:.1f} ms; replay {ours_ms[k]:.1f} ms, host {host_ms[k]:.1f} ms"))
+    table.append(("Qwen3.5: all batches", f"transformers {sum(plain_ms):.1f} ms; replay {sum(ours_ms):.1f} ms, host {sum(host_ms):.1f} ms"))
+    return table
+
+
+def _host_seconds(fn, device: torch.device) -> float:
+    """Median wall seconds of `fn`'s host work alone: the device is drained first, and the
+    clock stops when `fn` returns (before its launched work finishes)."""
+    times = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _kernels(fn, path: Path, device: torch.device) -> None:
+    """The device (or CPU) kernels of one run of `fn` after a warm-up, by total time, into `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=90))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/family-checks"))
+    parser.add_argument("--checks", nargs="+", default=["dinov3", "qwen3_5"], choices=["dinov3", "qwen3_5"])
+    parser.add_argument("--smoke", action="store_true", help="tiny towers on the CPU: checks the code paths, measures nothing")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    rows: list[tuple[str, str]] = []
+    if "dinov3" in args.checks:
+        rows += dinov3_rows(args.workdir, SMOKE_DINOV3 if args.smoke else bench.FIXED_TOWERS["dinov3"][1], 4 if args.smoke else 64, device)
+    if "qwen3_5" in args.checks:
+        rows += qwen3_5_rows(args.workdir, SMOKE_QWEN if args.smoke else bench.QWEN3_5_TOWER[1], 6 if args.smoke else bench.QWEN3_5_IMAGES,
+                             device, not args.smoke, args.workdir)
+    for path in sorted(args.workdir.glob("qwen3_5-*.txt")):
+        print(f"\n--- {path.name} ---\n{path.read_text()}")
+    print(f"\ndevice: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}\n\n| check | result |\n| --- | --- |")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,9 +6,10 @@ Two questions the bench rows leave open, answered on the device in one call:
   transformers' (0.83 on random pixels) embedjob's departure or bf16's? Each bf16 path
   (transformers eager under each SDPA kernel, embedjob eager, embedjob's compiled
   graphs) is compared with transformers in float32 on the same images.
-- Qwen3.5-27B size: where embedjob's graphs spend their time on the mixed mix against
-  transformers' eager packed batches: per batch, the replay's device time, the host's
-  time to assemble and launch it, and the kernels of the largest batch both ways.
+- Qwen3.5-27B size: where embedjob's graphs (0.46x transformers' eager packed batches)
+  spend their time on the mixed mix: per batch, transformers with its own and with
+  embedjob's attention, the graphs of the uncompiled and the compiled blocks, the host's
+  time to assemble and launch a replay, and the kernels of the largest batch.
 
 The table is printed last; `--smoke` runs it on a CPU with tiny towers.
 RESULTS.md section: 7 (Compiled bf16 towers).
@@ -85,16 +86,17 @@ def dinov3_rows(workdir: Path, values: dict, batch: int, device: torch.device) -
                 except RuntimeError as exc:
                     rows.append((f"transformers bf16, eager, SDPA {backend.name}", f"not run: {str(exc).splitlines()[0][:60]}"))
         items_eager = ours.forward(ours.eager_inputs(_fixed_items(ours, pixels))).float()
-        rows.append(("embedjob bf16, eager", f"{cos_min(items_eager, reference):.5f} (to transformers bf16 {cos_min(items_eager, plain_default):.5f})"))
-        scale = reference.norm(dim=-1)
-        rows.append(("transformers float32 vector norms, min / max", f"{float(scale.min()):.3g} / {float(scale.max()):.3g}"))
+        ours_dtype = str(ours.dtype).removeprefix("torch.")
+        rows.append((f"embedjob {ours_dtype} (as it loads on this device), eager", f"{cos_min(items_eager, reference):.5f} (to transformers bf16 {cos_min(items_eager, plain_default):.5f})"))
+        apart = cos_min(reference[1:], reference[:-1])
+        rows.append(("transformers float32, one image's vector to the next image's", f"{apart:.5f} (how little the images differ)"))
         del fp32, plain
     torch._dynamo.reset()
     compiled = adapter_for("dinov3", directory, "bfloat16", True, device)
     if device.type == "cuda":
         compiled.compile(dynamic=True)
     _, graphs = bench._graph_seconds(compiled, pixels, 1, device)
-    rows.append(("embedjob bf16, compiled graphs", f"{cos_min(graphs, reference):.5f} (to embedjob eager {cos_min(graphs, items_eager):.5f})"))
+    rows.append((f"embedjob {ours_dtype}, compiled graphs", f"{cos_min(graphs, reference):.5f} (to embedjob eager {cos_min(graphs, items_eager):.5f})"))
     return [(f"DINOv3: {name}", value) for name, value in rows]
 
 
@@ -107,8 +109,12 @@ def _fixed_items(adapter, pixels: torch.Tensor):
 
 
 def qwen3_5_rows(workdir: Path, values: dict, count: int, device: torch.device, compiled: bool, kernels: Path) -> list[tuple[str, str]]:
-    """Per batch of the mixed mix: transformers' and the replay's device milliseconds, and
-    the host's milliseconds to assemble and launch the replay; the largest batch's kernels."""
+    """Per batch of the mixed mix, device milliseconds of: transformers with its sdpa
+    (split per image) and with embedjob's varlen attention (packed, as the graphs run
+    it), embedjob's graphs of the uncompiled and of the compiled blocks, and the host's
+    milliseconds to assemble and launch a compiled replay; the largest batch's kernels
+    in transformers' sdpa run and in the compiled replay. Which of attention, compiling
+    or the host departs shows in which column grows."""
     directory = workdir / "qwen3_5-tower"
     if not directory.exists():
         save_atomically(lambda tmp: bench.save_qwen3_5_tower(values, tmp), directory)
@@ -116,37 +122,56 @@ def qwen3_5_rows(workdir: Path, values: dict, count: int, device: torch.device, 
     items = bench.make_mix("mixed", adapter.preprocessor())[:count]
     plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
     batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")
+    largest = max(range(len(batches)), key=lambda k: batches[k].budget)
+    columns = {"transformers sdpa": _plain_ms(adapter, directory, items, batches, "sdpa", kernels / "qwen3_5-plain.txt", device, largest)}
+    columns["transformers varlen"] = _plain_ms(adapter, directory, items, batches, adapter.model.config._attn_implementation, None, device, largest)
+    columns["graphs, uncompiled"], _ = _replay_ms(adapter, plan, items, batches, device, None, largest)
+    if compiled and device.type == "cuda":
+        torch._dynamo.reset()
+        adapter.compile(dynamic=True)
+    columns["graphs, compiled"], columns["host of a compiled replay"] = _replay_ms(
+        adapter, plan, items, batches, device, kernels / "qwen3_5-ours.txt", largest)
+    table = []
+    for k, b in enumerate(batches):
+        name = f"Qwen3.5: batch {k} ({len(b.indices)} items, {sum(items[i].tokens for i in b.indices)} tokens, budget {b.budget})"
+        table.append((name, "; ".join(f"{column} {ms[k]:.1f} ms" for column, ms in columns.items())))
+    table.append(("Qwen3.5: all batches", "; ".join(f"{column} {sum(ms):.1f} ms" for column, ms in columns.items())))
+    return table
+
+
+def _plain_ms(adapter, directory: Path, items, batches, attention: str, kernels: Path | None, device: torch.device, largest: int) -> list[float]:
+    """transformers' own tower on each batch (pixels and grids already on the device),
+    with the attention implementation `attention`; its kernels of the largest batch into `kernels`."""
     plain = transformers_class("Qwen3_5VisionModel").from_pretrained(directory, dtype=adapter.dtype).to(device).eval()
+    plain.config._attn_implementation = attention
     inputs = []
     for b in batches:
         chosen = [items[i] for i in b.indices]
         pixels = torch.cat([adapter.processing.model_pixels(i.tensors["pixel_values"]) for i in chosen])
         inputs.append((pixels.to(device, adapter.dtype), torch.tensor([i.grid for i in chosen], device=device)))
-    largest = max(range(len(batches)), key=lambda k: batches[k].budget)
-    table = []
     with torch.inference_mode():
-        plain_ms = [1e3 * bench.device_time(lambda p=p, g=g: plain(hidden_states=p, grid_thw=g), 3, device) for p, g in inputs]
-        _kernels(lambda: plain(hidden_states=inputs[largest][0], grid_thw=inputs[largest][1]), kernels / "qwen3_5-plain.txt", device)
-    del plain
-    if compiled and device.type == "cuda":
-        torch._dynamo.reset()
-        adapter.compile(dynamic=True)
+        times = [1e3 * bench.device_time(lambda p=p, g=g: plain(hidden_states=p, grid_thw=g), 3, device) for p, g in inputs]
+        if kernels is not None:
+            _kernels(lambda: plain(hidden_states=inputs[largest][0], grid_thw=inputs[largest][1]), kernels, device)
+    return times
+
+
+def _replay_ms(adapter, plan, items, batches, device: torch.device, kernels: Path | None, largest: int) -> tuple[list[float], list[float]]:
+    """Each batch's device and host milliseconds through graphs captured from the adapter
+    as it is now; the largest batch's kernels into `kernels`."""
     manager = GraphManager(adapter, plan, "cuda" if device.type == "cuda" else "replay")
     manager.capture()
-    ours_ms, host_ms = [], []
+    device_ms, host_ms = [], []
     with torch.inference_mode():
         for b in batches:
             chosen = [items[i] for i in b.indices]
-            ours_ms.append(1e3 * bench.device_time(lambda c=chosen, budget=b.budget: manager.run_batch(c, budget), 3, device))
+            device_ms.append(1e3 * bench.device_time(lambda c=chosen, budget=b.budget: manager.run_batch(c, budget), 3, device))
             host_ms.append(1e3 * _host_seconds(lambda c=chosen, budget=b.budget: manager.run_batch(c, budget), device))
-        chosen = [items[i] for i in batches[largest].indices]
-        _kernels(lambda: manager.run_batch(chosen, batches[largest].budget), kernels / "qwen3_5-ours.txt", device)
+        if kernels is not None:
+            chosen = [items[i] for i in batches[largest].indices]
+            _kernels(lambda: manager.run_batch(chosen, batches[largest].budget), kernels, device)
     manager.clear()
-    for k, b in enumerate(batches):
-        table.append((f"Qwen3.5: batch {k} ({len(b.indices)} items, {sum(items[i].tokens for i in b.indices)} tokens, budget {b.budget})",
-                      f"transformers {plain_ms[k]:.1f} ms; replay {ours_ms[k]:.1f} ms, host {host_ms[k]:.1f} ms"))
-    table.append(("Qwen3.5: all batches", f"transformers {sum(plain_ms):.1f} ms; replay {sum(ours_ms):.1f} ms, host {sum(host_ms):.1f} ms"))
-    return table
+    return device_ms, host_ms
 
 
 def _host_seconds(fn, device: torch.device) -> float:

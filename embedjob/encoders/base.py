@@ -52,7 +52,7 @@ defaults). {"coordinate_descent_tuning": True} has the compiler time its element
 reduction kernels' launch configurations; with "max_autotune" it also times its own GEMM
 kernels, with the elementwise work around them fused in, against cuBLAS's (minutes of
 compiling). Neither beat the defaults on CLIP-L or the Qwen2.5-VL tower on an H200
-(benchmarks/RESULTS.md, "Hardware work queues"), so jobs keep None; the benchmarks set it
+(benchmarks/RESULTS.md's git history), so jobs keep None; the benchmarks set it
 (`benchmarks/encoder_only.py`, `TUNED`). Read when an adapter compiles."""
 
 PAD_ZERO = "zero"

@@ -27,7 +27,8 @@
 # transformers' padded batches, compiled and eager),
 # captions NAME... (benchmarks/captions.py: images alone against images + captions, clip and/or siglip),
 # bench (`embedjob bench --mixes`: the fixed towers, OpenCLIP, NaFlex and Qwen3.5 rows with MFU; BENCH_TOWERS="siglip
-# dinov3" picks fixed towers, BENCH_FLAGS="--no-naflex --no-qwen3-5" drops the others), clips (CLIPS=1152
+# dinov3" picks fixed towers, BENCH_FLAGS="--no-naflex --no-qwen3-5" drops the others; beside clips-bg carry
+# [".ffmpeg", "bench-data", ".whl-light"] for open_clip), clips (CLIPS=1152
 # distinct clips made on the device by the FFmpeg prep puts in .ffmpeg; carry [".ffmpeg", "bench-data"]; topped
 # up by each call; clips-bg makes them in the background while the call's other stages use the GPU), then
 # at once video NAME... (benchmarks/video_decode.py on them: decord, nvdec and auto, tower qwen, siglip or clip;
@@ -56,16 +57,18 @@ budget() {
 }
 
 prep() {
-  for path in /.whl/ /bench-data/ /.ffmpeg/; do
+  for path in /.whl/ /.whl-light/ /bench-data/ /.ffmpeg/; do
     grep -qxF "$path" .git/info/exclude 2>/dev/null || echo "$path" >>.git/info/exclude
   done
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl decord==0.6.0 "PyNvVideoCodec>=2.2" "open_clip_torch>=3.0" ftfy wcwidth || return
+  # open_clip alone (2 MB), for calls that carry .ffmpeg: .whl and .ffmpeg together pass 64 MiB.
+  mkdir -p .whl-light && cp .whl/open_clip_torch-*.whl .whl/ftfy-*.whl .whl/wcwidth-*.whl .whl-light/
   mkdir -p bench-data
   cp ../shared/data/parquet/hfhub_huggan-few-shot-cat_train-00000-of-00001.parquet ../shared/data/images/*.jpg bench-data/
   ffmpeg_for_clips
-  du -sh .whl bench-data .ffmpeg
+  du -sh .whl .whl-light bench-data .ffmpeg
 }
 
 ffmpeg_for_clips() {
@@ -83,9 +86,11 @@ ffmpeg_for_clips() {
 
 install_wheels() {
   # The device's python (3.12) has torch but not decord, PyNvVideoCodec or open_clip; a smoke
-  # run uses the python it finds, with what that has.
-  [ -d .whl ] && [ ${#smoke[@]} -eq 0 ] || return 0
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+  # run uses the python it finds, with what that has. A call carries .whl, or .whl-light beside .ffmpeg.
+  local wheels=.whl
+  [ -d "$wheels" ] || wheels=.whl-light
+  [ -d "$wheels" ] && [ ${#smoke[@]} -eq 0 ] || return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl || exit
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 }
 

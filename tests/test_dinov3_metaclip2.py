@@ -11,7 +11,6 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch

@@ -29,8 +29,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from embedjob import bench  # noqa: E402
-from embedjob.config import job_from_dict  # noqa: E402
-from embedjob.encoders import load_adapter  # noqa: E402
 from embedjob.encoders.loading import save_atomically, transformers_class  # noqa: E402
 from embedjob.engine import packer  # noqa: E402
 from embedjob.engine.graphs import GraphManager  # noqa: E402
@@ -39,17 +37,6 @@ SMOKE_DINOV3 = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, 
                     image_size=64, num_register_tokens=4)
 SMOKE_QWEN = dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=128, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, num_position_embeddings=64, out_hidden_size=32)
-
-
-def adapter_for(family: str, directory: Path, dtype: str, compiled: bool, device: torch.device):
-    job = job_from_dict({
-        "input": {"path": "unused.parquet", "media_column": "image"},
-        "model": {"family": family, "path": str(directory), "dtype": dtype},
-        "output": {"path": "unused"},
-        "batching": {"compile": compiled},
-        "runtime": {"cache_dir": str(directory.parent / "cache")},
-    })
-    return load_adapter(job, device)
 
 
 def cos_min(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -63,7 +50,7 @@ def dinov3_rows(workdir: Path, values: dict, batch: int, device: torch.device) -
     directory = workdir / "dinov3-tower"
     if not directory.exists():
         save_atomically(lambda tmp: bench.save_fixed_tower("dinov3", values, tmp), directory)
-    ours = adapter_for("dinov3", directory, "bfloat16", False, device)
+    ours = bench.checkpoint_adapter("dinov3", directory, "bfloat16", False, device)
     pictures = torch.randint(0, 256, (batch, 3, *ours.processing.input_size), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     pixels = ours.processing.process(pictures).to(device)
     values32 = ours.processing.normalize(pixels, ours.pixel_scale).float()
@@ -85,27 +72,19 @@ def dinov3_rows(workdir: Path, values: dict, batch: int, device: torch.device) -
                     rows.append((f"transformers bf16, eager, SDPA {backend.name}", f"{cos_min(out, reference):.5f}"))
                 except RuntimeError as exc:
                     rows.append((f"transformers bf16, eager, SDPA {backend.name}", f"not run: {str(exc).splitlines()[0][:60]}"))
-        items_eager = ours.forward(ours.eager_inputs(_fixed_items(ours, pixels))).float()
+        items_eager = ours.forward(ours.eager_inputs(bench.view_items(ours, pixels))).float()
         ours_dtype = str(ours.dtype).removeprefix("torch.")
         rows.append((f"embedjob {ours_dtype} (as it loads on this device), eager", f"{cos_min(items_eager, reference):.5f} (to transformers bf16 {cos_min(items_eager, plain_default):.5f})"))
         apart = cos_min(reference[1:], reference[:-1])
         rows.append(("transformers float32, one image's vector to the next image's", f"{apart:.5f} (how little the images differ)"))
         del fp32, plain
     torch._dynamo.reset()
-    compiled = adapter_for("dinov3", directory, "bfloat16", True, device)
+    compiled = bench.checkpoint_adapter("dinov3", directory, "bfloat16", True, device)
     if device.type == "cuda":
         compiled.compile(dynamic=True)
     _, graphs = bench._graph_seconds(compiled, pixels, 1, device)
     rows.append((f"embedjob {ours_dtype}, compiled graphs", f"{cos_min(graphs, reference):.5f} (to embedjob eager {cos_min(graphs, items_eager):.5f})"))
     return [(f"DINOv3: {name}", value) for name, value in rows]
-
-
-def _fixed_items(adapter, pixels: torch.Tensor):
-    from embedjob.encoders.base import EncoderInput
-    from embedjob.encoders.fixed import GLOBAL_KEY
-
-    t = adapter.tokens_per_image
-    return [EncoderInput({GLOBAL_KEY: pixels[k : k + 1]}, tokens=t, frames=0, size=t) for k in range(pixels.shape[0])]
 
 
 def qwen3_5_rows(workdir: Path, values: dict, count: int, device: torch.device, compiled: bool, kernels: Path) -> list[tuple[str, str]]:
@@ -118,13 +97,22 @@ def qwen3_5_rows(workdir: Path, values: dict, count: int, device: torch.device, 
     directory = workdir / "qwen3_5-tower"
     if not directory.exists():
         save_atomically(lambda tmp: bench.save_qwen3_5_tower(values, tmp), directory)
-    adapter = adapter_for("qwen3_5", directory, "bfloat16", compiled, device)
+    adapter = bench.checkpoint_adapter("qwen3_5", directory, "bfloat16", compiled, device)
     items = bench.make_mix("mixed", adapter.preprocessor())[:count]
     plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
     batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")
     largest = max(range(len(batches)), key=lambda k: batches[k].budget)
-    columns = {"transformers sdpa": _plain_ms(adapter, directory, items, batches, "sdpa", kernels / "qwen3_5-plain.txt", device, largest)}
-    columns["transformers varlen"] = _plain_ms(adapter, directory, items, batches, adapter.model.config._attn_implementation, None, device, largest)
+    plain = transformers_class("Qwen3_5VisionModel").from_pretrained(directory, dtype=adapter.dtype).to(device).eval()
+    inputs = []
+    for b in batches:
+        chosen = [items[i] for i in b.indices]
+        pixels = torch.cat([adapter.processing.model_pixels(i.tensors["pixel_values"]) for i in chosen])
+        inputs.append((pixels.to(device, adapter.dtype), torch.tensor([i.grid for i in chosen], device=device)))
+    columns = {
+        "transformers sdpa": _plain_ms(plain, inputs, "sdpa", kernels / "qwen3_5-plain.txt", device, largest),
+        "transformers varlen": _plain_ms(plain, inputs, adapter.model.config._attn_implementation, None, device, largest),
+    }
+    del plain, inputs
     columns["graphs, uncompiled"], _ = _replay_ms(adapter, plan, items, batches, device, None, largest)
     if compiled and device.type == "cuda":
         torch._dynamo.reset()
@@ -139,16 +127,10 @@ def qwen3_5_rows(workdir: Path, values: dict, count: int, device: torch.device, 
     return table
 
 
-def _plain_ms(adapter, directory: Path, items, batches, attention: str, kernels: Path | None, device: torch.device, largest: int) -> list[float]:
-    """transformers' own tower on each batch (pixels and grids already on the device),
-    with the attention implementation `attention`; its kernels of the largest batch into `kernels`."""
-    plain = transformers_class("Qwen3_5VisionModel").from_pretrained(directory, dtype=adapter.dtype).to(device).eval()
+def _plain_ms(plain, inputs, attention: str, kernels: Path | None, device: torch.device, largest: int) -> list[float]:
+    """transformers' own tower on each batch's (pixels, grid), already on the device, with
+    the attention implementation `attention`; its kernels of the largest batch into `kernels`."""
     plain.config._attn_implementation = attention
-    inputs = []
-    for b in batches:
-        chosen = [items[i] for i in b.indices]
-        pixels = torch.cat([adapter.processing.model_pixels(i.tensors["pixel_values"]) for i in chosen])
-        inputs.append((pixels.to(device, adapter.dtype), torch.tensor([i.grid for i in chosen], device=device)))
     with torch.inference_mode():
         times = [1e3 * bench.device_time(lambda p=p, g=g: plain(hidden_states=p, grid_thw=g), 3, device) for p, g in inputs]
         if kernels is not None:

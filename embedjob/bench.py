@@ -582,6 +582,21 @@ def fixed_flops(family: str, config: Any, projection: int | None) -> float:
     return float(total)
 
 
+def checkpoint_adapter(family: str, directory: Path, dtype: str, compiled: bool, device: torch.device) -> Any:
+    """The adapter a job loads for the checkpoint in `directory` (as a user's is loaded),
+    marked to compile as a job compiles it when `compiled`; its cache beside the checkpoint."""
+    from embedjob.config import job_from_dict
+    from embedjob.encoders import load_adapter
+
+    return load_adapter(job_from_dict({
+        "input": {"path": "unused.parquet", "media_column": "image"},
+        "model": {"family": family, "path": str(directory), "dtype": dtype},
+        "output": {"path": "unused"},
+        "batching": {"compile": compiled},
+        "runtime": {"cache_dir": str(directory.parent / "cache")},
+    }), device)
+
+
 def fixed_rows(
     workdir: Path, towers: dict[str, tuple[str, dict[str, Any]]], batch: int, repeats: int, peak: float,
     device: torch.device, compiled: bool = True,
@@ -605,19 +620,10 @@ def fixed_rows(
 def _fixed_tower_rows(
     family: str, label: str, directory: Path, batch: int, repeats: int, peak: float, device: torch.device, compiled: bool
 ) -> list[Row]:
-    from embedjob.config import job_from_dict
-    from embedjob.encoders import load_adapter
     from embedjob.encoders.fixed import FAMILIES as FIXED
     from embedjob.encoders.loading import transformers_class
 
-    job = job_from_dict({
-        "input": {"path": "unused.parquet", "media_column": "image"},
-        "model": {"family": family, "path": str(directory), "dtype": "bfloat16"},
-        "output": {"path": "unused"},
-        "batching": {"compile": compiled},
-        "runtime": {"cache_dir": str(directory.parent / "cache")},
-    })
-    adapter = load_adapter(job, device)
+    adapter = checkpoint_adapter(family, directory, "bfloat16", compiled, device)
     projection = adapter.projection.out_features if adapter.projection is not None else None
     flops = batch * fixed_flops(family, adapter.tower.config, projection)
     generator = torch.Generator().manual_seed(1)
@@ -661,17 +667,24 @@ def _against_plain(
     ]
 
 
+def view_items(adapter: Any, views: torch.Tensor) -> list[EncoderInput]:
+    """A fixed-resolution adapter's items of the (N, 3, h, w) `views` (the processor's
+    output), one image each, holding slices of `views` where they are (on the device,
+    as with `preprocess.decoder: gpu`)."""
+    from embedjob.encoders.fixed import GLOBAL_KEY
+
+    t = adapter.tokens_per_image
+    return [EncoderInput({GLOBAL_KEY: views[k : k + 1]}, tokens=t, frames=0, size=t) for k in range(views.shape[0])]
+
+
 def _graph_seconds(adapter: Any, pixels: torch.Tensor, repeats: int, device: torch.device) -> tuple[float, torch.Tensor]:
     """A fixed-resolution adapter's median seconds replaying one graph of the batch of
     uint8 `pixels` (already on the device) and its embeddings in float32."""
-    from embedjob.encoders.fixed import GLOBAL_KEY
-
-    batch, per_image = pixels.shape[0], adapter.tokens_per_image
-    budget = batch * per_image
+    batch = pixels.shape[0]
+    budget = batch * adapter.tokens_per_image
     manager = GraphManager(adapter, packer.BudgetPlan((budget,), batch, 0), "cuda" if device.type == "cuda" else "replay")
     manager.capture()
-    # Items whose pixels are already on the device, as with `preprocess.decoder: gpu`.
-    items = [EncoderInput({GLOBAL_KEY: pixels[k : k + 1]}, tokens=per_image, frames=0, size=per_image) for k in range(batch)]
+    items = view_items(adapter, pixels)
     with torch.inference_mode():
         seconds = device_time(lambda: manager.run_batch(items, budget), repeats, device)
         embeddings = manager.run_batch(items, budget)[:batch].float()
@@ -693,8 +706,6 @@ def open_clip_rows(
     `model.encode_image` (through `torch.compile` when `compiled`) and embedjob's graph
     replay of its adapter, compiled as a job compiles it. The second row's note gives
     its speed over the first and the smallest cosine between their embeddings."""
-    from embedjob.config import job_from_dict
-    from embedjob.encoders import load_adapter
     from embedjob.encoders.loading import save_atomically
     from embedjob.encoders.open_clip import import_open_clip, save_checkpoint
 
@@ -708,13 +719,7 @@ def open_clip_rows(
 
     save_atomically(build, directory)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    adapter = load_adapter(job_from_dict({
-        "input": {"path": "unused.parquet", "media_column": "image"},
-        "model": {"family": "open_clip", "path": str(directory), "dtype": dtype},
-        "output": {"path": "unused"},
-        "batching": {"compile": compiled},
-        "runtime": {"cache_dir": str(workdir / "cache")},
-    }), device)
+    adapter = checkpoint_adapter("open_clip", directory, dtype, compiled, device)
     tower = adapter.tower
     shape = SimpleNamespace(
         hidden_size=tower.transformer.width, intermediate_size=tower.transformer.resblocks[0].mlp.c_fc.out_features,
@@ -813,18 +818,9 @@ def naflex_rows(
     budgets. Each pass encodes every image; the pixels are on the device beforehand on
     both sides. The second row's note gives its speed over the first, its padding and
     the smallest cosine between the two sides' vectors."""
-    from embedjob.config import job_from_dict
-    from embedjob.encoders import load_adapter
     from embedjob.encoders.loading import transformers_class
 
-    job = job_from_dict({
-        "input": {"path": "unused.parquet", "media_column": "image"},
-        "model": {"family": "siglip2", "path": str(directory), "dtype": "bfloat16"},
-        "output": {"path": "unused"},
-        "batching": {"compile": compiled},
-        "runtime": {"cache_dir": str(directory.parent / "cache")},
-    })
-    adapter = load_adapter(job, device)
+    adapter = checkpoint_adapter("siglip2", directory, "bfloat16", compiled, device)
     processor = transformers_class("Siglip2ImageProcessor").from_pretrained(directory)
     chw = [torch.from_numpy(image).permute(2, 0, 1) for image in images]
     inputs = [processor(images=chw[k : k + batch], return_tensors="pt").to(device) for k in range(0, len(chw), batch)]
@@ -942,21 +938,12 @@ def qwen3_5_rows(
     pixels already on the device) and embedjob's graphs over the adapter a job loads
     (compiled as a job compiles it when `compiled`). The second row's note gives its
     speed over the first and the smallest cosine between their mean vectors."""
-    from embedjob.config import job_from_dict
-    from embedjob.encoders import load_adapter
     from embedjob.encoders.loading import save_atomically, transformers_class
 
     directory = workdir / "qwen3_5-tower"
     if not directory.exists():
         save_atomically(lambda tmp: save_qwen3_5_tower(values, tmp), directory)
-    job = job_from_dict({
-        "input": {"path": "unused.parquet", "media_column": "image"},
-        "model": {"family": "qwen3_5", "path": str(directory), "dtype": "bfloat16"},
-        "output": {"path": "unused"},
-        "batching": {"compile": compiled},
-        "runtime": {"cache_dir": str(workdir / "cache")},
-    })
-    adapter = load_adapter(job, device)
+    adapter = checkpoint_adapter("qwen3_5", directory, "bfloat16", compiled, device)
     items = make_mix("mixed", adapter.preprocessor())[:count]
     plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
     batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")

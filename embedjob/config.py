@@ -54,6 +54,8 @@ DEFAULT_MAX_FRAME_PIXELS = 50_000_000
 """video.max_pixels_per_frame: above 8K (7680x4320 = 33.2 M), far below what exhausts a worker."""
 DEFAULT_MAX_VIDEO_PIXELS = 500_000_000
 """video.max_total_pixels: every sampled frame of one video together (1.5 GB as RGB)."""
+DEFAULT_NVDEC_SESSIONS = 4
+"""video.nvdec_sessions: videos the GPU's decoder reads at once (the decode stage's default too)."""
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,7 @@ class VideoConfig:
         "auto (both in a video job: the GPU takes the share of videos the workers cannot keep up with; decord where it cannot)",
     )
     nvdec_sessions: int = key(
-        4, "with decoder nvdec or auto: videos the GPU's decoder reads at once, one decoder session each "
+        DEFAULT_NVDEC_SESSIONS, "with decoder nvdec or auto: videos the GPU's decoder reads at once, one decoder session each "
         "(an H100 or H200 has 7 decode engines, an A100 5)", AT_LEAST_1,
     )
 

@@ -1200,10 +1200,8 @@ def test_dinov3_at_dinov3_l_size_keeps_transformers_float32_vectors_in_every_bf1
     transformers' bf16 model, our eager adapter and our compiled graphs each keep cosine
     0.999 to transformers in float32. The bench measured ours at 0.834 of transformers'
     bf16 at this size on an H200 while the two agree on the CPU; this says which path departs."""
-    from embedjob.bench import _graph_seconds, save_fixed_tower
-    from embedjob.encoders.base import EncoderInput
+    from embedjob.bench import _graph_seconds, save_fixed_tower, view_items
     from embedjob.encoders.fixed import FAMILIES as FIXED
-    from embedjob.encoders.fixed import GLOBAL_KEY
     from embedjob.encoders.loading import transformers_class
 
     values = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, patch_size=16,
@@ -1217,8 +1215,7 @@ def test_dinov3_at_dinov3_l_size_keeps_transformers_float32_vectors_in_every_bf1
     pixels = ours.processing.process(pictures).cuda()
     values32 = ours.processing.normalize(pixels, ours.pixel_scale).float()
     cls = transformers_class(FIXED["dinov3"].vision_class)
-    items = [EncoderInput({GLOBAL_KEY: pixels[k : k + 1]}, tokens=ours.tokens_per_image, frames=0, size=ours.tokens_per_image)
-             for k in range(pixels.shape[0])]
+    items = view_items(ours, pixels)
     with torch.inference_mode():
         reference = cls.from_pretrained(directory, dtype=torch.float32).cuda().eval()(pixel_values=values32).pooler_output
         plain = cls.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()(pixel_values=values32.bfloat16()).pooler_output

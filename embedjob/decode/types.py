@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from embedjob.config import DEFAULT_MAX_FRAME_PIXELS, DEFAULT_MAX_ITEM_BYTES, DEFAULT_MAX_VIDEO_PIXELS
+from embedjob.config import DEFAULT_MAX_FRAME_PIXELS, DEFAULT_MAX_ITEM_BYTES, DEFAULT_MAX_VIDEO_PIXELS, DEFAULT_NVDEC_SESSIONS
 
 
 class MediaError(Exception):
@@ -65,7 +65,7 @@ class DecodeOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)
     defer_jpeg: bool = False
     defer_video: bool = False
-    nvdec_sessions: int = 4
+    nvdec_sessions: int = DEFAULT_NVDEC_SESSIONS
 
     def __post_init__(self) -> None:
         if self.modality not in ("image", "video", "auto"):

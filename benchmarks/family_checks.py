@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import cosine  # noqa: E402
 from embedjob import bench  # noqa: E402
 from embedjob.encoders.loading import save_atomically, transformers_class  # noqa: E402
 from embedjob.engine import packer  # noqa: E402
@@ -40,7 +41,8 @@ SMOKE_QWEN = dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=128, p
 
 
 def cos_min(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min())
+    """The smallest row-wise cosine between two batches of vectors (`common.cosine`)."""
+    return float(cosine(a.float().cpu().numpy(), b.float().cpu().numpy()).min())
 
 
 def dinov3_rows(workdir: Path, values: dict, batch: int, device: torch.device) -> list[tuple[str, str]]:

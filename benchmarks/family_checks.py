@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import cosine  # noqa: E402
 from embedjob import bench  # noqa: E402
 from embedjob.encoders.loading import save_atomically, transformers_class  # noqa: E402
-from embedjob.engine import packer  # noqa: E402
 from embedjob.engine.graphs import GraphManager  # noqa: E402
 
 SMOKE_DINOV3 = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, patch_size=16,
@@ -96,20 +95,10 @@ def qwen3_5_rows(workdir: Path, values: dict, count: int, device: torch.device, 
     milliseconds to assemble and launch a compiled replay; the largest batch's kernels
     in transformers' sdpa run and in the compiled replay. Which of attention, compiling
     or the host departs shows in which column grows."""
-    directory = workdir / "qwen3_5-tower"
-    if not directory.exists():
-        save_atomically(lambda tmp: bench.save_qwen3_5_tower(values, tmp), directory)
-    adapter = bench.checkpoint_adapter("qwen3_5", directory, "bfloat16", compiled, device)
-    items = bench.make_mix("mixed", adapter.preprocessor())[:count]
-    plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
-    batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")
+    q = bench.Qwen35Setup.make(workdir, values, count, device, compiled)
+    adapter, items, plan, batches, plain, inputs = q.adapter, q.items, q.plan, q.batches, q.plain, q.inputs
+    del q
     largest = max(range(len(batches)), key=lambda k: batches[k].budget)
-    plain = transformers_class("Qwen3_5VisionModel").from_pretrained(directory, dtype=adapter.dtype).to(device).eval()
-    inputs = []
-    for b in batches:
-        chosen = [items[i] for i in b.indices]
-        pixels = torch.cat([adapter.processing.model_pixels(i.tensors["pixel_values"]) for i in chosen])
-        inputs.append((pixels.to(device, adapter.dtype), torch.tensor([i.grid for i in chosen], device=device)))
     columns = {
         "transformers sdpa": _plain_ms(plain, inputs, "sdpa", kernels / "qwen3_5-plain.txt", device, largest),
         "transformers varlen": _plain_ms(plain, inputs, adapter.model.config._attn_implementation, None, device, largest),

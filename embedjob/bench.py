@@ -928,6 +928,40 @@ def qwen3_5_flops(items: list[EncoderInput], config: Any) -> float:
     return total
 
 
+@dataclass
+class Qwen35Setup:
+    """What the Qwen3.5 comparisons share: the tower of config `values` saved like a
+    user's checkpoint, the adapter a job loads for it, the first `count` images of the
+    mixed mix packed into batches under its budgets, transformers' own tower of the
+    checkpoint on the device, and each batch's (pixels, grid) already there for it."""
+
+    adapter: Any
+    items: list[EncoderInput]
+    plan: packer.BudgetPlan
+    batches: list[packer.Batch]
+    plain: torch.nn.Module
+    inputs: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def make(cls, workdir: Path, values: dict[str, Any], count: int, device: torch.device, compiled: bool) -> Qwen35Setup:
+        from embedjob.encoders.loading import save_atomically, transformers_class
+
+        directory = workdir / "qwen3_5-tower"
+        if not directory.exists():
+            save_atomically(lambda tmp: save_qwen3_5_tower(values, tmp), directory)
+        adapter = checkpoint_adapter("qwen3_5", directory, "bfloat16", compiled, device)
+        items = make_mix("mixed", adapter.preprocessor())[:count]
+        plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
+        batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")
+        plain = transformers_class("Qwen3_5VisionModel").from_pretrained(directory, dtype=adapter.dtype).to(device).eval()
+        inputs = []
+        for batch in batches:
+            chosen = [items[i] for i in batch.indices]
+            pixels = torch.cat([adapter.processing.model_pixels(i.tensors["pixel_values"]) for i in chosen])
+            inputs.append((pixels.to(device, adapter.dtype), torch.tensor([i.grid for i in chosen], device=device)))
+        return cls(adapter, items, plan, batches, plain, inputs)
+
+
 def qwen3_5_rows(
     workdir: Path, label: str, values: dict[str, Any], count: int, repeats: int, peak: float, device: torch.device,
     compiled: bool = True,
@@ -938,21 +972,9 @@ def qwen3_5_rows(
     pixels already on the device) and embedjob's graphs over the adapter a job loads
     (compiled as a job compiles it when `compiled`). The second row's note gives its
     speed over the first and the smallest cosine between their mean vectors."""
-    from embedjob.encoders.loading import save_atomically, transformers_class
-
-    directory = workdir / "qwen3_5-tower"
-    if not directory.exists():
-        save_atomically(lambda tmp: save_qwen3_5_tower(values, tmp), directory)
-    adapter = checkpoint_adapter("qwen3_5", directory, "bfloat16", compiled, device)
-    items = make_mix("mixed", adapter.preprocessor())[:count]
-    plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
-    batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")
-    plain = transformers_class("Qwen3_5VisionModel").from_pretrained(directory, dtype=adapter.dtype).to(device).eval()
-    inputs = []
-    for batch in batches:
-        chosen = [items[i] for i in batch.indices]
-        pixels = torch.cat([adapter.processing.model_pixels(i.tensors["pixel_values"]) for i in chosen])
-        inputs.append((pixels.to(device, adapter.dtype), torch.tensor([i.grid for i in chosen], device=device)))
+    q = Qwen35Setup.make(workdir, values, count, device, compiled)
+    adapter, items, plan, batches, plain, inputs = q.adapter, q.items, q.plan, q.batches, q.plain, q.inputs
+    del q
 
     def run_plain() -> list[torch.Tensor]:
         with torch.inference_mode():

@@ -115,7 +115,35 @@ def qwen3_5_rows(workdir: Path, values: dict, count: int, device: torch.device, 
         name = f"Qwen3.5: batch {k} ({len(b.indices)} items, {sum(items[i].tokens for i in b.indices)} tokens, budget {b.budget})"
         table.append((name, "; ".join(f"{column} {ms[k]:.1f} ms" for column, ms in columns.items())))
     table.append(("Qwen3.5: all batches", "; ".join(f"{column} {sum(ms):.1f} ms" for column, ms in columns.items())))
-    return table
+    return table + _attention_grid_rows(adapter, plan, [items[i] for i in batches[largest].indices], batches[largest].budget, device)
+
+
+def _attention_grid_rows(adapter, plan, chosen, budget: int, device: torch.device) -> list[tuple[str, str]]:
+    """One full-attention call on the largest batch's rows, device milliseconds with the
+    batch's own offsets and length bound and with the padded ones its graph replays
+    (every slot and the budget's bound): the cost of the graph's static attention grid."""
+    from embedjob.encoders.attention import cuda_kernel, pad_offsets, segment_offsets
+    from embedjob.encoders.qwen import FULL_PAD_SEGMENT
+
+    if device.type != "cuda":
+        return []
+    static = adapter.static_inputs(budget, plan.max_items, plan.max_frames)
+    patches, slots = static.tensors["pixel_values"].shape[0], static.tensors["cu_seqlens"].shape[0]
+    lengths = adapter._view_patches(adapter._grids(chosen))
+    real = segment_offsets(lengths)
+    heads = adapter.model.config.num_heads
+    dim = adapter.model.config.hidden_size // heads
+    q, k, v = (torch.randn(patches, heads, dim, device=device, dtype=adapter.dtype) for _ in range(3))
+    rows = []
+    layouts = (("the batch's own", real, int(max(lengths))),
+               ("the graph's padded", pad_offsets(real, patches, slots, FULL_PAD_SEGMENT), static.constants["max_seqlen"]))
+    for name, offsets, bound in layouts:
+        cu = torch.from_numpy(offsets).to(device)
+        rows_used = int(offsets[-1])
+        kernel = cuda_kernel(adapter.attention, bound, dim)
+        ms = 1e3 * bench.device_time(lambda: kernel(q[:rows_used], k[:rows_used], v[:rows_used], cu, bound, None), 5, device)
+        rows.append((f"Qwen3.5: one attention call, {name} offsets ({len(offsets) - 1} segments, bound {bound}, {rows_used} rows)", f"{ms:.2f} ms"))
+    return rows
 
 
 def _plain_ms(plain, inputs, attention: str, kernels: Path | None, device: torch.device, largest: int) -> list[float]:

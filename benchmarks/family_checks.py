@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import cosine  # noqa: E402
 from embedjob import bench  # noqa: E402
 from embedjob.encoders.loading import save_atomically, transformers_class  # noqa: E402
+from embedjob.engine import packer  # noqa: E402
 from embedjob.engine.graphs import GraphManager  # noqa: E402
 
 SMOKE_DINOV3 = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, patch_size=16,
@@ -121,22 +122,25 @@ def qwen3_5_rows(workdir: Path, values: dict, count: int, device: torch.device, 
 def _attention_grid_rows(adapter, plan, chosen, budget: int, device: torch.device) -> list[tuple[str, str]]:
     """One full-attention call on the largest batch's rows, device milliseconds with the
     batch's own offsets and length bound and with the padded ones its graph replays
-    (every slot and the budget's bound): the cost of the graph's static attention grid."""
+    (every slot and the budget's bound) in an image job and in a job that may see videos
+    (slots for their frame groups): the cost of the graph's static attention grid."""
     from embedjob.encoders.attention import cuda_kernel, pad_offsets, segment_offsets
     from embedjob.encoders.qwen import FULL_PAD_SEGMENT
 
     if device.type != "cuda":
         return []
-    static = adapter.static_inputs(budget, plan.max_items, plan.max_frames)
-    patches, slots = static.tensors["pixel_values"].shape[0], static.tensors["cu_seqlens"].shape[0]
     lengths = adapter._view_patches(adapter._grids(chosen))
     real = segment_offsets(lengths)
+    layouts = [("the batch's own", real, int(max(lengths)))]
+    with_video = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
+    for name, budgets in (("an image job's graph", plan), ("a video-enabled job's graph", with_video)):
+        static = adapter.static_inputs(budget, budgets.max_items, budgets.max_frames)
+        patches, slots = static.tensors["pixel_values"].shape[0], static.tensors["cu_seqlens"].shape[0]
+        layouts.append((name, pad_offsets(real, patches, slots, FULL_PAD_SEGMENT), static.constants["max_seqlen"]))
     heads = adapter.model.config.num_heads
     dim = adapter.model.config.hidden_size // heads
     q, k, v = (torch.randn(patches, heads, dim, device=device, dtype=adapter.dtype) for _ in range(3))
     rows = []
-    layouts = (("the batch's own", real, int(max(lengths))),
-               ("the graph's padded", pad_offsets(real, patches, slots, FULL_PAD_SEGMENT), static.constants["max_seqlen"]))
     for name, offsets, bound in layouts:
         cu = torch.from_numpy(offsets).to(device)
         rows_used = int(offsets[-1])

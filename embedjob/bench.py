@@ -932,7 +932,8 @@ def qwen3_5_flops(items: list[EncoderInput], config: Any) -> float:
 class Qwen35Setup:
     """What the Qwen3.5 comparisons share: the tower of config `values` saved like a
     user's checkpoint, the adapter a job loads for it, the first `count` images of the
-    mixed mix packed into batches under its budgets, transformers' own tower of the
+    mixed mix packed into batches under the budgets of an image job (`input.modality`
+    image: no video frames, so no slots for them in the graphs' offsets), transformers' own tower of the
     checkpoint on the device, and each batch's (pixels, grid) already there for it."""
 
     adapter: Any
@@ -951,7 +952,7 @@ class Qwen35Setup:
             save_atomically(lambda tmp: save_qwen3_5_tower(values, tmp), directory)
         adapter = checkpoint_adapter("qwen3_5", directory, "bfloat16", compiled, device)
         items = make_mix("mixed", adapter.preprocessor())[:count]
-        plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
+        plan = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, False)
         batches = packer.pack([i.tokens for i in items], [i.frames for i in items], plan, "min_padding")
         plain = transformers_class("Qwen3_5VisionModel").from_pretrained(directory, dtype=adapter.dtype).to(device).eval()
         inputs = []

@@ -34,7 +34,8 @@
 # at once video NAME... (benchmarks/video_decode.py on them: decord, nvdec and auto, tower qwen, siglip or clip;
 # VIDEO_DECODERS picks settings, NVDEC_SESSIONS the GPU decoder's sessions, 4 by default), fp8-layers NAME...
 # (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),
-# families (benchmarks/family_checks.py: DINOv3's bf16 paths against float32, Qwen3.5's batches and kernels).
+# families (benchmarks/family_checks.py: DINOv3's bf16 paths against float32, Qwen3.5's batches and kernels;
+# FAMILY_FLAGS="--no-compile" or "--checks qwen3_5" shortens it).
 # MIX_REPEATS (2) sets the mixes' repeats (qwen-mixed always 1). TESTS="expr" runs only the GPU tests pytest's -k selects; TESTS_SECONDS (420) bounds them. SMOKE=1 passes --smoke to the
 # benchmarks, so the script can be checked on a machine without a GPU. Logs go to $OUT
 # (or /tmp/device-checks).
@@ -156,7 +157,8 @@ bench() {
 }
 
 families() {
-  timeout "$(budget 400)" python3 benchmarks/family_checks.py "${smoke[@]}" --workdir "$work/families" 2>&1 | tee "$out/families.log"
+  # shellcheck disable=SC2086  # FAMILY_FLAGS is a list of flags
+  timeout "$(budget 400)" python3 benchmarks/family_checks.py "${smoke[@]}" ${FAMILY_FLAGS:-} --workdir "$work/families" 2>&1 | tee "$out/families.log"
   summary+=("family_checks.py:" "$(sed -n '/^device: /,$p' "$out/families.log")")
 }
 

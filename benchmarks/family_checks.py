@@ -45,8 +45,9 @@ def cos_min(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(cosine(a.float().cpu().numpy(), b.float().cpu().numpy()).min())
 
 
-def dinov3_rows(workdir: Path, values: dict, batch: int, device: torch.device) -> list[tuple[str, str]]:
-    """Each bf16 path's smallest cosine to transformers' float32 vectors (and to its bf16 ones)."""
+def dinov3_rows(workdir: Path, values: dict, batch: int, device: torch.device, compiled: bool) -> list[tuple[str, str]]:
+    """Each bf16 path's smallest cosine to transformers' float32 vectors (and to its bf16
+    ones); the graphs' blocks compiled as a job compiles them when `compiled`."""
     from embedjob.encoders.fixed import FAMILIES as FIXED
 
     directory = workdir / "dinov3-tower"
@@ -80,12 +81,14 @@ def dinov3_rows(workdir: Path, values: dict, batch: int, device: torch.device) -
         apart = cos_min(reference[1:], reference[:-1])
         rows.append(("transformers float32, one image's vector to the next image's", f"{apart:.5f} (how little the images differ)"))
         del fp32, plain
-    torch._dynamo.reset()
-    compiled = bench.checkpoint_adapter("dinov3", directory, "bfloat16", True, device)
-    if device.type == "cuda":
-        compiled.compile(dynamic=True)
-    _, graphs = bench._graph_seconds(compiled, pixels, 1, device)
-    rows.append((f"embedjob {ours_dtype}, compiled graphs", f"{cos_min(graphs, reference):.5f} (to embedjob eager {cos_min(graphs, items_eager):.5f})"))
+    graphed = ours
+    if compiled:
+        torch._dynamo.reset()
+        graphed = bench.checkpoint_adapter("dinov3", directory, "bfloat16", True, device)
+        graphed.compile(dynamic=True)
+    _, graphs = bench._graph_seconds(graphed, pixels, 1, device)
+    blocks = "compiled" if compiled else "uncompiled"
+    rows.append((f"embedjob {ours_dtype}, graphs of the {blocks} blocks", f"{cos_min(graphs, reference):.5f} (to embedjob eager {cos_min(graphs, items_eager):.5f})"))
     return [(f"DINOv3: {name}", value) for name, value in rows]
 
 
@@ -105,11 +108,12 @@ def qwen3_5_rows(workdir: Path, values: dict, count: int, device: torch.device, 
         "transformers varlen": _plain_ms(plain, inputs, adapter.model.config._attn_implementation, None, device, largest),
     }
     del plain, inputs
-    columns["graphs, uncompiled"], _ = _replay_ms(adapter, plan, items, batches, device, None, largest)
-    if compiled and device.type == "cuda":
+    if compiled:
+        columns["graphs, uncompiled"], _ = _replay_ms(adapter, plan, items, batches, device, None, largest)
         torch._dynamo.reset()
         adapter.compile(dynamic=True)
-    columns["graphs, compiled"], columns["host of a compiled replay"] = _replay_ms(
+    blocks = "compiled" if compiled else "uncompiled"
+    columns[f"graphs, {blocks}"], columns[f"host of {'a' if compiled else 'an'} {blocks} replay"] = _replay_ms(
         adapter, plan, items, batches, device, kernels / "qwen3_5-ours.txt", largest)
     table = []
     for k, b in enumerate(batches):
@@ -211,16 +215,18 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/family-checks"))
     parser.add_argument("--checks", nargs="+", default=["dinov3", "qwen3_5"], choices=["dinov3", "qwen3_5"])
     parser.add_argument("--smoke", action="store_true", help="tiny towers on the CPU: checks the code paths, measures nothing")
+    parser.add_argument("--no-compile", action="store_true", help="graphs of the uncompiled blocks only (a shorter call)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = torch.device("cpu" if args.smoke else "cuda")
+    compiled = not (args.smoke or args.no_compile)
     args.workdir.mkdir(parents=True, exist_ok=True)
     rows: list[tuple[str, str]] = []
     if "dinov3" in args.checks:
-        rows += dinov3_rows(args.workdir, SMOKE_DINOV3 if args.smoke else bench.FIXED_TOWERS["dinov3"][1], 4 if args.smoke else 64, device)
+        rows += dinov3_rows(args.workdir, SMOKE_DINOV3 if args.smoke else bench.FIXED_TOWERS["dinov3"][1], 4 if args.smoke else 64, device, compiled)
     if "qwen3_5" in args.checks:
         rows += qwen3_5_rows(args.workdir, SMOKE_QWEN if args.smoke else bench.QWEN3_5_TOWER[1], 6 if args.smoke else bench.QWEN3_5_IMAGES,
-                             device, not args.smoke, args.workdir)
+                             device, compiled, args.workdir)
     for path in sorted(args.workdir.glob("qwen3_5-*.txt")):
         print(f"\n--- {path.name} ---\n{path.read_text()}")
     print(f"\ndevice: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}\n\n| check | result |\n| --- | --- |")

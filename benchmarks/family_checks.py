@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -127,31 +128,42 @@ def _attention_grid_rows(adapter, plan, chosen, budget: int, device: torch.devic
     """One full-attention call on the largest batch's rows, device milliseconds with the
     batch's own offsets and length bound and with the padded ones its graph replays
     (every slot and the budget's bound) in an image job and in a job that may see videos
-    (slots for their frame groups): the cost of the graph's static attention grid."""
-    from embedjob.encoders.attention import cuda_kernel, pad_offsets, segment_offsets
+    (slots for their frame groups): the cost of the graph's static attention grid. On a
+    CPU the layouts alone (nothing to time: the kernels are CUDA's)."""
+    from embedjob.encoders.attention import cuda_kernel
+
+    layouts, patches = _grid_layouts(adapter, plan, chosen, budget)
+    heads = adapter.model.config.num_heads
+    dim = adapter.model.config.hidden_size // heads
+    if device.type == "cuda":
+        q, k, v = (torch.randn(patches, heads, dim, device=device, dtype=adapter.dtype) for _ in range(3))
+    rows = []
+    for name, offsets, bound in layouts:
+        rows_used = int(offsets[-1])
+        ms = "not timed on a CPU"
+        if device.type == "cuda":
+            cu = torch.from_numpy(offsets).to(device)
+            kernel = cuda_kernel(adapter.attention, bound, dim)
+            ms = f"{1e3 * bench.device_time(lambda: kernel(q[:rows_used], k[:rows_used], v[:rows_used], cu, bound, None), 5, device):.2f} ms"
+        rows.append((f"Qwen3.5: one attention call, {name} offsets ({len(offsets) - 1} segments, bound {bound}, {rows_used} rows)", ms))
+    return rows
+
+
+def _grid_layouts(adapter, plan, chosen, budget: int) -> tuple[list[tuple[str, np.ndarray, int]], int]:
+    """(name, cumulative offsets, length bound) of the batch as it is and as an image job's
+    and a video-enabled job's graph of `budget` pad it, and the graph's patch rows."""
+    from embedjob.encoders.attention import pad_offsets
     from embedjob.encoders.qwen import FULL_PAD_SEGMENT
 
-    if device.type != "cuda":
-        return []
-    lengths = adapter._view_patches(adapter._grids(chosen))
-    real = segment_offsets(lengths)
-    layouts = [("the batch's own", real, int(max(lengths)))]
+    eager = adapter.eager_inputs(chosen)
+    real = eager.tensors["cu_seqlens"].cpu().numpy()
+    layouts = [("the batch's own", real, eager.constants["max_seqlen"])]
     with_video = packer.resolve_budgets(None, None, None, adapter.min_budget, adapter.max_budget, 32, True)
     for name, budgets in (("an image job's graph", plan), ("a video-enabled job's graph", with_video)):
         static = adapter.static_inputs(budget, budgets.max_items, budgets.max_frames)
         patches, slots = static.tensors["pixel_values"].shape[0], static.tensors["cu_seqlens"].shape[0]
         layouts.append((name, pad_offsets(real, patches, slots, FULL_PAD_SEGMENT), static.constants["max_seqlen"]))
-    heads = adapter.model.config.num_heads
-    dim = adapter.model.config.hidden_size // heads
-    q, k, v = (torch.randn(patches, heads, dim, device=device, dtype=adapter.dtype) for _ in range(3))
-    rows = []
-    for name, offsets, bound in layouts:
-        cu = torch.from_numpy(offsets).to(device)
-        rows_used = int(offsets[-1])
-        kernel = cuda_kernel(adapter.attention, bound, dim)
-        ms = 1e3 * bench.device_time(lambda: kernel(q[:rows_used], k[:rows_used], v[:rows_used], cu, bound, None), 5, device)
-        rows.append((f"Qwen3.5: one attention call, {name} offsets ({len(offsets) - 1} segments, bound {bound}, {rows_used} rows)", f"{ms:.2f} ms"))
-    return rows
+    return layouts, patches
 
 
 def _plain_ms(plain, inputs, attention: str, kernels: Path | None, device: torch.device, largest: int) -> list[float]:

@@ -87,7 +87,7 @@ def dinov3_rows(workdir: Path, values: dict, batch: int, device: torch.device, c
         torch._dynamo.reset()
         graphed = bench.checkpoint_adapter("dinov3", directory, "bfloat16", True, device)
         graphed.compile(dynamic=True)
-    _, graphs = bench._graph_seconds(graphed, pixels, 1, device)
+    _, graphs = bench.graph_seconds(graphed, pixels, 1, device)
     blocks = "compiled" if compiled else "uncompiled"
     rows.append((f"embedjob {ours_dtype}, graphs of the {blocks} blocks", f"{cos_min(graphs, reference):.5f} (to embedjob eager {cos_min(graphs, items_eager):.5f})"))
     return [(f"DINOv3: {name}", value) for name, value in rows]
@@ -96,10 +96,11 @@ def dinov3_rows(workdir: Path, values: dict, batch: int, device: torch.device, c
 def qwen3_5_rows(workdir: Path, values: dict, count: int, device: torch.device, compiled: bool, kernels: Path) -> list[tuple[str, str]]:
     """Per batch of the mixed mix, device milliseconds of: transformers with its sdpa
     (split per image) and with embedjob's varlen attention (packed, as the graphs run
-    it), embedjob's graphs of the uncompiled and of the compiled blocks, and the host's
-    milliseconds to assemble and launch a compiled replay; the largest batch's kernels
-    in transformers' sdpa run and in the compiled replay. Which of attention, compiling
-    or the host departs shows in which column grows."""
+    it), embedjob's graphs of the uncompiled and (when `compiled`) of the compiled blocks,
+    and the host's milliseconds to assemble and launch the last of those replays; the
+    largest batch's kernels in transformers' sdpa run and in that replay; then the
+    attention grid's rows (`_attention_grid_rows`). Which of attention, compiling or the
+    host departs shows in which column grows."""
     q = bench.Qwen35Setup.make(workdir, values, count, device, compiled)
     adapter, items, plan, batches, plain, inputs = q.adapter, q.items, q.plan, q.batches, q.plain, q.inputs
     del q

@@ -652,7 +652,7 @@ def _against_plain(
     torch._dynamo.reset()
     if compiled:
         adapter.compile(dynamic=True)
-    ours_seconds, ours = _graph_seconds(adapter, pixels, repeats, device)
+    ours_seconds, ours = graph_seconds(adapter, pixels, repeats, device)
     cosine = float(torch.nn.functional.cosine_similarity(ours, reference, dim=-1).min())
     batch = pixels.shape[0]
     kind = f"torch.compile({call})" if compiled else "eager"
@@ -677,7 +677,7 @@ def view_items(adapter: Any, views: torch.Tensor) -> list[EncoderInput]:
     return [EncoderInput({GLOBAL_KEY: views[k : k + 1]}, tokens=t, frames=0, size=t) for k in range(views.shape[0])]
 
 
-def _graph_seconds(adapter: Any, pixels: torch.Tensor, repeats: int, device: torch.device) -> tuple[float, torch.Tensor]:
+def graph_seconds(adapter: Any, pixels: torch.Tensor, repeats: int, device: torch.device) -> tuple[float, torch.Tensor]:
     """A fixed-resolution adapter's median seconds replaying one graph of the batch of
     uint8 `pixels` (already on the device) and its embeddings in float32."""
     batch = pixels.shape[0]

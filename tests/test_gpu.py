@@ -1200,7 +1200,7 @@ def test_dinov3_at_dinov3_l_size_keeps_transformers_float32_vectors_in_every_bf1
     transformers' bf16 model, our eager adapter and our compiled graphs each keep cosine
     0.999 to transformers in float32. The bench measured ours at 0.834 of transformers'
     bf16 at this size on an H200 while the two agree on the CPU; this says which path departs."""
-    from embedjob.bench import _graph_seconds, save_fixed_tower, view_items
+    from embedjob.bench import graph_seconds, save_fixed_tower, view_items
     from embedjob.encoders.fixed import FAMILIES as FIXED
     from embedjob.encoders.loading import transformers_class
 
@@ -1221,7 +1221,7 @@ def test_dinov3_at_dinov3_l_size_keeps_transformers_float32_vectors_in_every_bf1
         plain = cls.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()(pixel_values=values32.bfloat16()).pooler_output
         eager = ours.forward(ours.eager_inputs(items))
     ours.compile(dynamic=True)
-    _, graphs = _graph_seconds(ours, pixels, 1, torch.device("cuda"))
+    _, graphs = graph_seconds(ours, pixels, 1, torch.device("cuda"))
     cosines = {name: float(torch.nn.functional.cosine_similarity(v.float(), reference.float(), dim=-1).min())
                for name, v in (("transformers bf16", plain), ("ours eager", eager), ("ours compiled graphs", graphs))}
     assert min(cosines.values()) > 0.999, cosines

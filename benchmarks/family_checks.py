@@ -223,6 +223,14 @@ def _kernels(fn, path: Path, device: torch.device) -> None:
     path.write_text(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=90))
 
 
+def logged(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """`rows`, logged as soon as a check ends: a device call cut off by its time limit
+    still shows the checks that finished before the table that ends a whole run."""
+    for name, value in rows:
+        logging.info("| %s | %s |", name, value)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/family-checks"))
@@ -236,10 +244,11 @@ def main() -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     rows: list[tuple[str, str]] = []
     if "dinov3" in args.checks:
-        rows += dinov3_rows(args.workdir, SMOKE_DINOV3 if args.smoke else bench.FIXED_TOWERS["dinov3"][1], 4 if args.smoke else 64, device, compiled)
+        rows += logged(dinov3_rows(args.workdir, SMOKE_DINOV3 if args.smoke else bench.FIXED_TOWERS["dinov3"][1], 4 if args.smoke else 64,
+                                   device, compiled))
     if "qwen3_5" in args.checks:
-        rows += qwen3_5_rows(args.workdir, SMOKE_QWEN if args.smoke else bench.QWEN3_5_TOWER[1], 6 if args.smoke else bench.QWEN3_5_IMAGES,
-                             device, compiled, args.workdir)
+        rows += logged(qwen3_5_rows(args.workdir, SMOKE_QWEN if args.smoke else bench.QWEN3_5_TOWER[1],
+                                    6 if args.smoke else bench.QWEN3_5_IMAGES, device, compiled, args.workdir))
     for path in sorted(args.workdir.glob("qwen3_5-*.txt")):
         print(f"\n--- {path.name} ---\n{path.read_text()}")
     print(f"\ndevice: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}\n\n| check | result |\n| --- | --- |")

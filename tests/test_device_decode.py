@@ -541,10 +541,11 @@ def test_the_gpu_decodes_as_many_videos_at_once_as_video_nvdec_sessions_says(
 
 def test_a_video_jobs_auto_split_starts_even_and_a_jpeg_jobs_on_the_workers() -> None:
     """Before auto has measured a rate (two windows of rows are submitted by then), a
-    video job already leaves every other clip to the GPU's decoder, which would otherwise
-    sit idle through tens of seconds of clips; a JPEG job starts on its workers."""
+    video job already leaves every other clip to the GPU's decoder, from the first clip
+    on, which would otherwise sit idle through tens of seconds of clips; a JPEG job
+    starts on its workers."""
     video, jpeg, neither = DecodeSplit.first("video"), DecodeSplit.first("jpeg"), DecodeSplit.first(None)
-    assert [video.leave() for _ in range(8)] == [False, True] * 4
+    assert [video.leave() for _ in range(8)] == [True, False] * 4
     assert not any(jpeg.leave() for _ in range(8)) and not any(neither.leave() for _ in range(8))
 
 

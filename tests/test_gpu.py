@@ -829,9 +829,9 @@ def test_videos_decoded_by_nvdec_are_the_cpu_rows_up_to_the_decoders_rounding(ca
 def test_an_nvdec_job_gives_the_decord_jobs_rows(tmp_path: Path, cache_dir: str, setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`video.decoder` nvdec, or auto, which leaves every other clip to the GPU from the
     first row on (`decode_split.FIRST_SHARE`: the 9 rows are all submitted before auto
-    measures) and here holds that share (windows then mix clips the workers decoded with
-    clips the GPU decoded): each row is the decord job's, in order, up to the decoders'
-    rounding."""
+    measures; the first, a 568 x 320 H.264 clip, is one the GPU reads) and here holds
+    that share (windows then mix clips the workers decoded with clips the GPU decoded):
+    each row is the decord job's, in order, up to the decoders' rounding."""
     from embedjob import pipeline
     from embedjob.config import load_job
     from embedjob.runner import run_job
@@ -1194,15 +1194,22 @@ def test_dinov3_and_metaclip2_compiled_blocks_replay_like_eager_and_stay_the_unc
         assert cos.min() > 0.99, float(cos.min())
 
 
-def test_dinov3_at_dinov3_l_size_keeps_transformers_float32_vectors_in_every_bf16_path(tmp_path: Path, cache_dir: str) -> None:
+def test_dinov3_at_dinov3_l_size_departs_from_float32_no_further_than_transformers_own_bf16(tmp_path: Path, cache_dir: str) -> None:
     """DINOv3-ViT-L/16's blocks, heads (16 of 64) and sequence (CLS, 4 registers, 196
-    patches) with random bf16 weights, on random pixels as `embedjob bench` feeds them:
-    transformers' bf16 model, our eager adapter and our compiled graphs each keep cosine
-    0.999 to transformers in float32. The bench measured ours at 0.834 of transformers'
-    bf16 at this size on an H200 while the two agree on the CPU; this says which path departs."""
+    patches) with random bf16 weights, on random pixels as `embedjob bench` feeds them.
+    At this size bf16 itself departs from float32 (transformers' own bf16 model: cosine
+    0.81-0.83 on an H100, by SDPA kernel), so the bench's 0.834 between our graphs and
+    transformers is bf16's spread, not ours: our eager adapter is transformers' bf16 path,
+    and our compiled graphs sit no further from float32 than transformers' bf16 kernels
+    do, and far nearer their own image's float32 vector than one image's is to the next."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from embedjob.bench import graph_seconds, save_fixed_tower, view_items
     from embedjob.encoders.fixed import FAMILIES as FIXED
     from embedjob.encoders.loading import transformers_class
+
+    def cos_min(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min())
 
     values = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, patch_size=16,
                   image_size=224, num_register_tokens=4)
@@ -1216,15 +1223,21 @@ def test_dinov3_at_dinov3_l_size_keeps_transformers_float32_vectors_in_every_bf1
     values32 = ours.processing.normalize(pixels, ours.pixel_scale).float()
     cls = transformers_class(FIXED["dinov3"].vision_class)
     items = view_items(ours, pixels)
+    kernels = {}
     with torch.inference_mode():
         reference = cls.from_pretrained(directory, dtype=torch.float32).cuda().eval()(pixel_values=values32).pooler_output
-        plain = cls.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()(pixel_values=values32.bfloat16()).pooler_output
+        plain = cls.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
+        default = plain(pixel_values=values32.bfloat16()).pooler_output
+        for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            with sdpa_kernel(backend):
+                kernels[backend.name] = cos_min(plain(pixel_values=values32.bfloat16()).pooler_output, reference)
         eager = ours.forward(ours.eager_inputs(items))
     ours.compile(dynamic=True)
     _, graphs = graph_seconds(ours, pixels, 1, torch.device("cuda"))
-    cosines = {name: float(torch.nn.functional.cosine_similarity(v.float(), reference.float(), dim=-1).min())
-               for name, v in (("transformers bf16", plain), ("ours eager", eager), ("ours compiled graphs", graphs))}
-    assert min(cosines.values()) > 0.999, cosines
+    apart = cos_min(reference[1:], reference[:-1])
+    assert cos_min(eager, default) > 0.999
+    assert cos_min(graphs, reference) > min(kernels.values()) - 0.03, (cos_min(graphs, reference), kernels)
+    assert cos_min(graphs, reference) > apart + 0.2, (cos_min(graphs, reference), apart)
 
 
 @pytest.mark.parametrize("family", DINO_METACLIP)

@@ -1,15 +1,18 @@
 """Where `embedjob bench`'s new-family rows depart from plain transformers (issue #53).
 
-Two questions the bench rows leave open, answered on the device in one call:
+Two questions a bench row can raise, answered on the device in one call (RESULTS.md
+section 7 has the answers of the last run):
 
-- DINOv3-ViT-L/16 size: is the low cosine between embedjob's bf16 vectors and
+- DINOv3-ViT-L/16 size: is a low cosine between embedjob's bf16 vectors and
   transformers' (0.83 on random pixels) embedjob's departure or bf16's? Each bf16 path
   (transformers eager under each SDPA kernel, embedjob eager, embedjob's compiled
-  graphs) is compared with transformers in float32 on the same images.
-- Qwen3.5-27B size: where embedjob's graphs (0.46x transformers' eager packed batches)
-  spend their time on the mixed mix: per batch, transformers with its own and with
+  graphs) is compared with transformers in float32 on the same images. (bf16's: all
+  of them sit 0.81-0.83 from float32 at random weights.)
+- Qwen3.5-27B size: where embedjob's graphs spend their time against transformers'
+  eager packed batches on the mixed mix: per batch, transformers with its own and with
   embedjob's attention, the graphs of the uncompiled and the compiled blocks, the host's
-  time to assemble and launch a replay, and the kernels of the largest batch.
+  time to assemble and launch a replay, the kernels of the largest batch, and one
+  attention call on the batch's own offsets against the graphs' padded ones.
 
 The table is printed last; `--smoke` runs it on a CPU with tiny towers.
 RESULTS.md section: 7 (Compiled bf16 towers).

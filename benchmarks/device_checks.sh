@@ -30,9 +30,10 @@
 # dinov3" picks fixed towers, BENCH_FLAGS="--no-naflex --no-qwen3-5" drops the others; beside clips-bg carry
 # [".ffmpeg", "bench-data", ".whl-light"] for open_clip), clips (CLIPS=1152
 # distinct clips made on the device by the FFmpeg prep puts in .ffmpeg; carry [".ffmpeg", "bench-data"]; topped
-# up by each call; clips-bg makes them in the background while the call's other stages use the GPU), then
-# at once video NAME... (benchmarks/video_decode.py on them: decord, nvdec and auto, tower qwen, siglip or clip;
-# VIDEO_DECODERS picks settings, NVDEC_SESSIONS the GPU decoder's sessions, 4 by default), fp8-layers NAME...
+# up by each call; clips-bg leaves a maker running in the background, through later calls on the warm machine,
+# while the GPU stages run; `clips` waits for it), then at once video NAME... (benchmarks/video_decode.py on them:
+# decord, nvdec and auto, tower qwen, siglip or clip; VIDEO_DECODERS picks settings, NVDEC_SESSIONS="4 7 14" the
+# GPU decoder's session counts, an nvdec run each and auto at the fastest's, 4 by default), fp8-layers NAME...
 # (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),
 # families (benchmarks/family_checks.py: DINOv3's bf16 paths against float32, Qwen3.5's batches and kernels;
 # FAMILY_FLAGS="--no-compile" or "--checks qwen3_5" shortens it).
@@ -170,41 +171,64 @@ captions() {
 
 clips() {
   # Distinct clips for `video`, made here from the photos (H.264 and HEVC, 1080p and 720p, keyframes every
-  # 1-8 s); carry [".ffmpeg", "bench-data"] (not .whl: both would pass 64 MiB), then call `video` at once
-  # on the warm machine, which keeps them in $work/clips. A call cut short keeps the clips it made, and the next
-  # `clips` or `clips-bg` call on that machine tops them up to CLIPS.
-  make_clips
+  # 1-8 s); carry [".ffmpeg", "bench-data"] (not .whl: both would pass 64 MiB) in the first call on a machine.
+  # Waits first for the maker a `clips-bg` left running (by the call's deadline), then tops the clips up to
+  # CLIPS; a call cut short keeps the clips it made, which the next call on that machine tops up.
+  clips_wait
+  unpack_ffmpeg || return
+  IMAGEIO_FFMPEG_EXE=/tmp/ffmpeg PYTHONPATH="/tmp/imageio-ffmpeg:$PYTHONPATH" timeout "$(budget 560)" "${clips_maker[@]}" 2>&1 |
+    tail -n 3 >"$out/clips.log"
   clips_said
 }
 
 clips_bg() {
-  # `clips` on the CPUs while the stages after it use the GPU (bench, kernels, tests); the call waits for it at
-  # its end, by its deadline. The FFmpeg one call unpacked stays on the warm machine, so a later call may carry
-  # .whl instead of .ffmpeg.
-  make_clips &
-  clips_pid=$!
+  # The clip maker on the CPUs at the lowest priority, in a process session of its own: it runs on after the
+  # call returns, while the machine is held (so the next call must come at once: an idle machine goes back
+  # within a minute), and this call's and later calls' GPU stages (kernels, bench, video with VIDEO_DECODERS=nvdec)
+  # run meanwhile. `clips` in a later call waits for it; its log is $work/clips.log. FFmpeg, unpacked once, stays
+  # on the warm machine, so later calls carry .whl instead of .ffmpeg.
+  unpack_ffmpeg || return
+  clips_running && return
+  IMAGEIO_FFMPEG_EXE=/tmp/ffmpeg PYTHONPATH="/tmp/imageio-ffmpeg:$PYTHONPATH" setsid nice -n 19 timeout 3600 \
+    "${clips_maker[@]}" </dev/null >"$work/clips.log" 2>&1 &
+  echo $! >"$work/clips.pid"
+  summary+=("clips-bg: a maker runs on in the background (pid $!, log $work/clips.log)")
 }
 
-make_clips() {
-  if [ -f .ffmpeg/ffmpeg.xz ]; then
+clips_maker=(python3 benchmarks/video_decode.py --make-clips "$work/clips" --photos bench-data --count "${CLIPS:-1152}" --kinds mixed)
+
+clips_running() {
+  [ -f "$work/clips.pid" ] && kill -0 "$(cat "$work/clips.pid")" 2>/dev/null
+}
+
+clips_wait() {
+  while clips_running && [ "$(budget 600)" -gt 5 ]; do
+    sleep 5
+  done
+}
+
+unpack_ffmpeg() {
+  if [ -f .ffmpeg/ffmpeg.xz ] && [ ! -x /tmp/ffmpeg ]; then
     xz -dc .ffmpeg/ffmpeg.xz >/tmp/ffmpeg.part && chmod +x /tmp/ffmpeg.part && mv /tmp/ffmpeg.part /tmp/ffmpeg || return
     rm -rf /tmp/imageio-ffmpeg && cp -r .ffmpeg /tmp/imageio-ffmpeg
   fi
-  [ -x /tmp/ffmpeg ] || { echo "clips: carry .ffmpeg (this machine has no FFmpeg from an earlier call)" | tee "$out/clips.log"; return; }
-  IMAGEIO_FFMPEG_EXE=/tmp/ffmpeg PYTHONPATH="/tmp/imageio-ffmpeg:$PYTHONPATH" timeout "$(budget 560)" python3 benchmarks/video_decode.py \
-    --make-clips "$work/clips" --photos bench-data --count "${CLIPS:-1152}" --kinds mixed 2>&1 | tail -n 3 >"$out/clips.log"
+  [ -x /tmp/ffmpeg ] || { echo "clips: carry .ffmpeg (this machine has no FFmpeg from an earlier call)" | tee "$out/clips.log"; return 1; }
 }
 
 clips_said() {
-  summary+=("clips: $(find "$work/clips" -name '*.mp4' 2>/dev/null | wc -l) in $work/clips, $(du -sh "$work/clips" 2>/dev/null | cut -f1)")
+  local running="" size
+  clips_running && running=", a maker still running"
+  size=$(du -sh "$work/clips" 2>/dev/null | cut -f1)
+  summary+=("clips: $(find "$work/clips" -name '*.mp4' 2>/dev/null | wc -l) in $work/clips, ${size:-0}$running")
 }
 
 video() {
   # `video.decoder` decord, nvdec and auto on the clips `clips` made, one tower per name (qwen, siglip, clip).
   local tower
+  # shellcheck disable=SC2086  # VIDEO_DECODERS and NVDEC_SESSIONS are lists
   for tower in "$@"; do
     timeout "$(budget 560)" python3 benchmarks/video_decode.py "${smoke[@]}" --clips "$work/clips" --tower "$tower" \
-      --decoders ${VIDEO_DECODERS:-decord nvdec auto} --nvdec-sessions "${NVDEC_SESSIONS:-4}" --workdir "$work/video-$tower" 2>&1 |
+      --decoders ${VIDEO_DECODERS:-decord nvdec auto} --nvdec-sessions ${NVDEC_SESSIONS:-4} --workdir "$work/video-$tower" 2>&1 |
       tee "$out/video-$tower.log"
     # The jobs' own logs (auto's shares, the decoders' refusals) come back beside the table.
     cp -r "$work/video-$tower/logs" "$out/video-$tower-logs" 2>/dev/null
@@ -243,8 +267,5 @@ while [ $# -gt 0 ]; do
     *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, families, clips, clips-bg, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., fp8-layers NAME..., report)" >&2; exit 2 ;;
   esac
 done
-if [ -n "${clips_pid:-}" ]; then
-  wait "$clips_pid"
-  clips_said
-fi
+clips_running && clips_said
 [ ${#summary[@]} -eq 0 ] || { echo; echo "=== device_checks.sh summary ==="; printf '%s\n' "${summary[@]}"; }

@@ -17,8 +17,9 @@ It writes the clips into a Parquet file, measures the encoder-only rate of their
 SigLIP-so400m-384- or CLIP-L/14-336-size tower, bf16, compiled, graphs; 2 frames per
 second, at most 32 frames), then runs `embedjob run --gpus 1` on them once per
 `--decoders` setting (decord first): `decord` and `auto` with `--workers` decode
-processes, `nvdec` with `--nvdec-workers` (both GPU settings with `--nvdec-sessions` decoder
-sessions), and prints one table: seconds of video
+processes, `nvdec` with `--nvdec-workers`, once per `--nvdec-sessions` count of decoder
+sessions, `auto` at the count whose nvdec run was fastest), and prints one table, saved
+again after every run (a run cut off keeps the rows before it): seconds of video
 embedded per second of pipeline (the clips' durations over `pipeline_seconds`), clips
 per second, that over the encoder-only rate, the clips the GPU decoded, the workers' and
 the GPU-decode thread's seconds, the per-clip cosine of each other run's embeddings to
@@ -41,6 +42,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,25 +84,56 @@ def main() -> int:
     encoder = measure(load_job(job, []), device, len(os.sched_getaffinity(0)), 3)
     runs: dict[str, dict[str, Any] | None] = {}
     outputs: dict[str, pa.Table] = {}
-    for decoder in args.decoders:
-        workers = _workers(args, decoder)
+    for label, decoder, sessions in planned_runs(args, runs):
         if decoder == "nvdec" and args.smoke:
             skipped("video_decode", "the nvdec run", "NVDEC needs a CUDA device")
-            runs[decoder] = None
+            runs[label] = None
             continue
-        output = workdir / f"out-{decoder}"
-        overrides = [f"runtime.workers={workers}", f"video.decoder={decoder}", f"video.nvdec_sessions={args.nvdec_sessions}"]
-        runs[decoder] = run_cli(job, output, 1, overrides, workdir / "logs" / f"{decoder}.log")
-        if runs[decoder] is not None:
-            outputs[decoder] = pq.read_table(sorted(output.glob("part-*.parquet")))
-        log(f"[video] decoder {decoder}: {'done' if runs[decoder] else 'FAILED'}")
-    compared = [d for d in outputs if d != "decord"] if "decord" in outputs else []
-    cosines = {d: compare(outputs["decord"], outputs[d]) for d in compared}
-    text = render(seconds, encoder, runs, cosines, args)
-    text += "".join(f"\nlowest cosines to decord, {d}: {worst_clips(outputs['decord'], outputs[d])}" for d in compared)
-    (workdir / "video_decode.md").write_text(text + "\n")
-    print(text, flush=True)
+        output = workdir / f"out-{label}"
+        overrides = [f"runtime.workers={_workers(args, decoder)}", f"video.decoder={decoder}", f"video.nvdec_sessions={sessions}"]
+        runs[label] = run_cli(job, output, 1, overrides, workdir / "logs" / f"{label}.log")
+        if runs[label] is not None:
+            outputs[label] = pq.read_table(sorted(output.glob("part-*.parquet")))
+        log(f"[video] {label}: {'done' if runs[label] else 'FAILED'}")
+        # Saved after every run, so a call cut off by its limit keeps the rows it finished.
+        text = report(workdir, seconds, encoder, runs, outputs, args)
+        log(f"[video] the table so far:\n{text}")
+    print(report(workdir, seconds, encoder, runs, outputs, args), flush=True)
     return 0
+
+
+def planned_runs(args: argparse.Namespace, runs: dict[str, dict[str, Any] | None]) -> Iterator[tuple[str, str, int]]:
+    """(label, decoder, sessions) of each run, in order: decord, nvdec once per
+    `--nvdec-sessions` count, then auto at the count whose nvdec run was fastest (the
+    first count when none ran). `runs` fills as they end: the later runs read it."""
+    for decoder in args.decoders:
+        if decoder == "decord":
+            yield "decord", decoder, args.nvdec_sessions[0]
+        elif decoder == "nvdec":
+            for sessions in args.nvdec_sessions:
+                yield f"nvdec-{sessions}", decoder, sessions
+        else:
+            sessions = fastest_sessions(args, runs)
+            yield f"auto-{sessions}", decoder, sessions
+
+
+def fastest_sessions(args: argparse.Namespace, runs: dict[str, dict[str, Any] | None]) -> int:
+    """The `--nvdec-sessions` count whose nvdec run had the shortest pipeline (the first without one)."""
+    timed = [(stats["pipeline_seconds"], sessions) for sessions in args.nvdec_sessions
+             if (stats := runs.get(f"nvdec-{sessions}")) and stats.get("pipeline_seconds")]
+    return min(timed)[1] if timed else args.nvdec_sessions[0]
+
+
+def report(workdir: Path, seconds: float, encoder: EncoderOnly, runs: dict[str, dict[str, Any] | None],
+           outputs: dict[str, pa.Table], args: argparse.Namespace) -> str:
+    """The table of the runs so far, with the clips furthest from decord's vectors, also
+    written to `<workdir>/video_decode.md`."""
+    compared = [label for label in outputs if label != "decord"] if "decord" in outputs else []
+    cosines = {label: compare(outputs["decord"], outputs[label]) for label in compared}
+    text = render(seconds, encoder, runs, cosines, args)
+    text += "".join(f"\nlowest cosines to decord, {label}: {worst_clips(outputs['decord'], outputs[label])}" for label in compared)
+    (workdir / "video_decode.md").write_text(text + "\n")
+    return text
 
 
 def log(message: str) -> None:
@@ -293,23 +326,23 @@ def render(
         table_row(["encoder only", "-", encoder.items, f"{seconds:.1f}", f"{encoder.seconds:.2f}", f"{seconds / encoder.seconds:.1f}",
               f"{encoder.rate:.2f}"] + ["-"] * (len(head) - 7)),
     ]
-    for decoder in args.decoders:
+    for label, stats in runs.items():
+        decoder, _, sessions = label.partition("-")
         workers = _workers(args, decoder)
-        stats = runs[decoder]
         if stats is None:
             said = "skipped (needs a GPU)" if args.smoke and decoder == "nvdec" else "FAILED"
-            lines.append(table_row([decoder, workers, said] + ["-"] * (len(head) - 3)))
+            lines.append(table_row([label, workers, said] + ["-"] * (len(head) - 3)))
             continue
         pipeline = stats["pipeline_seconds"]
         rate = stats["rows"] / pipeline if pipeline else None
-        compared = cosines.get(decoder)
+        compared = cosines.get(label)
         cos = compared[1] if compared is not None and len(compared[1]) else None
         first = rank0(stats)
-        label = decoder if decoder == "decord" else f"{decoder} ({args.nvdec_sessions} sessions)"
+        name = decoder if decoder == "decord" else f"{decoder} ({sessions} sessions)"
         if decoder == "auto" and first.get("gpu_share") is not None:
-            label = f"auto ({args.nvdec_sessions} sessions, last GPU share {first['gpu_share']:.2f})"
+            name = f"auto ({sessions} sessions, last GPU share {first['gpu_share']:.2f})"
         lines.append(table_row([
-            label, workers, stats["rows"], f"{seconds:.1f}", fmt(pipeline, ".2f"), fmt(seconds / pipeline if pipeline else None, ".1f"),
+            name, workers, stats["rows"], f"{seconds:.1f}", fmt(pipeline, ".2f"), fmt(seconds / pipeline if pipeline else None, ".1f"),
             fmt(rate, ".2f"), fmt(rate / encoder.rate if rate else None, ".3f"), stats.get("device_decoded", "-"),
             fmt(first.get("decode_seconds"), ".1f"), fmt(first.get("device_decode_seconds"), ".2f"),
             fmt(cos.min() if cos is not None else None, ".5f"), fmt(float(np.median(cos)) if cos is not None else None, ".5f"),
@@ -356,15 +389,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clips", default="bench-data/clips", help="directory of the clips to embed")
     parser.add_argument("--workers", type=int, help="runtime.workers of the decord run (16; 2 with --smoke)")
     parser.add_argument("--nvdec-workers", type=int, default=4, help="runtime.workers of the nvdec run")
-    parser.add_argument("--nvdec-sessions", type=int, default=4, help="video.nvdec_sessions of the nvdec and auto runs")
+    parser.add_argument("--nvdec-sessions", type=int, nargs="+", default=[4],
+                        help="video.nvdec_sessions: an nvdec run at each count, auto at the fastest's")
     parser.add_argument("--tower", choices=sorted(TOWERS), default="qwen", help="the vision tower, at its published size (qwen: Qwen2.5-VL-7B)")
     parser.add_argument("--decoders", nargs="+", choices=DECODERS, default=list(DECODERS),
-                        help="video.decoder settings to run (auto: decord and NVDEC in the shares the rank measures; decord always runs first)")
+                        help="video.decoder settings to run, decord first (auto: decord and NVDEC in the shares the rank measures); "
+                             "the cosines are to decord's run, so they need it")
     parser.add_argument("--workdir", default="video-decode-work")
     parser.add_argument("--smoke", action="store_true", help="CPU only: the tiny tower, test clips where --clips has none")
     args = parser.parse_args()
     args.workers = args.workers or (2 if args.smoke else 16)
-    args.decoders = ["decord", *[d for d in args.decoders if d != "decord"]]
+    args.decoders = sorted(dict.fromkeys(args.decoders), key=DECODERS.index)
     return args
 
 

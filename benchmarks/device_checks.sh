@@ -29,7 +29,8 @@
 # bench (`embedjob bench --mixes`: the fixed towers, OpenCLIP, NaFlex and Qwen3.5 rows with MFU; BENCH_TOWERS="siglip
 # dinov3" picks fixed towers, BENCH_FLAGS="--no-naflex --no-qwen3-5" drops the others; beside clips-bg carry
 # [".ffmpeg", "bench-data", ".whl-light"] for open_clip), clips (CLIPS=1152
-# distinct clips made on the device by the FFmpeg prep puts in .ffmpeg; carry [".ffmpeg", "bench-data"]; topped
+# distinct clips made on the device by the FFmpeg prep puts in .ffmpeg, 1080p ones CLIP_SECONDS (7) long, 720p ones
+# three quarters of it; carry [".ffmpeg", "bench-data"]; topped
 # up by each call; clips-bg leaves a maker running in the background, through later calls on the warm machine,
 # while the GPU stages run; `clips` waits for it), then at once video NAME... (benchmarks/video_decode.py on them:
 # decord, nvdec and auto, tower qwen, siglip or clip; VIDEO_DECODERS picks settings, NVDEC_SESSIONS="4 7 14" the
@@ -195,7 +196,8 @@ clips_bg() {
   summary+=("clips-bg: a maker runs on in the background (pid $!, log $work/clips.log)")
 }
 
-clips_maker=(python3 benchmarks/video_decode.py --make-clips "$work/clips" --photos bench-data --count "${CLIPS:-1152}" --kinds mixed)
+clips_maker=(python3 benchmarks/video_decode.py --make-clips "$work/clips" --photos bench-data --count "${CLIPS:-1152}" --kinds mixed
+  --seconds "${CLIP_SECONDS:-7}")
 
 clips_running() {
   [ -f "$work/clips.pid" ] && kill -0 "$(cat "$work/clips.pid")" 2>/dev/null

@@ -34,7 +34,9 @@
 # up by each call; clips-bg leaves a maker running in the background, through later calls on the warm machine,
 # while the GPU stages run; `clips` waits for it), then at once video NAME... (benchmarks/video_decode.py on them:
 # decord, nvdec and auto, tower qwen, siglip or clip; VIDEO_DECODERS picks settings, NVDEC_SESSIONS="4 7 14" the
-# GPU decoder's session counts, an nvdec run each and auto at the fastest's, 4 by default), fp8-layers NAME...
+# GPU decoder's session counts, an nvdec run each and auto at the fastest's, 4 by default), nvdec-scaling (benchmarks/
+# nvdec_scaling.py on them: NVDEC alone, sessions as threads and as processes; NVDEC_SCALING_FLAGS="--sessions 1 7"
+# picks counts), fp8-layers NAME...
 # (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),
 # families (benchmarks/family_checks.py: DINOv3's bf16 paths against float32, Qwen3.5's batches and kernels;
 # FAMILY_FLAGS="--no-compile" or "--checks qwen3_5" shortens it).
@@ -238,6 +240,14 @@ video() {
   done
 }
 
+nvdec_scaling() {
+  # NVDEC alone on the clips `clips` made: sessions as threads of one process and as processes (#56).
+  # shellcheck disable=SC2086  # NVDEC_SCALING_FLAGS is a list of flags
+  timeout "$(budget 400)" python3 benchmarks/nvdec_scaling.py "${smoke[@]}" --clips "$work/clips" ${NVDEC_SCALING_FLAGS:-} 2>&1 |
+    tee "$out/nvdec-scaling.log"
+  summary+=("nvdec_scaling.py:" "$(awk '/^# NVDEC alone/ { table = "" } /^# NVDEC alone/, 0 { table = table $0 "\n" } END { printf "%s", table }' "$out/nvdec-scaling.log")")
+}
+
 report() {
   local mix saved=()
   for mix in qwen-mixed qwen-224 siglip clip; do
@@ -256,17 +266,18 @@ while [ $# -gt 0 ]; do
   shift
   case "$stage" in
     prep | tests | decode | attention | naflex | bench | families | clips | report) "$stage" ;;
+    nvdec-scaling) nvdec_scaling ;;
     clips-bg) clips_bg ;;
     mixes | kernels | captions | video | fp8-layers)
       names=()
-      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench families clips clips-bg report mixes kernels captions video fp8-layers " != *" $1 "* ]]; do
+      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench families clips clips-bg nvdec-scaling report mixes kernels captions video fp8-layers " != *" $1 "* ]]; do
         names+=("$1")
         shift
       done
       [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: '$stage' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
       "${stage//-/_}" "${names[@]}"
       ;;
-    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, families, clips, clips-bg, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., fp8-layers NAME..., report)" >&2; exit 2 ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, families, clips, clips-bg, nvdec-scaling, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., fp8-layers NAME..., report)" >&2; exit 2 ;;
   esac
 done
 clips_running && clips_said

@@ -1,0 +1,240 @@
+"""NVDEC alone: how its rate grows with decoder sessions, as threads of one process and as processes (RESULTS.md section 11).
+
+In `embedjob run`, `video.decoder: nvdec` read 52-54 s of video a second on an H200
+with 4, 7 or 14 sessions alike (section 11): something serialises the sessions. This
+script takes the encoder and the job away and reads the clips of `benchmarks/video_decode.py
+--make-clips` through `embedjob.decode.nvdec.decode_frames` (the job's own call: plan from
+the stream at 2 frames a second, at most 32, the sampled frames as RGB on the GPU), at each
+`--sessions` count:
+
+- `threads`: one process, a thread per session, each keeping its decoder session between
+  clips, as the job's GPU-decode pool does (`nvdec.decode_videos`), `--window` clips at a
+  time (the job decodes a window, then the next);
+- `processes`: a process per session, each reading its share of the clips in its main
+  thread, all started together once every process has its CUDA context.
+
+Per row: clips per second, seconds of video per second, the sessions' parallelism (the
+seconds the clips took, summed over sessions, over the wall time: N when N sessions never
+wait for each other, 1 when they take turns) and, for threads, the share of the time a
+Python probe thread woke when it asked to (the GIL free: near 1 when the decoder's calls release
+it, near 0 when they hold it while the GPU decodes). A first pass over as many clips as
+sessions, not timed, opens the sessions (each process opens its own on its first clip).
+
+    PYTHONPATH=. python3 benchmarks/nvdec_scaling.py --clips DIR [--sessions 1 4 7 14] [--clips-limit 256]
+
+`--smoke` (no GPU) runs both modes on the repository's test clips with decord standing in
+for NVDEC (`video.decode_video` on the CPU), saying so: the timing and the probe are
+checked, the numbers are not NVDEC's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import fmt, log, skipped, table  # noqa: E402
+from embedjob.decode.types import DecodeOptions, DeferredVideo  # noqa: E402
+
+SCRIPT = "nvdec_scaling"
+MODES = ("threads", "processes")
+SMOKE_CLIPS = ("decord_video_0.mov", "torchcodec_h265_video.mp4")
+IDENTITY = ((1, 0), (0, 1))
+IMAGE_PIXELS = 1 << 24
+"""A bound on image pixels, which no clip meets (DecodeOptions asks for one)."""
+
+
+@dataclass
+class Run:
+    """One mode at one session count: the clips read, their seconds of video, the wall
+    time, the seconds each clip took summed over sessions, and the GIL probe's free share."""
+
+    mode: str
+    sessions: int
+    clips: int
+    video_seconds: float
+    wall: float
+    busy: float
+    gil_free: float | None = None
+
+
+def options() -> DecodeOptions:
+    """The video_decode.py job's sampling: 2 frames a second, at most 32."""
+    return DecodeOptions(modality="video", max_image_pixels=IMAGE_PIXELS, fps=2.0, max_frames=32, frame_multiple=1, defer_video=True)
+
+
+def deferred(data: bytes) -> DeferredVideo:
+    """A clip left for the GPU's decoder to plan from its stream (`nvdec.decode_frames`)."""
+    return DeferredVideo(data, [], (0, 0), IDENTITY, (0, 0), [], 0.0, 0)
+
+
+_streams = threading.local()
+
+
+def read_one(data: bytes, device: torch.device) -> tuple[float, float]:
+    """One clip read by NVDEC (`read_nvdec`), or with `device` a CPU by decord (`--smoke`)."""
+    return read_nvdec(data, device) if device.type == "cuda" else read_decord(data)
+
+
+def read_decord(data: bytes) -> tuple[float, float]:
+    """One clip's sampled frames decoded on the CPU, as a decode worker does; (seconds it took, seconds of video)."""
+    from embedjob.decode.sniff import sniff_format
+    from embedjob.decode.video import decode_video
+
+    since = time.perf_counter()
+    found = sniff_format(data)
+    video = decode_video(data, replace(options(), defer_video=False), found[1] if found else None)
+    return time.perf_counter() - since, video.source_frames / video.source_fps if video.source_fps > 0 else 0.0
+
+
+def read_nvdec(data: bytes, device: torch.device) -> tuple[float, float]:
+    """Decode one clip's sampled frames on this thread's session, its copies on this
+    thread's own stream (a shared one would make each thread's wait for its clip a wait
+    for the others'); (seconds it took, seconds of video)."""
+    from embedjob.decode.nvdec import decode_frames
+
+    if getattr(_streams, "stream", None) is None:
+        _streams.stream = torch.cuda.Stream(device)
+    since = time.perf_counter()
+    with torch.cuda.stream(_streams.stream):
+        _, plan = decode_frames(deferred(data), device, options())
+    _streams.stream.synchronize()
+    return time.perf_counter() - since, plan.source_frames / plan.source_fps if plan.source_fps > 0 else 0.0
+
+
+class GilProbe:
+    """A thread waking every millisecond: its wake-ups while the decoders run over its
+    wake-ups alone are the share of the time the GIL was free to it (each wake-up needs
+    the GIL; a C call that holds it while the GPU decodes holds the probe off, while a
+    spinning probe would itself hold the decoders' Python steps off)."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        while not self._stop.is_set():
+            time.sleep(0.001)
+            self.turns += 1
+
+    def rate(self, seconds: float) -> float:
+        before, since = self.turns, time.perf_counter()
+        time.sleep(seconds)
+        return (self.turns - before) / (time.perf_counter() - since)
+
+    def __enter__(self) -> GilProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def threads_run(clips: list[bytes], sessions: int, window: int, device: torch.device) -> Run:
+    """`clips` on `sessions` threads of this process, a window at a time, with the GIL probe running."""
+    with concurrent.futures.ThreadPoolExecutor(sessions, thread_name_prefix="nvdec-scaling") as pool:
+        list(pool.map(lambda data: read_one(data, device), clips[:sessions]))
+        with GilProbe() as probe:
+            alone = probe.rate(0.5)
+            turns, since = probe.turns, time.perf_counter()
+            done = [r for start in range(0, len(clips), window) for r in pool.map(lambda data: read_one(data, device), clips[start : start + window])]
+            wall = time.perf_counter() - since
+            free = (probe.turns - turns) / wall / alone if alone else None
+    return Run("threads", sessions, len(done), sum(v for _, v in done), wall, sum(s for s, _ in done), free)
+
+
+def _process_main(paths: list[str], device: torch.device, ready: multiprocessing.Barrier, out: multiprocessing.Queue) -> None:
+    if device.type == "cuda":
+        torch.cuda.init()
+    clips = [Path(p).read_bytes() for p in paths]
+    if clips:
+        read_one(clips[0], device)
+    ready.wait()
+    start = time.time()
+    done = [read_one(data, device) for data in clips]
+    out.put((start, time.time(), sum(s for s, _ in done), sum(v for _, v in done), len(done)))
+
+
+def processes_run(paths: list[Path], sessions: int, device: torch.device) -> Run:
+    """`paths` split round-robin over `sessions` processes, timed from their common start to the last one's end."""
+    context = multiprocessing.get_context("spawn")
+    ready, out = context.Barrier(sessions), context.Queue()
+    shares = [[str(p) for p in paths[k::sessions]] for k in range(sessions)]
+    workers = [context.Process(target=_process_main, args=(share, device, ready, out)) for share in shares]
+    for worker in workers:
+        worker.start()
+    results = [out.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    start, end = min(r[0] for r in results), max(r[1] for r in results)
+    return Run("processes", sessions, sum(r[4] for r in results), sum(r[3] for r in results), end - start, sum(r[2] for r in results))
+
+
+def render(runs: list[Run], device: str) -> str:
+    """The table of the runs so far."""
+    head = ["mode", "sessions", "clips", "video s", "seconds", "clips/s", "video s / s", "vs 1 session", "parallelism", "GIL free"]
+    single = {r.mode: r.video_seconds / r.wall for r in runs if r.sessions == 1 and r.wall}
+    rows = [[r.mode, r.sessions, r.clips, f"{r.video_seconds:.1f}", f"{r.wall:.2f}", f"{r.clips / r.wall:.2f}",
+             f"{r.video_seconds / r.wall:.1f}", fmt(r.video_seconds / r.wall / single[r.mode] if r.mode in single else None, ".2f") + ("x" if r.mode in single else ""),
+             f"{r.busy / r.wall:.2f}", fmt(r.gil_free, ".2f")] for r in runs]
+    lines = [f"# NVDEC alone, by sessions ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
+             f"device: {device}; torch {torch.__version__}; command: {' '.join(sys.argv)}", ""]
+    return "\n".join(lines + table(head, rows))
+
+
+def clip_paths(args: argparse.Namespace) -> list[Path]:
+    directory = REPO / "tests" / "data" if args.smoke else Path(args.clips)
+    if args.smoke:
+        return [directory / name for name in SMOKE_CLIPS]
+    paths = sorted(p for p in directory.iterdir() if p.suffix in (".mp4", ".mov", ".mkv"))
+    if not paths:
+        raise SystemExit(f"--clips: no .mp4, .mov or .mkv in {directory}")
+    return paths[: args.clips_limit] if args.clips_limit else paths
+
+
+def main() -> int:
+    args = parse_args()
+    paths = clip_paths(args)
+    log(SCRIPT, f"{len(paths)} clips from {paths[0].parent}")
+    if args.smoke:
+        skipped(SCRIPT, "NVDEC", "--smoke reads the clips with decord on the CPU instead")
+    elif not torch.cuda.is_available():
+        raise SystemExit("nvdec_scaling.py needs a CUDA device (or --smoke)")
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
+    name = "cpu, decord standing in for NVDEC" if args.smoke else torch.cuda.get_device_name(0)
+    clips = [p.read_bytes() for p in paths]
+    runs = []
+    for mode in args.modes:
+        for sessions in args.sessions:
+            runs.append(threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device))
+            log(SCRIPT, f"{mode} x {sessions}: {runs[-1].clips / runs[-1].wall:.2f} clips/s")
+            # Printed after every run, so a call cut off by its limit keeps the rows before it.
+            print(render(runs, name), flush=True)
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clips", default="bench-data/clips", help="directory of the clips (video_decode.py --make-clips)")
+    parser.add_argument("--clips-limit", type=int, default=256, help="read the first N clips (0: all)")
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 7, 14], help="decoder session counts")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="threads of one process, processes, or both")
+    parser.add_argument("--window", type=int, default=256, help="clips the threads take at a time, as the job's windows (batching.window)")
+    parser.add_argument("--smoke", action="store_true", help="CPU only: the test clips, read by decord instead of NVDEC")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

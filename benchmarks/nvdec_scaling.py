@@ -11,7 +11,10 @@ the stream at 2 frames a second, at most 32, the sampled frames as RGB on the GP
   clips, as the job's GPU-decode pool does (`nvdec.decode_videos`), `--window` clips at a
   time (the job decodes a window, then the next);
 - `processes`: a process per session, each reading its share of the clips in its main
-  thread, all started together once every process has its CUDA context.
+  thread, all started together once every process has its CUDA context;
+
+each with the sessions on the library's default CUDA stream (`shared-stream`, what a job
+runs) and on streams of their own (`own-streams`: `nvdec.OWN_STREAMS`), as `--variants` says.
 
 Per row: clips per second, seconds of video per second, the sessions' parallelism (the
 seconds the clips took, summed over sessions, over the wall time: N when N sessions never
@@ -20,7 +23,7 @@ Python probe thread woke when it asked to (the GIL free: near 1 when the decoder
 it, near 0 when they hold it while the GPU decodes). A first pass over as many clips as
 sessions, not timed, opens the sessions (each process opens its own on its first clip).
 
-    PYTHONPATH=. python3 benchmarks/nvdec_scaling.py --clips DIR [--sessions 1 4 7 14] [--clips-limit 256]
+    PYTHONPATH=. python3 benchmarks/nvdec_scaling.py --clips DIR [--sessions 1 4 7 14] [--clips-limit 128]
 
 `--smoke` (no GPU) runs both modes on the repository's test clips with decord standing in
 for NVDEC (`video.decode_video` on the CPU), saying so: the timing and the probe are
@@ -54,18 +57,28 @@ IMAGE_PIXELS = 1 << 24
 """A bound on image pixels, which no clip meets (DecodeOptions asks for one)."""
 
 
+PROCESS_SECONDS = 600
+"""The longest a process may take to report (a crashed one never does)."""
+
+VARIANTS = {"shared-stream": False, "own-streams": True}
+"""`--variants`: the value of `nvdec.OWN_STREAMS` each runs with."""
+
+
 @dataclass
 class Run:
-    """One mode at one session count: the clips read, their seconds of video, the wall
-    time, the seconds each clip took summed over sessions, and the GIL probe's free share."""
+    """One mode and variant at one session count: the clips read, their seconds of video,
+    the wall time, the seconds each clip took summed over sessions, and the GIL probe's
+    free share."""
 
     mode: str
     sessions: int
-    clips: int
-    video_seconds: float
-    wall: float
-    busy: float
+    clips: int = 0
+    video_seconds: float = 0.0
+    wall: float = 0.0
+    busy: float = 0.0
     gil_free: float | None = None
+    error: str | None = None
+    """Why the run stopped (its row says so; the runs after it go on)."""
 
 
 def options() -> DecodeOptions:
@@ -143,7 +156,8 @@ class GilProbe:
 
 
 def threads_run(clips: list[bytes], sessions: int, window: int, device: torch.device) -> Run:
-    """`clips` on `sessions` threads of this process, a window at a time, with the GIL probe running."""
+    """`clips` on `sessions` threads of this process, a window at a time, with the GIL probe running.
+    New threads, so new sessions, made under the variant's `nvdec.OWN_STREAMS`."""
     with concurrent.futures.ThreadPoolExecutor(sessions, thread_name_prefix="nvdec-scaling") as pool:
         list(pool.map(lambda data: read_one(data, device), clips[:sessions]))
         with GilProbe() as probe:
@@ -155,7 +169,22 @@ def threads_run(clips: list[bytes], sessions: int, window: int, device: torch.de
     return Run("threads", sessions, len(done), sum(v for _, v in done), wall, sum(s for s, _ in done), free)
 
 
-def _process_main(paths: list[str], device: torch.device, ready: multiprocessing.Barrier, out: multiprocessing.Queue) -> None:
+def _process_main(paths: list[str], device: torch.device, own: bool, ready: multiprocessing.Barrier, out: multiprocessing.Queue) -> None:
+    """One process of `processes_run`: its result, or what stopped it (which breaks the
+    barrier, so the others stop too), on `out`."""
+    try:
+        out.put(_process_reads(paths, device, own, ready))
+    except Exception as exc:  # said by the parent, in the run's row
+        ready.abort()
+        out.put(repr(exc))
+
+
+def _process_reads(paths: list[str], device: torch.device, own: bool, ready: multiprocessing.Barrier) -> tuple[float, float, float, float, int]:
+    """(start, end, seconds the clips took, seconds of video, clips) of this process's share,
+    read after its first clip (its session made) and the barrier."""
+    from embedjob.decode import nvdec
+
+    nvdec.OWN_STREAMS = own
     if device.type == "cuda":
         torch.cuda.init()
     clips = [Path(p).read_bytes() for p in paths]
@@ -164,20 +193,26 @@ def _process_main(paths: list[str], device: torch.device, ready: multiprocessing
     ready.wait()
     start = time.time()
     done = [read_one(data, device) for data in clips]
-    out.put((start, time.time(), sum(s for s, _ in done), sum(v for _, v in done), len(done)))
+    return start, time.time(), sum(s for s, _ in done), sum(v for _, v in done), len(done)
 
 
 def processes_run(paths: list[Path], sessions: int, device: torch.device) -> Run:
-    """`paths` split round-robin over `sessions` processes, timed from their common start to the last one's end."""
+    """`paths` split round-robin over `sessions` processes, timed from their common start
+    to the last one's end; each process runs with this one's `nvdec.OWN_STREAMS`."""
+    from embedjob.decode import nvdec
+
     context = multiprocessing.get_context("spawn")
     ready, out = context.Barrier(sessions), context.Queue()
     shares = [[str(p) for p in paths[k::sessions]] for k in range(sessions)]
-    workers = [context.Process(target=_process_main, args=(share, device, ready, out)) for share in shares]
+    workers = [context.Process(target=_process_main, args=(share, device, nvdec.OWN_STREAMS, ready, out)) for share in shares]
     for worker in workers:
         worker.start()
-    results = [out.get() for _ in workers]
+    results = [out.get(timeout=PROCESS_SECONDS) for _ in workers]
     for worker in workers:
         worker.join()
+    errors = [r for r in results if isinstance(r, str)]
+    if errors:
+        raise RuntimeError(errors[0])
     start, end = min(r[0] for r in results), max(r[1] for r in results)
     return Run("processes", sessions, sum(r[4] for r in results), sum(r[3] for r in results), end - start, sum(r[2] for r in results))
 
@@ -185,10 +220,17 @@ def processes_run(paths: list[Path], sessions: int, device: torch.device) -> Run
 def render(runs: list[Run], device: str) -> str:
     """The table of the runs so far."""
     head = ["mode", "sessions", "clips", "video s", "seconds", "clips/s", "video s / s", "vs 1 session", "parallelism", "GIL free"]
+    # Each mode's (threads or processes, and the variant) own 1-session row is its reference.
     single = {r.mode: r.video_seconds / r.wall for r in runs if r.sessions == 1 and r.wall}
-    rows = [[r.mode, r.sessions, r.clips, f"{r.video_seconds:.1f}", f"{r.wall:.2f}", f"{r.clips / r.wall:.2f}",
-             f"{r.video_seconds / r.wall:.1f}", fmt(r.video_seconds / r.wall / single[r.mode] if r.mode in single else None, ".2f") + ("x" if r.mode in single else ""),
-             f"{r.busy / r.wall:.2f}", fmt(r.gil_free, ".2f")] for r in runs]
+    rows = []
+    for r in runs:
+        if r.error is not None:
+            rows.append([r.mode, r.sessions, f"FAILED: {r.error[:200]}"] + ["-"] * (len(head) - 3))
+            continue
+        rate = r.video_seconds / r.wall
+        scaling = f"{rate / single[r.mode]:.2f}x" if r.mode in single else "-"
+        rows.append([r.mode, r.sessions, r.clips, f"{r.video_seconds:.1f}", f"{r.wall:.2f}", f"{r.clips / r.wall:.2f}",
+                     f"{rate:.1f}", scaling, f"{r.busy / r.wall:.2f}", fmt(r.gil_free, ".2f")])
     lines = [f"# NVDEC alone, by sessions ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"device: {device}; torch {torch.__version__}; command: {' '.join(sys.argv)}", ""]
     return "\n".join(lines + table(head, rows))
@@ -215,22 +257,33 @@ def main() -> int:
     device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
     name = "cpu, decord standing in for NVDEC" if args.smoke else torch.cuda.get_device_name(0)
     clips = [p.read_bytes() for p in paths]
+    from embedjob.decode import nvdec
+
     runs = []
-    for mode in args.modes:
-        for sessions in args.sessions:
-            runs.append(threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device))
-            log(SCRIPT, f"{mode} x {sessions}: {runs[-1].clips / runs[-1].wall:.2f} clips/s")
-            # Printed after every run, so a call cut off by its limit keeps the rows before it.
-            print(render(runs, name), flush=True)
+    for variant in args.variants:
+        nvdec.OWN_STREAMS = VARIANTS[variant]
+        for mode in args.modes:
+            for sessions in args.sessions:
+                try:
+                    run = threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device)
+                except Exception as exc:  # a variant the decoder refuses is a row, and the others still run
+                    run = Run(mode, sessions, error=repr(exc))
+                run.mode = f"{mode}, {variant}"
+                runs.append(run)
+                log(SCRIPT, f"{run.mode} x {sessions}: {run.error or f'{run.clips / run.wall:.2f} clips/s'}")
+                # Printed after every run, so a call cut off by its limit keeps the rows before it.
+                print(render(runs, name), flush=True)
     return 0
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clips", default="bench-data/clips", help="directory of the clips (video_decode.py --make-clips)")
-    parser.add_argument("--clips-limit", type=int, default=256, help="read the first N clips (0: all)")
+    parser.add_argument("--clips-limit", type=int, default=128, help="read the first N clips (0: all)")
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 7, 14], help="decoder session counts")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="threads of one process, processes, or both")
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
+                        help="the sessions on the library's default stream (a job's), on streams of their own, or both")
     parser.add_argument("--window", type=int, default=256, help="clips the threads take at a time, as the job's windows (batching.window)")
     parser.add_argument("--smoke", action="store_true", help="CPU only: the test clips, read by decord instead of NVDEC")
     return parser.parse_args()

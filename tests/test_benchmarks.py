@@ -71,7 +71,7 @@ SMOKES = {
     "captions": (["--smoke", "--models", "clip"], ["| model | run | rows |", "images + captions"]),
     "wds_index": (["--smoke"], ["| scan | ms per tar |", "walk alone: ours", "index, cache hit"]),
     "fp8_layers": (["--smoke", "--mixes", "siglip", "--keep", "0", "4"], ["| layer (worst first) |", "block 1: mlp.fc2", "| 4 | 8 |"]),
-    "nvdec_scaling": (["--smoke", "--sessions", "1", "2"], ["| mode | sessions | clips |", "decord standing in for NVDEC", "| processes | 2 |"]),
+    "nvdec_scaling": (["--smoke", "--sessions", "1", "2"], ["| mode | sessions | clips |", "decord standing in for NVDEC", "| processes, own-streams | 2 |"]),
     "family_checks": (["--smoke"], ["| check | result |", "DINOv3: embedjob float32, graphs of the uncompiled blocks", "Qwen3.5: all batches", "an image job's graph offsets"]),
 }
 WORKDIRS = {"family_checks", "encoder_only", "gpu_decode", "precision", "scaling", "video_decode", "captions", "wds_index", "fp8_layers"}

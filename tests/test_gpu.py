@@ -825,6 +825,30 @@ def test_videos_decoded_by_nvdec_are_the_cpu_rows_up_to_the_decoders_rounding(ca
 
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
+def test_nvdec_sessions_on_streams_of_their_own_read_the_frames_of_the_shared_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nvdec.OWN_STREAMS` (each session's decoder on a CUDA stream of its own, measured by
+    benchmarks/nvdec_scaling.py) changes where the frames are made, not what they are: the
+    H.264 test clips read by 3 sessions give the same frames and plans either way."""
+    from embedjob.decode import nvdec
+    from embedjob.decode.types import DecodeOptions, DeferredVideo
+
+    options = DecodeOptions(modality="video", max_image_pixels=1 << 24, fps=2.0, max_frames=32, frame_multiple=1, defer_video=True)
+    names = ["decord_video_0.mov", "decord_video_90.mov", "decord_video_180.mov", "torchcodec_nasa_13013.mp4"]
+    videos = [DeferredVideo((REPO / "tests" / "data" / name).read_bytes(), [], (0, 0), ((1, 0), (0, 1)), (0, 0), [], 0.0, 0) for name in names]
+    read = {}
+    for own in (False, True):
+        monkeypatch.setattr(nvdec, "OWN_STREAMS", own)
+        monkeypatch.setattr(nvdec, "_pool", None)  # new threads: new sessions, made under this setting
+        read[own] = nvdec.decode_videos(videos, torch.device("cuda"), dataclasses.replace(options, nvdec_sessions=3))
+        torch.cuda.synchronize()
+        nvdec._pool[1].shutdown(wait=True)
+    for name, shared, own in zip(names, read[False], read[True], strict=True):
+        assert not isinstance(shared, Exception) and not isinstance(own, Exception), (name, shared, own)
+        assert own[1] == shared[1], name
+        assert torch.equal(own[0], shared[0]), name
+
+
+@pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
 @pytest.mark.parametrize("setting", ["nvdec", "auto"])
 def test_an_nvdec_job_gives_the_decord_jobs_rows(tmp_path: Path, cache_dir: str, setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`video.decoder` nvdec, or auto, which leaves every other clip to the GPU from the

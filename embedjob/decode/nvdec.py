@@ -43,6 +43,13 @@ def nvdec_problem(device: torch.device) -> str | None:
 # engines and one session keeps about one of them busy (a 1080p H.264 clip: 0.34 s for
 # 14 sampled frames in one session), so one session alone is slower than 16 decord processes.
 _sessions = threading.local()
+
+OWN_STREAMS = False
+"""Whether each thread's decoder session gets a CUDA stream of its own (PyNvVideoCodec's
+`cuda_stream`) instead of the library's default, the legacy stream every session shares.
+In a job 4, 7 and 14 sessions read the same 52-54 s of video a second on an H200
+(benchmarks/RESULTS.md section 11), as if they took turns; `benchmarks/nvdec_scaling.py
+--variants` measures both settings, and this one stays off until its numbers say so."""
 _pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
@@ -126,7 +133,12 @@ def refusal(exc: Exception) -> str:
 
 
 def _frames(decoder: Any, unique: list[int], coded: tuple[int, int], device: torch.device) -> list[torch.Tensor]:
-    frames = [_chw(torch.from_dlpack(frame), coded, device) for frame in decoder.get_batch_frames_by_index(unique)]
+    decoded = decoder.get_batch_frames_by_index(unique)
+    stream = getattr(_sessions, "stream", None)
+    if stream is not None:
+        # The frames were made on the session's stream; the copies below run on the caller's.
+        torch.cuda.current_stream(device).wait_stream(stream)
+    frames = [_chw(torch.from_dlpack(frame), coded, device) for frame in decoded]
     if len(frames) != len(unique):
         raise RuntimeError(f"the video decoder returned {len(frames)} of {len(unique)} frames")
     return frames
@@ -162,7 +174,13 @@ def _session(path: str, device: torch.device) -> tuple[Any, Any]:
 
 
 def _new_session(nvc: Any, path: str, device: torch.device) -> Any:
-    return nvc.SimpleDecoder(path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=nvc.OutputColorType.RGB)
+    """A decoder session on `device`, on this thread's own CUDA stream with `OWN_STREAMS`."""
+    if OWN_STREAMS and getattr(_sessions, "stream", None) is None:
+        _sessions.stream = torch.cuda.Stream(device)
+    stream = {"cuda_stream": _sessions.stream.cuda_stream} if OWN_STREAMS else {}
+    return nvc.SimpleDecoder(
+        path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=nvc.OutputColorType.RGB, **stream
+    )
 
 
 def _kind(facts: Any) -> tuple[str, int, int]:

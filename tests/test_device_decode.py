@@ -762,3 +762,77 @@ def test_the_gpu_tests_take_only_pictures_that_decode() -> None:
     assert GPU_JPEGS and not [p for p in GPU_JPEGS if "bad" in p.parts]
     for path in GPU_JPEGS:
         Image.open(path).convert("RGB")
+
+
+# NV12 frames turned to RGB on the rank (`nvdec.YUV_HERE`): raw NV12 of a clip's first frame
+# (tests/data/*.nv12, dumped by FFmpeg) against what decord makes of that frame.
+
+NV12_FIXTURES = [
+    ("derived_testsrc2_untagged_256x144.mp4", "derived_testsrc2_untagged_256x144.nv12", (144, 256), "bt601"),
+    ("torchcodec_nasa_13013.mp4", "derived_nasa_13013_frame0.nv12", (180, 320), "bt709"),
+]
+
+
+def nv12_and_decord_frame(clip: str, raw: str, coded: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixture's NV12 planes and decord's RGB of the same frame, (3, H, W), from the
+    bytes the CPU path gives decord (the first video track only)."""
+    import decord
+
+    from embedjob.decode.video import decoder_bytes
+
+    nv12 = torch.frombuffer(bytearray((DATA / raw).read_bytes()), dtype=torch.uint8).reshape(coded[0] * 3 // 2, coded[1])
+    frame = decord.VideoReader(io.BytesIO(decoder_bytes((DATA / clip).read_bytes())))[0].asnumpy()
+    return nv12, torch.from_numpy(frame).permute(2, 0, 1)
+
+
+@pytest.mark.parametrize("clip, raw, coded, matrix", NV12_FIXTURES)
+def test_nv12_turned_to_rgb_here_is_decords_frame_within_a_level_or_two(clip: str, raw: str, coded: tuple[int, int], matrix: str) -> None:
+    """An untagged clip (colour bars: decord's FFmpeg reads it as BT.601) and a BT.709
+    one: the rank's conversion with the stream's matrix lands within 2 levels of decord's
+    pixels everywhere, about half a level on average; the other matrix is off by several
+    levels on the colour bars, which is what a decoder that guesses wrong gives."""
+    from embedjob.decode.nvdec import Colour, nv12_to_rgb
+
+    nv12, want = nv12_and_decord_frame(clip, raw, coded)
+    got = nv12_to_rgb(nv12, coded, Colour(matrix))
+    diff = (got.to(torch.int16) - want.to(torch.int16)).abs().float()
+    assert got.shape == want.shape and got.dtype == torch.uint8
+    assert float(diff.mean()) < 0.8 and float(diff.max()) <= 2, (float(diff.mean()), float(diff.max()))
+    if matrix == "bt601":
+        wrong = nv12_to_rgb(nv12, coded, Colour("bt709"))
+        assert float((wrong.to(torch.int16) - want.to(torch.int16)).abs().float().mean()) > 3.0
+
+
+def test_nv12_of_another_layout_is_refused_so_the_cpu_path_reads_the_clip() -> None:
+    from embedjob.decode.nvdec import Colour, nv12_to_rgb
+
+    with pytest.raises(RuntimeError, match="NV12 frame of shape"):
+        nv12_to_rgb(torch.zeros(144, 256, dtype=torch.uint8), (144, 256), Colour())
+    with pytest.raises(RuntimeError, match="for a 255 x 144 stream"):
+        nv12_to_rgb(torch.zeros(216, 255, dtype=torch.uint8), (144, 255), Colour())
+
+
+def test_a_streams_colour_tags_pick_decords_conversion() -> None:
+    """PyNvVideoCodec's demuxer says FFmpeg's tags (its enums print as e.g. ColorSpace.BT_709):
+    BT.709 where tagged so, BT.601 untagged or tagged BT.601, full range where tagged JPEG."""
+    from embedjob.decode.nvdec import Colour, stream_colour
+
+    def demuxer(space: str, scale: str) -> SimpleNamespace:
+        return SimpleNamespace(ColorSpace=lambda: f"ColorSpace.{space}", ColorRange=lambda: f"ColorRange.{scale}")
+
+    assert stream_colour(demuxer("BT_709", "MPEG")) == Colour("bt709", full=False)
+    assert stream_colour(demuxer("UNSPEC", "UNSPEC")) == Colour("bt601", full=False)
+    assert stream_colour(demuxer("BT_601", "JPEG")) == Colour("bt601", full=True)
+
+
+def test_an_nv12_surface_padded_below_the_picture_gives_the_pictures_rgb() -> None:
+    """Decoder surfaces may be taller than the picture (a 1080-row stream in 1088 rows):
+    the chroma rows start after the padded luma, and the padding is not shown."""
+    from embedjob.decode.nvdec import Colour, nv12_to_rgb
+
+    clip, raw, coded, matrix = NV12_FIXTURES[0]
+    nv12, _ = nv12_and_decord_frame(clip, raw, coded)
+    height, width = coded
+    padded = torch.full(((height + 8) * 3 // 2, width), 77, dtype=torch.uint8)
+    padded[:height], padded[height + 8 : height + 8 + height // 2] = nv12[:height], nv12[height:]
+    assert torch.equal(nv12_to_rgb(padded, coded, Colour(matrix)), nv12_to_rgb(nv12, coded, Colour(matrix)))

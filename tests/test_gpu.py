@@ -7,6 +7,7 @@ encoder work done: `python -m pytest tests/test_gpu.py -q`.
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import json
 import os
@@ -822,6 +823,31 @@ def test_videos_decoded_by_nvdec_are_the_cpu_rows_up_to_the_decoders_rounding(ca
         a, b = got.item.tensors["pixel_values"], want.item.tensors["pixel_values"]
         diff = (a.to("cpu", torch.int16) - b.to(torch.int16)).abs().float()
         assert float(diff.mean()) < (6.0 if got.id in on_gpu else 1e-9), (got.id, float(diff.mean()))
+
+
+@pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
+@pytest.mark.parametrize("name", ["derived_testsrc2_untagged_256x144.mp4", "torchcodec_nasa_13013.mp4", "decord_video_0.mov"])
+def test_nvdec_frames_turned_to_rgb_on_the_rank_are_decords_within_a_level_or_two(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nvdec.YUV_HERE`: NVDEC hands NV12 and the rank turns it to RGB with the matrix
+    decord's FFmpeg picks (BT.601 for the untagged colour bars, BT.709 for the tagged
+    clips): frame 0 within 2 levels of decord's everywhere, under a level on average."""
+    import decord
+
+    from embedjob.decode import nvdec
+    from embedjob.decode.types import DecodeOptions, DeferredVideo
+    from embedjob.decode.video import decoder_bytes
+
+    monkeypatch.setattr(nvdec, "YUV_HERE", True)
+    nvdec._sessions.decoder = None  # this thread's next session is made under the setting
+    data = (REPO / "tests" / "data" / name).read_bytes()
+    want = torch.from_numpy(decord.VideoReader(io.BytesIO(decoder_bytes(data)))[0].asnumpy()).permute(2, 0, 1)
+    height, width = want.shape[1:]
+    video = DeferredVideo(data, [0], (width, height), ((1, 0), (0, 1)), (height, width), [0.0], 30.0, 1)
+    options = DecodeOptions(modality="video", max_image_pixels=1 << 24, fps=2.0, max_frames=32, frame_multiple=1, defer_video=True)
+    frames, _ = nvdec.decode_frames(video, torch.device("cuda"), options)
+    nvdec._sessions.decoder = None
+    diff = (frames[0].cpu().to(torch.int16) - want.to(torch.int16)).abs().float()
+    assert float(diff.mean()) < 1.0 and float(diff.max()) <= 2, (float(diff.mean()), float(diff.max()))
 
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")

@@ -131,6 +131,7 @@ LOCAL_EXPECTED: dict[str, tuple[int, int, int] | str] = {
     "torchcodec_h265_10bits.mp4": (200, 200, 30),
     "torchcodec_h264_10bits.mp4": (200, 200, 30),
     "torchcodec_nasa_13013.mp4": (180, 320, 325),  # first of two video streams
+    "derived_testsrc2_untagged_256x144.mp4": (144, 256, 4),  # colour bars without colour tags
     "derived_mkv_truncated.mkv": "truncated",  # the first half of a 10.4 s clip: half a clip is not the clip
     "torchcodec_av1_video.mkv": "unsupported_codec",  # FFmpeg 4.1 in decord has no AV1 decoder
     "decord_corrupted.mp4": "corrupt",  # H.264 units corrupt mid-stream

@@ -7,6 +7,8 @@ frames undecoded (`DeferredVideo`); the rank reads exactly those frames here, fr
 bytes (a file in memory while it reads them), as RGB on its GPU, `nvdec_sessions` videos
 at a time (`video.nvdec_sessions`), and applies the rest of the CPU path's steps there
 (`frames_as_decoded`). A failure raises, and the caller takes the CPU path for that video.
+Two settings wait for a GPU's numbers (see each): `YUV_HERE` (NV12 from the decoder, turned
+to RGB here as decord's FFmpeg does) and `OWN_STREAMS` (a CUDA stream per session).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,6 +53,27 @@ OWN_STREAMS = False
 In a job 4, 7 and 14 sessions read the same 52-54 s of video a second on an H200
 (benchmarks/RESULTS.md section 11), as if they took turns; `benchmarks/nvdec_scaling.py
 --variants` measures both settings, and this one stays off until its numbers say so."""
+
+YUV_HERE = False
+"""Whether 8-bit streams come from the decoder as NV12 and are turned to RGB here
+(`nv12_to_rgb`: the matrix and range the stream is tagged with, BT.601 and limited range
+where it has no tags, as decord's FFmpeg does), instead of by PyNvVideoCodec's RGB output,
+whose vectors were down to cosine 0.983 from decord's on untagged clips (benchmarks/
+RESULTS.md section 11). Off until a GPU has compared both with decord (tests/test_gpu.py)."""
+
+COEFFICIENTS = {"bt601": (104597, 132201, 25675, 53279), "bt709": (117489, 138438, 13975, 34925)}
+"""YUV -> RGB for limited-range chroma, in 1/65536: V to red, U to blue, U and V off green;
+FFmpeg's swscale table (`ff_yuv2rgb_coeffs`), by the matrix it picks for a stream."""
+
+
+@dataclass(frozen=True)
+class Colour:
+    """The YUV -> RGB conversion of a stream: `matrix` a `COEFFICIENTS` key, `full` its range."""
+
+    matrix: str = "bt601"
+    full: bool = False
+
+
 _pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
@@ -103,12 +127,12 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     or, for a video they could not plan, one made here (`video.plan_from_stream`)."""
     with _spilled(decoder_bytes(video.data)) as path:
         try:
-            decoder, facts = _session(path, device)
+            decoder, facts, colour = _session(path, device)
             _refuse_small(facts)
             if not video.indices:
                 video = plan_from_stream(video, facts.num_frames, facts.average_fps, facts.width, facts.height, options)
             unique = sorted(set(video.indices))
-            frames = _frames(decoder, unique, (facts.height, facts.width), device)
+            frames = _frames(decoder, unique, (facts.height, facts.width), device, colour)
         except (MediaError, SmallStream):
             raise
         except Exception:
@@ -132,60 +156,77 @@ def refusal(exc: Exception) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def _frames(decoder: Any, unique: list[int], coded: tuple[int, int], device: torch.device) -> list[torch.Tensor]:
+def _frames(decoder: Any, unique: list[int], coded: tuple[int, int], device: torch.device, colour: Colour | None) -> list[torch.Tensor]:
+    """The frames at `unique` as (3, H, W) uint8 RGB on `device`: the decoder's RGB, or,
+    from a session that hands NV12 (`colour` given), turned here (`nv12_to_rgb`)."""
     decoded = decoder.get_batch_frames_by_index(unique)
     stream = getattr(_sessions, "stream", None)
     if stream is not None:
         # The frames were made on the session's stream; the copies below run on the caller's.
         torch.cuda.current_stream(device).wait_stream(stream)
-    frames = [_chw(torch.from_dlpack(frame), coded, device) for frame in decoded]
+    if colour is not None:
+        frames = [nv12_to_rgb(torch.from_dlpack(frame).to(device), coded, colour) for frame in decoded]
+    else:
+        frames = [_chw(torch.from_dlpack(frame), coded, device) for frame in decoded]
     if len(frames) != len(unique):
         raise RuntimeError(f"the video decoder returned {len(frames)} of {len(unique)} frames")
     return frames
 
 
-def _session(path: str, device: torch.device) -> tuple[Any, Any]:
-    """This thread's decoder, pointed at the video in `path`, and the stream's facts:
-    made once per thread and reconfigured for each video after (making one costs about
-    0.18 s), while the videos are 8-bit and of one kind (`_kind`). Reconfigured for a
-    stream of another codec or size, an H200 returned garbled frames at the right size
-    (a 66 x 50 H.264 clip) that a new session read right or refused, so a video of
-    another kind gets a new session, which becomes the kept one. A stream of more than
-    8 bits (a 200 x 200 10-bit HEVC clip came back garbled from a session reconfigured
-    for it, even one of its own kind) gets a session of its own, used once; the kept one
-    stays for the next video. A stream the caller refuses for its size (`_refuse_small`)
-    gets no session of its own."""
+def _session(path: str, device: torch.device) -> tuple[Any, Any, Colour | None]:
+    """This thread's decoder, pointed at the video in `path`, the stream's facts, and, with
+    `YUV_HERE` for an 8-bit stream, its `Colour` (the session then hands NV12): made once
+    per thread and reconfigured for each video after (making one costs about 0.18 s),
+    while the videos are 8-bit and of one kind (`_kind`). Reconfigured for a stream of
+    another codec or size, an H200 returned garbled frames at the right size (a 66 x 50
+    H.264 clip) that a new session read right or refused, so a video of another kind gets
+    a new session, which becomes the kept one. A stream of more than 8 bits (a 200 x 200
+    10-bit HEVC clip came back garbled from a session reconfigured for it, even one of its
+    own kind) gets an RGB session of its own, used once; the kept one stays for the next
+    video. A stream the caller refuses for its size (`_refuse_small`) gets no session of
+    its own."""
     import PyNvVideoCodec as nvc
 
-    if nvc.CreateDemuxer(path).BitDepth() > 8:
-        decoder = _new_session(nvc, path, device)
-        return decoder, decoder.get_stream_metadata()
+    demuxer = nvc.CreateDemuxer(path)
+    if demuxer.BitDepth() > 8:
+        decoder = _new_session(nvc, path, device, native=False)
+        return decoder, decoder.get_stream_metadata(), None
+    colour = stream_colour(demuxer) if YUV_HERE else None
     held = getattr(_sessions, "decoder", None)
     if held is not None and held[0] is nvc and held[1] == device:
         held[2].reconfigure_decoder(path)
         facts = held[2].get_stream_metadata()
-        if _kind(facts) == held[3] or _small(facts):
-            return held[2], facts
+        if _kind(facts, YUV_HERE) == held[3] or _small(facts):
+            return held[2], facts, colour
     _sessions.decoder = None
-    decoder = _new_session(nvc, path, device)
+    decoder = _new_session(nvc, path, device, native=YUV_HERE)
     facts = decoder.get_stream_metadata()
-    _sessions.decoder = (nvc, device, decoder, _kind(facts))
-    return decoder, facts
+    _sessions.decoder = (nvc, device, decoder, _kind(facts, YUV_HERE))
+    return decoder, facts, colour
 
 
-def _new_session(nvc: Any, path: str, device: torch.device) -> Any:
-    """A decoder session on `device`, on this thread's own CUDA stream with `OWN_STREAMS`."""
+def stream_colour(demuxer: Any) -> Colour:
+    """The conversion decord's FFmpeg applies to the stream PyNvVideoCodec's `demuxer`
+    reads (FFmpeg's own tags for it): BT.709 where tagged so, else BT.601 (FFmpeg's
+    choice for untagged streams and for BT.601's own tags); full range where tagged so."""
+    space, scale = str(demuxer.ColorSpace()).upper(), str(demuxer.ColorRange()).upper()
+    return Colour("bt709" if "709" in space else "bt601", full="JPEG" in scale)
+
+
+def _new_session(nvc: Any, path: str, device: torch.device, native: bool) -> Any:
+    """A decoder session on `device` handing RGB frames, or NV12 ones with `native`; on this
+    thread's own CUDA stream with `OWN_STREAMS`."""
     if OWN_STREAMS and getattr(_sessions, "stream", None) is None:
         _sessions.stream = torch.cuda.Stream(device)
     stream = {"cuda_stream": _sessions.stream.cuda_stream} if OWN_STREAMS else {}
-    return nvc.SimpleDecoder(
-        path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=nvc.OutputColorType.RGB, **stream
-    )
+    output = nvc.OutputColorType.NATIVE if native else nvc.OutputColorType.RGB
+    return nvc.SimpleDecoder(path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=output, **stream)
 
 
-def _kind(facts: Any) -> tuple[str, int, int]:
-    """What a kept session's video and the next one must share: codec and coded size."""
-    return facts.codec_name, facts.width, facts.height
+def _kind(facts: Any, native: bool) -> tuple[str, int, int, bool]:
+    """What a kept session's video and the next one must share: codec, coded size and
+    the frames it hands (NV12 or RGB)."""
+    return facts.codec_name, facts.width, facts.height, native
 
 
 def _small(facts: Any) -> bool:
@@ -222,6 +263,35 @@ def _chw(frame: torch.Tensor, coded: tuple[int, int], device: torch.device) -> t
     if tuple(frame.shape[:2]) != coded:
         raise RuntimeError(f"the video decoder returned {frame.shape[1]} x {frame.shape[0]} frames of a {coded[1]} x {coded[0]} stream")
     return frame.to(device).permute(2, 0, 1).contiguous()
+
+
+def nv12_to_rgb(nv12: torch.Tensor, coded: tuple[int, int], colour: Colour) -> torch.Tensor:
+    """One NV12 frame ((H * 3 / 2, W) uint8: the luma rows, then rows of interleaved U, V
+    pairs; H may be the stream's height padded by up to 15 rows, as decoder surfaces are)
+    of a stream of `coded` (height, width) as (3, H, W) uint8 RGB, as FFmpeg's
+    swscale makes RGB24 of it for decord: each chroma pair for its 2 x 2 pixels, the
+    `colour` matrix, luma from 16-235 and chroma from 16-240 unless `colour.full`. Within
+    a level or two of decord's pixels (its fixed-point code rounds its own way), where a
+    BT.709 reading of an untagged stream is several levels off on saturated colours.
+    Another layout (odd sides, other bit depths) is refused: the caller takes the CPU path."""
+    height, width = coded
+    rows = nv12.shape[0] * 2 // 3 if nv12.dim() == 2 else 0  # luma rows: the stream's, or a surface padded to 16
+    if (nv12.dtype != torch.uint8 or nv12.shape[0] % 3 or not height <= rows < height + 16 or nv12.shape[1] != width
+            or height % 2 or width % 2):
+        raise RuntimeError(f"the video decoder returned an NV12 frame of shape {tuple(nv12.shape)} and type {nv12.dtype} "
+                           f"for a {width} x {height} stream")
+    luma = nv12[:height].float()
+    chroma = nv12[rows : rows + height // 2].reshape(height // 2, width // 2, 2).float() - 128.0
+    chroma = chroma.repeat_interleave(2, dim=0).repeat_interleave(2, dim=1)
+    u, v = chroma[..., 0], chroma[..., 1]
+    red_v, blue_u, green_u, green_v = (c / 65536 for c in COEFFICIENTS[colour.matrix])
+    if colour.full:
+        red_v, blue_u, green_u, green_v = (c * 224 / 255 for c in (red_v, blue_u, green_u, green_v))
+    else:
+        luma = (luma - 16.0) * (255 / 219)
+    rgb = torch.stack([luma + red_v * v, luma - green_u * u - green_v * v, luma + blue_u * u])
+    # floor, not round: FFmpeg's code lands half a level lower than exact arithmetic on average.
+    return rgb.floor_().clamp_(0, 255).to(torch.uint8)
 
 
 def frames_as_decoded(frames: torch.Tensor, video: DeferredVideo) -> torch.Tensor:

@@ -276,8 +276,8 @@ def nv12_to_rgb(nv12: torch.Tensor, coded: tuple[int, int], colour: Colour) -> t
     Another layout (odd sides, other bit depths) is refused: the caller takes the CPU path."""
     height, width = coded
     rows = nv12.shape[0] * 2 // 3 if nv12.dim() == 2 else 0  # luma rows: the stream's, or a surface padded to 16
-    if (nv12.dtype != torch.uint8 or nv12.shape[0] % 3 or not height <= rows < height + 16 or nv12.shape[1] != width
-            or height % 2 or width % 2):
+    if (nv12.dim() != 2 or nv12.dtype != torch.uint8 or nv12.shape[0] % 3 or not height <= rows < height + 16
+            or nv12.shape[1] != width or height % 2 or width % 2):
         raise RuntimeError(f"the video decoder returned an NV12 frame of shape {tuple(nv12.shape)} and type {nv12.dtype} "
                            f"for a {width} x {height} stream")
     luma = nv12[:height].float()

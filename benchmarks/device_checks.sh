@@ -38,6 +38,7 @@
 # nvdec_scaling.py on them: NVDEC alone, sessions as threads and as processes; NVDEC_SCALING_FLAGS="--sessions 1 7"
 # picks counts), fp8-layers NAME...
 # (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),
+# quantize (benchmarks/quantize_rows.py: the FP8 row quantisation alone at the towers' shapes, by warps, #57),
 # families (benchmarks/family_checks.py: DINOv3's bf16 paths against float32, Qwen3.5's batches and kernels;
 # FAMILY_FLAGS="--no-compile" or "--checks qwen3_5" shortens it).
 # MIX_REPEATS (2) sets the mixes' repeats (qwen-mixed always 1). TESTS="expr" runs only the GPU tests pytest's -k selects; TESTS_SECONDS (420) bounds them. SMOKE=1 passes --smoke to the
@@ -248,6 +249,12 @@ nvdec_scaling() {
   summary+=("nvdec_scaling.py:" "$(awk '/^# NVDEC alone/ { table = "" } /^# NVDEC alone/, 0 { table = table $0 "\n" } END { printf "%s", table }' "$out/nvdec-scaling.log")")
 }
 
+quantize() {
+  # The FP8 row quantisation alone at the towers' shapes, by warps per row (#57).
+  timeout "$(budget 300)" python3 benchmarks/quantize_rows.py "${smoke[@]}" 2>&1 | tee "$out/quantize.log"
+  summary+=("quantize_rows.py:" "$(sed -n '/^# FP8 row quantisation/,$p' "$out/quantize.log")")
+}
+
 report() {
   local mix saved=()
   for mix in qwen-mixed qwen-224 siglip clip; do
@@ -265,19 +272,19 @@ while [ $# -gt 0 ]; do
   stage="$1"
   shift
   case "$stage" in
-    prep | tests | decode | attention | naflex | bench | families | clips | report) "$stage" ;;
+    prep | tests | decode | attention | naflex | bench | families | clips | quantize | report) "$stage" ;;
     nvdec-scaling) nvdec_scaling ;;
     clips-bg) clips_bg ;;
     mixes | kernels | captions | video | fp8-layers)
       names=()
-      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench families clips clips-bg nvdec-scaling report mixes kernels captions video fp8-layers " != *" $1 "* ]]; do
+      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench families clips clips-bg nvdec-scaling quantize report mixes kernels captions video fp8-layers " != *" $1 "* ]]; do
         names+=("$1")
         shift
       done
       [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: '$stage' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
       "${stage//-/_}" "${names[@]}"
       ;;
-    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, families, clips, clips-bg, nvdec-scaling, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., fp8-layers NAME..., report)" >&2; exit 2 ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, families, clips, clips-bg, nvdec-scaling, quantize, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., fp8-layers NAME..., report)" >&2; exit 2 ;;
   esac
 done
 clips_running && clips_said

@@ -16,6 +16,12 @@
 # give each call one mix: `mixes siglip`, ..., the last with `report`.
 # For the encoder's kernels (#19), one call per mix or two:
 #     bash benchmarks/device_checks.sh kernels qwen-mixed siglip
+# For video (#56): 1,152 clips take the 16 cores about 15 minutes at CLIP_SECONDS=5.25, so the
+# maker runs in the background through calls made back to back (an idle machine goes back in
+# 30 s), the first carrying [".ffmpeg", "bench-data", ".whl-light"], the others [".whl", "bench-data"]:
+#     CLIPS=1152 CLIP_SECONDS=5.25 bash benchmarks/device_checks.sh clips-bg kernels siglip quantize
+#     bash benchmarks/device_checks.sh tests nvdec-scaling    (on the clips made so far)
+#     NVDEC_SESSIONS="4 7" bash benchmarks/device_checks.sh clips video siglip
 # Stages: prep, tests (tests/test_gpu.py), decode (benchmarks/gpu_decode.py, qwen-224,
 # 24,576 rows, `gpu` and `cpu`, 4 workers, 2 runs each), mixes NAME... (benchmarks/
 # scaling.py, every GPU count up to those visible, qwen-mixed with one repeat as it takes

@@ -27,7 +27,6 @@ the CPU on 256 rows, saying so: the table and its arithmetic are checked, not th
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import log, skipped, table  # noqa: E402
+from benchmarks.common import log, median_seconds, skipped, table  # noqa: E402
 from embedjob.encoders import fp8  # noqa: E402
 
 SCRIPT = "quantize_rows"
@@ -77,10 +76,10 @@ CASES = [
 
 def inputs(case: Case, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows the layer reads (bf16, seeded; a gated case's joined gate|up row), and a norm's weight and bias."""
-    generator = torch.Generator(device="cpu").manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)
     width = 2 * fp8._padded(case.cols) if case.gated else case.cols
-    x = torch.randn(rows, width, generator=generator).to(device, torch.bfloat16)
-    weight = (1 + 0.1 * torch.randn(case.cols, generator=generator)).to(device, torch.bfloat16)
+    x = torch.randn(rows, width, generator=generator, device=device, dtype=torch.bfloat16)
+    weight = 1 + 0.1 * torch.randn(case.cols, generator=generator, device=device, dtype=torch.bfloat16)
     return x, weight, torch.zeros_like(weight)
 
 
@@ -109,25 +108,6 @@ def quantizer(case: Case, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return lambda: torch.ops.embedjob.fp8_quantize_rows(x, padded, case.cols, up, activation, norm, w, b, eps)
 
 
-def seconds(fn, repeats: int, device: torch.device) -> float:
-    """Median seconds of `fn` after a warm-up: CUDA events on a GPU, the clock on a CPU."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            since = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - since)
-    return statistics.median(times)
-
-
 def moved(case: Case, x: torch.Tensor) -> int:
     """Bytes a call reads and writes: the bf16 rows it reads, FP8 rows of the padded width and a float32 scale each."""
     read = x.shape[0] * (2 * case.cols if case.gated else case.cols) * 2
@@ -146,10 +126,10 @@ def main() -> int:
     lines = []
     for case in CASES:
         x, weight, bias = inputs(case, rows, device)
-        copy = seconds(lambda: x.clone(), args.repeats, device)
+        copy = median_seconds(lambda: x.clone(), args.repeats, device)
         for setting in warps:
             fp8.ROW_WARPS = None if setting == "default" else int(setting)
-            took = seconds(quantizer(case, x, weight, bias, args.smoke), args.repeats, device)
+            took = median_seconds(quantizer(case, x, weight, bias, args.smoke), args.repeats, device)
             rate = moved(case, x) / took
             lines.append([case.describe(), setting, f"{took * 1e6:.1f}", f"{rate / 1e12:.2f}", f"{rate / (2 * x.nbytes / copy):.2f}"])
             log(SCRIPT, f"{case.describe()}, warps {setting}: {took * 1e6:.1f} us")

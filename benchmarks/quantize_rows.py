@@ -20,8 +20,8 @@ kernel of this shape). The table is printed last.
 
     PYTHONPATH=. python3 benchmarks/quantize_rows.py [--rows 186624] [--warps default 2 4 8 16]
 
-`--smoke` (no GPU) times the torch path of the same quantisation (`fp8.quantize_rows`) on
-the CPU on 256 rows, saying so: the table and its arithmetic are checked, not the kernel.
+`--smoke` (no GPU) times the torch path of the same call (`fp8.quantize_input`) on the CPU
+on 256 rows, saying so: the table and its arithmetic are checked, not the kernel.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -84,28 +83,16 @@ def inputs(case: Case, rows: int, device: torch.device) -> tuple[torch.Tensor, t
 
 
 def quantizer(case: Case, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, smoke: bool):
-    """The call a job makes for this input: the Triton op on a GPU, the torch path with --smoke."""
+    """The call an FP8 layer makes for this input (`fp8.quantize_input`): the row kernel on a
+    GPU, its torch path with --smoke."""
+    if not smoke:
+        fp8._register_row_quantizer()
     padded = fp8._padded(case.cols)
-    if smoke:
-        def torch_path() -> object:
-            rows = x[:, : case.cols].float()
-            if case.norm == "layer_norm":
-                rows = F.layer_norm(rows, (case.cols,), weight.float(), bias.float())
-            elif case.norm == "rms_norm":
-                rows = F.rms_norm(rows, (case.cols,), weight.float(), 1e-6)
-            if case.activation:
-                rows = fp8.ACTIVATIONS[case.activation][1](rows)
-            if case.gated:
-                rows = F.silu(rows) * x[:, padded : padded + case.cols].float()
-            return fp8._quantize_padded(rows, padded)
-        return torch_path
-    fp8._register_row_quantizer()
-    activation = fp8.GATES["silu"][0] if case.gated else fp8.ACTIVATIONS[case.activation][0] if case.activation else 0
-    norm = fp8.NORMS[case.norm] if case.norm else 0
-    up = padded if case.gated else 0
-    eps = 1e-6 if case.norm == "rms_norm" else 1e-5 if case.norm else 0.0
-    w, b = (weight, bias) if case.norm else (None, None)
-    return lambda: torch.ops.embedjob.fp8_quantize_rows(x, padded, case.cols, up, activation, norm, w, b, eps)
+    norm = None
+    if case.norm:
+        norm = fp8.Norm(case.norm, weight, bias if case.norm == "layer_norm" else None, 1e-6 if case.norm == "rms_norm" else 1e-5)
+    gate, up = ("silu", padded) if case.gated else (None, 0)
+    return lambda: fp8.quantize_input(x, padded, case.cols, not smoke, activation=case.activation, norm=norm, gate=gate, up=up)
 
 
 def moved(case: Case, x: torch.Tensor) -> int:

@@ -221,6 +221,31 @@ def _quantize_padded(rows: torch.Tensor, padded: int) -> tuple[torch.Tensor, tor
     return quantize_rows(rows if rows.shape[1] == padded else F.pad(rows, (0, padded - rows.shape[1])))
 
 
+def quantize_input(
+    rows: torch.Tensor, padded: int, cols: int, kernel: bool, *, activation: str | None = None, norm: Norm | None = None,
+    gate: str | None = None, up: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an FP8 layer quantises of its input `rows` (`quantize_rows`, zero-padded to
+    `padded` columns): the first `cols` columns after `norm`, then the `ACTIVATIONS`
+    `activation`; or, with a `GATES` `gate`, a joined gate|up row's `gate(x[:, :cols]) *
+    x[:, up:up + cols]`. The row kernel runs it where `kernel` and the rows are on CUDA
+    (one pass over each row), torch elsewhere; both give the same rows up to rounding."""
+    if kernel and rows.is_cuda:
+        if gate is not None:
+            return torch.ops.embedjob.fp8_quantize_rows(rows, padded, cols, up, GATES[gate][0], 0, None, None, 0.0)
+        code = 0 if activation is None else ACTIVATIONS[activation][0]
+        if norm is None:
+            return torch.ops.embedjob.fp8_quantize_rows(rows, padded, cols, 0, code, 0, None, None, 0.0)
+        return torch.ops.embedjob.fp8_quantize_rows(rows, padded, cols, 0, code, NORMS[norm.kind], norm.weight, norm.bias, norm.eps)
+    if gate is not None:
+        return _quantize_padded(GATES[gate][1](rows[:, :cols].float()) * rows[:, up : up + cols].float(), padded)
+    if norm is not None:
+        rows = norm(rows)
+    if activation is not None:
+        rows = ACTIVATIONS[activation][1](rows.float())
+    return _quantize_padded(rows, padded)
+
+
 @functools.cache
 def _register_row_quantizer() -> None:
     """Registers `torch.ops.embedjob.fp8_quantize_rows(x, padded, cols, up, activation, norm,
@@ -307,22 +332,9 @@ class Fp8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        padded = self.weight.shape[1]
-        norm = self.norm
-        if self.row_kernel and rows.is_cuda:
-            code = 0 if self.activation is None else ACTIVATIONS[self.activation][0]
-            if norm is None:
-                quantized, scale = torch.ops.embedjob.fp8_quantize_rows(rows, padded, self.in_features, 0, code, 0, None, None, 0.0)
-            else:
-                quantized, scale = torch.ops.embedjob.fp8_quantize_rows(
-                    rows, padded, self.in_features, 0, code, NORMS[norm.kind], norm.weight, norm.bias, norm.eps
-                )
-        else:
-            if norm is not None:
-                rows = norm(rows)
-            if self.activation is not None:
-                rows = ACTIVATIONS[self.activation][1](rows.float())
-            quantized, scale = _quantize_padded(rows, padded)
+        quantized, scale = quantize_input(
+            rows, self.weight.shape[1], self.in_features, self.row_kernel, activation=self.activation, norm=self.norm
+        )
         return self._product(quantized, scale, x)
 
     def gated(self, x: torch.Tensor, activation: str, up: int) -> torch.Tensor:
@@ -332,12 +344,7 @@ class Fp8Linear(torch.nn.Module):
         float32 as the row is quantised, never in `x`'s dtype. No norm or activation of
         the layer's own applies (a gated MLP's norm comes before its gate and up)."""
         rows = x.reshape(-1, x.shape[-1])
-        padded, cols = self.weight.shape[1], self.in_features
-        code, function = GATES[activation]
-        if self.row_kernel and rows.is_cuda:
-            quantized, scale = torch.ops.embedjob.fp8_quantize_rows(rows, padded, cols, up, code, 0, None, None, 0.0)
-        else:
-            quantized, scale = _quantize_padded(function(rows[:, :cols].float()) * rows[:, up : up + cols].float(), padded)
+        quantized, scale = quantize_input(rows, self.weight.shape[1], self.in_features, self.row_kernel, gate=activation, up=up)
         return self._product(quantized, scale, x)
 
     def _product(self, quantized: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

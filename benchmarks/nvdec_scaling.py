@@ -52,7 +52,6 @@ from embedjob.decode.types import DecodeOptions, DeferredVideo  # noqa: E402
 SCRIPT = "nvdec_scaling"
 MODES = ("threads", "processes")
 SMOKE_CLIPS = ("decord_video_0.mov", "torchcodec_h265_video.mp4")
-IDENTITY = ((1, 0), (0, 1))
 IMAGE_PIXELS = 1 << 24
 """A bound on image pixels, which no clip meets (DecodeOptions asks for one)."""
 
@@ -86,11 +85,6 @@ def options() -> DecodeOptions:
     return DecodeOptions(modality="video", max_image_pixels=IMAGE_PIXELS, fps=2.0, max_frames=32, frame_multiple=1, defer_video=True)
 
 
-def deferred(data: bytes) -> DeferredVideo:
-    """A clip left for the GPU's decoder to plan from its stream (`nvdec.decode_frames`)."""
-    return DeferredVideo(data, [], (0, 0), IDENTITY, (0, 0), [], 0.0, 0)
-
-
 _streams = threading.local()
 
 
@@ -120,7 +114,7 @@ def read_nvdec(data: bytes, device: torch.device) -> tuple[float, float]:
         _streams.stream = torch.cuda.Stream(device)
     since = time.perf_counter()
     with torch.cuda.stream(_streams.stream):
-        _, plan = decode_frames(deferred(data), device, options())
+        _, plan = decode_frames(DeferredVideo.unplanned(data), device, options())
     _streams.stream.synchronize()
     return time.perf_counter() - since, plan.source_frames / plan.source_fps if plan.source_fps > 0 else 0.0
 

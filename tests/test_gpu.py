@@ -29,6 +29,7 @@ from engine_helpers import (
     same_size_items,
 )
 
+from embedjob.decode import DecodeOptions
 from embedjob.encoders import attention, load_adapter
 from embedjob.encoders.attention import (
     _cuda_varlen,
@@ -825,6 +826,10 @@ def test_videos_decoded_by_nvdec_are_the_cpu_rows_up_to_the_decoders_rounding(ca
         assert float(diff.mean()) < (6.0 if got.id in on_gpu else 1e-9), (got.id, float(diff.mean()))
 
 
+NVDEC_OPTIONS = DecodeOptions(modality="video", max_image_pixels=1 << 24, fps=2.0, max_frames=32, frame_multiple=1, defer_video=True)
+"""A video job's sampling (2 frames a second, at most 32) for the NVDEC tests that decode clips directly."""
+
+
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
 @pytest.mark.parametrize("name", ["derived_testsrc2_untagged_256x144.mp4", "torchcodec_nasa_13013.mp4", "decord_video_0.mov"])
 def test_nvdec_frames_turned_to_rgb_on_the_rank_are_decords_within_a_level_or_two(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -834,7 +839,7 @@ def test_nvdec_frames_turned_to_rgb_on_the_rank_are_decords_within_a_level_or_tw
     import decord
 
     from embedjob.decode import nvdec
-    from embedjob.decode.types import DecodeOptions, DeferredVideo
+    from embedjob.decode.types import DeferredVideo
     from embedjob.decode.video import decoder_bytes
 
     monkeypatch.setattr(nvdec, "YUV_HERE", True)
@@ -843,8 +848,7 @@ def test_nvdec_frames_turned_to_rgb_on_the_rank_are_decords_within_a_level_or_tw
     want = torch.from_numpy(decord.VideoReader(io.BytesIO(decoder_bytes(data)))[0].asnumpy()).permute(2, 0, 1)
     height, width = want.shape[1:]
     video = DeferredVideo(data, [0], (width, height), ((1, 0), (0, 1)), (height, width), [0.0], 30.0, 1)
-    options = DecodeOptions(modality="video", max_image_pixels=1 << 24, fps=2.0, max_frames=32, frame_multiple=1, defer_video=True)
-    frames, _ = nvdec.decode_frames(video, torch.device("cuda"), options)
+    frames, _ = nvdec.decode_frames(video, torch.device("cuda"), NVDEC_OPTIONS)
     nvdec._sessions.decoder = None
     diff = (frames[0].cpu().to(torch.int16) - want.to(torch.int16)).abs().float()
     assert float(diff.mean()) < 1.0 and float(diff.max()) <= 2, (float(diff.mean()), float(diff.max()))
@@ -856,16 +860,15 @@ def test_nvdec_sessions_on_streams_of_their_own_read_the_frames_of_the_shared_st
     benchmarks/nvdec_scaling.py) changes where the frames are made, not what they are: the
     H.264 test clips read by 3 sessions give the same frames and plans either way."""
     from embedjob.decode import nvdec
-    from embedjob.decode.types import DecodeOptions, DeferredVideo
+    from embedjob.decode.types import DeferredVideo
 
-    options = DecodeOptions(modality="video", max_image_pixels=1 << 24, fps=2.0, max_frames=32, frame_multiple=1, defer_video=True)
     names = ["decord_video_0.mov", "decord_video_90.mov", "decord_video_180.mov", "torchcodec_nasa_13013.mp4"]
-    videos = [DeferredVideo((REPO / "tests" / "data" / name).read_bytes(), [], (0, 0), ((1, 0), (0, 1)), (0, 0), [], 0.0, 0) for name in names]
+    videos = [DeferredVideo.unplanned((REPO / "tests" / "data" / name).read_bytes()) for name in names]
     read = {}
     for own in (False, True):
         monkeypatch.setattr(nvdec, "OWN_STREAMS", own)
         monkeypatch.setattr(nvdec, "_pool", None)  # new threads: new sessions, made under this setting
-        read[own] = nvdec.decode_videos(videos, torch.device("cuda"), dataclasses.replace(options, nvdec_sessions=3))
+        read[own] = nvdec.decode_videos(videos, torch.device("cuda"), dataclasses.replace(NVDEC_OPTIONS, nvdec_sessions=3))
         torch.cuda.synchronize()
         nvdec._pool[1].shutdown(wait=True)
     for name, shared, own in zip(names, read[False], read[True], strict=True):

@@ -390,7 +390,7 @@ def test_a_plan_made_on_the_rank_follows_the_cpu_paths_rules(frames, fps, width,
         modality="video", max_image_pixels=50_000_000, fps=2.0, max_frames=max_frames, frame_multiple=multiple,
         max_frame_pixels=2_000_000, frame_pixel_limit=33_177_600, video_pixel_limit=500_000_000,
     )
-    unplanned = DeferredVideo(b"", [], (0, 0), turn, (0, 0), [], 0.0, 0)
+    unplanned = DeferredVideo.unplanned(b"", turn)
     try:
         plan = plan_from_stream(unplanned, frames, fps, width, height, options)
     except MediaError as err:
@@ -416,5 +416,5 @@ def test_a_clip_the_rank_finds_no_frames_in_is_a_no_frames_row() -> None:
 
     options = DecodeOptions(modality="video", max_image_pixels=50_000_000, fps=2.0, max_frames=32, frame_multiple=2)
     with pytest.raises(MediaError) as err:
-        plan_from_stream(DeferredVideo(b"", [], (0, 0), _TURNS[0], (0, 0), [], 0.0, 0), 0, 30.0, 640, 360, options)
+        plan_from_stream(DeferredVideo.unplanned(b"", _TURNS[0]), 0, 30.0, 640, 360, options)
     assert err.value.code == "no_frames"

@@ -127,6 +127,12 @@ class DeferredVideo:
     source_fps: float
     source_frames: int
 
+    @classmethod
+    def unplanned(cls, data: bytes, matrix: tuple[tuple[int, int], tuple[int, int]] = ((1, 0), (0, 1))) -> DeferredVideo:
+        """A video left to the GPU's decoder without a plan (no indices: a codec decord
+        lacks), which the rank makes from the stream (`video.plan_from_stream`)."""
+        return cls(data, [], (0, 0), matrix, (0, 0), [], 0.0, 0)
+
 
 @dataclass
 class DecodedVideo:

@@ -178,7 +178,7 @@ def decode_video(data: bytes, options: DecodeOptions, fmt: str | None) -> Decode
             if not (options.defer_video and err.code == "unsupported_codec"):
                 raise
             # A codec decord lacks (AV1) may be one the GPU's decoder has: the rank plans it.
-            video = DeferredVideo(data, [], (0, 0), facts.matrix, (0, 0), [], 0.0, 0)
+            video = DeferredVideo.unplanned(data, facts.matrix)
         messages = log.summary("")
         if messages:
             logger.debug("decoder messages: %s", messages)

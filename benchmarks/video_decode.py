@@ -41,8 +41,8 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,9 @@ def main() -> int:
     log(f"[video] encoder only on {parquet}")
     encoder = measure(load_job(job, []), device, len(os.sched_getaffinity(0)), 3)
     runs: dict[str, dict[str, Any] | None] = {}
-    outputs: dict[str, pa.Table] = {}
+    decord: pa.Table | None = None
+    compared: dict[str, tuple[tuple[bool, np.ndarray, int], str]] = {}
+    text = ""
     for label, decoder, sessions in planned_runs(args, runs):
         if decoder == "nvdec" and args.smoke:
             skipped("video_decode", "the nvdec run", "NVDEC needs a CUDA device")
@@ -93,12 +95,16 @@ def main() -> int:
         overrides = [f"runtime.workers={_workers(args, decoder)}", f"video.decoder={decoder}", f"video.nvdec_sessions={sessions}"]
         runs[label] = run_cli(job, output, 1, overrides, workdir / "logs" / f"{label}.log")
         if runs[label] is not None:
-            outputs[label] = pq.read_table(sorted(output.glob("part-*.parquet")))
+            table = pq.read_table(sorted(output.glob("part-*.parquet")))
+            if label == "decord":
+                decord = table
+            elif decord is not None:
+                compared[label] = (compare(decord, table), worst_clips(decord, table))
         log(f"[video] {label}: {'done' if runs[label] else 'FAILED'}")
         # Saved after every run, so a call cut off by its limit keeps the rows it finished.
-        text = report(workdir, seconds, encoder, runs, outputs, args)
+        text = report(workdir, seconds, encoder, runs, compared, args)
         log(f"[video] the table so far:\n{text}")
-    print(report(workdir, seconds, encoder, runs, outputs, args), flush=True)
+    print(text, flush=True)
     return 0
 
 
@@ -125,13 +131,12 @@ def fastest_sessions(args: argparse.Namespace, runs: dict[str, dict[str, Any] | 
 
 
 def report(workdir: Path, seconds: float, encoder: EncoderOnly, runs: dict[str, dict[str, Any] | None],
-           outputs: dict[str, pa.Table], args: argparse.Namespace) -> str:
-    """The table of the runs so far, with the clips furthest from decord's vectors, also
-    written to `<workdir>/video_decode.md`."""
-    compared = [label for label in outputs if label != "decord"] if "decord" in outputs else []
-    cosines = {label: compare(outputs["decord"], outputs[label]) for label in compared}
-    text = render(seconds, encoder, runs, cosines, args)
-    text += "".join(f"\nlowest cosines to decord, {label}: {worst_clips(outputs['decord'], outputs[label])}" for label in compared)
+           compared: dict[str, tuple[tuple[bool, np.ndarray, int], str]], args: argparse.Namespace) -> str:
+    """The table of the runs so far (`compared`: each GPU run's comparison with decord's
+    rows and its clips furthest from decord's vectors), also written to
+    `<workdir>/video_decode.md`."""
+    text = render(seconds, encoder, runs, {label: cosines for label, (cosines, _) in compared.items()}, args)
+    text += "".join(f"\nlowest cosines to decord, {label}: {worst}" for label, (_, worst) in compared.items())
     (workdir / "video_decode.md").write_text(text + "\n")
     return text
 

@@ -42,11 +42,6 @@ def nvdec_problem(device: torch.device) -> str | None:
     return None
 
 
-# Each thread of `_threads` keeps one decoder session. An H100 or H200 has 7 NVDEC
-# engines and one session keeps about one of them busy (a 1080p H.264 clip: 0.34 s for
-# 14 sampled frames in one session), so one session alone is slower than 16 decord processes.
-_sessions = threading.local()
-
 OWN_STREAMS = False
 """Whether each thread's decoder session gets a CUDA stream of its own (PyNvVideoCodec's
 `cuda_stream`) instead of the library's default, the legacy stream every session shares.
@@ -74,6 +69,10 @@ class Colour:
     full: bool = False
 
 
+# Each thread of `_threads` keeps one decoder session. An H100 or H200 has 7 NVDEC
+# engines and one session keeps about one of them busy (a 1080p H.264 clip: 0.34 s for
+# 14 sampled frames in one session), so one session alone is slower than 16 decord processes.
+_sessions = threading.local()
 _pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 

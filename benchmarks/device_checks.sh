@@ -62,6 +62,12 @@ smoke=()
 [ "${SMOKE:-0}" = 1 ] && smoke=(--smoke)
 summary=()
 
+last_table() {
+  # The lines of file $2 from the last line matching $1 on: a script that prints its table again after every
+  # run leaves its final one last.
+  awk -v head="$1" '$0 ~ head { table = "" } $0 ~ head, 0 { table = table $0 "\n" } END { printf "%s", table }' "$2"
+}
+
 budget() {
   # Seconds a stage may run: at most $1, and never past the call's deadline.
   local left=$(( ${DEADLINE:-570} - ($(date +%s) - started) ))
@@ -149,7 +155,7 @@ kernels() {
   timeout "$(budget 560)" python3 benchmarks/precision.py "${smoke[@]}" --photos bench-data --mixes "$@" --images "${counts[@]}" \
     --repeats 3 --reference 4 --precisions ${PRECISIONS:-fp8} --kernels --workdir "$work/precision" 2>&1 | tee "$log"
   summary+=("precision.py --kernels, $* (the kernel tables are in ${log##*/}):"
-    "$(awk '/^# model.precision/ { table = "" } /^# model.precision/, 0 { table = table $0 "\n" } END { printf "%s", table }' "$log")")
+    "$(last_table '^# model.precision' "$log")")
 }
 
 naflex() {
@@ -252,7 +258,7 @@ nvdec_scaling() {
   # shellcheck disable=SC2086  # NVDEC_SCALING_FLAGS is a list of flags
   timeout "$(budget 400)" python3 benchmarks/nvdec_scaling.py "${smoke[@]}" --clips "$work/clips" ${NVDEC_SCALING_FLAGS:-} 2>&1 |
     tee "$out/nvdec-scaling.log"
-  summary+=("nvdec_scaling.py:" "$(awk '/^# NVDEC alone/ { table = "" } /^# NVDEC alone/, 0 { table = table $0 "\n" } END { printf "%s", table }' "$out/nvdec-scaling.log")")
+  summary+=("nvdec_scaling.py:" "$(last_table '^# NVDEC alone' "$out/nvdec-scaling.log")")
 }
 
 quantize() {

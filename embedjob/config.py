@@ -206,7 +206,8 @@ class VideoConfig:
     )
     nvdec_sessions: int = key(
         DEFAULT_NVDEC_SESSIONS, "with decoder nvdec or auto: videos the GPU's decoder reads at once, one decoder session each "
-        "(an H100 or H200 has 7 decode engines, an A100 5)", AT_LEAST_1,
+        "(an H100 or H200 has 7 decode engines, but past 4 sessions the decoder's calls take turns for the GIL: 4 read the most "
+        "on an H100)", AT_LEAST_1,
     )
 
 

@@ -45,16 +45,18 @@ def nvdec_problem(device: torch.device) -> str | None:
 OWN_STREAMS = False
 """Whether each thread's decoder session gets a CUDA stream of its own (PyNvVideoCodec's
 `cuda_stream`) instead of the library's default, the legacy stream every session shares.
-In a job 4, 7 and 14 sessions read the same 52-54 s of video a second on an H200
-(benchmarks/RESULTS.md section 11), as if they took turns; `benchmarks/nvdec_scaling.py
---variants` measures both settings, and this one stays off until its numbers say so."""
+Off: on an H100, NVDEC alone read 68.7 s of video a second in 4 threads on the shared
+stream and 63.4 on streams of their own (`benchmarks/nvdec_scaling.py`, benchmarks/
+RESULTS.md section 11); past 4 threads the decoder's calls hold the GIL, either way."""
 
 YUV_HERE = False
 """Whether 8-bit streams come from the decoder as NV12 and are turned to RGB here
 (`nv12_to_rgb`: the matrix and range the stream is tagged with, BT.601 and limited range
 where it has no tags, as decord's FFmpeg does), instead of by PyNvVideoCodec's RGB output,
-whose vectors were down to cosine 0.983 from decord's on untagged clips (benchmarks/
-RESULTS.md section 11). Off until a GPU has compared both with decord (tests/test_gpu.py)."""
+whose vectors were down to cosine 0.983 from decord's on untagged clips. Off: the tags come
+from PyNvVideoCodec's demuxer, which reads the container's (an MP4 `colr` box) but not the
+bitstream's, which decord's FFmpeg reads; a clip tagged BT.709 in its H.264 stream only came
+out 20 levels off decord's (benchmarks/RESULTS.md section 11, tests/test_gpu.py)."""
 
 COEFFICIENTS = {"bt601": (104597, 132201, 25675, 53279), "bt709": (117489, 138438, 13975, 34925)}
 """YUV -> RGB for limited-range chroma, in 1/65536: V to red, U to blue, U and V off green;
@@ -205,9 +207,11 @@ def _session(path: str, device: torch.device) -> tuple[Any, Any, Colour | None]:
 
 
 def stream_colour(demuxer: Any) -> Colour:
-    """The conversion decord's FFmpeg applies to the stream PyNvVideoCodec's `demuxer`
-    reads (FFmpeg's own tags for it): BT.709 where tagged so, else BT.601 (FFmpeg's
-    choice for untagged streams and for BT.601's own tags); full range where tagged so."""
+    """The conversion the tags PyNvVideoCodec's `demuxer` reports ask for: BT.709 where
+    tagged so, else BT.601 (FFmpeg's choice for untagged streams and for BT.601's own
+    tags); full range where tagged so. Those are the container's tags: a stream tagged in
+    its bitstream only reads as untagged here, where decord's FFmpeg reads its tag (see
+    `YUV_HERE`)."""
     space, scale = str(demuxer.ColorSpace()).upper(), str(demuxer.ColorRange()).upper()
     return Colour("bt709" if "709" in space else "bt601", full="JPEG" in scale)
 

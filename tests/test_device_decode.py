@@ -765,42 +765,86 @@ def test_the_gpu_tests_take_only_pictures_that_decode() -> None:
 
 
 # NV12 frames turned to RGB on the rank (`nvdec.YUV_HERE`): raw NV12 of a clip's first frame
-# (tests/data/*.nv12, dumped by FFmpeg) against what decord makes of that frame.
+# (tests/data/*.nv12, dumped by FFmpeg; rows `first` on, `rows` of them) against what decord
+# makes of those rows, with the conversion `nvdec.media_colour` reads from the clip.
 
 NV12_FIXTURES = [
-    ("derived_testsrc2_untagged_256x144.mp4", "derived_testsrc2_untagged_256x144.nv12", (144, 256), "bt601"),
-    ("torchcodec_nasa_13013.mp4", "derived_nasa_13013_frame0.nv12", (180, 320), "bt709"),
+    # untagged colour bars: BT.601, limited range
+    ("derived_testsrc2_untagged_256x144.mp4", "derived_testsrc2_untagged_256x144.nv12", 0, (144, 256)),
+    # BT.709 in its container's colr box and in its stream
+    ("torchcodec_nasa_13013.mp4", "derived_nasa_13013_frame0.nv12", 0, (180, 320)),
+    # BT.709 in its stream only (PyNvVideoCodec reports no tag): its most saturated rows
+    ("decord_video_0.mov", "derived_decord_video_0_frame0_rows96-159.nv12", 96, (64, 568)),
+    # BT.470BG, full range, in its stream
+    ("colour/derived_h264_bt470bg_full.mp4", "colour/derived_h264_bt470bg_full_frame0.nv12", 0, (72, 128)),
 ]
 
 
-def nv12_and_decord_frame(clip: str, raw: str, coded: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fixture's NV12 planes and decord's RGB of the same frame, (3, H, W), from the
+def nv12_and_decord_rows(clip: str, raw: str, first: int, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixture's NV12 planes and decord's RGB of the same rows, (3, rows, W), from the
     bytes the CPU path gives decord (the first video track only)."""
     import decord
 
     from embedjob.decode.video import decoder_bytes
 
-    nv12 = torch.frombuffer(bytearray((DATA / raw).read_bytes()), dtype=torch.uint8).reshape(coded[0] * 3 // 2, coded[1])
-    frame = decord.VideoReader(io.BytesIO(decoder_bytes((DATA / clip).read_bytes())))[0].asnumpy()
+    rows, width = shape
+    nv12 = torch.frombuffer(bytearray((DATA / raw).read_bytes()), dtype=torch.uint8).reshape(rows * 3 // 2, width)
+    frame = decord.VideoReader(io.BytesIO(decoder_bytes((DATA / clip).read_bytes())))[0].asnumpy()[first : first + rows]
     return nv12, torch.from_numpy(frame).permute(2, 0, 1)
 
 
-@pytest.mark.parametrize("clip, raw, coded, matrix", NV12_FIXTURES)
-def test_nv12_turned_to_rgb_here_is_decords_frame_within_a_level_or_two(clip: str, raw: str, coded: tuple[int, int], matrix: str) -> None:
-    """An untagged clip (colour bars: decord's FFmpeg reads it as BT.601) and a BT.709
-    one: the rank's conversion with the stream's matrix lands within 2 levels of decord's
-    pixels everywhere, about half a level on average; the other matrix is off by several
-    levels on the colour bars, which is what a decoder that guesses wrong gives."""
-    from embedjob.decode.nvdec import Colour, nv12_to_rgb
+@pytest.mark.parametrize("clip, raw, first, shape", NV12_FIXTURES)
+def test_nv12_turned_to_rgb_here_is_decords_frame_within_a_level_or_two(clip: str, raw: str, first: int, shape: tuple[int, int]) -> None:
+    """With the conversion read from the clip's own bytes, the rank's RGB lands within 2
+    levels of decord's pixels everywhere, under a level on average; the other matrix (or
+    range) is off by many levels on these colours, which is what a wrong reading of the
+    tags gives (a BT.601 reading of decord_video_0.mov: 20 levels)."""
+    from embedjob.decode.nvdec import Colour, media_colour, nv12_to_rgb
 
-    nv12, want = nv12_and_decord_frame(clip, raw, coded)
-    got = nv12_to_rgb(nv12, coded, Colour(matrix))
+    nv12, want = nv12_and_decord_rows(clip, raw, first, shape)
+    colour = media_colour((DATA / clip).read_bytes())
+    assert colour is not None
+    got = nv12_to_rgb(nv12, shape, colour)
     diff = (got.to(torch.int16) - want.to(torch.int16)).abs().float()
     assert got.shape == want.shape and got.dtype == torch.uint8
     assert float(diff.mean()) < 0.8 and float(diff.max()) <= 2, (float(diff.mean()), float(diff.max()))
-    if matrix == "bt601":
-        wrong = nv12_to_rgb(nv12, coded, Colour("bt709"))
-        assert float((wrong.to(torch.int16) - want.to(torch.int16)).abs().float().mean()) > 3.0
+    other = Colour("bt709" if colour.matrix == "bt601" and not colour.full else "bt601", full=False)
+    wrong = nv12_to_rgb(nv12, shape, other)
+    assert float((wrong.to(torch.int16) - want.to(torch.int16)).abs().float().max()) >= 10
+
+
+@pytest.mark.parametrize("name, colour", [
+    ("derived_testsrc2_untagged_256x144.mp4", ("bt601", False)),
+    ("decord_video_0.mov", ("bt709", False)),
+    ("torchcodec_nasa_13013.mp4", ("bt709", False)),
+    ("torchcodec_h265_video.mp4", ("bt601", False)),
+    ("colour/derived_h264_bt470bg_full.mp4", ("bt601", True)),
+    ("colour/derived_hevc_bt470bg_full.mp4", ("bt601", True)),
+    ("colour/derived_h264_smpte170m.mp4", ("bt601", False)),
+    ("colour/derived_hevc_default_scaling_bt709.mp4", ("bt709", False)),
+    ("colour/derived_h264_bt2020.mov", None),
+    ("colour/derived_h264_bt709.mkv", None),
+])
+def test_the_conversion_read_from_a_clip_is_decords_or_none(name: str, colour: tuple[str, bool] | None) -> None:
+    """The stream's tags, else the container's, else BT.601 limited; None (the session
+    then hands RGB) for a matrix the rank has no table for (BT.2020) and outside MP4/MOV,
+    where the tags are not read here."""
+    from embedjob.decode.nvdec import Colour, media_colour
+
+    assert media_colour((DATA / name).read_bytes()) == (Colour(*colour) if colour else None)
+
+
+def test_the_streams_colour_tag_wins_over_the_containers() -> None:
+    """As in FFmpeg's decoder: nasa's `colr` box rewritten to say SMPTE 170M still reads as
+    the BT.709 its stream says."""
+    from embedjob.decode.containers import mp4_facts
+    from embedjob.decode.nvdec import Colour, media_colour
+
+    data = bytearray((DATA / "torchcodec_nasa_13013.mp4").read_bytes())
+    at = data.index(b"colrnclx") + 12
+    data[at : at + 2] = (6).to_bytes(2, "big")
+    assert mp4_facts(bytes(data)).container_tags.matrix == 6
+    assert media_colour(bytes(data)) == Colour("bt709", False)
 
 
 def test_nv12_of_another_layout_is_refused_so_the_cpu_path_reads_the_clip() -> None:
@@ -812,27 +856,14 @@ def test_nv12_of_another_layout_is_refused_so_the_cpu_path_reads_the_clip() -> N
         nv12_to_rgb(torch.zeros(216, 255, dtype=torch.uint8), (144, 255), Colour())
 
 
-def test_a_streams_colour_tags_pick_decords_conversion() -> None:
-    """PyNvVideoCodec's demuxer says FFmpeg's tags (its enums print as e.g. ColorSpace.BT_709):
-    BT.709 where tagged so, BT.601 untagged or tagged BT.601, full range where tagged JPEG."""
-    from embedjob.decode.nvdec import Colour, stream_colour
-
-    def demuxer(space: str, scale: str) -> SimpleNamespace:
-        return SimpleNamespace(ColorSpace=lambda: f"ColorSpace.{space}", ColorRange=lambda: f"ColorRange.{scale}")
-
-    assert stream_colour(demuxer("BT_709", "MPEG")) == Colour("bt709", full=False)
-    assert stream_colour(demuxer("UNSPEC", "UNSPEC")) == Colour("bt601", full=False)
-    assert stream_colour(demuxer("BT_601", "JPEG")) == Colour("bt601", full=True)
-
-
 def test_an_nv12_surface_padded_below_the_picture_gives_the_pictures_rgb() -> None:
     """Decoder surfaces may be taller than the picture (a 1080-row stream in 1088 rows):
     the chroma rows start after the padded luma, and the padding is not shown."""
     from embedjob.decode.nvdec import Colour, nv12_to_rgb
 
-    clip, raw, coded, matrix = NV12_FIXTURES[0]
-    nv12, _ = nv12_and_decord_frame(clip, raw, coded)
+    clip, raw, first, coded = NV12_FIXTURES[0]
+    nv12, _ = nv12_and_decord_rows(clip, raw, first, coded)
     height, width = coded
     padded = torch.full(((height + 8) * 3 // 2, width), 77, dtype=torch.uint8)
     padded[:height], padded[height + 8 : height + 8 + height // 2] = nv12[:height], nv12[height:]
-    assert torch.equal(nv12_to_rgb(padded, coded, Colour(matrix)), nv12_to_rgb(nv12, coded, Colour(matrix)))
+    assert torch.equal(nv12_to_rgb(padded, coded, Colour()), nv12_to_rgb(nv12, coded, Colour()))

@@ -831,19 +831,13 @@ NVDEC_OPTIONS = DecodeOptions(modality="video", max_image_pixels=1 << 24, fps=2.
 
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
-@pytest.mark.parametrize("name", [
-    "derived_testsrc2_untagged_256x144.mp4",
-    "torchcodec_nasa_13013.mp4",
-    pytest.param("decord_video_0.mov", marks=pytest.mark.xfail(strict=True, reason=(
-        "BT.709 in its H.264 stream only: PyNvVideoCodec's demuxer reports the container's tags, none here, "
-        "so the rank reads it as BT.601 (20 levels off at most on an H100); why YUV_HERE stays off"))),
-])
+@pytest.mark.parametrize("name", ["derived_testsrc2_untagged_256x144.mp4", "torchcodec_nasa_13013.mp4", "decord_video_0.mov"])
 def test_nvdec_frames_turned_to_rgb_on_the_rank_are_decords_within_a_level_or_two(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`nvdec.YUV_HERE`: NVDEC hands NV12 and the rank turns it to RGB with the matrix
-    the stream's tags ask for (BT.601 for the untagged colour bars, BT.709 for the clip
-    tagged in its MP4 `colr` box): frame 0 within 2 levels of decord's everywhere, under a
-    level on average. A clip tagged in its bitstream only is not read right yet (xfail:
-    strict, so the day it is, the test says so)."""
+    """`nvdec.YUV_HERE`: NVDEC hands NV12 and the rank turns it to RGB with the conversion
+    `nvdec.media_colour` reads from the clip (BT.601 for the untagged colour bars, BT.709
+    for nasa, tagged in its container and stream, and for decord_video_0.mov, tagged in its
+    stream only, which PyNvVideoCodec's demuxer does not report): frame 0 within 2 levels
+    of decord's everywhere, under a level on average."""
     import decord
 
     from embedjob.decode import nvdec

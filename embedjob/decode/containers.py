@@ -4,7 +4,8 @@ decord (FFmpeg 4.1) exposes neither a frame size before decoding nor the display
 mirroring, and it decodes every video track it is given. So the few facts the video
 decoder needs are read here, from our own walk of the container:
 
-- MP4/MOV: the first video track's codec and frame size (`stsd`), its display matrix
+- MP4/MOV: the first video track's codec, frame size and colour tags (`stsd`: its `colr`
+  box, and the VUI of the SPS in its `avcC` or `hvcC`, `bitstream`), its display matrix
   composed with the movie's (`tkhd`, `mvhd`), patches that leave decord only that track
   with an identity matrix (other video `trak` boxes renamed `free`: same size, so no
   offset moves), and whether a top-level box runs past the end.
@@ -21,6 +22,8 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from embedjob.decode.bitstream import SignalTags, avcc_sps, h264_tags, hevc_tags, hvcc_sps
+
 Matrix = tuple[tuple[int, int], tuple[int, int]]
 _IDENTITY: Matrix = ((1, 0), (0, 1))
 _IDENTITY_MATRIX_BYTES = struct.pack(">9i", 0x10000, 0, 0, 0, 0x10000, 0, 0, 0, 0x40000000)
@@ -36,6 +39,9 @@ class Mp4Facts:
     `patches`: (offset, bytes) writes that leave decord only the first video track,
     with an identity display matrix. `truncated`: a top-level box runs past the end.
     `frame_size`: (width, height) of the first video track's sample entry, None if absent.
+    `container_tags`: its `colr` box's colour tags, None without one (or with an ICC
+    profile instead); `stream_tags`: those of its SPS (`avcC`/`hvcC`), None where the
+    entry holds no SPS or it cannot be read.
     """
 
     video_codecs: list[str] = field(default_factory=list)
@@ -43,6 +49,8 @@ class Mp4Facts:
     patches: list[tuple[int, bytes]] = field(default_factory=list)
     truncated: bool = False
     frame_size: tuple[int, int] | None = None
+    container_tags: SignalTags | None = None
+    stream_tags: SignalTags | None = None
 
 
 def _boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
@@ -109,6 +117,7 @@ def _read_trak(data: bytes, start: int, end: int, box_offset: int, facts: Mp4Fac
         return
     if stsd:
         facts.frame_size = _sample_entry_size(data, stsd[0])
+        facts.container_tags, facts.stream_tags = _sample_entry_tags(data, stsd[0], codec)
     if tkhd and tkhd[0] < len(data):
         offset = tkhd[0] + (52 if data[tkhd[0]] == 1 else 40)
         facts.matrix = _read_matrix(data, offset)
@@ -124,6 +133,41 @@ def _sample_entry_size(data: bytes, stsd: int) -> tuple[int, int] | None:
         return None
     width, height = struct.unpack_from(">HH", data, offset)
     return (width, height) if width and height else None
+
+
+_VISUAL_SAMPLE_ENTRY = 78
+"""Bytes of a VisualSampleEntry after its box header, before its child boxes."""
+
+_PARAMETER_SETS = {"avc1": (b"avcC", avcc_sps, h264_tags), "avc3": (b"avcC", avcc_sps, h264_tags),
+                   "hvc1": (b"hvcC", hvcc_sps, hevc_tags), "hev1": (b"hvcC", hvcc_sps, hevc_tags)}
+"""Sample entry type -> its decoder configuration box, the SPS in it and that SPS's tags."""
+
+
+def _sample_entry_tags(data: bytes, stsd: int, codec: str) -> tuple[SignalTags | None, SignalTags | None]:
+    """The `colr` box's tags and the SPS's tags of the first sample entry of an `stsd`
+    payload (see `Mp4Facts`)."""
+    if stsd + 16 > len(data):
+        return None, None
+    entry = stsd + 8
+    children = entry + 8 + _VISUAL_SAMPLE_ENTRY, entry + struct.unpack_from(">I", data, entry)[0]
+    colr = _child(data, *children, b"colr")
+    container = _colr_tags(data[colr[0] : colr[1]]) if colr else None
+    if codec not in _PARAMETER_SETS:
+        return container, None
+    kind, first_sps, tags = _PARAMETER_SETS[codec]
+    config = _child(data, *children, kind)
+    sps = first_sps(data[config[0] : config[1]]) if config else None
+    return container, tags(sps) if sps else None
+
+
+def _colr_tags(colr: bytes) -> SignalTags | None:
+    """The tags of a `colr` payload: `nclx` (ISO 14496-12: primaries, transfer, matrix,
+    then the full-range bit) or QuickTime's `nclc` (no range); None for an ICC profile."""
+    if len(colr) < 10 or colr[:4] not in (b"nclx", b"nclc"):
+        return None
+    matrix = struct.unpack_from(">H", colr, 8)[0]
+    full = bool(colr[10] & 0x80) if colr[:4] == b"nclx" and len(colr) > 10 else None
+    return SignalTags(matrix=matrix, full=full)
 
 
 def _child(data: bytes, start: int, end: int, kind: bytes) -> tuple[int, int] | None:

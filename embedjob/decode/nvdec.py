@@ -7,8 +7,8 @@ frames undecoded (`DeferredVideo`); the rank reads exactly those frames here, fr
 bytes (a file in memory while it reads them), as RGB on its GPU, `nvdec_sessions` videos
 at a time (`video.nvdec_sessions`), and applies the rest of the CPU path's steps there
 (`frames_as_decoded`). A failure raises, and the caller takes the CPU path for that video.
-Two settings wait for a GPU's numbers (see each): `YUV_HERE` (NV12 from the decoder, turned
-to RGB here as decord's FFmpeg does) and `OWN_STREAMS` (a CUDA stream per session).
+`YUV_HERE` (NV12 from the decoder, turned to RGB here as decord's FFmpeg does) waits for a
+GPU's numbers; `OWN_STREAMS` (a CUDA stream per session) has them, and stays off.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from typing import Any
 import torch
 import torchvision.transforms.v2.functional as tvF
 
+from embedjob.decode.bitstream import SignalTags
+from embedjob.decode.containers import mp4_facts
+from embedjob.decode.sniff import sniff_format
 from embedjob.decode.types import DecodeOptions, DeferredVideo, MediaError
 from embedjob.decode.video import decoder_bytes, plan_from_stream
 
@@ -53,10 +56,11 @@ YUV_HERE = False
 """Whether 8-bit streams come from the decoder as NV12 and are turned to RGB here
 (`nv12_to_rgb`: the matrix and range the stream is tagged with, BT.601 and limited range
 where it has no tags, as decord's FFmpeg does), instead of by PyNvVideoCodec's RGB output,
-whose vectors were down to cosine 0.983 from decord's on untagged clips. Off: the tags come
-from PyNvVideoCodec's demuxer, which reads the container's (an MP4 `colr` box) but not the
-bitstream's, which decord's FFmpeg reads; a clip tagged BT.709 in its H.264 stream only came
-out 20 levels off decord's (benchmarks/RESULTS.md section 11, tests/test_gpu.py)."""
+whose vectors were down to cosine 0.983 from decord's on untagged clips. The tags are read
+here (`media_colour`: the SPS's, then the container's), as decord's FFmpeg reads them;
+PyNvVideoCodec's demuxer reports the container's alone, which left a clip tagged BT.709 in
+its H.264 stream only 20 levels off decord's (benchmarks/RESULTS.md section 11). Off until
+a GPU has compared this reading with decord (tests/test_gpu.py)."""
 
 COEFFICIENTS = {"bt601": (104597, 132201, 25675, 53279), "bt709": (117489, 138438, 13975, 34925)}
 """YUV -> RGB for limited-range chroma, in 1/65536: V to red, U to blue, U and V off green;
@@ -128,7 +132,7 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     or, for a video they could not plan, one made here (`video.plan_from_stream`)."""
     with _spilled(decoder_bytes(video.data)) as path:
         try:
-            decoder, facts, colour = _session(path, device)
+            decoder, facts, colour = _session(path, device, media_colour(video.data) if YUV_HERE else None)
             _refuse_small(facts)
             if not video.indices:
                 video = plan_from_stream(video, facts.num_frames, facts.average_fps, facts.width, facts.height, options)
@@ -174,9 +178,9 @@ def _frames(decoder: Any, unique: list[int], coded: tuple[int, int], device: tor
     return frames
 
 
-def _session(path: str, device: torch.device) -> tuple[Any, Any, Colour | None]:
-    """This thread's decoder, pointed at the video in `path`, the stream's facts, and, with
-    `YUV_HERE` for an 8-bit stream, its `Colour` (the session then hands NV12): made once
+def _session(path: str, device: torch.device, colour: Colour | None) -> tuple[Any, Any, Colour | None]:
+    """This thread's decoder, pointed at the video in `path`, the stream's facts, and, for
+    an 8-bit stream given its `colour`, that colour (the session then hands NV12): made once
     per thread and reconfigured for each video after (making one costs about 0.18 s),
     while the videos are 8-bit and of one kind (`_kind`). Reconfigured for a stream of
     another codec or size, an H200 returned garbled frames at the right size (a 66 x 50
@@ -192,28 +196,42 @@ def _session(path: str, device: torch.device) -> tuple[Any, Any, Colour | None]:
     if demuxer.BitDepth() > 8:
         decoder = _new_session(nvc, path, device, native=False)
         return decoder, decoder.get_stream_metadata(), None
-    colour = stream_colour(demuxer) if YUV_HERE else None
+    native = colour is not None
     held = getattr(_sessions, "decoder", None)
     if held is not None and held[0] is nvc and held[1] == device:
         held[2].reconfigure_decoder(path)
         facts = held[2].get_stream_metadata()
-        if _kind(facts, YUV_HERE) == held[3] or _small(facts):
+        if _kind(facts, native) == held[3] or _small(facts):
             return held[2], facts, colour
     _sessions.decoder = None
-    decoder = _new_session(nvc, path, device, native=YUV_HERE)
+    decoder = _new_session(nvc, path, device, native=native)
     facts = decoder.get_stream_metadata()
-    _sessions.decoder = (nvc, device, decoder, _kind(facts, YUV_HERE))
+    _sessions.decoder = (nvc, device, decoder, _kind(facts, native))
     return decoder, facts, colour
 
 
-def stream_colour(demuxer: Any) -> Colour:
-    """The conversion the tags PyNvVideoCodec's `demuxer` reports ask for: BT.709 where
-    tagged so, else BT.601 (FFmpeg's choice for untagged streams and for BT.601's own
-    tags); full range where tagged so. Those are the container's tags: a stream tagged in
-    its bitstream only reads as untagged here, where decord's FFmpeg reads its tag (see
-    `YUV_HERE`)."""
-    space, scale = str(demuxer.ColorSpace()).upper(), str(demuxer.ColorRange()).upper()
-    return Colour("bt709" if "709" in space else "bt601", full="JPEG" in scale)
+MATRICES = {1: "bt709", 2: "bt601", 5: "bt601", 6: "bt601"}
+"""matrix_coefficients codes (ITU-T H.273) -> the `COEFFICIENTS` FFmpeg's swscale uses for
+them: BT.709; unspecified, BT.470BG and SMPTE 170M all BT.601. Others (BT.2020, FCC,
+SMPTE 240M, ...) have tables of their own, which `nv12_to_rgb` does not hold."""
+
+
+def media_colour(data: bytes | bytearray) -> Colour | None:
+    """The conversion decord's FFmpeg gives the video in `data`: its SPS's tags where it
+    has them, else its container's (FFmpeg's decoder lets the stream's override the
+    demuxer's), else BT.601 and limited range. None where that cannot be told here
+    (not MP4/MOV, no readable SPS) or the matrix is not one of `MATRICES`: the session
+    then hands RGB, as without `YUV_HERE`."""
+    found = sniff_format(data)
+    if found is None or found[1] not in ("MP4", "MOV"):
+        return None
+    facts = mp4_facts(data)
+    if facts.stream_tags is None:
+        return None
+    container = facts.container_tags or SignalTags()
+    matrix = next((m for m in (facts.stream_tags.matrix, container.matrix) if m is not None), 2)
+    full = next((f for f in (facts.stream_tags.full, container.full) if f is not None), False)
+    return Colour(MATRICES[matrix], full) if matrix in MATRICES else None
 
 
 def _new_session(nvc: Any, path: str, device: torch.device, native: bool) -> Any:

@@ -15,6 +15,7 @@ Pure Python, no torch. A parameter set that ends early or breaks the syntax give
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 HEVC_SPS = 33
@@ -89,17 +90,18 @@ def payload(nal: bytes, header: int) -> bytes:
 def h264_tags(sps: bytes) -> SignalTags | None:
     """The colour tags of an H.264 SPS NAL unit (header byte included); None where it
     cannot be read to its VUI."""
-    try:
-        return _h264(_Bits(payload(sps, 1)))
-    except _Ended:
-        return None
+    return _walked(sps, 1, _h264)
 
 
 def hevc_tags(sps: bytes) -> SignalTags | None:
     """The colour tags of an HEVC SPS NAL unit (2-byte header included); None where it
     cannot be read to its VUI."""
+    return _walked(sps, 2, _hevc)
+
+
+def _walked(nal: bytes, header: int, walk: Callable[[_Bits], SignalTags]) -> SignalTags | None:
     try:
-        return _hevc(_Bits(payload(sps, 2)))
+        return walk(_Bits(payload(nal, header)))
     except _Ended:
         return None
 

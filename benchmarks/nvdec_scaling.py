@@ -7,8 +7,8 @@ script takes the encoder and the job away and reads the clips of `benchmarks/vid
 the stream at 2 frames a second, at most 32, the sampled frames as RGB on the GPU), at each
 `--sessions` count:
 
-- `threads`: one process, a thread per session, each keeping its decoder session between
-  clips, as the job's GPU-decode pool does (`nvdec.decode_videos`), `--window` clips at a
+- `threads`: one process, a thread per session, each keeping its decoder sessions between
+  clips (one per kind of stream), as the job's GPU-decode pool does (`nvdec.decode_videos`), `--window` clips at a
   time (the job decodes a window, then the next);
 - `processes`: a process per session, each reading its share of the clips in its main
   thread, all started together once every process has its CUDA context;

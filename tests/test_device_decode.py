@@ -451,15 +451,31 @@ class StandInDecoder:
 
 
 class StandInDemuxer:
-    """PyNvVideoCodec.CreateDemuxer's bit depth: 8, or 10 for the bytes in `deep`."""
+    """PyNvVideoCodec.CreateDemuxer's stream facts: the bit depth (8, or 10 for the bytes
+    in `deep`), the size decord decodes and the container's codec."""
 
     deep: frozenset[bytes] = frozenset()
 
     def __init__(self, path: str) -> None:
-        self.data = Path(path).read_bytes()
+        import decord
 
-    def BitDepth(self) -> int:  # noqa: N802 (PyNvVideoCodec's name)
+        self.data = Path(path).read_bytes()
+        with StandInDecoder.lock:
+            self.height, self.width = decord.VideoReader(io.BytesIO(self.data))[0].shape[:2]
+
+    def BitDepth(self) -> int:  # noqa: N802 (PyNvVideoCodec's names)
         return 10 if self.data in self.deep else 8
+
+    def Width(self) -> int:  # noqa: N802
+        return self.width
+
+    def Height(self) -> int:  # noqa: N802
+        return self.height
+
+    def GetNvCodecId(self) -> str:  # noqa: N802
+        from embedjob.decode.containers import mp4_facts
+
+        return (mp4_facts(self.data).video_codecs or ["?"])[0]
 
 
 def stand_in(monkeypatch: pytest.MonkeyPatch, decoder: type = StandInDecoder) -> None:
@@ -613,7 +629,7 @@ def test_clips_below_the_decoders_reliable_size_take_the_cpu_path(
 ) -> None:
     """An H200 garbled a 66 x 50 clip at its own size from a reconfigured session: clips
     with a side below nvdec.MIN_SIDE are never read by the GPU's decoder, their rows are
-    the CPU path's, and no session is made for them once the thread has one."""
+    the CPU path's, and no session is made for them."""
     read: list[int] = []
 
     class Counting(StandInDecoder):
@@ -628,9 +644,8 @@ def test_clips_below_the_decoders_reliable_size_take_the_cpu_path(
         assert "video" in window[0].item.tensors
         assert worker.decode_on_device(window, VIDEO_OPTIONS, preprocess, torch.device("cpu")) == (row.id not in SMALL)
         assert_same_rows(window, [worker.decode_row(row, VIDEO_OPTIONS, preprocess)])
-    # One session for the first (small) clip, one for the 568 x 320 clip; the small
-    # clips after it are refused from that one without a session of their own.
-    assert len(read) == 1 and Counting.made == 2
+    # The small clips are refused from what the demuxer says, before any session sees them.
+    assert len(read) == 1 and Counting.made == 1
 
 
 def test_video_auto_tasks_leave_each_video_for_the_gpu_or_decode_it_as_the_rank_decided(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -727,17 +742,32 @@ def sessions_made_over(names: list[str], preprocess) -> list[int]:
         made.append(StandInDecoder.made)
     return made
 
-def test_a_session_is_reconfigured_for_videos_of_its_kind_and_made_anew_for_others(
+def test_a_session_is_kept_for_each_kind_and_reconfigured_only_for_videos_of_it(
     preprocess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Reconfigured for a stream of another codec or size, an H200's decoder returned
-    garbled frames (a 66 x 50 H.264 clip): one thread's kept session serves
-    the clips of its kind (the four 568 x 320 clips: one session) and a clip of another
-    size gets a new one; every row is the CPU path's."""
+    garbled frames (a 66 x 50 H.264 clip), and making a session costs about 0.18 s: one
+    thread keeps a session per kind (the four 568 x 320 clips: one; the 320 x 180 clip:
+    another) and goes back to the first for the next 568 x 320 clip; every row is the
+    CPU path's."""
     stand_in(monkeypatch)
     names = ["decord_video_0.mov", "decord_video_90.mov", "decord_video_180.mov", "decord_video_270.mov",
-             "torchcodec_nasa_13013.mp4", "decord_video_0.mov"]
-    assert sessions_made_over(names, preprocess) == [1, 1, 1, 1, 2, 3]
+             "torchcodec_nasa_13013.mp4", "decord_video_0.mov", "torchcodec_nasa_13013.mp4"]
+    assert sessions_made_over(names, preprocess) == [1, 1, 1, 1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("limit, made", [(1, [1, 2, 3, 4]), (2, [1, 2, 2, 2])])
+def test_a_thread_keeps_at_most_its_limit_of_sessions_dropping_the_least_recently_used(
+    preprocess, monkeypatch: pytest.MonkeyPatch, limit: int, made: list[int]
+) -> None:
+    """Two kinds in turn: a thread that may keep one session makes one for every clip,
+    one that may keep two makes two in all."""
+    from embedjob.decode import nvdec
+
+    stand_in(monkeypatch)
+    monkeypatch.setattr(nvdec, "SESSIONS_PER_THREAD", limit)
+    names = ["decord_video_0.mov", "torchcodec_nasa_13013.mp4", "decord_video_180.mov", "torchcodec_nasa_13013.mp4"]
+    assert sessions_made_over(names, preprocess) == made
 
 
 def test_a_stream_of_more_than_8_bits_gets_a_session_used_once_and_the_kept_one_stays(

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -844,16 +845,48 @@ def test_nvdec_frames_turned_to_rgb_on_the_rank_are_decords_within_a_level_or_tw
     from embedjob.decode.types import DeferredVideo
     from embedjob.decode.video import decoder_bytes
 
-    monkeypatch.setattr(nvdec, "YUV_HERE", True)
-    nvdec._sessions.decoder = None  # this thread's next session is made under the setting
+    monkeypatch.setattr(nvdec, "YUV_HERE", True)  # its sessions hand NV12: a kind of their own
     data = (REPO / "tests" / "data" / name).read_bytes()
     want = torch.from_numpy(decord.VideoReader(io.BytesIO(decoder_bytes(data)))[0].asnumpy()).permute(2, 0, 1)
     height, width = want.shape[1:]
     video = DeferredVideo(data, [0], (width, height), ((1, 0), (0, 1)), (height, width), [0.0], 30.0, 1)
     frames, _ = nvdec.decode_frames(video, torch.device("cuda"), NVDEC_OPTIONS)
-    nvdec._sessions.decoder = None
     diff = (frames[0].cpu().to(torch.int16) - want.to(torch.int16)).abs().float()
     assert float(diff.mean()) < 1.0 and float(diff.max()) <= 2, (float(diff.mean()), float(diff.max()))
+
+
+@pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
+def test_nvdec_sessions_kept_by_kind_read_clips_of_alternating_kinds_as_fresh_ones_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One decode thread, clips of two kinds in turn (568 x 320 and 320 x 180 H.264): each
+    clip is read from the session kept for its kind (`nvdec.SESSIONS_PER_THREAD`), two made
+    in all, and its frames are those a session made for it alone gives."""
+    from embedjob.decode import nvdec
+    from embedjob.decode.types import DeferredVideo
+
+    names = ["decord_video_0.mov", "torchcodec_nasa_13013.mp4", "decord_video_180.mov", "torchcodec_nasa_13013.mp4", "decord_video_0.mov"]
+    videos = [DeferredVideo.unplanned((REPO / "tests" / "data" / name).read_bytes()) for name in names]
+    cuda = torch.device("cuda")
+    made = []
+    real = nvdec._new_session
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made.append(args[1])
+        return real(*args, **kwargs)
+
+    def alone(video: DeferredVideo) -> tuple[torch.Tensor, DeferredVideo]:
+        nvdec._sessions.__dict__.clear()  # this thread forgets its kept sessions
+        return nvdec.decode_frames(video, cuda, NVDEC_OPTIONS)
+
+    monkeypatch.setattr(nvdec, "_new_session", counted)
+    monkeypatch.setattr(nvdec, "_pool", None)
+    thread = nvdec._threads(1)
+    in_turn = thread.submit(lambda: [nvdec.decode_frames(video, cuda, NVDEC_OPTIONS) for video in videos]).result()
+    assert len(made) == 2, made
+    for name, video, (frames, plan) in zip(names, videos, in_turn, strict=True):
+        fresh_frames, fresh_plan = thread.submit(alone, video).result()
+        assert plan == fresh_plan, name
+        assert torch.equal(frames, fresh_frames), name
+    thread.shutdown(wait=True)
 
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")

@@ -13,6 +13,7 @@ GPU's numbers; `OWN_STREAMS` (a CUDA stream per session) has them, and stays off
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import os
@@ -75,9 +76,9 @@ class Colour:
     full: bool = False
 
 
-# Each thread of `_threads` keeps one decoder session. An H100 or H200 has 7 NVDEC
-# engines and one session keeps about one of them busy (a 1080p H.264 clip: 0.34 s for
-# 14 sampled frames in one session), so one session alone is slower than 16 decord processes.
+# Each thread of `_threads` keeps its decoder sessions (`_session`) in `_sessions` and
+# reads one video at a time: one thread read 15.7 s of video a second on an H100, 4 of
+# them 68.7 (benchmarks/RESULTS.md section 11).
 _sessions = threading.local()
 _pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
@@ -133,7 +134,6 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     with _spilled(decoder_bytes(video.data)) as path:
         try:
             decoder, facts, colour = _session(path, device, media_colour(video.data) if YUV_HERE else None)
-            _refuse_small(facts)
             if not video.indices:
                 video = plan_from_stream(video, facts.num_frames, facts.average_fps, facts.width, facts.height, options)
             unique = sorted(set(video.indices))
@@ -141,7 +141,7 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
         except (MediaError, SmallStream):
             raise
         except Exception:
-            _sessions.decoder = None  # a session that failed is not trusted with the next video
+            _drop_current()  # a session that failed is not trusted with the next video
             raise
     position = {index: k for k, index in enumerate(unique)}
     stack = torch.stack(frames)[[position[i] for i in video.indices]]
@@ -178,36 +178,71 @@ def _frames(decoder: Any, unique: list[int], coded: tuple[int, int], device: tor
     return frames
 
 
+SESSIONS_PER_THREAD = 4
+"""Decoder sessions a decode thread keeps, one per kind of stream (`_kind`), the least
+recently used dropped first. A corpus of H.264 and HEVC clips at 1080p and 720p has 4
+kinds; a thread that kept one session made a new one (about 0.18 s) for most clips of it."""
+
+
 def _session(path: str, device: torch.device, colour: Colour | None) -> tuple[Any, Any, Colour | None]:
-    """This thread's decoder, pointed at the video in `path`, the stream's facts, and, for
-    an 8-bit stream given its `colour`, that colour (the session then hands NV12): made once
-    per thread and reconfigured for each video after (making one costs about 0.18 s),
-    while the videos are 8-bit and of one kind (`_kind`). Reconfigured for a stream of
-    another codec or size, an H200 returned garbled frames at the right size (a 66 x 50
-    H.264 clip) that a new session read right or refused, so a video of another kind gets
-    a new session, which becomes the kept one. A stream of more than 8 bits (a 200 x 200
-    10-bit HEVC clip came back garbled from a session reconfigured for it, even one of its
-    own kind) gets an RGB session of its own, used once; the kept one stays for the next
-    video. A stream the caller refuses for its size (`_refuse_small`) gets no session of
-    its own."""
+    """A decoder pointed at the video in `path`, the stream's facts, and, for an 8-bit
+    stream given its `colour`, that colour (the session then hands NV12, else RGB).
+
+    The thread keeps a session per kind of stream (codec, size and output, as the demuxer
+    says them), up to `SESSIONS_PER_THREAD`, and reconfigures the one of the video's kind
+    (making one costs about 0.18 s); a kind it has none of gets a new one. A session is
+    never reconfigured for another kind: so reconfigured, an H200 returned garbled frames
+    at the right size (a 66 x 50 H.264 clip) that a new session read right or refused. A
+    session whose facts after reconfiguring differ from its own when made is dropped for a
+    new one. A stream of more than 8 bits (a 200 x 200 10-bit HEVC clip came back garbled
+    from a session reconfigured for it, even one of its own kind) gets an RGB session of
+    its own, used once. A stream with a side below `MIN_SIDE` is refused (`SmallStream`)
+    before any session sees it."""
     import PyNvVideoCodec as nvc
 
+    _sessions.current = None
     demuxer = nvc.CreateDemuxer(path)
+    width, height = demuxer.Width(), demuxer.Height()
+    if min(width, height) < MIN_SIDE:
+        raise SmallStream(f"a {width} x {height} stream is below {MIN_SIDE} px a side, "
+                          "which the GPU's decoder does not read reliably")
     if demuxer.BitDepth() > 8:
         decoder = _new_session(nvc, path, device, native=False)
         return decoder, decoder.get_stream_metadata(), None
     native = colour is not None
-    held = getattr(_sessions, "decoder", None)
-    if held is not None and held[0] is nvc and held[1] == device:
-        held[2].reconfigure_decoder(path)
-        facts = held[2].get_stream_metadata()
-        if _kind(facts, native) == held[3] or _small(facts):
-            return held[2], facts, colour
-    _sessions.decoder = None
-    decoder = _new_session(nvc, path, device, native=native)
-    facts = decoder.get_stream_metadata()
-    _sessions.decoder = (nvc, device, decoder, _kind(facts, native))
-    return decoder, facts, colour
+    kind = (str(demuxer.GetNvCodecId()), width, height, native)
+    kept = _kept(nvc, device)
+    held = kept.pop(kind, None)
+    if held is not None:
+        held[0].reconfigure_decoder(path)
+        facts = held[0].get_stream_metadata()
+        if _kind(facts, native) != held[1]:
+            held = None
+    if held is None:
+        decoder = _new_session(nvc, path, device, native=native)
+        facts = decoder.get_stream_metadata()
+        held = (decoder, _kind(facts, native))
+    kept[kind] = held
+    _sessions.current = kind
+    while len(kept) > SESSIONS_PER_THREAD:
+        kept.popitem(last=False)
+    return held[0], facts, colour
+
+
+def _kept(nvc: Any, device: torch.device) -> collections.OrderedDict:
+    """This thread's kept sessions by kind, least recently used first; none carried over
+    from another device or decoder module."""
+    owner = getattr(_sessions, "owner", None)
+    if owner is None or owner[0] is not nvc or owner[1] != device:
+        _sessions.owner, _sessions.kept = (nvc, device), collections.OrderedDict()
+    return _sessions.kept
+
+
+def _drop_current() -> None:
+    """Forgets the session the thread's last video was given, if it was a kept one."""
+    kind, _sessions.current = getattr(_sessions, "current", None), None
+    if kind is not None and hasattr(_sessions, "kept"):
+        _sessions.kept.pop(kind, None)
 
 
 MATRICES = {1: "bt709", 2: "bt601", 5: "bt601", 6: "bt601"}
@@ -248,17 +283,6 @@ def _kind(facts: Any, native: bool) -> tuple[str, int, int, bool]:
     """What a kept session's video and the next one must share: codec, coded size and
     the frames it hands (NV12 or RGB)."""
     return facts.codec_name, facts.width, facts.height, native
-
-
-def _small(facts: Any) -> bool:
-    return min(facts.width, facts.height) < MIN_SIDE
-
-
-def _refuse_small(facts: Any) -> None:
-    """Raises `SmallStream` for a stream with a side below `MIN_SIDE`."""
-    if _small(facts):
-        raise SmallStream(f"a {facts.width} x {facts.height} stream is below {MIN_SIDE} px a side, "
-                          "which the GPU's decoder does not read reliably")
 
 
 @contextlib.contextmanager

@@ -255,7 +255,6 @@ def decoder_bytes(data: bytes) -> bytes | bytearray:
     return patched(data, mp4_facts(data).patches)
 
 
-
 def _check_matroska_complete(head: bytes, times: np.ndarray | None, num_frames: int, fps: float) -> None:
     """A Matroska file cut short still opens and decodes the frames before the cut, so
     compare the duration its header declares with the frames actually present: a file
@@ -270,7 +269,6 @@ def _check_matroska_complete(head: bytes, times: np.ndarray | None, num_frames: 
         present = num_frames / fps if fps > 0 else 0.0
     if present < 0.9 * declared:
         raise MediaError("truncated", f"Matroska declares {declared:.2f}s but only {present:.2f}s of frames are present")
-
 
 
 def _apply_matrix(frames: np.ndarray, matrix: Matrix) -> np.ndarray:

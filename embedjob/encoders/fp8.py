@@ -91,8 +91,8 @@ row counts as one with an activation, not measured). Read at each launch."""
 
 
 ROW_BLOCK: int | None = None
-"""Rows one program of the row kernel quantises (`fp8_kernel.fp8_quantize_row_block_kernel`,
-launched with `ROW_WARPS` or that many warps); None: one row a program. Gated rows keep
+"""Rows one program of the row kernel quantises, a power of two (`fp8_kernel.
+fp8_quantize_row_block_kernel`, launched with `ROW_WARPS` or that many warps); None: one row a program. Gated rows keep
 one a program. Off until `benchmarks/quantize_rows.py --blocks` has measured it on a GPU
 (SigLIP's 1,152-column rows after its layer norm ran at 0.52 of a copy's rate one a
 program). Read at each launch."""

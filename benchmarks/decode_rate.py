@@ -1,6 +1,6 @@
 """Decode and preprocessing per core: what one decode worker does per row of a job (RESULTS.md section 8).
 
-    PYTHONPATH=. python3 benchmarks/decode_rate.py JOB.yaml [JOB.yaml ...] [--rows 1000] [--repeats 3]
+    PYTHONPATH=. python3 benchmarks/decode_rate.py JOB.yaml [JOB.yaml ...] [--rows 1000] [--repeats 3] [--set KEY=VALUE ...]
     PYTHONPATH=. python3 benchmarks/decode_rate.py --smoke      (jobs/demo.yaml, its 12 rows, one pass)
 
 For each job, the first `--rows` rows of its input go through `rows.decode_row` (read,
@@ -8,7 +8,9 @@ decode, the model's preprocessing: exactly a worker's work, without the hand-ove
 the rank) in this one process with one torch thread, after a warm-up of 20 rows; the
 best of `--repeats` passes is reported as items/s per core and ms per item, with the
 share of the time spent in the decode step (`embedjob.decode.decode`). Cores a GPU
-needs for a mix = its encoder-only rate / the per-core rate printed here.
+needs for a mix = its encoder-only rate / the per-core rate printed here. `--set`
+overrides the jobs' keys, as `embedjob run --set` does (`video.decoder=nvdec`: what a
+worker does for a clip it leaves to the GPU, planning it without decoding its frames).
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ class DecodeClock:
             self.seconds += time.perf_counter() - start
 
 
-def measure(job_path: str, rows: int, repeats: int) -> str:
-    job = load_job(job_path, ["runtime.device=cpu"])
+def measure(job_path: str, rows: int, repeats: int, overrides: list[str]) -> str:
+    job = load_job(job_path, ["runtime.device=cpu", *overrides])
     adapter = load_adapter(job, torch.device("cpu"))
     options, preprocess = worker.decode_options(job, adapter), adapter.preprocessor()
     listing = reader.scan_input(job.input, [])
@@ -79,6 +81,8 @@ def main() -> int:
     parser.add_argument("jobs", nargs="*", help="job files (with --smoke, default jobs/demo.yaml)")
     parser.add_argument("--rows", type=int, default=1000, help="rows of each job's input")
     parser.add_argument("--repeats", type=int, default=3, help="passes; the best is reported")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key of every job (repeatable)")
     parser.add_argument("--smoke", action="store_true", help="one pass over the demo job's rows")
     args = parser.parse_args()
     if args.smoke:
@@ -87,7 +91,7 @@ def main() -> int:
     if not args.jobs:
         parser.error("name at least one job file (or --smoke)")
     torch.set_num_threads(1)
-    lines = [measure(job, args.rows, args.repeats) for job in args.jobs]
+    lines = [measure(job, args.rows, args.repeats, args.overrides) for job in args.jobs]
     print("| job | family | rows | error rows | items/s per core | ms per item | decode share |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     print("\n".join(lines))

@@ -1,6 +1,7 @@
-"""Colour tags read from H.264 and HEVC parameter sets and MP4/MOV `colr` boxes
-(`embedjob.decode.bitstream`, `containers.mp4_facts`): what the GPU's decoder path needs
-to turn NV12 to RGB as decord's FFmpeg does.
+"""Colour tags and frame sizes read from H.264 and HEVC parameter sets, and colour tags
+from MP4/MOV `colr` boxes (`embedjob.decode.bitstream`, `containers.mp4_facts`): what the
+GPU's decoder path needs to turn NV12 to RGB as decord's FFmpeg does, and the size a
+decode worker plans a clip at without decoding a frame.
 
 The expected tags of the real clips are FFmpeg's own reading of them (its `trace_headers`
 bitstream filter, FFmpeg 7, recorded here: CI has no FFmpeg). The clips in tests/data/colour
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedjob.decode.bitstream import SignalTags, _Bits, avcc_sps, h264_tags, hevc_tags, hvcc_sps, payload
+from embedjob.decode.bitstream import SignalTags, _Bits, avcc_sps, h264_facts, hevc_facts, hvcc_sps, payload
 from embedjob.decode.containers import mp4_facts
 
 DATA = Path(__file__).parent / "data"
@@ -48,6 +49,21 @@ def test_the_colour_tags_of_a_clips_parameter_set_are_ffmpegs(name: str) -> None
     assert mp4_facts((DATA / name).read_bytes()).stream_tags == SignalTags(matrix, full)
 
 
+@pytest.mark.parametrize("name", sorted(FFMPEG_READS))
+def test_the_frame_size_of_a_clips_parameter_set_is_the_size_decord_decodes(name: str) -> None:
+    """Coded size less the cropping window (1080p H.264 is coded 1,088 rows high; the 66 x
+    50 clip 80 x 64), as decord hands the frames of the track it is given."""
+    import io
+
+    import decord
+
+    from embedjob.decode.video import decoder_bytes
+
+    data = (DATA / name).read_bytes()
+    height, width = decord.VideoReader(io.BytesIO(decoder_bytes(data)))[0].shape[:2]
+    assert mp4_facts(data).stream_size == (width, height)
+
+
 def test_the_colr_box_is_the_containers_tag_beside_the_streams() -> None:
     """QuickTime's `nclc` has no range bit; ISO's `nclx` has one. Clips without the box
     have no container tag, whatever their stream says."""
@@ -67,16 +83,16 @@ def _first_sps(name: str) -> tuple[bytes, object]:
     codec = mp4_facts(facts_data).video_codecs[0]
     box = b"hvcC" if codec.startswith(("hvc", "hev")) else b"avcC"
     config = facts_data[facts_data.index(box) + 4 :]
-    return (hvcc_sps(config), hevc_tags) if box == b"hvcC" else (avcc_sps(config), h264_tags)
+    return (hvcc_sps(config), hevc_facts) if box == b"hvcC" else (avcc_sps(config), h264_facts)
 
 
 @pytest.mark.parametrize("name", ["decord_video_0.mov", "colour/derived_h264_444_bt709.mp4", "colour/derived_hevc_bt470bg_full.mp4"])
 def test_every_cut_of_a_parameter_set_reads_as_nothing_or_its_whole_tags(name: str) -> None:
     """A damaged container hands a parameter set cut anywhere: it reads as None (no
-    guess) or, cut after the colour fields, as the whole set's tags; never an exception."""
+    guess) or, cut after the colour fields, as the whole set's facts; never an exception."""
     sps, read = _first_sps(name)
     whole = read(sps)
-    assert whole is not None and whole.matrix is not None
+    assert whole is not None and whole.tags.matrix is not None
     for end in range(len(sps)):
         assert read(sps[:end]) in (None, whole), end
 
@@ -166,8 +182,16 @@ def test_an_h264_sps_with_scaling_lists_reads_to_its_tags() -> None:
     """Scaling lists end early when a delta makes the next scale 0 (then the last one
     repeats): the 4x4 list here stops after 3 deltas, the 8x8 one runs all 64."""
     lists: list[list[int] | None] = [[1, 2, -11]] + [None] * 5 + [[1] * 64, None]
-    assert h264_tags(_h264_sps(1, True, lists)) == SignalTags(1, True)
-    assert h264_tags(_h264_sps(6, False, [None] * 8)) == SignalTags(6, False)
+    assert h264_facts(_h264_sps(1, True, lists)).tags == SignalTags(1, True)
+    assert h264_facts(_h264_sps(6, False, [None] * 8)).tags == SignalTags(6, False)
+
+
+def test_an_interlaced_h264_sps_decodes_to_its_cropped_frame_size() -> None:
+    """Field coding doubles the map units' height and the crop's vertical unit: 120 x 34
+    map units of field pairs (1,920 x 1,088), cropped by offsets of 4 at the right and 2
+    at the bottom (crop units of 2 columns and of 2 rows times 2 fields), decode to
+    1,912 x 1,080."""
+    assert h264_facts(_h264_sps(1, False, [None] * 8)).size == (1912, 1080)
 
 
 RPS = st.lists(
@@ -239,13 +263,15 @@ def _hevc_sps(matrix: int, full: bool, sub_layers: int, sets: list[tuple]) -> by
 def test_an_hevc_sps_reads_to_its_tags_past_layers_scaling_lists_and_reference_sets(
     sub_layers: int, sets: list[tuple], matrix: int, full: bool
 ) -> None:
-    assert hevc_tags(_hevc_sps(matrix, full, sub_layers, sets)) == SignalTags(matrix, full)
+    facts = hevc_facts(_hevc_sps(matrix, full, sub_layers, sets))
+    assert facts is not None and facts.tags == SignalTags(matrix, full)
+    assert facts.size == (1920, 1072)  # 1,080 rows less a conformance window of 4 chroma rows (8 rows)
 
 
 def test_an_sps_without_a_vui_or_colour_description_has_no_tags() -> None:
     """No VUI: nothing said. A VUI with the signal type but no colour description says
     the range only, which is how FFmpeg then reads it."""
     bare = BitWriter().u(8, 66).u(16, 0x001E).ue(0).ue(0).ue(0).ue(0).ue(1).u(1, 0).ue(19).ue(14).u(1, 1).u(1, 1).u(1, 0)
-    assert h264_tags(bare.u(1, 0).nal(b"\x67")) == SignalTags()
+    assert h264_facts(bare.u(1, 0).nal(b"\x67")).tags == SignalTags()
     ranged = BitWriter().u(8, 66).u(16, 0x001E).ue(0).ue(0).ue(0).ue(0).ue(1).u(1, 0).ue(19).ue(14).u(1, 1).u(1, 1).u(1, 0)
-    assert h264_tags(ranged.u(1, 1).u(1, 0).u(1, 0).u(1, 1).u(3, 5).u(1, 1).u(1, 0).nal(b"\x67")) == SignalTags(None, True)
+    assert h264_facts(ranged.u(1, 1).u(1, 0).u(1, 0).u(1, 1).u(3, 5).u(1, 1).u(1, 0).nal(b"\x67")).tags == SignalTags(None, True)

@@ -6,6 +6,7 @@ coverage; ../shared/data/videos is used when present and skipped on a clean clon
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import struct
 from pathlib import Path
@@ -418,3 +419,35 @@ def test_a_clip_the_rank_finds_no_frames_in_is_a_no_frames_row() -> None:
     with pytest.raises(MediaError) as err:
         plan_from_stream(DeferredVideo.unplanned(b"", _TURNS[0]), 0, 30.0, 640, 360, options)
     assert err.value.code == "no_frames"
+
+
+@pytest.mark.parametrize("name, decodes", [
+    ("decord_video_90.mov", False),  # H.264 in MOV: the SPS says 568 x 320, as the container does
+    ("torchcodec_h265_video.mp4", False),
+    ("colour/derived_h264_bt709.mkv", True),  # Matroska: no SPS read, a frame is decoded
+])
+def test_a_video_left_for_the_gpu_is_planned_as_the_cpu_path_would_without_decoding_a_frame_where_its_sps_says_the_size(
+    name: str, decodes: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan (frames, size, display matrix, times) is the one made by decoding the first
+    frame to learn the size; for H.264 and HEVC in MP4/MOV the worker takes the size from
+    the SPS and decodes nothing (8 such 720p and 1080p clips: 10.1 ms a clip on a core
+    instead of 34.8, benchmarks/RESULTS.md section 8)."""
+    from embedjob.decode import video
+
+    options = DecodeOptions(modality="video", max_image_pixels=1, fps=2.0, max_frames=32, frame_multiple=2, defer_video=True)
+    data = (LOCAL / name).read_bytes()
+    fmt = "MATROSKA" if name.endswith(".mkv") else "MOV" if name.endswith(".mov") else "MP4"
+    real = video._get_batch
+    calls: list[list[int]] = []
+
+    def counted(job, reader, indices):
+        calls.append(indices)
+        return real(job, reader, indices)
+
+    monkeypatch.setattr(video, "_get_batch", counted)
+    planned = video.decode_video(data, options, fmt)
+    assert bool(calls) == decodes
+    read_facts = video.mp4_facts
+    monkeypatch.setattr(video, "mp4_facts", lambda data: dataclasses.replace(read_facts(data), stream_size=None))
+    assert video.decode_video(data, options, fmt) == planned

@@ -1,13 +1,15 @@
-"""Colour tags of an H.264 or HEVC stream, read from its sequence parameter set (SPS).
+"""Colour tags and frame size of an H.264 or HEVC stream, read from its sequence parameter set (SPS).
 
 A stream says how its YUV turns to RGB in two places: its container (an MP4/MOV `colr`
 box) and its own SPS, in the VUI (video usability information: `matrix_coefficients`
 and `video_full_range_flag`, ITU-T H.264 Annex E and H.265 Annex E). decord's FFmpeg
 decodes the SPS, and its tags override the container's, so the GPU's decoder path
 (`nvdec.YUV_HERE`), which converts NV12 itself, must read the SPS too: PyNvVideoCodec
-reports only the container's tags. This module walks an SPS as far as its VUI's colour
-fields and no further; the parameter sets themselves come from the container
-(`containers.mp4_facts`: the `avcC` or `hvcC` box of the first video track).
+reports only the container's tags. The SPS also gives the size the frames decode to
+(coded, less its cropping window), which the decode workers otherwise learn by decoding
+a frame. This module walks an SPS as far as its VUI's colour fields and no further; the
+parameter sets themselves come from the container (`containers.mp4_facts`: the `avcC` or
+`hvcC` box of the first video track).
 
 Pure Python, no torch. A parameter set that ends early or breaks the syntax gives None
 (the caller does not guess), never an exception. See ARCHITECTURE.md, "decode".
@@ -33,6 +35,15 @@ class SignalTags:
 
     matrix: int | None = None
     full: bool | None = None
+
+
+@dataclass(frozen=True)
+class SequenceFacts:
+    """What an SPS says: its colour `tags`, and the (width, height) its frames decode to
+    (the coded size less the cropping or conformance window)."""
+
+    tags: SignalTags
+    size: tuple[int, int]
 
 
 class _Ended(Exception):
@@ -87,19 +98,19 @@ def payload(nal: bytes, header: int) -> bytes:
     return bytes(out)
 
 
-def h264_tags(sps: bytes) -> SignalTags | None:
-    """The colour tags of an H.264 SPS NAL unit (header byte included); None where it
-    cannot be read to its VUI."""
+def h264_facts(sps: bytes) -> SequenceFacts | None:
+    """The facts of an H.264 SPS NAL unit (header byte included); None where it cannot
+    be read to its VUI."""
     return _walked(sps, 1, _h264)
 
 
-def hevc_tags(sps: bytes) -> SignalTags | None:
-    """The colour tags of an HEVC SPS NAL unit (2-byte header included); None where it
-    cannot be read to its VUI."""
+def hevc_facts(sps: bytes) -> SequenceFacts | None:
+    """The facts of an HEVC SPS NAL unit (2-byte header included); None where it cannot
+    be read to its VUI."""
     return _walked(sps, 2, _hevc)
 
 
-def _walked(nal: bytes, header: int, walk: Callable[[_Bits], SignalTags]) -> SignalTags | None:
+def _walked(nal: bytes, header: int, walk: Callable[[_Bits], SequenceFacts]) -> SequenceFacts | None:
     try:
         return walk(_Bits(payload(nal, header)))
     except _Ended:
@@ -136,14 +147,15 @@ def hvcc_sps(config: bytes) -> bytes | None:
     return None
 
 
-def _h264(bits: _Bits) -> SignalTags:
+def _h264(bits: _Bits) -> SequenceFacts:
     profile = bits.u(8)
     bits.u(16)  # constraint flags, level_idc
     bits.ue()  # seq_parameter_set_id
+    chroma_format = 1  # 4:2:0 where the profile does not say
     if profile in _H264_HIGH_PROFILES:
         chroma_format = bits.ue()
-        if chroma_format == 3:
-            bits.flag()  # separate_colour_plane_flag
+        if chroma_format == 3 and bits.flag():  # separate_colour_plane_flag: planes coded as monochrome
+            chroma_format = 0
         bits.ue(), bits.ue()  # bit depths
         bits.flag()  # qpprime_y_zero_transform_bypass_flag
         if bits.flag():  # seq_scaling_matrix_present_flag
@@ -161,14 +173,18 @@ def _h264(bits: _Bits) -> SignalTags:
             bits.se()
     bits.ue()  # max_num_ref_frames
     bits.flag()  # gaps_in_frame_num_value_allowed_flag
-    bits.ue(), bits.ue()  # picture size in macroblocks
-    if not bits.flag():  # frame_mbs_only_flag
+    width, height = 16 * (bits.ue() + 1), 16 * (bits.ue() + 1)  # macroblocks, map units
+    frames_only = bits.flag()  # frame_mbs_only_flag
+    if not frames_only:
         bits.flag()
+        height *= 2  # map units are field macroblock pairs
     bits.flag()  # direct_8x8_inference_flag
-    if bits.flag():  # frame_cropping_flag
-        for _ in range(4):
-            bits.ue()
-    return _vui(bits) if bits.flag() else SignalTags()
+    if bits.flag():  # frame_cropping_flag, in chroma samples (H.264 7.4.2.1.1)
+        unit_x = 1 if chroma_format in (0, 3) else 2
+        unit_y = (2 if chroma_format == 1 else 1) * (1 if frames_only else 2)
+        left, right, top, bottom = bits.ue(), bits.ue(), bits.ue(), bits.ue()
+        width, height = width - unit_x * (left + right), height - unit_y * (top + bottom)
+    return SequenceFacts(_vui(bits) if bits.flag() else SignalTags(), (width, height))
 
 
 def _scaling_list(bits: _Bits, size: int) -> None:
@@ -180,18 +196,20 @@ def _scaling_list(bits: _Bits, size: int) -> None:
             return
 
 
-def _hevc(bits: _Bits) -> SignalTags:
+def _hevc(bits: _Bits) -> SequenceFacts:
     bits.u(4)  # sps_video_parameter_set_id
     sub_layers = bits.u(3)  # sps_max_sub_layers_minus1
     bits.flag()  # sps_temporal_id_nesting_flag
     _profile_tier_level(bits, sub_layers)
     bits.ue()  # sps_seq_parameter_set_id
-    if bits.ue() == 3:  # chroma_format_idc
-        bits.flag()
-    bits.ue(), bits.ue()  # picture size
-    if bits.flag():  # conformance_window_flag
-        for _ in range(4):
-            bits.ue()
+    chroma_format = bits.ue()
+    if chroma_format == 3 and bits.flag():  # separate_colour_plane_flag
+        chroma_format = 0
+    width, height = bits.ue(), bits.ue()  # luma samples
+    if bits.flag():  # conformance_window_flag, in chroma samples (H.265 7.4.3.2.1)
+        unit_x, unit_y = (2, 2) if chroma_format == 1 else (2, 1) if chroma_format == 2 else (1, 1)
+        left, right, top, bottom = bits.ue(), bits.ue(), bits.ue(), bits.ue()
+        width, height = width - unit_x * (left + right), height - unit_y * (top + bottom)
     bits.ue(), bits.ue()  # bit depths
     poc_bits = bits.ue() + 4
     ordering = bits.flag()  # sps_sub_layer_ordering_info_present_flag
@@ -212,7 +230,7 @@ def _hevc(bits: _Bits) -> SignalTags:
             bits.u(poc_bits)
             bits.flag()
     bits.flag(), bits.flag()  # temporal MVP, strong intra smoothing
-    return _vui(bits) if bits.flag() else SignalTags()
+    return SequenceFacts(_vui(bits) if bits.flag() else SignalTags(), (width, height))
 
 
 def _profile_tier_level(bits: _Bits, sub_layers: int) -> None:

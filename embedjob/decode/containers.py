@@ -22,7 +22,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from embedjob.decode.bitstream import SignalTags, avcc_sps, h264_tags, hevc_tags, hvcc_sps
+from embedjob.decode.bitstream import SequenceFacts, SignalTags, avcc_sps, h264_facts, hevc_facts, hvcc_sps
 
 Matrix = tuple[tuple[int, int], tuple[int, int]]
 _IDENTITY: Matrix = ((1, 0), (0, 1))
@@ -40,8 +40,9 @@ class Mp4Facts:
     with an identity display matrix. `truncated`: a top-level box runs past the end.
     `frame_size`: (width, height) of the first video track's sample entry, None if absent.
     `container_tags`: its `colr` box's colour tags, None without one (or with an ICC
-    profile instead); `stream_tags`: those of its SPS (`avcC`/`hvcC`), None where the
-    entry holds no SPS or it cannot be read.
+    profile instead); `stream_tags` and `stream_size`: its SPS's tags and the (width,
+    height) its frames decode to (`avcC`/`hvcC`), None where the entry holds no SPS or
+    it cannot be read.
     """
 
     video_codecs: list[str] = field(default_factory=list)
@@ -51,6 +52,7 @@ class Mp4Facts:
     frame_size: tuple[int, int] | None = None
     container_tags: SignalTags | None = None
     stream_tags: SignalTags | None = None
+    stream_size: tuple[int, int] | None = None
 
 
 def _boxes(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, int, int]]:
@@ -117,7 +119,9 @@ def _read_trak(data: bytes, start: int, end: int, box_offset: int, facts: Mp4Fac
         return
     if stsd:
         facts.frame_size = _sample_entry_size(data, stsd[0])
-        facts.container_tags, facts.stream_tags = _sample_entry_tags(data, stsd[0], codec)
+        facts.container_tags, stream = _sample_entry_facts(data, stsd[0], codec)
+        if stream is not None:
+            facts.stream_tags, facts.stream_size = stream.tags, stream.size
     if tkhd and tkhd[0] < len(data):
         offset = tkhd[0] + (52 if data[tkhd[0]] == 1 else 40)
         facts.matrix = _read_matrix(data, offset)
@@ -138,13 +142,13 @@ def _sample_entry_size(data: bytes, stsd: int) -> tuple[int, int] | None:
 _VISUAL_SAMPLE_ENTRY = 78
 """Bytes of a VisualSampleEntry after its box header, before its child boxes."""
 
-_PARAMETER_SETS = {"avc1": (b"avcC", avcc_sps, h264_tags), "avc3": (b"avcC", avcc_sps, h264_tags),
-                   "hvc1": (b"hvcC", hvcc_sps, hevc_tags), "hev1": (b"hvcC", hvcc_sps, hevc_tags)}
-"""Sample entry type -> its decoder configuration box, the SPS in it and that SPS's tags."""
+_PARAMETER_SETS = {"avc1": (b"avcC", avcc_sps, h264_facts), "avc3": (b"avcC", avcc_sps, h264_facts),
+                   "hvc1": (b"hvcC", hvcc_sps, hevc_facts), "hev1": (b"hvcC", hvcc_sps, hevc_facts)}
+"""Sample entry type -> its decoder configuration box, the SPS in it and what that SPS says."""
 
 
-def _sample_entry_tags(data: bytes, stsd: int, codec: str) -> tuple[SignalTags | None, SignalTags | None]:
-    """The `colr` box's tags and the SPS's tags of the first sample entry of an `stsd`
+def _sample_entry_facts(data: bytes, stsd: int, codec: str) -> tuple[SignalTags | None, SequenceFacts | None]:
+    """The `colr` box's tags and what the SPS says of the first sample entry of an `stsd`
     payload (see `Mp4Facts`)."""
     if stsd + 16 > len(data):
         return None, None
@@ -154,10 +158,10 @@ def _sample_entry_tags(data: bytes, stsd: int, codec: str) -> tuple[SignalTags |
     container = _colr_tags(data[colr[0] : colr[1]]) if colr else None
     if codec not in _PARAMETER_SETS:
         return container, None
-    kind, first_sps, tags = _PARAMETER_SETS[codec]
+    kind, first_sps, read = _PARAMETER_SETS[codec]
     config = _child(data, *children, kind)
     sps = first_sps(data[config[0] : config[1]]) if config else None
-    return container, tags(sps) if sps else None
+    return container, read(sps) if sps else None
 
 
 def _colr_tags(colr: bytes) -> SignalTags | None:

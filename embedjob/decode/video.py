@@ -196,8 +196,7 @@ def _decode_video_job(job: _VideoJob) -> DecodedVideo:
         _check_matroska_complete(bytes(job.source[:MATROSKA_HEAD]), times, num_frames, source_fps)
     if times is not None:
         indices = _time_uniform(indices, times)
-    # One frame, decoded alone, tells the real size (decord exposes none before decoding).
-    height, width = _to_numpy(_get_batch(job, reader, [indices[0]])).shape[1:3]
+    width, height = _planned_size(job, reader, indices[0])
     _check_frame_pixels(width, height, options, "decoded")
     size = _bounded_size(options, width, height)
     _check_video_pixels(len(indices), *size, options)
@@ -212,6 +211,19 @@ def _decode_video_job(job: _VideoJob) -> DecodedVideo:
         reader = _open_reader(job, size)
     frames = _apply_matrix(_read_frames(job, reader, indices), job.facts.matrix)
     return DecodedVideo(np.ascontiguousarray(frames), timestamps, source_fps, num_frames)
+
+
+def _planned_size(job: _VideoJob, reader: Any, first: int) -> tuple[int, int]:
+    """The (width, height) the frames decode to. decord exposes none before decoding, so
+    one frame, decoded alone, tells it; a video left for the GPU's decoder takes it from
+    its SPS instead where the container declares the same (`Mp4Facts.stream_size`): a
+    worker then planned 720p and 1080p clips in 10.1 ms each instead of 34.8
+    (benchmarks/RESULTS.md section 8)."""
+    facts = job.facts
+    if job.options.defer_video and facts.stream_size is not None and facts.stream_size == facts.frame_size:
+        return facts.stream_size
+    height, width = _to_numpy(_get_batch(job, reader, [first])).shape[1:3]
+    return width, height
 
 
 def _deferred(

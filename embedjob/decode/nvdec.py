@@ -179,7 +179,7 @@ def _frames(decoder: Any, unique: list[int], coded: tuple[int, int], device: tor
 
 
 SESSIONS_PER_THREAD = 4
-"""Decoder sessions a decode thread keeps, one per kind of stream (`_kind`), the least
+"""Decoder sessions a decode thread keeps, one per kind of stream (codec, size and output), the least
 recently used dropped first. A corpus of H.264 and HEVC clips at 1080p and 720p has 4
 kinds; a thread that kept one session made a new one (about 0.18 s) for most clips of it."""
 
@@ -216,12 +216,12 @@ def _session(path: str, device: torch.device, colour: Colour | None) -> tuple[An
     if held is not None:
         held[0].reconfigure_decoder(path)
         facts = held[0].get_stream_metadata()
-        if _kind(facts, native) != held[1]:
+        if _kind(facts) != held[1]:
             held = None
     if held is None:
         decoder = _new_session(nvc, path, device, native=native)
         facts = decoder.get_stream_metadata()
-        held = (decoder, _kind(facts, native))
+        held = (decoder, _kind(facts))
     kept[kind] = held
     _sessions.current = kind
     while len(kept) > SESSIONS_PER_THREAD:
@@ -279,10 +279,10 @@ def _new_session(nvc: Any, path: str, device: torch.device, native: bool) -> Any
     return nvc.SimpleDecoder(path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=output, **stream)
 
 
-def _kind(facts: Any, native: bool) -> tuple[str, int, int, bool]:
-    """What a kept session's video and the next one must share: codec, coded size and
-    the frames it hands (NV12 or RGB)."""
-    return facts.codec_name, facts.width, facts.height, native
+def _kind(facts: Any) -> tuple[str, int, int]:
+    """What a kept session reports of its stream, which a video reconfigured into it must
+    report too: codec and coded size (the frames it hands, NV12 or RGB, are its key's)."""
+    return facts.codec_name, facts.width, facts.height
 
 
 @contextlib.contextmanager

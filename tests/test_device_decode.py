@@ -478,9 +478,16 @@ class StandInDemuxer:
         return (mp4_facts(self.data).video_codecs or ["?"])[0]
 
 
-def stand_in(monkeypatch: pytest.MonkeyPatch, decoder: type = StandInDecoder) -> None:
+def stand_in(monkeypatch: pytest.MonkeyPatch, decoder: type = StandInDecoder, nv12: bool = False) -> None:
+    """PyNvVideoCodec replaced by `decoder`. Unless `nv12`, the rank asks its sessions for
+    RGB (`nvdec.YUV_HERE` off), which is what decord gives the stand-in: the rows can be
+    the CPU path's bit for bit. The NV12 reading is tested on its own below."""
+    from embedjob.decode import nvdec
+
     monkeypatch.setattr(decoder, "made", 0)
-    module = SimpleNamespace(SimpleDecoder=decoder, CreateDemuxer=StandInDemuxer, OutputColorType=SimpleNamespace(RGB="RGB"))
+    monkeypatch.setattr(nvdec, "YUV_HERE", nv12)
+    colours = SimpleNamespace(RGB="RGB", NATIVE="NATIVE")
+    module = SimpleNamespace(SimpleDecoder=decoder, CreateDemuxer=StandInDemuxer, OutputColorType=colours)
     monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module)
 
 
@@ -875,6 +882,62 @@ def test_the_streams_colour_tag_wins_over_the_containers() -> None:
     data[at : at + 2] = (6).to_bytes(2, "big")
     assert mp4_facts(bytes(data)).container_tags.matrix == 6
     assert media_colour(bytes(data)) == Colour("bt709", False)
+
+
+class NV12StandIn(StandInDecoder):
+    """A session that hands NV12 when asked for the decoder's native output: the first
+    frame of the clips in `surfaces` (FFmpeg's NV12, from tests/data), in a surface
+    padded to 16 rows as NVDEC's are; RGB from decord otherwise."""
+
+    surfaces: dict[bytes, torch.Tensor] = {}
+    outputs: list[object] = []
+
+    def __init__(self, path: str, gpu_id: int = 0, use_device_memory: bool = True, output_color_type: object = None) -> None:
+        self.output = output_color_type
+        type(self).outputs.append(output_color_type)
+        super().__init__(path, gpu_id, use_device_memory, output_color_type)
+
+    def reconfigure_decoder(self, path: str) -> None:
+        super().reconfigure_decoder(path)
+        self.data = Path(path).read_bytes()
+
+    def get_batch_frames_by_index(self, indices: list[int]) -> list[torch.Tensor]:
+        if self.output != "NATIVE":
+            return super().get_batch_frames_by_index(indices)
+        assert indices == [0], "the fixtures hold each clip's first frame only"
+        return [self.surfaces[self.data]]
+
+
+def padded_surface(nv12: torch.Tensor, height: int) -> torch.Tensor:
+    """NV12 planes of `height` luma rows in a surface whose luma is padded to 16 rows."""
+    rows = -(-height // 16) * 16
+    surface = torch.zeros((rows * 3 // 2, nv12.shape[1]), dtype=torch.uint8)
+    surface[:height], surface[rows : rows + height // 2] = nv12[:height], nv12[height:]
+    return surface
+
+
+@pytest.mark.parametrize("fixture", [f for f in NV12_FIXTURES if f[2] == 0 and min(f[3]) >= 144], ids=lambda f: f[0])
+def test_the_gpu_decoder_hands_nv12_by_default_and_its_frames_are_decords(monkeypatch: pytest.MonkeyPatch, fixture) -> None:
+    """`YUV_HERE` is on: an 8-bit clip gets a session asking for NV12, and the frame that
+    comes back from `decode_frames` is decord's within 2 levels (untagged BT.601 colour
+    bars; BT.709 in both the container and the stream), where the decoder's own RGB was
+    down to cosine 0.983 from decord's on SigLIP's vectors."""
+    from embedjob.decode import nvdec, video
+    from embedjob.decode.types import DeferredVideo
+
+    clip, raw, _, (height, width) = fixture
+    nv12, want = nv12_and_decord_rows(*fixture)
+    data = (DATA / clip).read_bytes()
+    assert nvdec.YUV_HERE
+    monkeypatch.setattr(nvdec, "_sessions", threading.local())
+    monkeypatch.setattr(NV12StandIn, "outputs", [])
+    monkeypatch.setattr(NV12StandIn, "surfaces", {bytes(video.decoder_bytes(data)): padded_surface(nv12, height)})
+    stand_in(monkeypatch, NV12StandIn, nv12=True)
+    first = DeferredVideo(data, [0], (width, height), ((1, 0), (0, 1)), (height, width), [0.0], 25.0, 1)
+    frames, _ = nvdec.decode_frames(first, torch.device("cpu"), VIDEO_OPTIONS)
+    assert NV12StandIn.outputs == ["NATIVE"]
+    diff = (frames[0].to(torch.int16) - want.to(torch.int16)).abs()
+    assert frames.shape == (1, 3, height, width) and int(diff.max()) <= 2 and float(diff.float().mean()) < 0.8
 
 
 def test_nv12_of_another_layout_is_refused_so_the_cpu_path_reads_the_clip() -> None:

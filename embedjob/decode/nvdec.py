@@ -7,8 +7,8 @@ frames undecoded (`DeferredVideo`); the rank reads exactly those frames here, fr
 bytes (a file in memory while it reads them), as RGB on its GPU, `nvdec_sessions` videos
 at a time (`video.nvdec_sessions`), and applies the rest of the CPU path's steps there
 (`frames_as_decoded`). A failure raises, and the caller takes the CPU path for that video.
-`YUV_HERE` (NV12 from the decoder, turned to RGB here as decord's FFmpeg does) waits for a
-GPU's numbers; `OWN_STREAMS` (a CUDA stream per session) has them, and stays off.
+The decoder hands NV12, turned to RGB here as decord's FFmpeg does (`YUV_HERE`); sessions
+share the default CUDA stream (`OWN_STREAMS` off). Both were chosen on a GPU's numbers.
 """
 
 from __future__ import annotations
@@ -49,19 +49,20 @@ def nvdec_problem(device: torch.device) -> str | None:
 OWN_STREAMS = False
 """Whether each thread's decoder session gets a CUDA stream of its own (PyNvVideoCodec's
 `cuda_stream`) instead of the library's default, the legacy stream every session shares.
-Off: on an H100, NVDEC alone read 68.7 s of video a second in 4 threads on the shared
-stream and 63.4 on streams of their own (`benchmarks/nvdec_scaling.py`, benchmarks/
-RESULTS.md section 11); past 4 threads the decoder's calls hold the GIL, either way."""
+Off: on an H100, NVDEC alone read 100.5 s of video a second in 4 threads on the shared
+stream and 99.9 on streams of their own, 139.4 and 139.8 in 7 (`benchmarks/nvdec_scaling.py`,
+benchmarks/RESULTS.md section 11): a stream per session buys threads nothing."""
 
-YUV_HERE = False
+YUV_HERE = True
 """Whether 8-bit streams come from the decoder as NV12 and are turned to RGB here
 (`nv12_to_rgb`: the matrix and range the stream is tagged with, BT.601 and limited range
 where it has no tags, as decord's FFmpeg does), instead of by PyNvVideoCodec's RGB output,
 whose vectors were down to cosine 0.983 from decord's on untagged clips. The tags are read
 here (`media_colour`: the SPS's, then the container's), as decord's FFmpeg reads them;
 PyNvVideoCodec's demuxer reports the container's alone, which left a clip tagged BT.709 in
-its H.264 stream only 20 levels off decord's (benchmarks/RESULTS.md section 11). Off until
-a GPU has compared this reading with decord (tests/test_gpu.py)."""
+its H.264 stream only 20 levels off decord's. On: SigLIP-so400m's vectors of 1,152 clips
+read this way were within cosine 0.99817 of decord's at worst, against 0.98306 through the
+RGB output (an H100, benchmarks/RESULTS.md section 11; tests/test_gpu.py compares pixels)."""
 
 COEFFICIENTS = {"bt601": (104597, 132201, 25675, 53279), "bt709": (117489, 138438, 13975, 34925)}
 """YUV -> RGB for limited-range chroma, in 1/65536: V to red, U to blue, U and V off green;
@@ -77,8 +78,8 @@ class Colour:
 
 
 # Each thread of `_threads` keeps its decoder sessions (`_session`) in `_sessions` and
-# reads one video at a time: one thread read 15.7 s of video a second on an H100, 4 of
-# them 68.7 (benchmarks/RESULTS.md section 11).
+# reads one video at a time: 4 threads read 100.5 s of video a second on an H100, 7 of
+# them (its decode engines) 139.4 (benchmarks/RESULTS.md section 11).
 _sessions = threading.local()
 _pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()

@@ -59,7 +59,7 @@ from benchmarks.common import log as _log  # noqa: E402
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
 from benchmarks.gpu_decode import compare  # noqa: E402
 from benchmarks.mixes import TOWERS, save_tower  # noqa: E402
-from embedjob.config import load_job  # noqa: E402
+from embedjob.config import DEFAULT_NVDEC_SESSIONS, load_job  # noqa: E402
 
 FPS = 30
 SIZE = (1920, 1080)
@@ -394,7 +394,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clips", default="bench-data/clips", help="directory of the clips to embed")
     parser.add_argument("--workers", type=int, help="runtime.workers of the decord run (16; 2 with --smoke)")
     parser.add_argument("--nvdec-workers", type=int, default=4, help="runtime.workers of the nvdec run")
-    parser.add_argument("--nvdec-sessions", type=int, nargs="+", default=[4],
+    parser.add_argument("--nvdec-sessions", type=int, nargs="+", default=[DEFAULT_NVDEC_SESSIONS],
                         help="video.nvdec_sessions: an nvdec run at each count, auto at the fastest's")
     parser.add_argument("--tower", choices=sorted(TOWERS), default="qwen", help="the vision tower, at its published size (qwen: Qwen2.5-VL-7B)")
     parser.add_argument("--decoders", nargs="+", choices=DECODERS, default=list(DECODERS),

@@ -54,7 +54,7 @@ DEFAULT_MAX_FRAME_PIXELS = 50_000_000
 """video.max_pixels_per_frame: above 8K (7680x4320 = 33.2 M), far below what exhausts a worker."""
 DEFAULT_MAX_VIDEO_PIXELS = 500_000_000
 """video.max_total_pixels: every sampled frame of one video together (1.5 GB as RGB)."""
-DEFAULT_NVDEC_SESSIONS = 4
+DEFAULT_NVDEC_SESSIONS = 7
 """video.nvdec_sessions: videos the GPU's decoder reads at once (the decode stage's default too)."""
 
 
@@ -206,8 +206,7 @@ class VideoConfig:
     )
     nvdec_sessions: int = key(
         DEFAULT_NVDEC_SESSIONS, "with decoder nvdec or auto: videos the GPU's decoder reads at once, one decoder session each "
-        "(an H100 or H200 has 7 decode engines, but past 4 sessions the decoder's calls take turns for the GIL: 4 read the most "
-        "on an H100)", AT_LEAST_1,
+        "(an H100 or H200 has 7 decode engines: 7 sessions read 139 s of video a second on an H100, 4 read 100)", AT_LEAST_1,
     )
 
 

@@ -31,7 +31,6 @@ norms kernels of their own: `fp8.NORM_INTO` empty) and `fp8-gated-apart` (a gate
 keep the fixed-resolution towers' hidden state in the layout their embeddings give it
 (`fixed.ROW_MAJOR` off: SigLIP's is transposed); `bf16-gelu-apart` leaves SigLIP's tanh
 GELU a kernel of its own instead of the product's epilogue (`epilogues.EPILOGUES` off);
-`fp8-rows-N` quantises N rows a program (`fp8.ROW_BLOCK`, N of 2, 4, 8, 16);
 `bf16-looped-rows` and `fp8-looped-rows` leave torch's rule for reducing wide rows
 (`base.WIDE_ROWS` 0: the norms of rows over 1,024 elements loop); `bf16-varlen` runs the
 Qwen-VL towers' attention without FlashAttention-4 (`model.attention: varlen`: varlen_attn,
@@ -91,7 +90,6 @@ VARIANTS = {
     "fp8-strided": ("fp8", {(fixed, "ROW_MAJOR"): False}),
     "fp8-gated-apart": ("fp8", {(fp8, "GATED_MLPS"): ()}),
     "fp8-looped-rows": ("fp8", {(base, "WIDE_ROWS"): 0}),
-    **{f"fp8-rows-{rows}": ("fp8", {(fp8, "ROW_BLOCK"): rows}) for rows in (2, 4, 8, 16)},
 }
 """Variant -> (model.precision, the (module, setting) pairs of `encoders.fp8`,
 `encoders.fixed`, `encoders.base` and `encoders.epilogues` it changes while its adapter is

@@ -1,11 +1,11 @@
-"""Runs the FP8 row kernels (`encoders.fp8_kernel`) on the CPU in Triton's interpreter and
-prints, as JSON, what tests/test_fp8.py compares: for each case and kernel (one row a
-program, or `ROWS` rows a program) whether its FP8 bytes equal the row kernel's, its
-scales' largest relative distance to the torch path's, and whether the padding is zero.
+"""Runs the FP8 row kernel (`encoders.fp8_kernel`) on the CPU in Triton's interpreter and
+prints, as JSON, what tests/test_fp8.py compares: for each case its scales' largest
+relative distance to the torch path's (a scale is the row's largest magnitude after the
+norm and activation, so it carries their arithmetic) and whether the padding is zero.
 
 Run with TRITON_INTERPRET=1 in the environment (Triton reads it when the kernels are
-defined), as `python tests/fp8_kernel_helpers.py`. The interpreter's FP8 rounding is not
-the GPU's, so the FP8 values are compared kernel to kernel; their rounding is
+defined), as `python tests/fp8_kernel_helpers.py`. The interpreter's FP8 conversion is
+not the GPU's (it made 64 of values that torch rounds to 128), so the FP8 values are
 tests/test_gpu.py's to check.
 """
 
@@ -21,7 +21,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from embedjob.encoders import fp8  # noqa: E402
-from embedjob.encoders.fp8_kernel import fp8_quantize_row_block_kernel, fp8_quantize_rows_kernel  # noqa: E402
+from embedjob.encoders.fp8_kernel import fp8_quantize_rows_kernel  # noqa: E402
 
 CASES = [  # (columns, norm, activation)
     (72, None, None),
@@ -31,13 +31,11 @@ CASES = [  # (columns, norm, activation)
     (1152, "layer_norm", None),
 ]
 ROWS = 11
-"""Rows of each case: no block count divides it, so every block kernel has a last,
-partial block; one row is all zeros (the smallest scale)."""
-BLOCKS = (1, 2, 4, 8, 16)
+"""Rows of each case; one is all zeros (the smallest scale)."""
 
 
-def launch(x: torch.Tensor, cols: int, norm: fp8.Norm | None, activation: str | None, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 rows and scales of `x` from the row kernel (`block` None) or the block kernel."""
+def launch(x: torch.Tensor, cols: int, norm: fp8.Norm | None, activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 rows and scales of `x` from the row kernel."""
     rows, padded = x.shape[0], fp8._padded(cols)
     quantized = torch.empty(rows, padded, dtype=fp8.FP8)
     scale = torch.empty(rows, 1)
@@ -48,11 +46,7 @@ def launch(x: torch.Tensor, cols: int, norm: fp8.Norm | None, activation: str | 
         ACTIVATION=0 if activation is None else fp8.ACTIVATIONS[activation][0],
         NORM=0 if norm is None else fp8.NORMS[norm.kind], EPS=1e-6 if norm is None else norm.eps,
     )
-    if block is None:
-        fp8_quantize_rows_kernel[(rows,)](x, quantized, scale, weight, bias, x.stride(0), cols, padded, 0, GATED=False, **constants)
-    else:
-        fp8_quantize_row_block_kernel[(triton.cdiv(rows, block),)](
-            x, quantized, scale, weight, bias, x.stride(0), rows, cols, padded, ROWS=block, **constants)
+    fp8_quantize_rows_kernel[(rows,)](x, quantized, scale, weight, bias, x.stride(0), cols, padded, 0, GATED=False, **constants)
     return quantized, scale
 
 
@@ -65,15 +59,12 @@ def main() -> int:
         weight, bias = torch.randn(cols, generator=generator), torch.randn(cols, generator=generator)
         norm = None if kind is None else fp8.Norm(kind, weight, bias if kind == "layer_norm" else None, 1e-6)
         _, torch_scale = fp8.quantize_input(x, fp8._padded(cols), cols, False, activation=activation, norm=norm)
-        row_bytes, _ = launch(x, cols, norm, activation, None)
-        for block in (None, *BLOCKS):
-            quantized, scale = launch(x, cols, norm, activation, block)
-            results.append({
-                "case": f"{cols} wide, {kind or 'no norm'}, {activation or 'no activation'}", "block": block,
-                "bytes_equal": bool(torch.equal(quantized.view(torch.uint8), row_bytes.view(torch.uint8))),
-                "scale_error": float(((scale - torch_scale).abs() / torch_scale).max()),
-                "padding_zero": bool((quantized[:, cols:].view(torch.uint8) == 0).all()),
-            })
+        quantized, scale = launch(x, cols, norm, activation)
+        results.append({
+            "case": f"{cols} wide, {kind or 'no norm'}, {activation or 'no activation'}",
+            "scale_error": float(((scale - torch_scale).abs() / torch_scale).max()),
+            "padding_zero": bool((quantized[:, cols:].view(torch.uint8) == 0).all()),
+        })
     print(json.dumps(results))
     return 0
 

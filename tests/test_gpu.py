@@ -520,19 +520,16 @@ def test_fp8_compiled_graphs_replay_like_eager_and_stay_close_to_bf16(cache_dir:
      (3420, 3424, 16, "gelu_tanh", None), (1152, 1152, 0, None, "layer_norm"), (72, 80, 16, None, "layer_norm"),
      (1280, 1280, 0, None, "rms_norm")],
 )
-@pytest.mark.parametrize("block", [None, 8])
 def test_the_fp8_row_kernel_quantises_as_the_reference_does(
-    cols: int, padded: int, wider: int, activation: str | None, norm: str | None, block: int | None, monkeypatch: pytest.MonkeyPatch
+    cols: int, padded: int, wider: int, activation: str | None, norm: str | None
 ) -> None:
     """The Triton quantiser that CUDA layers use gives `quantize_rows`' scales and
     values (round to nearest even, one e4m3 step at most where the two divisions round
     apart), zeros in the padded columns, also from rows of a wider tensor, after an
-    MLP's activation and after a block's norm (against their float32 definitions); one
-    row a program or, with `fp8.ROW_BLOCK`, 8 (300 rows: a last, partial block)."""
+    MLP's activation and after a block's norm (against their float32 definitions)."""
     from embedjob.encoders import fp8
 
     fp8._register_row_quantizer()
-    monkeypatch.setattr(fp8, "ROW_BLOCK", block)
     generator = torch.Generator(device="cuda").manual_seed(cols)
     magnitudes = torch.logspace(-4, 4, 300, device="cuda")[:, None]
     wide = (torch.randn(300, cols + wider, device="cuda", generator=generator) * magnitudes).to(torch.bfloat16)

@@ -87,15 +87,11 @@ ROW_WARPS: int | None = None
 """Warps per row of the row kernel; None: 8 for rows wider than 2,048 columns without an
 activation, else 4 (a one-off benchmark, now in git history: 8 warps read 3,456-column rows at 1.12x the
 speed of 4, but with a GELU 4 warps are 1.14x faster on 4,304 and 4,096 columns; a gated
-row counts as one with an activation, not measured). Read at each launch."""
-
-
-ROW_BLOCK: int | None = None
-"""Rows one program of the row kernel quantises, a power of two (`fp8_kernel.
-fp8_quantize_row_block_kernel`, launched with `ROW_WARPS` or that many warps); None: one row a program. Gated rows keep
-one a program. Off until `benchmarks/quantize_rows.py --blocks` has measured it on a GPU
-(SigLIP's 1,152-column rows after its layer norm ran at 0.52 of a copy's rate one a
-program). Read at each launch."""
+row counts as one with an activation). On an H100 (`benchmarks/quantize_rows.py`, benchmarks/
+RESULTS.md section 6) 2 warps quantised the normed 1,024-1,280-column rows up to 1.16x faster
+and 16 the gated 3,420-column row 1.22x: by their share, about 1 % of an FP8 batch (untimed).
+Several rows a program (a block kernel, in git history) was slower at every width. Read at
+each launch."""
 
 
 JOINT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -269,7 +265,7 @@ def _register_row_quantizer() -> None:
     registered once, when the first layer is made (Triton is imported only where CUDA runs)."""
     import triton
 
-    from embedjob.encoders.fp8_kernel import fp8_quantize_row_block_kernel, fp8_quantize_rows_kernel
+    from embedjob.encoders.fp8_kernel import fp8_quantize_rows_kernel
 
     @torch.library.triton_op("embedjob::fp8_quantize_rows", mutates_args=())
     def quantize(
@@ -284,13 +280,6 @@ def _register_row_quantizer() -> None:
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
         weight = x if weight is None else weight  # not read without a norm
         bias = weight if bias is None else bias  # not read without a layer norm
-        if ROW_BLOCK and not up:
-            torch.library.wrap_triton(fp8_quantize_row_block_kernel)[(triton.cdiv(rows, ROW_BLOCK),)](
-                x, quantized, scale, weight, bias, x.stride(0), rows, cols, padded,
-                ROWS=ROW_BLOCK, BLOCK=triton.next_power_of_2(padded), TINY=_TINY, LIMIT=FP8_MAX, ACTIVATION=activation,
-                NORM=norm, EPS=eps, num_warps=ROW_WARPS or ROW_BLOCK,
-            )
-            return quantized, scale
         warps = ROW_WARPS or (4 if activation or padded <= 2048 else 8)
         torch.library.wrap_triton(fp8_quantize_rows_kernel)[(rows,)](
             x, quantized, scale, weight, bias, x.stride(0), cols, padded, up,

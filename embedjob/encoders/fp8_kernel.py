@@ -1,8 +1,7 @@
 """The Triton kernels behind `torch.ops.embedjob.fp8_quantize_rows` (`encoders.fp8`): one
 program per row quantises it to FP8 with one scale from its largest magnitude, after the
 block's norm or an MLP activation where asked, or, gated, after forming a gated MLP's
-hidden state `act(gate) * up` from the two halves of the joined gate|up row; or, with
-`fp8.ROW_BLOCK`, one program quantises a block of rows (not gated). Imported
+hidden state `act(gate) * up` from the two halves of the joined gate|up row. Imported
 only where the op is registered (CUDA machines), since Triton is not needed elsewhere.
 
 Invariants: `q * scale` approximates the (normed, activated or gated) row, rounded to
@@ -73,23 +72,3 @@ def fp8_quantize_rows_kernel(
     tl.store(q_ptr + row * padded + offsets, q.to(q_ptr.dtype.element_ty), mask=offsets < padded)
     tl.store(scale_ptr + row, scale)
 
-
-@triton.jit
-def fp8_quantize_row_block_kernel(
-    x_ptr, q_ptr, scale_ptr, w_ptr, b_ptr, stride, count, cols, padded,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, TINY: tl.constexpr, LIMIT: tl.constexpr, ACTIVATION: tl.constexpr,
-    NORM: tl.constexpr, EPS: tl.constexpr,
-):
-    """`fp8_quantize_rows_kernel` without the gate, `ROWS` rows a program (of `count`):
-    for short rows, fewer programs with more bytes in flight each; whether that is faster
-    is `benchmarks/quantize_rows.py`'s to say. Same invariants, row for row."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
-    offsets = tl.arange(0, BLOCK)[None, :]
-    live = rows < count
-    inside = (offsets < cols) & live
-    x = tl.load(x_ptr + rows * stride + offsets, mask=inside, other=0.0).to(tl.float32)
-    x = activated(normed(x, inside, w_ptr, b_ptr, offsets, cols, EPS, NORM), ACTIVATION)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1, keep_dims=True), TINY) / LIMIT
-    q = tl.clamp(x / scale, -LIMIT, LIMIT)
-    tl.store(q_ptr + rows * padded + offsets, q.to(q_ptr.dtype.element_ty), mask=(offsets < padded) & live)
-    tl.store(scale_ptr + rows, scale, mask=live)

@@ -71,4 +71,3 @@ def fp8_quantize_rows_kernel(
     q = tl.clamp(x / scale, -LIMIT, LIMIT)
     tl.store(q_ptr + row * padded + offsets, q.to(q_ptr.dtype.element_ty), mask=offsets < padded)
     tl.store(scale_ptr + row, scale)
-

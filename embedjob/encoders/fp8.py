@@ -278,9 +278,9 @@ def _register_row_quantizer() -> None:
         rows = x.shape[0]
         quantized = torch.empty(rows, padded, dtype=FP8, device=x.device)
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+        warps = ROW_WARPS or (4 if activation or padded <= 2048 else 8)
         weight = x if weight is None else weight  # not read without a norm
         bias = weight if bias is None else bias  # not read without a layer norm
-        warps = ROW_WARPS or (4 if activation or padded <= 2048 else 8)
         torch.library.wrap_triton(fp8_quantize_rows_kernel)[(rows,)](
             x, quantized, scale, weight, bias, x.stride(0), cols, padded, up,
             BLOCK=triton.next_power_of_2(padded), TINY=_TINY, LIMIT=FP8_MAX, ACTIVATION=activation, NORM=norm, EPS=eps,

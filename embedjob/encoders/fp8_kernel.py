@@ -1,8 +1,8 @@
-"""The Triton kernels behind `torch.ops.embedjob.fp8_quantize_rows` (`encoders.fp8`): one
+"""The Triton kernel behind `torch.ops.embedjob.fp8_quantize_rows` (`encoders.fp8`): one
 program per row quantises it to FP8 with one scale from its largest magnitude, after the
 block's norm or an MLP activation where asked, or, gated, after forming a gated MLP's
-hidden state `act(gate) * up` from the two halves of the joined gate|up row. Imported
-only where the op is registered (CUDA machines), since Triton is not needed elsewhere.
+hidden state `act(gate) * up` from the two halves of the joined gate|up row. Imported only
+where the op is registered (CUDA machines), since Triton is not needed elsewhere.
 
 Invariants: `q * scale` approximates the (normed, activated or gated) row, rounded to
 nearest even; columns from `cols` to `padded` are zero; a row of zeros gets the smallest scale.
@@ -29,19 +29,17 @@ def activated(x, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def normed(x, inside, w_ptr, b_ptr, offsets, cols, eps, NORM: tl.constexpr):
-    """`x` (a row, or rows along the last axis, zero outside `inside`) after the norm of
-    `fp8.NORMS` code `NORM` (0: none), in float32; still zero outside `inside`. `offsets`:
-    the columns, which index the norm's weight and bias."""
-    columns = offsets < cols
+    """`x` (one row, zero outside `inside`) after the norm of `fp8.NORMS` code `NORM` (0:
+    none), in float32; still zero outside `inside`."""
     if NORM == 1:  # layer norm
-        mean = tl.sum(x, axis=-1, keep_dims=True) / cols
+        mean = tl.sum(x, axis=0) / cols
         centred = tl.where(inside, x - mean, 0.0)
-        x = centred * tl.rsqrt(tl.sum(centred * centred, axis=-1, keep_dims=True) / cols + eps)
-        x = x * tl.load(w_ptr + offsets, mask=columns, other=0.0).to(tl.float32)
-        x = x + tl.load(b_ptr + offsets, mask=columns, other=0.0).to(tl.float32)
+        x = centred * tl.rsqrt(tl.sum(centred * centred, axis=0) / cols + eps)
+        x = x * tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        x = x + tl.load(b_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     elif NORM == 2:  # RMS norm
-        x = x * tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / cols + eps)
-        x = x * tl.load(w_ptr + offsets, mask=columns, other=0.0).to(tl.float32)
+        x = x * tl.rsqrt(tl.sum(x * x, axis=0) / cols + eps)
+        x = x * tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     return x
 
 

@@ -1,0 +1,157 @@
+"""The pictures the GPU decoder is fed for a video's sampled frames (embedjob/decode/gop.py).
+
+A frame decoded from fewer pictures than the stream holds is the same frame only if
+every picture it refers to, directly or not, was decoded first. The streams below are
+made with explicit references (what each picture was predicted from, as an encoder with
+B-frames, B-pyramids and open GOPs lays them out), and a picture counts as decoded right
+only when it was fed and so was everything it refers to. Real streams: Annex B cuts of
+tests/data clips whose slices FFmpeg's trace_headers read (tests/data/LICENSES.tsv).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embedjob.decode.gop import Picture, SliceKind, display_order, nal_units, needed_pictures, picture_kind, pictures, slice_kind
+
+DATA = Path(__file__).parent / "data"
+
+
+@dataclass
+class Stream:
+    """Pictures in decode order and, for each, the decode positions it refers to."""
+
+    pictures: list[Picture] = field(default_factory=list)
+    refers: list[set[int]] = field(default_factory=list)
+
+    def add(self, pts: int, key: bool, reference: bool, refers: set[int]) -> int:
+        self.pictures.append(Picture(pts, key, reference))
+        self.refers.append(refers)
+        return len(self.pictures) - 1
+
+    def decoded_right(self, fed: set[int]) -> set[int]:
+        right: set[int] = set()
+        for k in range(len(self.pictures)):  # references always come earlier in decode order
+            if k in fed and self.refers[k] <= right:
+                right.add(k)
+        return right
+
+
+@st.composite
+def streams(draw) -> Stream:
+    """GOPs of an I picture then mini-GOPs: a P picture (the next anchor), then up to 3
+    B pictures shown before it, the middle one a reference for the others when the
+    pyramid is drawn. A GOP after the first may be open: its key picture is followed in
+    decode order by leading B pictures shown before it, which refer to the previous GOP's
+    last anchor, to the key picture and maybe to the previous GOP's leading pictures that
+    are references (HEVC lets one RASL picture refer to another), and which nothing shown
+    after the key refers to."""
+    stream, shown, anchor, earlier_leading = Stream(), 0, None, []
+    for g in range(draw(st.integers(1, 4))):
+        leading = draw(st.integers(0, 3)) if g and anchor is not None else 0
+        key = stream.add(shown + leading, True, True, set())
+        references = []
+        for i in range(leading):
+            refers = {anchor, key} | set(draw(st.lists(st.sampled_from(earlier_leading), max_size=2)) if earlier_leading else [])
+            reference = draw(st.booleans())
+            at = stream.add(shown + i, False, reference, refers)
+            references += [at] if reference else []
+        shown, anchor, earlier_leading = shown + leading + 1, key, references
+        for _ in range(draw(st.integers(0, 5))):
+            bs = draw(st.integers(0, 3))
+            p = stream.add(shown + bs, False, True, {anchor})
+            middle = stream.add(shown + 1, False, True, {anchor, p}) if bs == 3 and draw(st.booleans()) else None
+            for i in range(bs):
+                if i != 1 or middle is None:
+                    stream.add(shown + i, False, False, {anchor, p} | ({middle} if middle is not None else set()))
+            shown, anchor = shown + bs + 1, p
+    return stream
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_every_sampled_frame_decodes_from_the_pictures_fed_and_no_unwanted_picture_nothing_refers_to_is_fed(data) -> None:
+    stream = data.draw(streams())
+    frames = len(stream.pictures)
+    wanted = data.draw(st.sets(st.integers(0, frames - 1), min_size=1))
+    fed = needed_pictures(stream.pictures, wanted)
+    order = display_order(stream.pictures)
+    targets = {order[index] for index in wanted}
+    assert fed == sorted(set(fed)) and set(fed) >= targets
+    assert targets <= stream.decoded_right(set(fed))
+    assert all(stream.pictures[k].reference for k in set(fed) - targets)
+    assert max(fed) == max(targets)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_a_stream_without_b_frames_is_fed_from_the_sampled_frames_keyframe_on(data) -> None:
+    """All-P GOPs (phone clips): nothing to leave out between a keyframe and its last
+    sample, whole GOPs before it skipped."""
+    gops = data.draw(st.lists(st.integers(1, 30), min_size=1, max_size=5))
+    stream = [Picture(pts, key=pts in {sum(gops[:g]) for g in range(len(gops))}) for pts in range(sum(gops))]
+    index = data.draw(st.integers(0, len(stream) - 1))
+    start = max(k for k in range(index + 1) if stream[k].key)
+    assert needed_pictures(stream, [index]) == list(range(start, index + 1))
+
+
+def test_sampling_2_of_30_fps_from_a_stream_with_b_pyramids_skips_the_pictures_nothing_refers_to() -> None:
+    """A 1 s GOP of 30 pictures (I, then P B B B minis with a reference middle B), frames
+    0 and 15 wanted: the non-reference B pictures before 15 and everything after it stay
+    out."""
+    stream = Stream()
+    key = stream.add(0, True, True, set())
+    anchor, shown = key, 1
+    while shown + 3 < 30:
+        p = stream.add(shown + 3, False, True, {anchor})
+        middle = stream.add(shown + 1, False, True, {anchor, p})
+        stream.add(shown, False, False, {anchor, p, middle})
+        stream.add(shown + 2, False, False, {anchor, p, middle})
+        anchor, shown = p, shown + 4
+    fed = needed_pictures(stream.pictures, [0, 15])
+    assert {0, 15} <= {stream.pictures[k].pts for k in fed} and len(fed) < 15
+    assert stream.decoded_right(set(fed)) >= {display_order(stream.pictures)[i] for i in (0, 15)}
+
+
+def slices(name: str, codec: str) -> list[SliceKind]:
+    return [kind for kind in (slice_kind(codec, unit) for unit in nal_units((DATA / name).read_bytes())) if kind is not None]
+
+
+def test_the_slices_of_a_real_h264_stream_are_read_as_ffmpeg_reads_them() -> None:
+    """nasa_13013's first 60 pictures: 60 slices, 29 of them with nal_ref_idc 0."""
+    kinds = slices("derived_nasa_13013_60frames.h264", "h264")
+    assert len(kinds) == 60 and sum(not k.referenced for k in kinds) == 29 and {k.layer for k in kinds} == {0}
+
+
+def test_the_slices_of_a_real_hevc_stream_are_read_as_ffmpeg_reads_them() -> None:
+    """h265_video: 10 pictures, 3 of them RASL_N (sub-layer non-reference), all on temporal
+    layer 0: those 3 are references for nothing."""
+    kinds = slices("derived_torchcodec_h265_video.hevc", "hevc")
+    assert len(kinds) == 10 and sum(not k.referenced for k in kinds) == 3 and {k.layer for k in kinds} == {0}
+    stream = pictures([(k, False, kind) for k, kind in enumerate(kinds)])
+    assert sum(not p.reference for p in stream) == 3
+
+
+def test_a_picture_is_a_reference_where_any_of_its_slices_is_and_unknown_where_it_has_none() -> None:
+    sps, idr, plain, unreferenced = b"\x67\x64", b"\x65\x88", b"\x41\x9a", b"\x01\x9e"
+    annex_b = b"".join(b"\x00\x00\x00\x01" + unit for unit in (sps, unreferenced, plain))
+    assert picture_kind("h264", annex_b) == SliceKind(referenced=True)
+    assert picture_kind("h264", b"\x00\x00\x01" + unreferenced) == SliceKind(referenced=False)
+    assert picture_kind("h264", b"\x00\x00\x01" + idr) == SliceKind(referenced=True)
+    assert picture_kind("h264", b"\x00\x00\x01" + sps) is None
+    assert picture_kind("av1", b"\x00\x00\x01" + unreferenced) is None
+
+
+def test_hevc_non_reference_pictures_below_the_top_temporal_layer_stay_references() -> None:
+    """A TRAIL_N picture on layer 0 of a stream with a layer 1 may be referred to by layer 1."""
+    trail_n = lambda layer: b"\x00\x00\x01" + bytes([0 << 1, layer + 1])  # noqa: E731
+    trail_r = lambda layer: b"\x00\x00\x01" + bytes([1 << 1, layer + 1])  # noqa: E731
+    kinds = [picture_kind("hevc", unit) for unit in (trail_r(0), trail_n(0), trail_n(1), trail_r(1))]
+    assert kinds[1] == SliceKind(referenced=False, layer=0) and kinds[2] == SliceKind(referenced=False, layer=1)
+    stream = pictures([(k, k == 0, kind) for k, kind in enumerate(kinds)])
+    assert [p.reference for p in stream] == [True, True, False, True]
+    assert [p.reference for p in pictures([(0, True, None)])] == [True]

@@ -8,6 +8,7 @@ the metadata, batch assembly). The CUDA side is in test_gpu.py."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import json
@@ -479,13 +480,15 @@ class StandInDemuxer:
 
 
 def stand_in(monkeypatch: pytest.MonkeyPatch, decoder: type = StandInDecoder, nv12: bool = False) -> None:
-    """PyNvVideoCodec replaced by `decoder`. Unless `nv12`, the rank asks its sessions for
-    RGB (`nvdec.YUV_HERE` off), which is what decord gives the stand-in: the rows can be
-    the CPU path's bit for bit. The NV12 reading is tested on its own below."""
+    """PyNvVideoCodec's sessions replaced by `decoder`. Unless `nv12`, the rank asks its
+    sessions for RGB (`nvdec.YUV_HERE` off), which is what decord gives the stand-in: the
+    rows can be the CPU path's bit for bit. The NV12 reading is tested on its own below,
+    and so is the packet feed (`nvdec.FEED_SAMPLED`, off here)."""
     from embedjob.decode import nvdec
 
     monkeypatch.setattr(decoder, "made", 0)
     monkeypatch.setattr(nvdec, "YUV_HERE", nv12)
+    monkeypatch.setattr(nvdec, "FEED_SAMPLED", False)
     colours = SimpleNamespace(RGB="RGB", NATIVE="NATIVE")
     module = SimpleNamespace(SimpleDecoder=decoder, CreateDemuxer=StandInDemuxer, OutputColorType=colours)
     monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module)
@@ -960,3 +963,180 @@ def test_an_nv12_surface_padded_below_the_picture_gives_the_pictures_rgb() -> No
     padded = torch.full(((height + 8) * 3 // 2, width), 77, dtype=torch.uint8)
     padded[:height], padded[height + 8 : height + 8 + height // 2] = nv12[:height], nv12[height:]
     assert torch.equal(nv12_to_rgb(padded, coded, Colour()), nv12_to_rgb(nv12, coded, Colour()))
+
+
+# The packet feed (`nvdec.FEED_SAMPLED`): a stream's packets read once for their pictures,
+# then only those its samples need fed to a decoder kept per kind of stream. Here a stand-in
+# demuxer hands the packets of a made-up H.264 stream with B-pyramids (Annex B slice headers,
+# pts) for a real clip's bytes, which it reads through the rank's callback as PyNvVideoCodec
+# does; the stand-in decoder hands each fed picture as an NV12 surface of one grey level (its
+# frame index), in display order once the stream ends, as a decoder reorders.
+
+UNIT = {"idr": b"\x65\x88", "p": b"\x41\x9a", "b_ref": b"\x21\x9e", "b": b"\x01\x9e"}
+
+
+def pyramid_stream(frames: int, gop: int) -> list[tuple[int, bool, bytes]]:
+    """(pts, key, Annex B bytes) in decode order: an IDR every `gop` frames, then P B B B
+    minis whose middle B is a reference (x264's default pyramid), pts = frame index * 512."""
+    packets, shown = [], 0
+    while shown < frames:
+        packets.append((shown * 512, shown % gop == 0, b"\x00\x00\x00\x01\x67\x64\x00\x00\x00\x01" + UNIT["idr"]))
+        start, shown = shown, shown + 1
+        while shown < min(start + gop, frames):
+            bs = min(3, min(start + gop, frames) - shown - 1)
+            packets.append(((shown + bs) * 512, False, b"\x00\x00\x00\x01" + UNIT["p"]))
+            for i in (1, 0, 2)[: bs] if bs == 3 else range(bs):
+                packets.append(((shown + i) * 512, False, b"\x00\x00\x00\x01" + UNIT["b_ref" if bs == 3 and i == 1 else "b"]))
+            shown += bs + 1
+    return packets
+
+
+class FedPacket:
+    """A demuxer's packet: `bsl_data` the address of its bytes, `bsl` their length (0: the end)."""
+
+    def __init__(self, pts: int, key: bool, data: bytes) -> None:
+        self.buffer = ctypes.create_string_buffer(data, len(data)) if data else None
+        self.pts, self.key, self.bsl = pts, int(key), len(data)
+        self.bsl_data = ctypes.addressof(self.buffer) if data else 0
+
+
+class FedDemuxer:
+    """PyNvVideoCodec.CreateDemuxer over a read callback: the stream in `streams` for the
+    bytes it reads (in chunks of 4096, as the real one asks), then an empty packet."""
+
+    streams: dict[bytes, tuple[int, int, list[tuple[int, bool, bytes]]]] = {}
+
+    def __init__(self, source: object) -> None:
+        read, buffer = bytearray(), bytearray(4096)
+        while count := source(buffer):
+            read += buffer[:count]
+        self.width, self.height, self.packets = self.streams[bytes(read)]
+
+    def Width(self) -> int:  # noqa: N802 (PyNvVideoCodec's names)
+        return self.width
+
+    def Height(self) -> int:  # noqa: N802
+        return self.height
+
+    def BitDepth(self) -> int:  # noqa: N802
+        return 8
+
+    def GetNvCodecId(self) -> str:  # noqa: N802
+        return "cudaVideoCodec.H264"
+
+    def __iter__(self):
+        return iter([FedPacket(*packet) for packet in self.packets] + [FedPacket(0, False, b"")])
+
+
+class GreyFrame:
+    """A decoded NV12 surface of one grey level, with the pts of the packet it came from."""
+
+    def __init__(self, pts: int, size: tuple[int, int]) -> None:
+        height, width = size
+        self.pts = pts
+        self.surface = torch.full((height * 3 // 2, width), 128, dtype=torch.uint8)
+        self.surface[:height] = 16 + pts // 512
+
+    def getPTS(self) -> int:  # noqa: N802
+        return self.pts
+
+    def __dlpack__(self, **kwargs):
+        return self.surface.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.surface.__dlpack_device__()
+
+
+class FedDecoder:
+    """PyNvVideoCodec.CreateDecoder's decoder: records the pts of the pictures fed to it and
+    hands their frames in display order when the stream ends (`fail_at`: a pts it fails at)."""
+
+    made: list["FedDecoder"] = []
+    size = (180, 320)
+    fail_at: int | None = None
+
+    def __init__(self, **kwargs: object) -> None:
+        self.fed: list[int] = []
+        self.pending: list[int] = []
+        type(self).made.append(self)
+
+    def Decode(self, packet: FedPacket) -> list[GreyFrame]:  # noqa: N802
+        if not packet.bsl:
+            frames, self.pending = sorted(self.pending), []
+            return [GreyFrame(pts, self.size) for pts in frames]
+        if packet.pts == self.fail_at:
+            raise RuntimeError("HandleVideoSequence : \nError code : 801")
+        self.fed.append(packet.pts)
+        self.pending.append(packet.pts)
+        return []
+
+
+def fed_stand_in(monkeypatch: pytest.MonkeyPatch, clips: dict[bytes, list[tuple[int, bool, bytes]]]) -> None:
+    from embedjob.decode import nvdec
+
+    monkeypatch.setattr(FedDemuxer, "streams", {bytes(video_decoder_bytes(data)): (320, 180, packets) for data, packets in clips.items()})
+    monkeypatch.setattr(FedDecoder, "made", [])
+    monkeypatch.setattr(nvdec, "_sessions", threading.local())
+    module = SimpleNamespace(CreateDemuxer=FedDemuxer, CreateDecoder=FedDecoder)
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module)
+    assert nvdec.FEED_SAMPLED and nvdec.YUV_HERE
+
+
+def video_decoder_bytes(data: bytes) -> bytes | bytearray:
+    from embedjob.decode.video import decoder_bytes
+
+    return decoder_bytes(data)
+
+
+def planned(data: bytes, indices: list[int], frames: int):
+    from embedjob.decode.types import DeferredVideo
+
+    return DeferredVideo(data, indices, (320, 180), ((1, 0), (0, 1)), (180, 320), [i / 30 for i in indices], 30.0, frames)
+
+
+def test_the_packet_feed_feeds_only_the_pictures_the_samples_need_and_hands_the_sampled_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling 2 frames a second of a 30 fps stream of 1 s GOPs with B-pyramids: the frames
+    come back in sample order (a repeated index repeated), while the decoder saw the pictures
+    `gop.needed_pictures` names: every B nothing refers to and every picture after the last
+    sample left out, fewer than half of them fed."""
+    from embedjob.decode import gop, nvdec
+
+    data = (DATA / "torchcodec_nasa_13013.mp4").read_bytes()
+    packets = pyramid_stream(150, 30)
+    fed_stand_in(monkeypatch, {data: packets})
+    indices = [0, 15, 30, 45, 60, 60, 75, 90, 105]
+    frames, video = nvdec.decode_frames(planned(data, indices, 150), torch.device("cpu"), VIDEO_OPTIONS)
+    grey = [int(i * 255 / 219) for i in indices]  # luma 16 + i, limited range
+    assert frames.shape == (9, 3, 180, 320) and [int(f[0, 0, 0]) for f in frames] == grey
+    assert all(int(f.min()) == int(f.max()) for f in frames)
+    (decoder,) = FedDecoder.made
+    stream = [gop.Picture(pts, key, reference=unit[-2:] != UNIT["b"]) for pts, key, unit in packets]
+    assert decoder.fed == [stream[k].pts for k in gop.needed_pictures(stream, sorted(set(indices)))]
+    decode_order = [pts for pts, _, _ in packets]
+    assert len(decoder.fed) < len(packets) / 2 and decoder.fed[-1] == 105 * 512
+    assert max(decode_order.index(pts) for pts in decoder.fed) == decode_order.index(105 * 512)
+    assert all(pts // 512 in indices for pts, _, unit in packets if unit[-2:] == UNIT["b"] and pts in decoder.fed)
+
+
+def test_the_packet_feed_keeps_a_decoder_per_kind_drops_one_that_failed_and_leaves_odd_streams_to_sessions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two clips of one kind share a decoder; a decoder that failed raises (the caller takes
+    the CPU path) and the next clip gets a new one; a stream whose packets do not number the
+    frames its plan counted is left to a session (`nvdec.Unfed`), never read by the wrong index."""
+    from embedjob.decode import nvdec
+
+    first, second = (DATA / "torchcodec_nasa_13013.mp4").read_bytes(), (DATA / "decord_video_0.mov").read_bytes()
+    fed_stand_in(monkeypatch, {first: pyramid_stream(90, 30), second: pyramid_stream(60, 60)})
+    cpu = torch.device("cpu")
+    nvdec.decode_frames(planned(first, [0, 15, 30], 90), cpu, VIDEO_OPTIONS)
+    nvdec.decode_frames(planned(second, [0, 15, 30], 60), cpu, VIDEO_OPTIONS)
+    assert len(FedDecoder.made) == 1 and len(FedDecoder.made[0].fed) < 60
+    monkeypatch.setattr(FedDecoder, "fail_at", 15 * 512)
+    with pytest.raises(RuntimeError, match="801"):
+        nvdec.decode_frames(planned(first, [0, 15], 90), cpu, VIDEO_OPTIONS)
+    monkeypatch.setattr(FedDecoder, "fail_at", None)
+    frames, _ = nvdec.decode_frames(planned(first, [0, 15], 90), cpu, VIDEO_OPTIONS)
+    assert len(FedDecoder.made) == 2 and frames.shape[0] == 2
+    with pytest.raises(nvdec.Unfed, match="90 packets for 91 frames"):
+        nvdec._fed(video_decoder_bytes(first), planned(first, [0, 15], 91), cpu, nvdec.Colour())

@@ -855,6 +855,51 @@ def test_nvdec_frames_turned_to_rgb_on_the_rank_are_decords_within_a_level_or_tw
     assert float(diff.mean()) < 1.0 and float(diff.max()) <= 2, (float(diff.mean()), float(diff.max()))
 
 
+FED_CLIPS = ["torchcodec_nasa_13013.mp4", "gop/derived_testsrc2_hevc_open_gop_256x144.mp4", "gop/derived_testsrc2_h264_open_gop_256x144.mp4"]
+"""H.264 with B-pyramids; HEVC and H.264 with open GOPs (leading pictures that refer to the GOP before)."""
+
+
+@pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
+def test_frames_read_by_the_packet_feed_are_decords_from_fewer_pictures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nvdec.FEED_SAMPLED`: the frames a plan samples, fed only the pictures they need
+    (every 15th frame: 2 of 30 fps; the frames shown just before each keyframe, leading
+    pictures in an open GOP; all of the first 60), on one decode thread that keeps its
+    decoders: decord's frames of a decode from the first frame to the last (its seeks, like
+    PyNvVideoCodec's SimpleDecoder's, misread leading pictures of these open GOPs), within
+    a level on average, from fewer pictures than the stream has where frames are skipped."""
+    import decord
+
+    from embedjob.decode import nvdec
+    from embedjob.decode.types import DeferredVideo
+    from embedjob.decode.video import decoder_bytes
+
+    fed: list[int] = []
+    real = nvdec._feed
+
+    def counted(nvc: Any, data: Any, pictures: set[int], *args: Any) -> Any:
+        fed.append(len(pictures))
+        return real(nvc, data, pictures, *args)
+
+    monkeypatch.setattr(nvdec, "_feed", counted)
+    monkeypatch.setattr(nvdec, "_pool", None)
+    thread = nvdec._threads(1)
+    cuda = torch.device("cuda")
+    for name in FED_CLIPS:
+        data = (REPO / "tests" / "data" / name).read_bytes()
+        reader = decord.VideoReader(io.BytesIO(decoder_bytes(data)))
+        count, (height, width) = len(reader), reader[0].shape[:2]
+        every = torch.from_numpy(reader.get_batch(list(range(count))).asnumpy()).permute(0, 3, 1, 2).to(torch.int16)
+        plans = (list(range(0, count, 15)), [i for i in range(count) if i % 20 in (17, 18, 19)], list(range(min(count, 60))))
+        for indices in plans:
+            video = DeferredVideo(data, indices, (width, height), ((1, 0), (0, 1)), (height, width), [i / 30 for i in indices], 30.0, count)
+            fed.clear()
+            frames, _ = thread.submit(nvdec.decode_frames, video, cuda, NVDEC_OPTIONS).result()
+            assert len(fed) == 1 and (fed[0] < count or len(indices) == count), (name, fed)
+            diff = (frames.cpu().to(torch.int16) - every[indices]).abs().float().mean(dim=(1, 2, 3))
+            assert float(diff.max()) < 1.0, (name, [(i, round(float(d), 2)) for i, d in zip(indices, diff) if d >= 1.0])
+    thread.shutdown(wait=True)
+
+
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
 def test_nvdec_sessions_kept_by_kind_read_clips_of_alternating_kinds_as_fresh_ones_do(monkeypatch: pytest.MonkeyPatch) -> None:
     """One decode thread, clips of two kinds in turn (568 x 320 and 320 x 180 H.264): each

@@ -3,12 +3,15 @@ PyNvVideoCodec (the optional extra `embedjob[nvdec]`).
 
 The decode workers plan a video as the CPU path does (`video.decode_video` with
 `defer_video`: which frames, at which size, under which display matrix) and leave the
-frames undecoded (`DeferredVideo`); the rank reads exactly those frames here, from the
-bytes (a file in memory while it reads them), as RGB on its GPU, `nvdec_sessions` videos
-at a time (`video.nvdec_sessions`), and applies the rest of the CPU path's steps there
-(`frames_as_decoded`). A failure raises, and the caller takes the CPU path for that video.
-The decoder hands NV12, turned to RGB here as decord's FFmpeg does (`YUV_HERE`); sessions
-share the default CUDA stream (`OWN_STREAMS` off). Both were chosen on a GPU's numbers.
+frames undecoded (`DeferredVideo`); the rank reads exactly those frames here, as RGB on
+its GPU, `nvdec_sessions` videos at a time (`video.nvdec_sessions`), and applies the rest
+of the CPU path's steps there (`frames_as_decoded`). An 8-bit H.264 or HEVC stream is fed
+to the decoder packet by packet from memory, only the pictures its samples need
+(`FEED_SAMPLED`, `gop`); any other is read by a SimpleDecoder session from the bytes (a
+file in memory while it reads them). A failure raises, and the caller takes the CPU path
+for that video. The decoder hands NV12, turned to RGB here as decord's FFmpeg does
+(`YUV_HERE`); sessions share the default CUDA stream (`OWN_STREAMS` off). All three were
+chosen on a GPU's numbers.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
 import os
 import tempfile
 import threading
@@ -26,6 +30,7 @@ from typing import Any
 import torch
 import torchvision.transforms.v2.functional as tvF
 
+from embedjob.decode import gop
 from embedjob.decode.bitstream import SignalTags
 from embedjob.decode.containers import mp4_facts
 from embedjob.decode.sniff import sniff_format
@@ -131,10 +136,19 @@ class SmallStream(RuntimeError):
 def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOptions) -> tuple[torch.Tensor, DeferredVideo]:
     """`video`'s sampled frames as (T, 3, H, W) uint8 RGB on `device`, in sample order,
     as the CPU path shows them (see `frames_as_decoded`), and its plan: the workers'
-    or, for a video they could not plan, one made here (`video.plan_from_stream`)."""
-    with _spilled(decoder_bytes(video.data)) as path:
+    or, for a video they could not plan, one made here (`video.plan_from_stream`).
+    A planned 8-bit H.264 or HEVC stream read as NV12 is fed to the decoder packet by
+    packet (`FEED_SAMPLED`); any other, through a session that reads a spilled file."""
+    data = decoder_bytes(video.data)
+    colour = media_colour(video.data) if YUV_HERE else None
+    if FEED_SAMPLED and colour is not None and video.indices:
         try:
-            decoder, facts, colour = _session(path, device, media_colour(video.data) if YUV_HERE else None)
+            return _fed(data, video, device, colour)
+        except Unfed:
+            pass
+    with _spilled(data) as path:
+        try:
+            decoder, facts, colour = _session(path, device, colour)
             if not video.indices:
                 video = plan_from_stream(video, facts.num_frames, facts.average_fps, facts.width, facts.height, options)
             unique = sorted(set(video.indices))
@@ -144,9 +158,14 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
         except Exception:
             _drop_current()  # a session that failed is not trusted with the next video
             raise
+    return _in_sample_order(frames, unique, video), video
+
+
+def _in_sample_order(frames: list[torch.Tensor], unique: list[int], video: DeferredVideo) -> torch.Tensor:
+    """The frames at the ascending indices `unique` as `video.indices` orders (and repeats) them, as shown."""
     position = {index: k for k, index in enumerate(unique)}
     stack = torch.stack(frames)[[position[i] for i in video.indices]]
-    return frames_as_decoded(stack, video), video
+    return frames_as_decoded(stack, video)
 
 
 def refusal(exc: Exception) -> str:
@@ -204,9 +223,7 @@ def _session(path: str, device: torch.device, colour: Colour | None) -> tuple[An
     _sessions.current = None
     demuxer = nvc.CreateDemuxer(path)
     width, height = demuxer.Width(), demuxer.Height()
-    if min(width, height) < MIN_SIDE:
-        raise SmallStream(f"a {width} x {height} stream is below {MIN_SIDE} px a side, "
-                          "which the GPU's decoder does not read reliably")
+    _check_side(width, height)
     if demuxer.BitDepth() > 8:
         decoder = _new_session(nvc, path, device, native=False)
         return decoder, decoder.get_stream_metadata(), None
@@ -244,6 +261,145 @@ def _drop_current() -> None:
     kind, _sessions.current = getattr(_sessions, "current", None), None
     if kind is not None and hasattr(_sessions, "kept"):
         _sessions.kept.pop(kind, None)
+
+
+FEED_SAMPLED = True
+"""Whether a planned 8-bit H.264 or HEVC stream read as NV12 is fed to a decoder packet by
+packet from memory, only the pictures its sampled frames need (`gop.needed_pictures`:
+no picture nothing refers to unless sampled, nothing past the last sample, no group of
+pictures without one), instead of read through a SimpleDecoder session, which decodes
+every picture from the keyframe before each sample and reads from a spilled file. About
+half the pictures of a stream with B-frames are references for none. On: on an H100,
+NVDEC alone read 75.2 s of video a second in one thread fed so against 42.8 through a
+session, 161.9 against 149.4 in 7 (where the feed's Python steps, two demuxer passes a
+clip, hold the GIL half the time), and the feed reads the leading pictures of open GOPs
+as a decode from the first frame does, where a session's seeks misread them or failed
+(benchmarks/RESULTS.md section 11; tests/test_gpu.py)."""
+
+CODECS = {"H264": "h264", "HEVC": "hevc"}
+"""The decoder's codec ids (their last dotted part) whose pictures `gop` can tell apart."""
+
+HEAD = 4096
+"""Bytes of a packet read to find its first slice: the parameter sets and SEI before it
+(x264 writes its settings into one of some 700 bytes) rarely take more; a packet without
+a slice in them is read whole."""
+
+
+class Unfed(Exception):
+    """A stream the packet feed does not take (`FEED_SAMPLED`): not 8-bit H.264 or HEVC,
+    packets not in Annex B, or not numbering the frames its plan counted. A session reads it."""
+
+
+class _Reader:
+    """A demuxer's reads (PyNvVideoCodec's callback: fill the buffer handed, say how much,
+    0 at the end) from bytes in memory."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self.view, self.at = memoryview(data), 0
+
+    def __call__(self, buffer: Any) -> int:
+        count = min(len(buffer), len(self.view) - self.at)
+        buffer[:count] = self.view[self.at : self.at + count]
+        self.at += count
+        return count
+
+
+def _fed(data: bytes | bytearray, video: DeferredVideo, device: torch.device, colour: Colour) -> tuple[torch.Tensor, DeferredVideo]:
+    """`decode_frames` by the packet feed: the stream's packets read once for their
+    pictures (`gop.Picture`: pts, keyframe, reference), then read again and fed to a kept
+    decoder of the stream's kind where `gop.needed_pictures` names them, and the end of
+    the stream, which flushes it. Frames are taken by pts as they come out."""
+    import PyNvVideoCodec as nvc
+
+    demuxer = nvc.CreateDemuxer(_Reader(data))
+    width, height = demuxer.Width(), demuxer.Height()
+    _check_side(width, height)
+    codec_id = demuxer.GetNvCodecId()
+    codec = CODECS.get(str(codec_id).rsplit(".", 1)[-1].upper())
+    if codec is None or demuxer.BitDepth() > 8:
+        raise Unfed(f"{codec_id} at {demuxer.BitDepth()} bits")
+    stream = gop.pictures([(packet.pts, bool(packet.key), _picture_kind(codec, packet)) for packet in demuxer if packet.bsl])
+    if len(stream) != video.source_frames or len({picture.pts for picture in stream}) != len(stream):
+        raise Unfed(f"{len(stream)} packets for {video.source_frames} frames")
+    unique = sorted(set(video.indices))
+    order = gop.display_order(stream)
+    wanted = {stream[order[index]].pts: k for k, index in enumerate(unique)}
+    kind = ("fed", codec, width, height)
+    try:
+        frames = _feed(nvc, data, set(gop.needed_pictures(stream, unique)), wanted, (kind, codec_id), device, colour, (height, width))
+    except Exception:
+        _drop_current()  # a decoder that failed is not trusted with the next video
+        raise
+    return _in_sample_order(frames, unique, video), video
+
+
+def _picture_kind(codec: str, packet: Any) -> gop.SliceKind | None:
+    """The `gop.SliceKind` of the picture in a demuxer's packet (Annex B), from its first
+    `HEAD` bytes or, where they hold no slice, all of it. A packet that does not start
+    with a start code is refused: the lengths before AVCC's units could pass for one."""
+    head = ctypes.string_at(packet.bsl_data, min(packet.bsl, HEAD))
+    if not (head.startswith(b"\x00\x00\x01") or head.startswith(b"\x00\x00\x00\x01")):
+        raise Unfed("packets not in Annex B")
+    kind = gop.picture_kind(codec, head)
+    if kind is None and packet.bsl > HEAD:
+        kind = gop.picture_kind(codec, ctypes.string_at(packet.bsl_data, packet.bsl))
+    return kind
+
+
+def _feed(nvc: Any, data: bytes | bytearray, fed: set[int], wanted: dict[int, int], kind: tuple[tuple, Any],
+          device: torch.device, colour: Colour, coded: tuple[int, int]) -> list[torch.Tensor]:
+    """The frames whose pts are `wanted`'s keys, in its values' order, as RGB on `device`:
+    the packets at decode positions `fed`, and the empty one that ends the stream, fed to
+    this thread's decoder of `kind`. The decoder works on the thread's stream and reuses
+    its surfaces, so its next packet waits for the reads of its last frames."""
+    decoder, own = _fed_session(nvc, kind, device)
+    current = torch.cuda.current_stream(device) if own is not None else None
+    frames: dict[int, torch.Tensor] = {}
+    position, read = -1, False
+    for packet in nvc.CreateDemuxer(_Reader(data)):
+        if packet.bsl:
+            position += 1
+            if position not in fed:
+                continue
+        if read and own is not None:
+            own.wait_stream(current)
+        decoded = [frame for frame in decoder.Decode(packet) if frame.getPTS() in wanted and frame.getPTS() not in frames]
+        if decoded and own is not None:
+            current.wait_stream(own)
+        for frame in decoded:
+            frames[frame.getPTS()] = nv12_to_rgb(torch.from_dlpack(frame).to(device), coded, colour)
+        read = read or bool(decoded)
+    if len(frames) != len(wanted):
+        raise RuntimeError(f"the video decoder returned {len(frames)} of {len(wanted)} frames")
+    return [frames[pts] for pts in sorted(wanted, key=wanted.__getitem__)]
+
+
+def _fed_session(nvc: Any, kind: tuple[tuple, Any], device: torch.device) -> tuple[Any, torch.cuda.Stream | None]:
+    """This thread's decoder for packets of `kind` ((key, codec id)), kept among its
+    sessions (`SESSIONS_PER_THREAD`, least recently used dropped first), made on the
+    thread's own CUDA stream (none off a GPU), and that stream."""
+    key, codec_id = kind
+    if device.type == "cuda" and getattr(_sessions, "feed_stream", None) is None:
+        _sessions.feed_stream = torch.cuda.Stream(device)
+    own = _sessions.feed_stream if device.type == "cuda" else None
+    kept = _kept(nvc, device)
+    held = kept.pop(key, None)
+    if held is None:
+        decoder = nvc.CreateDecoder(gpuid=device.index or 0, codec=codec_id, cudacontext=0,
+                                    cudastream=own.cuda_stream if own is not None else 0, usedevicememory=True)
+        held = (decoder, key)
+    kept[key] = held
+    _sessions.current = key
+    while len(kept) > SESSIONS_PER_THREAD:
+        kept.popitem(last=False)
+    return held[0], own
+
+
+def _check_side(width: int, height: int) -> None:
+    """Refuses (`SmallStream`) a stream with a side below `MIN_SIDE`."""
+    if min(width, height) < MIN_SIDE:
+        raise SmallStream(f"a {width} x {height} stream is below {MIN_SIDE} px a side, "
+                          "which the GPU's decoder does not read reliably")
 
 
 MATRICES = {1: "bt709", 2: "bt601", 5: "bt601", 6: "bt601"}

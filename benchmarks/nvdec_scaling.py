@@ -13,8 +13,10 @@ the stream at 2 frames a second, at most 32, the sampled frames as RGB on the GP
 - `processes`: a process per session, each reading its share of the clips in its main
   thread, all started together once every process has its CUDA context;
 
-each with the sessions on the library's default CUDA stream (`shared-stream`, what a job
-runs) and on streams of their own (`own-streams`: `nvdec.OWN_STREAMS`), as `--variants` says.
+each with the sessions on the library's default CUDA stream (`shared-stream`), on streams
+of their own (`own-streams`: `nvdec.OWN_STREAMS`), and fed only the packets the samples
+need (`fed`: `nvdec.FEED_SAMPLED`, what a job runs), as `--variants` says. The clips are
+planned first, as the decode workers plan them (`video.decode_video` with `defer_video`).
 
 Per row: clips per second, seconds of video per second, the sessions' parallelism (the
 seconds the clips took, summed over sessions, over the wall time: N when N sessions never
@@ -59,8 +61,12 @@ IMAGE_PIXELS = 1 << 24
 PROCESS_SECONDS = 600
 """The longest a process may take to report (a crashed one never does)."""
 
-VARIANTS = {"shared-stream": False, "own-streams": True}
-"""`--variants`: the value of `nvdec.OWN_STREAMS` each runs with."""
+VARIANTS = {
+    "shared-stream": {"OWN_STREAMS": False, "FEED_SAMPLED": False},
+    "own-streams": {"OWN_STREAMS": True, "FEED_SAMPLED": False},
+    "fed": {"OWN_STREAMS": False, "FEED_SAMPLED": True},
+}
+"""`--variants`: the `nvdec` settings each runs with."""
 
 
 @dataclass
@@ -88,9 +94,19 @@ def options() -> DecodeOptions:
 _streams = threading.local()
 
 
-def read_one(data: bytes, device: torch.device) -> tuple[float, float]:
+def planned(data: bytes) -> DeferredVideo:
+    """A clip planned as a decode worker plans it for the GPU: its sampled frames, their size."""
+    from embedjob.decode.sniff import sniff_format
+    from embedjob.decode.video import decode_video
+
+    found = sniff_format(data)
+    video = decode_video(data, options(), found[1] if found else None)
+    return video if isinstance(video, DeferredVideo) else DeferredVideo.unplanned(data)
+
+
+def read_one(video: DeferredVideo, device: torch.device) -> tuple[float, float]:
     """One clip read by NVDEC (`read_nvdec`), or with `device` a CPU by decord (`--smoke`)."""
-    return read_nvdec(data, device) if device.type == "cuda" else read_decord(data)
+    return read_nvdec(video, device) if device.type == "cuda" else read_decord(video.data)
 
 
 def read_decord(data: bytes) -> tuple[float, float]:
@@ -104,7 +120,7 @@ def read_decord(data: bytes) -> tuple[float, float]:
     return time.perf_counter() - since, video.source_frames / video.source_fps if video.source_fps > 0 else 0.0
 
 
-def read_nvdec(data: bytes, device: torch.device) -> tuple[float, float]:
+def read_nvdec(video: DeferredVideo, device: torch.device) -> tuple[float, float]:
     """Decode one clip's sampled frames on this thread's session, its copies on this
     thread's own stream (a shared one would make each thread's wait for its clip a wait
     for the others'); (seconds it took, seconds of video)."""
@@ -114,7 +130,7 @@ def read_nvdec(data: bytes, device: torch.device) -> tuple[float, float]:
         _streams.stream = torch.cuda.Stream(device)
     since = time.perf_counter()
     with torch.cuda.stream(_streams.stream):
-        _, plan = decode_frames(DeferredVideo.unplanned(data), device, options())
+        _, plan = decode_frames(video, device, options())
     _streams.stream.synchronize()
     return time.perf_counter() - since, plan.source_frames / plan.source_fps if plan.source_fps > 0 else 0.0
 
@@ -149,9 +165,9 @@ class GilProbe:
         self._thread.join()
 
 
-def threads_run(clips: list[bytes], sessions: int, window: int, device: torch.device) -> Run:
+def threads_run(clips: list[DeferredVideo], sessions: int, window: int, device: torch.device) -> Run:
     """`clips` on `sessions` threads of this process, a window at a time, with the GIL probe running.
-    New threads, so new sessions, made under the variant's `nvdec.OWN_STREAMS`."""
+    New threads, so new sessions, made under the variant's settings."""
     with concurrent.futures.ThreadPoolExecutor(sessions, thread_name_prefix="nvdec-scaling") as pool:
         list(pool.map(lambda data: read_one(data, device), clips[:sessions]))
         with GilProbe() as probe:
@@ -163,25 +179,26 @@ def threads_run(clips: list[bytes], sessions: int, window: int, device: torch.de
     return Run("threads", sessions, len(done), sum(v for _, v in done), wall, sum(s for s, _ in done), free)
 
 
-def _process_main(paths: list[str], device: torch.device, own: bool, ready: multiprocessing.Barrier, out: multiprocessing.Queue) -> None:
+def _process_main(paths: list[str], device: torch.device, variant: dict[str, bool], ready: multiprocessing.Barrier, out: multiprocessing.Queue) -> None:
     """One process of `processes_run`: its result, or what stopped it (which breaks the
     barrier, so the others stop too), on `out`."""
     try:
-        out.put(_process_reads(paths, device, own, ready))
+        out.put(_process_reads(paths, device, variant, ready))
     except Exception as exc:  # said by the parent, in the run's row
         ready.abort()
         out.put(repr(exc))
 
 
-def _process_reads(paths: list[str], device: torch.device, own: bool, ready: multiprocessing.Barrier) -> tuple[float, float, float, float, int]:
+def _process_reads(paths: list[str], device: torch.device, variant: dict[str, bool], ready: multiprocessing.Barrier) -> tuple[float, float, float, float, int]:
     """(start, end, seconds the clips took, seconds of video, clips) of this process's share,
     read after its first clip (its session made) and the barrier."""
     from embedjob.decode import nvdec
 
-    nvdec.OWN_STREAMS = own
+    for name, value in variant.items():
+        setattr(nvdec, name, value)
     if device.type == "cuda":
         torch.cuda.init()
-    clips = [Path(p).read_bytes() for p in paths]
+    clips = [planned(Path(p).read_bytes()) for p in paths]
     if clips:
         read_one(clips[0], device)
     ready.wait()
@@ -190,15 +207,13 @@ def _process_reads(paths: list[str], device: torch.device, own: bool, ready: mul
     return start, time.time(), sum(s for s, _ in done), sum(v for _, v in done), len(done)
 
 
-def processes_run(paths: list[Path], sessions: int, device: torch.device) -> Run:
+def processes_run(paths: list[Path], sessions: int, device: torch.device, variant: dict[str, bool]) -> Run:
     """`paths` split round-robin over `sessions` processes, timed from their common start
-    to the last one's end; each process runs with this one's `nvdec.OWN_STREAMS`."""
-    from embedjob.decode import nvdec
-
+    to the last one's end; each process runs with the `variant`'s settings."""
     context = multiprocessing.get_context("spawn")
     ready, out = context.Barrier(sessions), context.Queue()
     shares = [[str(p) for p in paths[k::sessions]] for k in range(sessions)]
-    workers = [context.Process(target=_process_main, args=(share, device, nvdec.OWN_STREAMS, ready, out)) for share in shares]
+    workers = [context.Process(target=_process_main, args=(share, device, variant, ready, out)) for share in shares]
     for worker in workers:
         worker.start()
     results = [out.get(timeout=PROCESS_SECONDS) for _ in workers]
@@ -250,16 +265,21 @@ def main() -> int:
         raise SystemExit("nvdec_scaling.py needs a CUDA device (or --smoke)")
     device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
     name = "cpu, decord standing in for NVDEC" if args.smoke else torch.cuda.get_device_name(0)
-    clips = [p.read_bytes() for p in paths]
+    if not args.smoke:
+        # Before decord, which the planning imports: the other way round, the process
+        # crashed (an H100; each brings an FFmpeg of its own).
+        import PyNvVideoCodec  # noqa: F401
+    clips = [planned(p.read_bytes()) for p in paths]
     from embedjob.decode import nvdec
 
     runs = []
     for variant in args.variants:
-        nvdec.OWN_STREAMS = VARIANTS[variant]
+        for setting, value in VARIANTS[variant].items():
+            setattr(nvdec, setting, value)
         for mode in args.modes:
             for sessions in args.sessions:
                 try:
-                    run = threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device)
+                    run = threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device, VARIANTS[variant])
                 except Exception as exc:  # a variant the decoder refuses is a row, and the others still run
                     run = Run(mode, sessions, error=repr(exc))
                 run.mode = f"{mode}, {variant}"
@@ -277,7 +297,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 7, 14], help="decoder session counts")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="threads of one process, processes, or both")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
-                        help="the sessions on the library's default stream (a job's), on streams of their own, or both")
+                        help="the sessions on the library's default stream, on streams of their own, fed only the packets the samples need (a job's)")
     parser.add_argument("--window", type=int, default=256, help="clips the threads take at a time, as the job's windows (batching.window)")
     parser.add_argument("--smoke", action="store_true", help="CPU only: the test clips, read by decord instead of NVDEC")
     return parser.parse_args()

@@ -311,6 +311,7 @@ def _fed(data: bytes | bytearray, video: DeferredVideo, device: torch.device, co
     the stream, which flushes it. Frames are taken by pts as they come out."""
     import PyNvVideoCodec as nvc
 
+    _sessions.current = None
     demuxer = nvc.CreateDemuxer(_Reader(data))
     width, height = demuxer.Width(), demuxer.Height()
     _check_side(width, height)
@@ -350,25 +351,25 @@ def _feed(nvc: Any, data: bytes | bytearray, fed: set[int], wanted: dict[int, in
           device: torch.device, colour: Colour, coded: tuple[int, int]) -> list[torch.Tensor]:
     """The frames whose pts are `wanted`'s keys, in its values' order, as RGB on `device`:
     the packets at decode positions `fed`, and the empty one that ends the stream, fed to
-    this thread's decoder of `kind`. The decoder works on the thread's stream and reuses
-    its surfaces, so its next packet waits for the reads of its last frames."""
+    this thread's decoder of `kind`. The decoder makes its frames on the thread's stream
+    and reuses their memory, so whatever it does after they are read (in this video or
+    the next) waits for the reads, queued on the caller's stream."""
     decoder, own = _fed_session(nvc, kind, device)
     current = torch.cuda.current_stream(device) if own is not None else None
     frames: dict[int, torch.Tensor] = {}
-    position, read = -1, False
+    position = -1
     for packet in nvc.CreateDemuxer(_Reader(data)):
         if packet.bsl:
             position += 1
             if position not in fed:
                 continue
-        if read and own is not None:
-            own.wait_stream(current)
         decoded = [frame for frame in decoder.Decode(packet) if frame.getPTS() in wanted and frame.getPTS() not in frames]
         if decoded and own is not None:
             current.wait_stream(own)
         for frame in decoded:
             frames[frame.getPTS()] = nv12_to_rgb(torch.from_dlpack(frame).to(device), coded, colour)
-        read = read or bool(decoded)
+        if decoded and own is not None:
+            own.wait_stream(current)
     if len(frames) != len(wanted):
         raise RuntimeError(f"the video decoder returned {len(frames)} of {len(wanted)} frames")
     return [frames[pts] for pts in sorted(wanted, key=wanted.__getitem__)]

@@ -1031,11 +1031,11 @@ class FedDemuxer:
 class GreyFrame:
     """A decoded NV12 surface of one grey level, with the pts of the packet it came from."""
 
-    def __init__(self, pts: int, size: tuple[int, int]) -> None:
+    def __init__(self, pts: int, size: tuple[int, int], index: int) -> None:
         height, width = size
         self.pts = pts
         self.surface = torch.full((height * 3 // 2, width), 128, dtype=torch.uint8)
-        self.surface[:height] = 16 + pts // 512
+        self.surface[:height] = 16 + index % 200
 
     def getPTS(self) -> int:  # noqa: N802
         return self.pts
@@ -1054,6 +1054,8 @@ class FedDecoder:
     made: list["FedDecoder"] = []
     size = (180, 320)
     fail_at: int | None = None
+    step = 512
+    """pts per frame index: the grey level of a frame is 16 + its index (modulo 200)."""
 
     def __init__(self, **kwargs: object) -> None:
         self.fed: list[int] = []
@@ -1063,7 +1065,7 @@ class FedDecoder:
     def Decode(self, packet: FedPacket) -> list[GreyFrame]:  # noqa: N802
         if not packet.bsl:
             frames, self.pending = sorted(self.pending), []
-            return [GreyFrame(pts, self.size) for pts in frames]
+            return [GreyFrame(pts, self.size, pts // self.step) for pts in frames]
         if packet.pts == self.fail_at:
             raise RuntimeError("HandleVideoSequence : \nError code : 801")
         self.fed.append(packet.pts)
@@ -1140,3 +1142,50 @@ def test_the_packet_feed_keeps_a_decoder_per_kind_drops_one_that_failed_and_leav
     assert len(FedDecoder.made) == 2 and frames.shape[0] == 2
     with pytest.raises(nvdec.Unfed, match="90 packets for 91 frames"):
         nvdec._fed(video_decoder_bytes(first), planned(first, [0, 15], 91), cpu, nvdec.Colour())
+
+
+class CutPacket:
+    """PyNvVideoCodec.PacketData: empty (the end of a stream) until the rank fills it in."""
+
+    def __init__(self) -> None:
+        self.bsl_data, self.bsl, self.pts, self.key = 0, 0, 0, 0
+
+
+class CutDecoder(FedDecoder):
+    """A `FedDecoder` handed display indices for pts that also keeps the bytes of each
+    packet, read from the address the rank gave it."""
+
+    handed: list[bytes] = []
+    step = 1
+
+    def Decode(self, packet: CutPacket) -> list[GreyFrame]:  # noqa: N802
+        if packet.bsl:
+            type(self).handed.append(ctypes.string_at(packet.bsl_data, packet.bsl))
+        return super().Decode(packet)
+
+
+def test_the_pictures_a_worker_cut_out_are_fed_as_packets_made_on_the_rank_without_a_demuxer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`video.PACKETS_IN_WORKERS`: a worker plans nasa_13013 (2 frames a second) and cuts
+    out the pictures its frames need; the rank hands the decoder each as a packet pointing
+    into the cut (the bytes the worker cut, with its display index for pts), then the end of
+    the stream, and takes the frames by display index, in sample order. The stand-in module
+    has no demuxer: the rank opens none."""
+    from embedjob.decode import nvdec, video
+    from embedjob.decode.sniff import sniff_format
+
+    data = (DATA / "torchcodec_nasa_13013.mp4").read_bytes()
+    monkeypatch.setattr(video, "PACKETS_IN_WORKERS", True)
+    planned = video.decode_video(data, dataclasses.replace(VIDEO_OPTIONS, defer_video=True, fps=2.0, max_frames=32), sniff_format(data)[1])
+    feed = planned.feed
+    assert feed is not None and set(planned.indices) <= set(feed.shown) and len(feed.bounds) < planned.source_frames
+    codecs = SimpleNamespace(H264="cudaVideoCodec.H264", HEVC="cudaVideoCodec.HEVC")
+    module = SimpleNamespace(PacketData=CutPacket, CreateDecoder=CutDecoder, cudaVideoCodec=codecs)
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module)
+    monkeypatch.setattr(nvdec, "_sessions", threading.local())
+    monkeypatch.setattr(FedDecoder, "made", [])
+    monkeypatch.setattr(CutDecoder, "handed", [])
+    frames, plan = nvdec.decode_frames(pickle.loads(pickle.dumps(planned)), torch.device("cpu"), VIDEO_OPTIONS)
+    (decoder,) = FedDecoder.made
+    assert decoder.fed == list(feed.shown)
+    assert CutDecoder.handed == [feed.stream[offset : offset + size] for offset, size in feed.bounds]
+    assert [int(f[0, 0, 0]) for f in frames] == [int(i % 200 * 255 / 219) for i in planned.indices] and plan == planned

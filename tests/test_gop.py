@@ -139,19 +139,114 @@ def test_the_slices_of_a_real_hevc_stream_are_read_as_ffmpeg_reads_them() -> Non
 def test_a_picture_is_a_reference_where_any_of_its_slices_is_and_unknown_where_it_has_none() -> None:
     sps, idr, plain, unreferenced = b"\x67\x64", b"\x65\x88", b"\x41\x9a", b"\x01\x9e"
     annex_b = b"".join(b"\x00\x00\x00\x01" + unit for unit in (sps, unreferenced, plain))
-    assert picture_kind("h264", annex_b) == SliceKind(referenced=True)
-    assert picture_kind("h264", b"\x00\x00\x01" + unreferenced) == SliceKind(referenced=False)
-    assert picture_kind("h264", b"\x00\x00\x01" + idr) == SliceKind(referenced=True)
-    assert picture_kind("h264", b"\x00\x00\x01" + sps) is None
-    assert picture_kind("av1", b"\x00\x00\x01" + unreferenced) is None
+    assert picture_kind("h264", nal_units(annex_b)) == SliceKind(referenced=True)
+    assert picture_kind("h264", [unreferenced]) == SliceKind(referenced=False)
+    assert picture_kind("h264", [idr]) == SliceKind(referenced=True)
+    assert picture_kind("h264", [sps]) is None
+    assert picture_kind("av1", [unreferenced]) is None
 
 
 def test_hevc_non_reference_pictures_below_the_top_temporal_layer_stay_references() -> None:
     """A TRAIL_N picture on layer 0 of a stream with a layer 1 may be referred to by layer 1."""
-    trail_n = lambda layer: b"\x00\x00\x01" + bytes([0 << 1, layer + 1])  # noqa: E731
-    trail_r = lambda layer: b"\x00\x00\x01" + bytes([1 << 1, layer + 1])  # noqa: E731
-    kinds = [picture_kind("hevc", unit) for unit in (trail_r(0), trail_n(0), trail_n(1), trail_r(1))]
+    trail_n = lambda layer: bytes([0 << 1, layer + 1])  # noqa: E731
+    trail_r = lambda layer: bytes([1 << 1, layer + 1])  # noqa: E731
+    kinds = [picture_kind("hevc", [unit]) for unit in (trail_r(0), trail_n(0), trail_n(1), trail_r(1))]
     assert kinds[1] == SliceKind(referenced=False, layer=0) and kinds[2] == SliceKind(referenced=False, layer=1)
     stream = pictures([(k, k == 0, kind) for k, kind in enumerate(kinds)])
     assert [p.reference for p in stream] == [True, True, False, True]
     assert [p.reference for p in pictures([(0, True, None)])] == [True]
+
+
+# Cut by a decode worker (`video.cut_packets`, `gop.packet_feed`): the first video track's
+# sample table read here (`containers.mp4_samples`), its decoder configuration
+# (`bitstream.decoder_config`), and the pictures as Annex B. Keyframes and frame counts are
+# FFmpeg's (its showinfo filter on these files); the Annex B streams its bitstream filters'.
+
+CLIPS = sorted(p.relative_to(DATA).as_posix() for p in [*DATA.glob("*.mp4"), *DATA.glob("*.mov"), *DATA.glob("gop/*.mp4")])
+KEYFRAMES_SHOWN = {"torchcodec_nasa_13013.mp4": [0, 202], "torchcodec_h265_video.mp4": [0, 2, 4, 6, 8],
+                   "gop/derived_testsrc2_hevc_open_gop_256x144.mp4": [0, 20, 40], "gop/derived_testsrc2_h264_open_gop_256x144.mp4": [0, 20, 40]}
+
+
+def test_the_sample_table_numbers_decords_frames_and_shows_the_keyframes_where_ffmpeg_does() -> None:
+    import io
+
+    import decord
+
+    from embedjob.decode.containers import mp4_samples
+    from embedjob.decode.video import decoder_bytes
+
+    for name in CLIPS:
+        data = (DATA / name).read_bytes()
+        samples = mp4_samples(data)
+        assert samples is not None, name
+        assert len(samples.sizes) == len(decord.VideoReader(io.BytesIO(decoder_bytes(data)))), name
+        assert len(set(samples.times)) == len(samples.times), name
+        stream = pictures([(t, key, None) for t, key in zip(samples.times, samples.sync)])
+        shown = {k: index for index, k in enumerate(display_order(stream))}
+        if name in KEYFRAMES_SHOWN:
+            assert sorted(shown[k] for k, key in enumerate(samples.sync) if key) == KEYFRAMES_SHOWN[name], name
+    assert mp4_samples(b"\x00\x00\x00\x08ftyp") is None
+    truncated = (DATA / "torchcodec_nasa_13013.mp4").read_bytes()[:-100_000]
+    assert mp4_samples(truncated) is None
+
+
+def test_the_decoder_configuration_of_8_bit_clips_is_read_and_deeper_ones_are_refused() -> None:
+    from embedjob.decode.bitstream import decoder_config
+    from embedjob.decode.containers import mp4_samples
+
+    def config(name: str):
+        samples = mp4_samples((DATA / name).read_bytes())
+        return decoder_config(samples.codec, samples.config)
+
+    h264, hevc = config("torchcodec_nasa_13013.mp4"), config("gop/derived_testsrc2_hevc_open_gop_256x144.mp4")
+    assert (h264.codec, h264.length_size, [u[0] & 0x1F for u in h264.parameter_sets]) == ("h264", 4, [7, 8])
+    assert (hevc.codec, hevc.length_size, [(u[0] >> 1) & 0x3F for u in hevc.parameter_sets]) == ("hevc", 4, [32, 33, 34, 39])
+    assert config("torchcodec_h264_10bits.mp4") is None and config("torchcodec_h265_10bits.mp4") is None
+
+
+def vcl_units(codec: str, annex_b: bytes) -> list[bytes]:
+    return [bytes(unit).rstrip(b"\x00") for unit in nal_units(annex_b) if slice_kind(codec, unit) is not None]
+
+
+def test_every_picture_cut_is_the_annex_b_ffmpeg_makes_with_the_parameter_sets_before_each_keyframe() -> None:
+    from embedjob.decode.video import cut_packets, mp4_facts
+
+    for clip, annex_b, codec in (("torchcodec_nasa_13013.mp4", "derived_nasa_13013_60frames.h264", "h264"),
+                                 ("torchcodec_h265_video.mp4", "derived_torchcodec_h265_video.hevc", "hevc")):
+        data = (DATA / clip).read_bytes()
+        frames = len(slices(annex_b, codec)) if codec == "hevc" else 325
+        feed = cut_packets(data, list(range(frames)), frames, mp4_facts(data).stream_size)
+        want = vcl_units(codec, (DATA / annex_b).read_bytes())
+        packets = [feed.stream[offset : offset + size] for offset, size in feed.bounds]
+        assert len(packets) == frames and b"".join(packets) == feed.stream
+        assert vcl_units(codec, b"".join(packets[: len(want)])) == want, clip
+        first = [bytes(unit) for unit in nal_units(packets[0])]
+        assert {(u[0] & 0x1F) if codec == "h264" else (u[0] >> 1) & 0x3F for u in first[:2]} <= {7, 8, 32, 33}
+
+
+def test_a_cut_for_2_frames_a_second_holds_the_sampled_pictures_and_only_references_besides() -> None:
+    from embedjob.decode.video import cut_packets, mp4_facts
+
+    data = (DATA / "torchcodec_nasa_13013.mp4").read_bytes()
+    wanted = list(range(0, 325, 12))
+    feed = cut_packets(data, wanted, 325, mp4_facts(data).stream_size)
+    assert feed.codec == "h264" and feed.size == (320, 180) and set(wanted) <= set(feed.shown) and len(feed.shown) < 325
+    for (offset, size), shown in zip(feed.bounds, feed.shown):
+        kind = picture_kind("h264", nal_units(feed.stream[offset : offset + size]))
+        assert kind.referenced or shown in wanted
+    assert cut_packets(data, wanted, 324, mp4_facts(data).stream_size) is None  # decord counts other frames
+
+
+@settings(max_examples=200, deadline=None)
+@given(flips=st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(0, 255)), min_size=1, max_size=12), cut=st.integers(0, 100))
+def test_a_damaged_sample_table_yields_no_samples_or_what_it_holds_never_an_exception(flips, cut) -> None:
+    """Bytes of nasa_13013's `moov` changed, or the file cut short: the worker leaves the
+    clip to the rank's demuxer (None) rather than stop, whatever a count says."""
+    from embedjob.decode.containers import mp4_samples
+
+    data = bytearray((DATA / "torchcodec_nasa_13013.mp4").read_bytes())
+    moov = data.index(b"moov")
+    for at, value in flips:
+        data[moov + at % (len(data) - moov)] = value
+    samples = mp4_samples(bytes(data[: len(data) * (100 - cut) // 100 or 1]))
+    assert samples is None or all(o + n <= len(data) for o, n in zip(samples.offsets, samples.sizes))

@@ -874,13 +874,14 @@ def test_frames_read_by_the_packet_feed_are_decords_from_fewer_pictures(monkeypa
     from embedjob.decode.video import decoder_bytes
 
     fed: list[int] = []
-    real = nvdec._feed
+    real = nvdec.gop.needed_pictures
 
-    def counted(nvc: Any, data: Any, pictures: set[int], *args: Any) -> Any:
-        fed.append(len(pictures))
-        return real(nvc, data, pictures, *args)
+    def counted(stream: Any, wanted: Any) -> list[int]:
+        needed = real(stream, wanted)
+        fed.append(len(needed))
+        return needed
 
-    monkeypatch.setattr(nvdec, "_feed", counted)
+    monkeypatch.setattr(nvdec.gop, "needed_pictures", counted)
     monkeypatch.setattr(nvdec, "_pool", None)
     thread = nvdec._threads(1)
     cuda = torch.device("cuda")
@@ -897,6 +898,43 @@ def test_frames_read_by_the_packet_feed_are_decords_from_fewer_pictures(monkeypa
             assert len(fed) == 1 and (fed[0] < count or len(indices) == count), (name, fed)
             diff = (frames.cpu().to(torch.int16) - every[indices]).abs().float().mean(dim=(1, 2, 3))
             assert float(diff.max()) < 1.0, (name, [(i, round(float(d), 2)) for i, d in zip(indices, diff) if d >= 1.0])
+    thread.shutdown(wait=True)
+
+
+@pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
+def test_frames_fed_from_the_pictures_a_worker_cut_out_are_decords(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`video.PACKETS_IN_WORKERS`: the pictures a worker cuts out of a clip's samples
+    (`gop.packet_feed`), handed to the decoder as packets made here with no demuxer on the
+    rank, give decord's frames of a decode from the first frame to the last, within a level
+    on average, for the plans of the test above and the worker's own (2 frames a second)."""
+    import decord
+
+    from embedjob.decode import nvdec, video
+    from embedjob.decode.sniff import sniff_format
+    from embedjob.decode.types import DeferredVideo
+
+    monkeypatch.setattr(video, "PACKETS_IN_WORKERS", True)
+    monkeypatch.setattr(nvdec, "FEED_SAMPLED", False)  # what the feed cannot take fails here, not on the rank's demuxer
+    monkeypatch.setattr(nvdec, "_pool", None)
+    thread = nvdec._threads(1)
+    cuda = torch.device("cuda")
+    for name in FED_CLIPS:
+        data = (REPO / "tests" / "data" / name).read_bytes()
+        reader = decord.VideoReader(io.BytesIO(video.decoder_bytes(data)))
+        count = len(reader)
+        every = torch.from_numpy(reader.get_batch(list(range(count))).asnumpy()).permute(0, 3, 1, 2).to(torch.int16)
+        planned = video.decode_video(data, NVDEC_OPTIONS, sniff_format(data)[1])
+        assert isinstance(planned, DeferredVideo) and planned.feed is not None, name
+        plans = [planned] + [
+            dataclasses.replace(planned, indices=indices, timestamps=[i / 30 for i in indices],
+                                feed=video.cut_packets(data, indices, count, video.mp4_facts(data).stream_size))
+            for indices in ([i for i in range(count) if i % 20 in (17, 18, 19)], list(range(min(count, 60))))
+        ]
+        for plan in plans:
+            frames, _ = thread.submit(nvdec.decode_frames, plan, cuda, NVDEC_OPTIONS).result()
+            diff = (frames.cpu().to(torch.int16) - every[plan.indices]).abs().float().mean(dim=(1, 2, 3))
+            assert float(diff.max()) < 1.0, (name, [(i, round(float(d), 2)) for i, d in zip(plan.indices, diff) if d >= 1.0])
+            assert len(plan.feed.bounds) < count or len(plan.indices) == count, name
     thread.shutdown(wait=True)
 
 

@@ -147,6 +147,71 @@ def hvcc_sps(config: bytes) -> bytes | None:
     return None
 
 
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What an MP4 decoder configuration record says the GPU decoder's packet feed needs:
+    `codec` "h264" or "hevc", `length_size` the bytes before each NAL unit of a sample,
+    `parameter_sets` its VPS, SPS and PPS NAL units in order."""
+
+    codec: str
+    length_size: int
+    parameter_sets: tuple[bytes, ...]
+
+
+H264_8BIT_420 = {66, 77, 88, 100}
+"""profile_idc of H.264 profiles that are 8-bit 4:2:0 (or monochrome) by definition:
+Baseline, Main, Extended, High; High 10 and up may carry more."""
+
+
+def decoder_config(entry: str, config: bytes) -> DecoderConfig | None:
+    """The `DecoderConfig` of an `avcC` (sample entry avc1/avc3) or `hvcC` (hvc1/hev1)
+    payload of an 8-bit 4:2:0 stream; None for any other, or a record cut short."""
+    try:
+        if entry in ("avc1", "avc3"):
+            return _avcc_config(config)
+        if entry in ("hvc1", "hev1"):
+            return _hvcc_config(config)
+    except IndexError:
+        return None
+    return None
+
+
+def _avcc_config(config: bytes) -> DecoderConfig | None:
+    """AVCDecoderConfigurationRecord: version, profile, compatibility, level, the length
+    size less one (low 2 bits), the SPS count (low 5 bits) and SPSs, the PPS count and PPSs,
+    each unit after its 16-bit length."""
+    if config[1] not in H264_8BIT_420:
+        return None
+    units, pos = [], 5
+    for mask in (0x1F, 0xFF):
+        count, pos = config[pos] & mask, pos + 1
+        for _ in range(count):
+            size = int.from_bytes(config[pos : pos + 2], "big")
+            if pos + 2 + size > len(config):
+                return None
+            units.append(bytes(config[pos + 2 : pos + 2 + size]))
+            pos += 2 + size
+    return DecoderConfig("h264", (config[4] & 3) + 1, tuple(units))
+
+
+def _hvcc_config(config: bytes) -> DecoderConfig | None:
+    """HEVCDecoderConfigurationRecord: chroma format (byte 16, low 2 bits: 1 is 4:2:0),
+    luma and chroma bit depths less 8 (bytes 17 and 18, low 3 bits), the length size less
+    one (byte 21, low 2 bits), then arrays of NAL units (see `hvcc_sps`)."""
+    if config[16] & 3 != 1 or config[17] & 7 or config[18] & 7:
+        return None
+    units, pos = [], 23
+    for _ in range(config[22]):
+        count, pos = int.from_bytes(config[pos + 1 : pos + 3], "big"), pos + 3
+        for _ in range(count):
+            size = int.from_bytes(config[pos : pos + 2], "big")
+            if pos + 2 + size > len(config):
+                return None
+            units.append(bytes(config[pos + 2 : pos + 2 + size]))
+            pos += 2 + size
+    return DecoderConfig("hevc", (config[21] & 3) + 1, tuple(units))
+
+
 def _h264(bits: _Bits) -> SequenceFacts:
     profile = bits.u(8)
     bits.u(16)  # constraint flags, level_idc

@@ -129,6 +129,138 @@ def _read_trak(data: bytes, start: int, end: int, box_offset: int, facts: Mp4Fac
             facts.patches.append((offset, _IDENTITY_MATRIX_BYTES))
 
 
+@dataclass
+class Mp4Samples:
+    """The coded samples of an MP4/MOV's first video track, in decode order: where each
+    lies in the file (`offsets`, `sizes`), when it is shown (`times`: composition times in
+    the track's units; their order is the display order, whatever the edit list shifts),
+    whether decoding may start at it (`sync`); the track's sample entry type (`codec`) and
+    the payload of its decoder configuration box (`config`: `avcC` or `hvcC`)."""
+
+    codec: str
+    config: bytes
+    offsets: list[int]
+    sizes: list[int]
+    times: list[int]
+    sync: list[bool]
+
+
+def mp4_samples(data: bytes) -> Mp4Samples | None:
+    """The first video track's samples (`Mp4Samples`), or None where they cannot all be
+    placed: no video track, no `avcC`/`hvcC` sample entry, sample tables missing, not
+    adding up or pointing past the end of `data` (a fragmented MP4 keeps its samples in
+    `moof` boxes, which are not read here)."""
+    stbl = _first_video_stbl(data)
+    if stbl is None:
+        return None
+    boxes = {kind: (start, end) for kind, start, end in _boxes(data, *stbl)}
+    if not {b"stsd", b"stts", b"stsz", b"stsc"} <= boxes.keys() or not {b"stco", b"co64"} & boxes.keys():
+        return None
+    stsd = boxes[b"stsd"][0]
+    codec = data[stsd + 12 : stsd + 16].decode("latin-1")
+    if codec not in _PARAMETER_SETS or stsd + 16 > len(data):
+        return None
+    entry = stsd + 8
+    try:
+        config = _child(data, entry + 8 + _VISUAL_SAMPLE_ENTRY, entry + struct.unpack_from(">I", data, entry)[0], _PARAMETER_SETS[codec][0])
+        sizes = _sample_sizes(data, *boxes[b"stsz"])
+        offsets = _sample_offsets(data, boxes, sizes)
+        times = _composition_times(data, boxes, len(sizes))
+        sync = _sync_samples(data, boxes.get(b"stss"), len(sizes))
+    except (struct.error, ValueError):
+        return None
+    if config is None or not sizes or any(o + n > len(data) for o, n in zip(offsets, sizes)):
+        return None
+    return Mp4Samples(codec, bytes(data[config[0] : config[1]]), offsets, sizes, times, sync)
+
+
+def _first_video_stbl(data: bytes) -> tuple[int, int] | None:
+    """(payload start, end) of the `stbl` box of the first video track, as `_read_trak` finds it."""
+    moov = _child(data, 0, len(data), b"moov")
+    for kind, start, end in _boxes(data, *moov) if moov else ():
+        mdia = _child(data, start, end, b"mdia") if kind == b"trak" else None
+        hdlr = _child(data, *mdia, b"hdlr") if mdia else None
+        if hdlr and data[hdlr[0] + 8 : hdlr[0] + 12] == b"vide":
+            minf = _child(data, *mdia, b"minf")
+            return _child(data, *minf, b"stbl") if minf else None
+    return None
+
+
+def _table(data: bytes, box: tuple[int, int], fmt: str) -> list[tuple[int, ...]]:
+    """A full box's entries after its version, flags and entry count, each `fmt` (struct)."""
+    start, end = box
+    count = struct.unpack_from(">I", data, start + 4)[0]
+    size = struct.calcsize(fmt)
+    if start + 8 + count * size > min(end, len(data)):
+        raise ValueError("a sample table runs past its box")
+    return list(struct.iter_unpack(fmt, data[start + 8 : start + 8 + count * size]))
+
+
+def _sample_sizes(data: bytes, start: int, end: int) -> list[int]:
+    size, count = struct.unpack_from(">II", data, start + 4)
+    if size:
+        if size * count > len(data):
+            raise ValueError("stsz declares more sample bytes than the file holds")
+        return [size] * count
+    if start + 12 + 4 * count > min(end, len(data)):
+        raise ValueError("stsz runs past its box")
+    return list(struct.unpack_from(f">{count}I", data, start + 12))
+
+
+def _sample_offsets(data: bytes, boxes: dict[bytes, tuple[int, int]], sizes: list[int]) -> list[int]:
+    """Each sample's file offset: chunks (`stco` or `co64`) hold runs of samples (`stsc`)."""
+    chunks = [c for (c,) in (_table(data, boxes[b"stco"], ">I") if b"stco" in boxes else _table(data, boxes[b"co64"], ">Q"))]
+    runs = _table(data, boxes[b"stsc"], ">III")
+    offsets: list[int] = []
+    for k, (first, per_chunk, _) in enumerate(runs):
+        last = runs[k + 1][0] - 1 if k + 1 < len(runs) else len(chunks)
+        for chunk in range(first - 1, min(last, len(chunks))):
+            at = chunks[chunk]
+            for _ in range(per_chunk):
+                if len(offsets) == len(sizes):
+                    break
+                offsets.append(at)
+                at += sizes[len(offsets) - 1]
+    if len(offsets) != len(sizes):
+        raise ValueError("the chunks do not hold every sample")
+    return offsets
+
+
+def _composition_times(data: bytes, boxes: dict[bytes, tuple[int, int]], count: int) -> list[int]:
+    """Decode times (`stts`) plus composition offsets (`ctts`): read signed whatever its
+    version says, as FFmpeg does (muxers write negative offsets into version 0 boxes)."""
+    times, at = [], 0
+    for samples, delta in _table(data, boxes[b"stts"], ">II"):
+        if len(times) + samples > count:
+            raise ValueError("stts counts more samples than stsz")
+        times += range(at, at + samples * delta, delta) if delta else [at] * samples
+        at += samples * delta
+    if len(times) != count:
+        raise ValueError("stts and stsz count different samples")
+    if b"ctts" in boxes:
+        shifted: list[int] = []
+        for samples, offset in _table(data, boxes[b"ctts"], ">Ii"):
+            if len(shifted) + samples > count:
+                raise ValueError("ctts counts more samples than stsz")
+            shifted += [offset] * samples
+        if len(shifted) != count:
+            raise ValueError("ctts and stsz count different samples")
+        times = [t + o for t, o in zip(times, shifted)]
+    return times
+
+
+def _sync_samples(data: bytes, stss: tuple[int, int] | None, count: int) -> list[bool]:
+    """Whether each sample is a sync sample: those `stss` lists (1-based), or all without one."""
+    if stss is None:
+        return [True] * count
+    sync = [False] * count
+    for (number,) in _table(data, stss, ">I"):
+        if not 1 <= number <= count:
+            raise ValueError("stss names a sample that is not there")
+        sync[number - 1] = True
+    return sync
+
+
 def _sample_entry_size(data: bytes, stsd: int) -> tuple[int, int] | None:
     """(width, height) of the first VisualSampleEntry of an `stsd` payload (ISO 14496-12:
     version/flags, entry count, then the entry's 8-byte header and 24 bytes before them)."""

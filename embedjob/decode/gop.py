@@ -9,13 +9,16 @@ layer: about half of the pictures of streams with B-frames), whole groups of pic
 sample falls in, and everything after the last sample's picture are left out.
 
 Pure functions, no torch: the GPU decoder's packet feed (`nvdec`) reads a stream's
-packets into `Picture`s and feeds the decoder the ones `needed_pictures` names.
+packets into `Picture`s and feeds the decoder the ones `needed_pictures` names; a decode
+worker may cut them out of an MP4's samples beforehand (`packet_feed`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+
+from embedjob.decode.bitstream import DecoderConfig
 
 @dataclass(frozen=True)
 class Picture:
@@ -50,7 +53,7 @@ def nal_units(annex_b: bytes) -> Iterator[bytes]:
         yield annex_b[start:end]
 
 
-def slice_kind(codec: str, unit: bytes) -> SliceKind | None:
+def slice_kind(codec: str, unit: bytes | memoryview) -> SliceKind | None:
     """`unit`'s `SliceKind` when it is a slice of a picture (`codec` "h264" or "hevc"),
     else None (parameter sets, SEI, delimiters, an unknown codec or a unit too short)."""
     if codec == "h264" and unit:
@@ -65,11 +68,26 @@ def slice_kind(codec: str, unit: bytes) -> SliceKind | None:
     return None
 
 
-def picture_kind(codec: str, packet: bytes) -> SliceKind | None:
-    """The `SliceKind` of the picture in `packet` (Annex B: one access unit, or its head):
-    referenced where any of its slices is, of its first slice's layer. None where no slice
-    is found (then the caller reads more of the packet, or takes it for a reference)."""
-    kinds = [kind for kind in (slice_kind(codec, unit) for unit in nal_units(packet)) if kind is not None]
+def prefixed_units(sample: bytes | memoryview, length_size: int) -> list[bytes | memoryview]:
+    """The NAL units of an MP4 sample, each after its `length_size`-byte big-endian
+    length. ValueError where a length runs past the sample."""
+    units, at = [], 0
+    while at + length_size <= len(sample):
+        size = int.from_bytes(sample[at : at + length_size], "big")
+        at += length_size
+        if at + size > len(sample):
+            raise ValueError(f"a NAL unit of {size} bytes runs past its sample")
+        units.append(sample[at : at + size])
+        at += size
+    return units
+
+
+def picture_kind(codec: str, units: Iterable[bytes | memoryview]) -> SliceKind | None:
+    """The `SliceKind` of the picture made of `units` (an access unit's NAL units, or
+    those of its head): referenced where any of its slices is, of its first slice's
+    layer. None where no slice is found (then the caller reads more of the packet, or
+    takes it for a reference)."""
+    kinds = [kind for kind in (slice_kind(codec, unit) for unit in units) if kind is not None]
     if not kinds:
         return None
     return SliceKind(referenced=any(kind.referenced for kind in kinds), layer=kinds[0].layer)
@@ -137,3 +155,49 @@ def _leading_reference(stream: Sequence[Picture], key: int) -> int | None:
         if stream[q].reference and stream[q].pts < stream[key].pts:
             return q
     return None
+
+
+@dataclass(frozen=True)
+class PacketFeed:
+    """The pictures a video's sampled frames need, ready for the GPU's decoder: `codec`
+    "h264" or "hevc", `size` the (width, height) they decode to, `stream` the pictures in
+    decode order as Annex B (each unit after a 4-byte start code, the parameter sets before
+    each keyframe that lacks them), one (offset, size) in it for each in `bounds`, and
+    `shown` each one's display index, which the decoder is handed as its pts and hands
+    back with its frame."""
+
+    codec: str
+    size: tuple[int, int]
+    stream: bytes
+    bounds: tuple[tuple[int, int], ...]
+    shown: tuple[int, ...]
+
+
+PARAMETER_SETS = {"h264": {7, 8}, "hevc": {32, 33, 34}}
+"""NAL unit types of each codec's parameter sets (SPS, PPS; VPS, SPS, PPS)."""
+
+
+def packet_feed(config: DecoderConfig, samples: Sequence[bytes | memoryview], times: Sequence[int], sync: Sequence[bool],
+                wanted: Iterable[int], size: tuple[int, int]) -> PacketFeed:
+    """The `PacketFeed` for the frames shown at display indices `wanted` of a stream whose
+    samples (decode order, NAL units after lengths, `config`) are shown at `times`, with
+    decoding possible from those `sync` marks. ValueError where a sample's units do not
+    add up."""
+    units = [prefixed_units(sample, config.length_size) for sample in samples]
+    stream = pictures([(t, key, picture_kind(config.codec, nal)) for t, key, nal in zip(times, sync, units, strict=True)])
+    shown = {k: index for index, k in enumerate(display_order(stream))}
+    needed = needed_pictures(stream, wanted)
+    packets = []
+    for n, k in enumerate(needed):
+        nal = units[k]
+        if (stream[k].key or n == 0) and not any(_unit_type(config.codec, unit) in PARAMETER_SETS[config.codec] for unit in nal):
+            nal = [*config.parameter_sets, *nal]
+        packets.append(b"".join(part for unit in nal for part in (b"\x00\x00\x00\x01", unit)))
+    offsets = [0]
+    for packet in packets:
+        offsets.append(offsets[-1] + len(packet))
+    return PacketFeed(config.codec, size, b"".join(packets), tuple(zip(offsets, map(len, packets))), tuple(shown[k] for k in needed))
+
+
+def _unit_type(codec: str, unit: bytes | memoryview) -> int:
+    return (unit[0] & 0x1F) if codec == "h264" else (unit[0] >> 1) & 0x3F

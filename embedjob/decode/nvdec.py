@@ -23,7 +23,7 @@ import ctypes
 import os
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,9 +138,15 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     as the CPU path shows them (see `frames_as_decoded`), and its plan: the workers'
     or, for a video they could not plan, one made here (`video.plan_from_stream`).
     A planned 8-bit H.264 or HEVC stream read as NV12 is fed to the decoder packet by
-    packet (`FEED_SAMPLED`); any other, through a session that reads a spilled file."""
+    packet: the pictures its worker cut out (`DeferredVideo.feed`), else those read here
+    (`FEED_SAMPLED`); any other, through a session that reads a spilled file."""
     data = decoder_bytes(video.data)
     colour = media_colour(video.data) if YUV_HERE else None
+    if video.feed is not None and colour is not None:
+        try:
+            return _fed_as_cut(video, device, colour)
+        except Unfed:
+            pass
     if FEED_SAMPLED and colour is not None and video.indices:
         try:
             return _fed(data, video, device, colour)
@@ -326,12 +332,57 @@ def _fed(data: bytes | bytearray, video: DeferredVideo, device: torch.device, co
     order = gop.display_order(stream)
     wanted = {stream[order[index]].pts: k for k, index in enumerate(unique)}
     kind = ("fed", codec, width, height)
+    packets = _positions(nvc.CreateDemuxer(_Reader(data)), set(gop.needed_pictures(stream, unique)))
     try:
-        frames = _feed(nvc, data, set(gop.needed_pictures(stream, unique)), wanted, (kind, codec_id), device, colour, (height, width))
+        frames = _feed(nvc, packets, wanted, (kind, codec_id), device, colour, (height, width))
     except Exception:
         _drop_current()  # a decoder that failed is not trusted with the next video
         raise
     return _in_sample_order(frames, unique, video), video
+
+
+def _positions(demuxer: Any, fed: set[int]) -> Iterator[Any]:
+    """The demuxer's packets at decode positions `fed`, and the empty one that ends the stream."""
+    position = -1
+    for packet in demuxer:
+        if packet.bsl:
+            position += 1
+            if position not in fed:
+                continue
+        yield packet
+
+
+def _fed_as_cut(video: DeferredVideo, device: torch.device, colour: Colour) -> tuple[torch.Tensor, DeferredVideo]:
+    """`decode_frames` from the pictures the worker cut out (`gop.PacketFeed`): each one
+    handed to a kept decoder of the stream's kind as a packet of its own, with its
+    display index for pts, then an empty packet, which ends the stream; frames are taken
+    by display index as they come out. No demuxer runs here."""
+    import PyNvVideoCodec as nvc
+
+    feed = video.feed
+    width, height = feed.size
+    _check_side(width, height)
+    codec_id = getattr(getattr(nvc, "cudaVideoCodec", None), feed.codec.upper(), None)
+    if codec_id is None:
+        raise Unfed(f"{PACKAGE} names no codec {feed.codec.upper()}")
+    _sessions.current = None
+    base = ctypes.cast(ctypes.c_char_p(feed.stream), ctypes.c_void_p).value or 0
+    packets = [_packet(nvc, base + offset, size, shown) for (offset, size), shown in zip(feed.bounds, feed.shown)]
+    unique = sorted(set(video.indices))
+    try:
+        frames = _feed(nvc, [*packets, nvc.PacketData()], {index: k for k, index in enumerate(unique)},
+                       (("fed", feed.codec, width, height), codec_id), device, colour, (height, width))
+    except Exception:
+        _drop_current()  # a decoder that failed is not trusted with the next video
+        raise
+    return _in_sample_order(frames, unique, video), video
+
+
+def _packet(nvc: Any, address: int, size: int, pts: int) -> Any:
+    """A decoder's packet of the `size` bytes at `address`, shown at `pts`."""
+    packet = nvc.PacketData()
+    packet.bsl_data, packet.bsl, packet.pts = address, size, pts
+    return packet
 
 
 def _picture_kind(codec: str, packet: Any) -> gop.SliceKind | None:
@@ -341,28 +392,23 @@ def _picture_kind(codec: str, packet: Any) -> gop.SliceKind | None:
     head = ctypes.string_at(packet.bsl_data, min(packet.bsl, HEAD))
     if not (head.startswith(b"\x00\x00\x01") or head.startswith(b"\x00\x00\x00\x01")):
         raise Unfed("packets not in Annex B")
-    kind = gop.picture_kind(codec, head)
+    kind = gop.picture_kind(codec, gop.nal_units(head))
     if kind is None and packet.bsl > HEAD:
-        kind = gop.picture_kind(codec, ctypes.string_at(packet.bsl_data, packet.bsl))
+        kind = gop.picture_kind(codec, gop.nal_units(ctypes.string_at(packet.bsl_data, packet.bsl)))
     return kind
 
 
-def _feed(nvc: Any, data: bytes | bytearray, fed: set[int], wanted: dict[int, int], kind: tuple[tuple, Any],
+def _feed(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: tuple[tuple, Any],
           device: torch.device, colour: Colour, coded: tuple[int, int]) -> list[torch.Tensor]:
     """The frames whose pts are `wanted`'s keys, in its values' order, as RGB on `device`:
-    the packets at decode positions `fed`, and the empty one that ends the stream, fed to
-    this thread's decoder of `kind`. The decoder makes its frames on the thread's stream
-    and reuses their memory, so whatever it does after they are read (in this video or
-    the next) waits for the reads, queued on the caller's stream."""
+    `packets` (ending with the empty one that ends the stream) fed to this thread's
+    decoder of `kind`. The decoder makes its frames on the thread's stream and reuses
+    their memory, so whatever it does after they are read (in this video or the next)
+    waits for the reads, queued on the caller's stream."""
     decoder, own = _fed_session(nvc, kind, device)
     current = torch.cuda.current_stream(device) if own is not None else None
     frames: dict[int, torch.Tensor] = {}
-    position = -1
-    for packet in nvc.CreateDemuxer(_Reader(data)):
-        if packet.bsl:
-            position += 1
-            if position not in fed:
-                continue
+    for packet in packets:
         decoded = [frame for frame in decoder.Decode(packet) if frame.getPTS() in wanted and frame.getPTS() not in frames]
         if decoded and own is not None:
             current.wait_stream(own)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from embedjob.config import DEFAULT_MAX_FRAME_PIXELS, DEFAULT_MAX_ITEM_BYTES, DEFAULT_MAX_VIDEO_PIXELS, DEFAULT_NVDEC_SESSIONS
+from embedjob.decode.gop import PacketFeed
 
 
 class MediaError(Exception):
@@ -116,7 +117,9 @@ class DeferredVideo:
     the frames it would read (in sample order), `decoded` the (width, height) it would
     read them at (scaled down when larger than max_frame_pixels), `matrix` the display
     matrix it would apply after, `shown` the (height, width) of a frame as displayed;
-    `timestamps`, `source_fps` and `source_frames` as in `DecodedVideo`."""
+    `timestamps`, `source_fps` and `source_frames` as in `DecodedVideo`; `feed` the
+    pictures those frames need, cut out of the samples where the worker could
+    (`video.PACKETS_IN_WORKERS`), else None."""
 
     data: bytes
     indices: list[int]
@@ -126,6 +129,7 @@ class DeferredVideo:
     timestamps: list[float]
     source_fps: float
     source_frames: int
+    feed: PacketFeed | None = None
 
     @classmethod
     def unplanned(cls, data: bytes, matrix: tuple[tuple[int, int], tuple[int, int]] = ((1, 0), (0, 1))) -> DeferredVideo:

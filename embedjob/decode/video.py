@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from embedjob.decode.bitstream import decoder_config
 from embedjob.decode.containers import (
     MATROSKA_HEAD,
     Matrix,
@@ -47,8 +48,10 @@ from embedjob.decode.containers import (
     matroska_duration,
     matroska_frame_size,
     mp4_facts,
+    mp4_samples,
     patched,
 )
+from embedjob.decode.gop import PacketFeed, packet_feed
 from embedjob.decode.sniff import sniff_format
 from embedjob.decode.types import DecodedVideo, DecodeOptions, DeferredVideo, MediaError, last_line
 
@@ -226,13 +229,38 @@ def _planned_size(job: _VideoJob, reader: Any, first: int) -> tuple[int, int]:
     return width, height
 
 
+PACKETS_IN_WORKERS = False
+"""Whether a worker that leaves an MP4/MOV's frames to the GPU's decoder also cuts the
+pictures they need out of its samples (`gop.packet_feed`, in `DeferredVideo.feed`), so
+that the rank feeds them to the decoder without demuxing the clip: the rank's own packet
+feed opens a demuxer twice a clip and holds the GIL half the time in 7 decode threads
+(benchmarks/RESULTS.md section 11). Off until a GPU has read clips so."""
+
+
 def _deferred(
     job: _VideoJob, indices: list[int], size: tuple[int, int], timestamps: list[float], fps: float, frames: int
 ) -> DeferredVideo:
     """What the GPU's video decoder needs to read the frames this path would read: the
-    item's bytes (`decoder_bytes` makes what decord reads of them) and the display
-    matrix, applied after decoding as here."""
-    return DeferredVideo(job.data, indices, size, job.facts.matrix, _shown(size, job.facts.matrix), timestamps, fps, frames)
+    item's bytes (`decoder_bytes` makes what decord reads of them), the display matrix,
+    applied after decoding as here, and with `PACKETS_IN_WORKERS` the pictures to feed."""
+    mp4 = PACKETS_IN_WORKERS and job.fmt in ("MP4", "MOV")
+    feed = cut_packets(job.data, indices, frames, job.facts.stream_size) if mp4 else None
+    return DeferredVideo(job.data, indices, size, job.facts.matrix, _shown(size, job.facts.matrix), timestamps, fps, frames, feed)
+
+
+def cut_packets(data: bytes, indices: list[int], frames: int, size: tuple[int, int] | None) -> PacketFeed | None:
+    """The pictures the frames at `indices` of an MP4/MOV need (`gop.packet_feed`), or None
+    where its first video track is no 8-bit 4:2:0 H.264 or HEVC stream whose sample table
+    is read here and numbers the `frames` decord counts, or its SPS gave no `size`."""
+    samples = mp4_samples(data) if size is not None else None
+    config = decoder_config(samples.codec, samples.config) if samples is not None else None
+    if config is None or len(samples.sizes) != frames:
+        return None
+    view = memoryview(data)
+    try:
+        return packet_feed(config, [view[o : o + n] for o, n in zip(samples.offsets, samples.sizes)], samples.times, samples.sync, indices, size)
+    except ValueError:
+        return None
 
 
 def _shown(size: tuple[int, int], matrix: Matrix) -> tuple[int, int]:

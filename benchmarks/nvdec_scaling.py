@@ -14,9 +14,11 @@ the stream at 2 frames a second, at most 32, the sampled frames as RGB on the GP
   thread, all started together once every process has its CUDA context;
 
 each with the sessions on the library's default CUDA stream (`shared-stream`), on streams
-of their own (`own-streams`: `nvdec.OWN_STREAMS`), and fed only the packets the samples
-need (`fed`: `nvdec.FEED_SAMPLED`, what a job runs), as `--variants` says. The clips are
-planned first, as the decode workers plan them (`video.decode_video` with `defer_video`).
+of their own (`own-streams`: `nvdec.OWN_STREAMS`), fed only the packets the samples need
+(`fed`: `nvdec.FEED_SAMPLED`, what a job runs), and fed the pictures a worker cut out
+(`cut`: `video.PACKETS_IN_WORKERS`, no demuxer on the rank), as `--variants` says. The
+clips are planned first, as the decode workers plan them (`video.decode_video` with
+`defer_video`; the cut, too, is made then, untimed).
 
 Per row: clips per second, seconds of video per second, the sessions' parallelism (the
 seconds the clips took, summed over sessions, over the wall time: N when N sessions never
@@ -65,8 +67,11 @@ VARIANTS = {
     "shared-stream": {"OWN_STREAMS": False, "FEED_SAMPLED": False},
     "own-streams": {"OWN_STREAMS": True, "FEED_SAMPLED": False},
     "fed": {"OWN_STREAMS": False, "FEED_SAMPLED": True},
+    "cut": {"OWN_STREAMS": False, "FEED_SAMPLED": True, "PACKETS_IN_WORKERS": True},
 }
-"""`--variants`: the `nvdec` settings each runs with."""
+"""`--variants`: the `nvdec` settings each runs with, and `video.PACKETS_IN_WORKERS` for the plans."""
+
+NVDEC_SETTINGS = ("OWN_STREAMS", "FEED_SAMPLED")
 
 
 @dataclass
@@ -94,13 +99,15 @@ def options() -> DecodeOptions:
 _streams = threading.local()
 
 
-def planned(data: bytes) -> DeferredVideo:
-    """A clip planned as a decode worker plans it for the GPU: its sampled frames, their size."""
+def planned(data: bytes, cut: bool = False) -> DeferredVideo:
+    """A clip planned as a decode worker plans it for the GPU: its sampled frames, their
+    size, and with `cut` the pictures they need (`video.PACKETS_IN_WORKERS`)."""
+    from embedjob.decode import video as worker
     from embedjob.decode.sniff import sniff_format
-    from embedjob.decode.video import decode_video
 
     found = sniff_format(data)
-    video = decode_video(data, options(), found[1] if found else None)
+    worker.PACKETS_IN_WORKERS = cut
+    video = worker.decode_video(data, options(), found[1] if found else None)
     return video if isinstance(video, DeferredVideo) else DeferredVideo.unplanned(data)
 
 
@@ -194,11 +201,11 @@ def _process_reads(paths: list[str], device: torch.device, variant: dict[str, bo
     read after its first clip (its session made) and the barrier."""
     from embedjob.decode import nvdec
 
-    for name, value in variant.items():
-        setattr(nvdec, name, value)
+    for name in NVDEC_SETTINGS:
+        setattr(nvdec, name, variant[name])
     if device.type == "cuda":
         torch.cuda.init()
-    clips = [planned(Path(p).read_bytes()) for p in paths]
+    clips = [planned(Path(p).read_bytes(), variant.get("PACKETS_IN_WORKERS", False)) for p in paths]
     if clips:
         read_one(clips[0], device)
     ready.wait()
@@ -269,13 +276,15 @@ def main() -> int:
         # Before decord, which the planning imports: the other way round, the process
         # crashed (an H100; each brings an FFmpeg of its own).
         import PyNvVideoCodec  # noqa: F401
-    clips = [planned(p.read_bytes()) for p in paths]
+    datas = [p.read_bytes() for p in paths]
+    plans = {cut: [planned(data, cut) for data in datas] for cut in {VARIANTS[v].get("PACKETS_IN_WORKERS", False) for v in args.variants}}
     from embedjob.decode import nvdec
 
     runs = []
     for variant in args.variants:
-        for setting, value in VARIANTS[variant].items():
-            setattr(nvdec, setting, value)
+        for setting in NVDEC_SETTINGS:
+            setattr(nvdec, setting, VARIANTS[variant][setting])
+        clips = plans[VARIANTS[variant].get("PACKETS_IN_WORKERS", False)]
         for mode in args.modes:
             for sessions in args.sessions:
                 try:

@@ -238,15 +238,21 @@ def test_a_cut_for_2_frames_a_second_holds_the_sampled_pictures_and_only_referen
 
 
 @settings(max_examples=200, deadline=None)
-@given(flips=st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(0, 255)), min_size=1, max_size=12), cut=st.integers(0, 100))
+@given(flips=st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(0, 255), st.booleans()), min_size=1, max_size=12), cut=st.integers(0, 100))
 def test_a_damaged_sample_table_yields_no_samples_or_what_it_holds_never_an_exception(flips, cut) -> None:
-    """Bytes of nasa_13013's `moov` changed, or the file cut short: the worker leaves the
-    clip to the rank's demuxer (None) rather than stop, whatever a count says."""
+    """Bytes of nasa_13013 changed (in its `moov`, or anywhere), or the file cut short: the worker
+    leaves the clip to the rank's demuxer (None) rather than stop, whatever a count or a
+    NAL unit's length says."""
     from embedjob.decode.containers import mp4_samples
+    from embedjob.decode.gop import PacketFeed
+    from embedjob.decode.video import cut_packets
 
     data = bytearray((DATA / "torchcodec_nasa_13013.mp4").read_bytes())
     moov = data.index(b"moov")
-    for at, value in flips:
-        data[moov + at % (len(data) - moov)] = value
-    samples = mp4_samples(bytes(data[: len(data) * (100 - cut) // 100 or 1]))
-    assert samples is None or all(o + n <= len(data) for o, n in zip(samples.offsets, samples.sizes))
+    for at, value, anywhere in flips:
+        data[at % len(data) if anywhere else moov + at % (len(data) - moov)] = value
+    damaged = bytes(data[: len(data) * (100 - cut) // 100 or 1])
+    samples = mp4_samples(damaged)
+    assert samples is None or all(o + n <= len(damaged) for o, n in zip(samples.offsets, samples.sizes))
+    feed = cut_packets(damaged, list(range(0, 325, 12)), 325, (320, 180))
+    assert feed is None or isinstance(feed, PacketFeed)

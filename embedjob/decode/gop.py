@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from embedjob.decode.bitstream import DecoderConfig
 
+
 @dataclass(frozen=True)
 class Picture:
     """One coded picture (a packet) of a stream, in decode order: `pts` its presentation
@@ -70,14 +71,15 @@ def slice_kind(codec: str, unit: bytes | memoryview) -> SliceKind | None:
 
 def prefixed_units(sample: bytes | memoryview, length_size: int) -> list[bytes | memoryview]:
     """The NAL units of an MP4 sample, each after its `length_size`-byte big-endian
-    length. ValueError where a length runs past the sample."""
+    length (a length of 0 gives none). ValueError where a length runs past the sample."""
     units, at = [], 0
     while at + length_size <= len(sample):
         size = int.from_bytes(sample[at : at + length_size], "big")
         at += length_size
         if at + size > len(sample):
             raise ValueError(f"a NAL unit of {size} bytes runs past its sample")
-        units.append(sample[at : at + size])
+        if size:
+            units.append(sample[at : at + size])
         at += size
     return units
 
@@ -200,4 +202,5 @@ def packet_feed(config: DecoderConfig, samples: Sequence[bytes | memoryview], ti
 
 
 def _unit_type(codec: str, unit: bytes | memoryview) -> int:
+    """The NAL unit type in a (non-empty) unit's header."""
     return (unit[0] & 0x1F) if codec == "h264" else (unit[0] >> 1) & 0x3F

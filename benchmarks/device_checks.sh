@@ -22,6 +22,9 @@
 #     CLIPS=1152 CLIP_SECONDS=5.25 bash benchmarks/device_checks.sh clips-bg kernels siglip quantize
 #     bash benchmarks/device_checks.sh tests nvdec-scaling    (on the clips made so far)
 #     NVDEC_SESSIONS="4 7" bash benchmarks/device_checks.sh clips video siglip
+# `clips` tops the clips up to CLIPS (1,152 unless given): pass the CLIPS the maker was started
+# with, or leave `clips` out to run on the clips made so far. NVDEC_SCALING_FLAGS="--variants
+# shared-stream fed cut" compares the rank's packet feed with the pictures cut in the workers.
 # Stages: prep, tests (tests/test_gpu.py), decode (benchmarks/gpu_decode.py, qwen-224,
 # 24,576 rows, `gpu` and `cpu`, 4 workers, 2 runs each), mixes NAME... (benchmarks/
 # scaling.py, every GPU count up to those visible, qwen-mixed with one repeat as it takes

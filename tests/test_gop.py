@@ -256,3 +256,71 @@ def test_a_damaged_sample_table_yields_no_samples_or_what_it_holds_never_an_exce
     assert samples is None or all(o + n <= len(damaged) for o, n in zip(samples.offsets, samples.sizes))
     feed = cut_packets(damaged, list(range(0, 325, 12)), 325, (320, 180))
     assert feed is None or isinstance(feed, PacketFeed)
+
+
+# Read by decord (`video.READ_NEEDED`): the CPU path decodes a copy of the clip holding only
+# the pictures its samples need (`containers.mp4_with_samples`).
+
+FULL_DECODE_CLIPS = [*KEYFRAMES_SHOWN, "torchcodec_h265_10bits.mp4", "decord_video_90.mov"]
+
+
+def test_frames_read_from_the_needed_pictures_alone_are_those_of_a_decode_from_the_first_frame() -> None:
+    """Sampled frames (a sixth of the clip apart; those just before each 20th frame), bit
+    for bit what decord gives decoding every frame in order, from a copy holding fewer
+    pictures (10-bit HEVC included). Clips with open GOPs are read whole."""
+    import io
+
+    import decord
+    import numpy as np
+
+    from embedjob.decode import video
+    from embedjob.decode.types import DecodeOptions
+
+    options = DecodeOptions(modality="video", max_image_pixels=1 << 24, fps=2.0, max_frames=32, frame_multiple=1)
+    for name in FULL_DECODE_CLIPS:
+        data = (DATA / name).read_bytes()
+        source = video.decoder_bytes(data)
+        every = decord.VideoReader(io.BytesIO(source))
+        count = len(every)
+        frames = every.get_batch(list(range(count))).asnumpy()
+        reduced_any = False
+        for indices in (list(range(0, count, max(1, count // 6))), [i for i in range(count) if i % 20 in (17, 18, 19)] or [count - 1]):
+            job = video._VideoJob(source, "MP4", video.mp4_facts(data), options, None, data)
+            needed = video._needed_only(job, indices, count)
+            if "open_gop" in name:
+                assert needed is None, name  # read whole: decord's seeks misread leading pictures
+                continue
+            if needed is None:  # every picture is needed
+                continue
+            reduced_any = True
+            reduced, positions = needed
+            reader = decord.VideoReader(io.BytesIO(reduced.source))
+            assert len(reader) < count, name
+            assert np.array_equal(reader.get_batch(positions).asnumpy(), frames[indices]), (name, indices)
+        assert reduced_any or count <= 10 or "open_gop" in name, name
+
+
+def test_a_video_job_reads_the_same_frames_with_and_without_the_pictures_left_out(monkeypatch) -> None:
+    """`decode_video` on the closed-GOP test clips: the frames, timestamps and counts of
+    reading the whole clip, bit for bit."""
+    import numpy as np
+
+    from embedjob.decode import video
+    from embedjob.decode.sniff import sniff_format
+    from embedjob.decode.types import DecodeOptions
+
+    options = DecodeOptions(modality="video", max_image_pixels=1 << 24, fps=4.0, max_frames=32, frame_multiple=2, max_frame_pixels=200 * 120)
+    for name in ("torchcodec_nasa_13013.mp4", "decord_corrupted.mp4", "decord_video_270.mov", "torchcodec_h264_10bits.mp4"):
+        data = (DATA / name).read_bytes()
+        read = {}
+        for needed in (True, False):
+            monkeypatch.setattr(video, "READ_NEEDED", needed)
+            try:
+                read[needed] = video.decode_video(data, options, sniff_format(data)[1])
+            except Exception as exc:  # a clip that fails must fail alike
+                read[needed] = repr(exc)
+        if isinstance(read[True], str) or isinstance(read[False], str):
+            assert read[True] == read[False], name
+            continue
+        assert np.array_equal(read[True].frames, read[False].frames), name
+        assert (read[True].timestamps, read[True].source_frames) == (read[False].timestamps, read[False].source_frames), name

@@ -163,24 +163,25 @@ H264_8BIT_420 = {66, 77, 88, 100}
 Baseline, Main, Extended, High; High 10 and up may carry more."""
 
 
-def decoder_config(entry: str, config: bytes) -> DecoderConfig | None:
+def decoder_config(entry: str, config: bytes, any_depth: bool = False) -> DecoderConfig | None:
     """The `DecoderConfig` of an `avcC` (sample entry avc1/avc3) or `hvcC` (hvc1/hev1)
-    payload of an 8-bit 4:2:0 stream; None for any other, or a record cut short."""
+    payload of an 8-bit 4:2:0 stream, or with `any_depth` of any bit depth and chroma
+    format; None for any other, or a record cut short."""
     try:
         if entry in ("avc1", "avc3"):
-            return _avcc_config(config)
+            return _avcc_config(config, any_depth)
         if entry in ("hvc1", "hev1"):
-            return _hvcc_config(config)
+            return _hvcc_config(config, any_depth)
     except IndexError:
         return None
     return None
 
 
-def _avcc_config(config: bytes) -> DecoderConfig | None:
+def _avcc_config(config: bytes, any_depth: bool) -> DecoderConfig | None:
     """AVCDecoderConfigurationRecord: version, profile, compatibility, level, the length
     size less one (low 2 bits), the SPS count (low 5 bits) and SPSs, the PPS count and PPSs,
     each unit after its 16-bit length."""
-    if config[1] not in H264_8BIT_420:
+    if config[1] not in H264_8BIT_420 and not any_depth:
         return None
     units, pos = [], 5
     for mask in (0x1F, 0xFF):
@@ -194,11 +195,11 @@ def _avcc_config(config: bytes) -> DecoderConfig | None:
     return DecoderConfig("h264", (config[4] & 3) + 1, tuple(units))
 
 
-def _hvcc_config(config: bytes) -> DecoderConfig | None:
+def _hvcc_config(config: bytes, any_depth: bool) -> DecoderConfig | None:
     """HEVCDecoderConfigurationRecord: chroma format (byte 16, low 2 bits: 1 is 4:2:0),
     luma and chroma bit depths less 8 (bytes 17 and 18, low 3 bits), the length size less
     one (byte 21, low 2 bits), then arrays of NAL units (see `hvcc_sps`)."""
-    if config[16] & 3 != 1 or config[17] & 7 or config[18] & 7:
+    if (config[16] & 3 != 1 or config[17] & 7 or config[18] & 7) and not any_depth:
         return None
     units, pos = [], 23
     for _ in range(config[22]):

@@ -174,6 +174,82 @@ def mp4_samples(data: bytes) -> Mp4Samples | None:
     return Mp4Samples(codec, bytes(data[config[0] : config[1]]), offsets, sizes, times, sync)
 
 
+def mp4_with_samples(data: bytes, samples: Mp4Samples, keep: list[int]) -> bytes:
+    """`data` (an MP4/MOV whose first video track's samples are `samples`) made to hold
+    only the samples at decode positions `keep` (ascending) in that track, and no other
+    track: its `moov` renamed `free` (same size, so no sample moves) and a new one
+    appended, copying the movie and track headers (matrices included, so pass the bytes
+    decord is given) and the sample description, with sample tables listing each kept
+    sample as a chunk of its own, at its decode and composition times. No edit list: the
+    kept samples are shown in their order, which is all a frame index counts."""
+    moov = _spans(data, 0, len(data))[b"moov"]
+    movie = _spans(data, moov[1], moov[2])
+    trak = next(span for kind, span in _all_spans(data, moov[1], moov[2]) if kind == b"trak" and _is_video(data, span))
+    track = _spans(data, trak[1], trak[2])
+    mdia = _spans(data, track[b"mdia"][1], track[b"mdia"][2])
+    minf = _spans(data, mdia[b"minf"][1], mdia[b"minf"][2])
+    stbl = _spans(data, minf[b"stbl"][1], minf[b"stbl"][2])
+    decode = _decode_times(data, stbl)
+    ends = [decode[k] for k in keep[1:]] + [decode[keep[-1]] + max(decode[keep[-1]] - decode[keep[-2]], 1) if len(keep) > 1 else decode[keep[-1]] + 1]
+    tables = b"".join([
+        _raw(data, stbl[b"stsd"]),
+        _full_box(b"stts", [struct.pack(">II", 1, end - decode[k]) for k, end in zip(keep, ends)]),
+        _full_box(b"ctts", [struct.pack(">Ii", 1, samples.times[k] - decode[k]) for k in keep], version=1),
+        _full_box(b"stss", [struct.pack(">I", n + 1) for n, k in enumerate(keep) if samples.sync[k]]),
+        _box(b"stsz", struct.pack(">4xII", 0, len(keep)) + b"".join(struct.pack(">I", samples.sizes[k]) for k in keep)),
+        _full_box(b"stsc", [struct.pack(">III", 1, 1, 1)]),
+        _full_box(b"co64", [struct.pack(">Q", samples.offsets[k]) for k in keep]),
+    ])
+    media_info = b"".join(_raw(data, span) for kind, span in _all_spans(data, *mdia[b"minf"][1:]) if kind != b"stbl") + _box(b"stbl", tables)
+    media = b"".join(_raw(data, span) for kind, span in _all_spans(data, *track[b"mdia"][1:]) if kind != b"minf") + _box(b"minf", media_info)
+    track_box = _box(b"trak", _raw(data, track[b"tkhd"]) + _box(b"mdia", media))
+    new_moov = _box(b"moov", _raw(data, movie[b"mvhd"]) + track_box)
+    return data[: moov[0] + 4] + b"free" + data[moov[0] + 8 :] + new_moov
+
+
+def _all_spans(data: bytes, start: int, end: int) -> Iterator[tuple[bytes, tuple[int, int, int]]]:
+    """(type, (box start, payload start, end)) of each box in data[start:end]."""
+    pos = start
+    for kind, payload, box_end in _boxes(data, start, end):
+        yield kind, (pos, payload, box_end)
+        pos = box_end
+
+
+def _spans(data: bytes, start: int, end: int) -> dict[bytes, tuple[int, int, int]]:
+    """The first box of each type in data[start:end], as `_all_spans` gives it."""
+    found: dict[bytes, tuple[int, int, int]] = {}
+    for kind, span in _all_spans(data, start, end):
+        found.setdefault(kind, span)
+    return found
+
+
+def _is_video(data: bytes, trak: tuple[int, int, int]) -> bool:
+    mdia = _child(data, trak[1], trak[2], b"mdia")
+    hdlr = _child(data, *mdia, b"hdlr") if mdia else None
+    return bool(hdlr) and data[hdlr[0] + 8 : hdlr[0] + 12] == b"vide"
+
+
+def _decode_times(data: bytes, stbl: dict[bytes, tuple[int, int, int]]) -> list[int]:
+    times, at = [], 0
+    for samples, delta in _table(data, stbl[b"stts"][1:], ">II"):
+        times += [at + n * delta for n in range(samples)]
+        at += samples * delta
+    return times
+
+
+def _raw(data: bytes, span: tuple[int, int, int]) -> bytes:
+    return bytes(data[span[0] : span[2]])
+
+
+def _box(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I4s", 8 + len(payload), kind) + payload
+
+
+def _full_box(kind: bytes, entries: list[bytes], version: int = 0) -> bytes:
+    """A full box of version `version`, no flags, its entry count, then `entries`."""
+    return _box(kind, struct.pack(">BxxxI", version, len(entries)) + b"".join(entries))
+
+
 def _first_video_stbl(data: bytes) -> tuple[int, int] | None:
     """(payload start, end) of the `stbl` box of the first video track, as `_read_trak` finds it."""
     moov = _child(data, 0, len(data), b"moov")

@@ -143,6 +143,22 @@ def needed_pictures(stream: Sequence[Picture], wanted: Iterable[int]) -> list[in
     return sorted(needed)
 
 
+def has_leading_pictures(stream: Sequence[Picture]) -> bool:
+    """Whether a keyframe of `stream` has pictures decoded after it but shown before it
+    (an open GOP), which a decoder seeking to that keyframe may misread."""
+    return any(_leads(stream, k) for k in range(len(stream)) if stream[k].key)
+
+
+def _leads(stream: Sequence[Picture], key: int) -> bool:
+    """Whether a picture decoded after `key`, before the next keyframe, is shown before it."""
+    for q in range(key + 1, len(stream)):
+        if stream[q].key:
+            return False
+        if stream[q].pts < stream[key].pts:
+            return True
+    return False
+
+
 def _start(stream: Sequence[Picture], p: int) -> int:
     """The last keyframe at or before decode position p shown no later than p, else 0."""
     return next((k for k in range(p, -1, -1) if stream[k].key and stream[k].pts <= stream[p].pts), 0)
@@ -186,7 +202,7 @@ def packet_feed(config: DecoderConfig, samples: Sequence[bytes | memoryview], ti
     decoding possible from those `sync` marks. ValueError where a sample's units do not
     add up."""
     units = [prefixed_units(sample, config.length_size) for sample in samples]
-    stream = pictures([(t, key, picture_kind(config.codec, nal)) for t, key, nal in zip(times, sync, units, strict=True)])
+    stream = sample_pictures(config.codec, units, times, sync)
     shown = {k: index for index, k in enumerate(display_order(stream))}
     needed = needed_pictures(stream, wanted)
     packets = []
@@ -199,6 +215,11 @@ def packet_feed(config: DecoderConfig, samples: Sequence[bytes | memoryview], ti
     for packet in packets:
         offsets.append(offsets[-1] + len(packet))
     return PacketFeed(config.codec, size, b"".join(packets), tuple(zip(offsets, map(len, packets))), tuple(shown[k] for k in needed))
+
+
+def sample_pictures(codec: str, units: Sequence[Sequence[bytes | memoryview]], times: Sequence[int], sync: Sequence[bool]) -> list[Picture]:
+    """The `Picture`s of an MP4 track's samples: each one's NAL `units`, composition time and sync mark."""
+    return pictures([(t, key, picture_kind(codec, nal)) for t, key, nal in zip(times, sync, units, strict=True)])
 
 
 def _unit_type(codec: str, unit: bytes | memoryview) -> int:

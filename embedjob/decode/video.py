@@ -49,9 +49,18 @@ from embedjob.decode.containers import (
     matroska_frame_size,
     mp4_facts,
     mp4_samples,
+    mp4_with_samples,
     patched,
 )
-from embedjob.decode.gop import PacketFeed, packet_feed
+from embedjob.decode.gop import (
+    PacketFeed,
+    display_order,
+    has_leading_pictures,
+    needed_pictures,
+    packet_feed,
+    prefixed_units,
+    sample_pictures,
+)
 from embedjob.decode.sniff import sniff_format
 from embedjob.decode.types import DecodedVideo, DecodeOptions, DeferredVideo, MediaError, last_line
 
@@ -211,9 +220,48 @@ def _decode_video_job(job: _VideoJob) -> DecodedVideo:
         return _deferred(job, indices, size, timestamps, source_fps, num_frames)
     if size != (width, height):
         logger.debug("decoding %dx%d frames at %dx%d (max_frame_pixels=%s)", width, height, *size, options.max_frame_pixels)
+    needed = _needed_only(job, indices, num_frames) if READ_NEEDED else None
+    if needed is not None:
+        job, indices = needed
+        reader = _open_reader(job, size if size != (width, height) else None)
+    elif size != (width, height):
         reader = _open_reader(job, size)
     frames = _apply_matrix(_read_frames(job, reader, indices), job.facts.matrix)
     return DecodedVideo(np.ascontiguousarray(frames), timestamps, source_fps, num_frames)
+
+
+READ_NEEDED = True
+"""Whether decord reads an 8-bit H.264 or HEVC MP4/MOV through a copy whose first video
+track holds only the pictures the sampled frames need (`gop.needed_pictures`,
+`containers.mp4_with_samples`): asked for frame i, decord decodes every picture from the
+keyframe before it, and about half of those in a stream with B-frames are references for
+none. The frames are those of a decode from the first frame, bit for bit, and those
+decord reads from the whole clip (tests/test_gop.py); a clip with open GOPs is read whole."""
+
+
+def _needed_only(job: _VideoJob, indices: list[int], frames: int) -> tuple[_VideoJob, list[int]] | None:
+    """The job over a copy of its bytes holding only the pictures `indices` need, and
+    their indices in it; None where the track is no H.264 or HEVC stream whose sample
+    table is read here and numbers the `frames` decord counts at distinct times, where
+    nothing would be left out, or where it has open GOPs: decord's seeks misread their
+    leading pictures in the clip and in such a copy alike, and not alike."""
+    samples = mp4_samples(job.source) if job.fmt in ("MP4", "MOV") else None
+    config = decoder_config(samples.codec, samples.config, any_depth=True) if samples is not None else None
+    if config is None or len(samples.sizes) != frames or len(set(samples.times)) != frames:
+        return None
+    view = memoryview(job.source)
+    try:
+        units = [prefixed_units(view[o : o + n], config.length_size) for o, n in zip(samples.offsets, samples.sizes)]
+    except ValueError:
+        return None
+    stream = sample_pictures(config.codec, units, samples.times, samples.sync)
+    keep = needed_pictures(stream, indices)
+    if len(keep) == frames or has_leading_pictures(stream):
+        return None
+    shown = {k: index for index, k in enumerate(display_order(stream))}
+    position = {shown[k]: n for n, k in enumerate(sorted(keep, key=shown.__getitem__))}
+    source = mp4_with_samples(bytes(job.source), samples, keep)
+    return dataclasses.replace(job, source=source), [position[index] for index in indices]
 
 
 def _planned_size(job: _VideoJob, reader: Any, first: int) -> tuple[int, int]:

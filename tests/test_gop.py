@@ -265,9 +265,9 @@ FULL_DECODE_CLIPS = [*KEYFRAMES_SHOWN, "torchcodec_h265_10bits.mp4", "decord_vid
 
 
 def test_frames_read_from_the_needed_pictures_alone_are_those_of_a_decode_from_the_first_frame() -> None:
-    """Sampled frames (a sixth of the clip apart; those just before each 20th frame), bit
-    for bit what decord gives decoding every frame in order, from a copy holding fewer
-    pictures (10-bit HEVC included). Clips with open GOPs are read whole."""
+    """Sampled frames (a sixth of the clip apart; those just before each 20th frame,
+    leading pictures in the open GOPs), bit for bit what decord gives decoding every frame
+    in order, from a copy holding fewer pictures (10-bit HEVC included)."""
     import io
 
     import decord
@@ -287,9 +287,6 @@ def test_frames_read_from_the_needed_pictures_alone_are_those_of_a_decode_from_t
         for indices in (list(range(0, count, max(1, count // 6))), [i for i in range(count) if i % 20 in (17, 18, 19)] or [count - 1]):
             job = video._VideoJob(source, "MP4", video.mp4_facts(data), options, None, data)
             needed = video._needed_only(job, indices, count)
-            if "open_gop" in name:
-                assert needed is None, name  # read whole: decord's seeks misread leading pictures
-                continue
             if needed is None:  # every picture is needed
                 continue
             reduced_any = True
@@ -297,7 +294,7 @@ def test_frames_read_from_the_needed_pictures_alone_are_those_of_a_decode_from_t
             reader = decord.VideoReader(io.BytesIO(reduced.source))
             assert len(reader) < count, name
             assert np.array_equal(reader.get_batch(positions).asnumpy(), frames[indices]), (name, indices)
-        assert reduced_any or count <= 10 or "open_gop" in name, name
+        assert reduced_any or count <= 10, name
 
 
 def test_a_video_job_reads_the_same_frames_with_and_without_the_pictures_left_out(monkeypatch) -> None:

@@ -181,7 +181,10 @@ def mp4_with_samples(data: bytes, samples: Mp4Samples, keep: list[int]) -> bytes
     appended, copying the movie and track headers (matrices included, so pass the bytes
     decord is given) and the sample description, with sample tables listing each kept
     sample as a chunk of its own, at its decode and composition times. No edit list: the
-    kept samples are shown in their order, which is all a frame index counts."""
+    kept samples are shown in their order, which is all a frame index counts. Only the
+    first kept sample is a sync sample, so a reader decodes the copy in order from it
+    (every picture in it is needed anyway) and never seeks into an open GOP, whose
+    leading pictures decord misreads after a seek."""
     moov = _spans(data, 0, len(data))[b"moov"]
     movie = _spans(data, moov[1], moov[2])
     trak = next(span for kind, span in _all_spans(data, moov[1], moov[2]) if kind == b"trak" and _is_video(data, span))
@@ -195,7 +198,7 @@ def mp4_with_samples(data: bytes, samples: Mp4Samples, keep: list[int]) -> bytes
         _raw(data, stbl[b"stsd"]),
         _full_box(b"stts", [struct.pack(">II", 1, end - decode[k]) for k, end in zip(keep, ends)]),
         _full_box(b"ctts", [struct.pack(">Ii", 1, samples.times[k] - decode[k]) for k in keep], version=1),
-        _full_box(b"stss", [struct.pack(">I", n + 1) for n, k in enumerate(keep) if samples.sync[k]]),
+        _full_box(b"stss", [struct.pack(">I", 1)]),
         _box(b"stsz", struct.pack(">4xII", 0, len(keep)) + b"".join(struct.pack(">I", samples.sizes[k]) for k in keep)),
         _full_box(b"stsc", [struct.pack(">III", 1, 1, 1)]),
         _full_box(b"co64", [struct.pack(">Q", samples.offsets[k]) for k in keep]),

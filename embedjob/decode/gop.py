@@ -143,22 +143,6 @@ def needed_pictures(stream: Sequence[Picture], wanted: Iterable[int]) -> list[in
     return sorted(needed)
 
 
-def has_leading_pictures(stream: Sequence[Picture]) -> bool:
-    """Whether a keyframe of `stream` has pictures decoded after it but shown before it
-    (an open GOP), which a decoder seeking to that keyframe may misread."""
-    return any(_leads(stream, k) for k in range(len(stream)) if stream[k].key)
-
-
-def _leads(stream: Sequence[Picture], key: int) -> bool:
-    """Whether a picture decoded after `key`, before the next keyframe, is shown before it."""
-    for q in range(key + 1, len(stream)):
-        if stream[q].key:
-            return False
-        if stream[q].pts < stream[key].pts:
-            return True
-    return False
-
-
 def _start(stream: Sequence[Picture], p: int) -> int:
     """The last keyframe at or before decode position p shown no later than p, else 0."""
     return next((k for k in range(p, -1, -1) if stream[k].key and stream[k].pts <= stream[p].pts), 0)

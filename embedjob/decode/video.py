@@ -55,7 +55,6 @@ from embedjob.decode.containers import (
 from embedjob.decode.gop import (
     PacketFeed,
     display_order,
-    has_leading_pictures,
     needed_pictures,
     packet_feed,
     prefixed_units,
@@ -235,16 +234,16 @@ READ_NEEDED = True
 track holds only the pictures the sampled frames need (`gop.needed_pictures`,
 `containers.mp4_with_samples`): asked for frame i, decord decodes every picture from the
 keyframe before it, and about half of those in a stream with B-frames are references for
-none. The frames are those of a decode from the first frame, bit for bit, and those
-decord reads from the whole clip (tests/test_gop.py); a clip with open GOPs is read whole."""
+none. The frames are those of a decode from the first frame, bit for bit
+(tests/test_gop.py), open GOPs' leading pictures included, which decord's seeks in the
+whole clip misread."""
 
 
 def _needed_only(job: _VideoJob, indices: list[int], frames: int) -> tuple[_VideoJob, list[int]] | None:
     """The job over a copy of its bytes holding only the pictures `indices` need, and
     their indices in it; None where the track is no H.264 or HEVC stream whose sample
-    table is read here and numbers the `frames` decord counts at distinct times, where
-    nothing would be left out, or where it has open GOPs: decord's seeks misread their
-    leading pictures in the clip and in such a copy alike, and not alike."""
+    table is read here and numbers the `frames` decord counts at distinct times, or where
+    nothing would be left out."""
     samples = mp4_samples(job.source) if job.fmt in ("MP4", "MOV") else None
     config = decoder_config(samples.codec, samples.config, any_depth=True) if samples is not None else None
     if config is None or len(samples.sizes) != frames or len(set(samples.times)) != frames:
@@ -256,7 +255,7 @@ def _needed_only(job: _VideoJob, indices: list[int], frames: int) -> tuple[_Vide
         return None
     stream = sample_pictures(config.codec, units, samples.times, samples.sync)
     keep = needed_pictures(stream, indices)
-    if len(keep) == frames or has_leading_pictures(stream):
+    if len(keep) == frames:
         return None
     shown = {k: index for index, k in enumerate(display_order(stream))}
     position = {shown[k]: n for n, k in enumerate(sorted(keep, key=shown.__getitem__))}

@@ -11,6 +11,8 @@ share of the time spent in the decode step (`embedjob.decode.decode`). Cores a G
 needs for a mix = its encoder-only rate / the per-core rate printed here. `--set`
 overrides the jobs' keys, as `embedjob run --set` does (`video.decoder=nvdec`: what a
 worker does for a clip it leaves to the GPU, planning it without decoding its frames).
+`--read-all` has decord read every picture of a clip up to its samples
+(`video.READ_NEEDED` off), as before the copy of the needed pictures alone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from embedjob import rows as worker  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
+from embedjob.decode import video  # noqa: E402
 from embedjob.encoders import load_adapter  # noqa: E402
 from embedjob.io import reader  # noqa: E402
 
@@ -84,7 +87,9 @@ def main() -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key of every job (repeatable)")
     parser.add_argument("--smoke", action="store_true", help="one pass over the demo job's rows")
+    parser.add_argument("--read-all", action="store_true", help="decord reads the whole clip (video.READ_NEEDED off)")
     args = parser.parse_args()
+    video.READ_NEEDED = not args.read_all
     if args.smoke:
         args.jobs = args.jobs or [str(REPO / "jobs" / "demo.yaml")]
         args.repeats = 1

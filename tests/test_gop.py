@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embedjob.decode.gop import Picture, SliceKind, display_order, nal_units, needed_pictures, picture_kind, pictures, slice_kind
+from embedjob.decode.types import MediaError
 
 DATA = Path(__file__).parent / "data"
 
@@ -298,26 +299,57 @@ def test_frames_read_from_the_needed_pictures_alone_are_those_of_a_decode_from_t
 
 
 def test_a_video_job_reads_the_same_frames_with_and_without_the_pictures_left_out(monkeypatch) -> None:
-    """`decode_video` on the closed-GOP test clips: the frames, timestamps and counts of
-    reading the whole clip, bit for bit."""
+    """`decode_video` on the closed-GOP test clips, at 4 and 30 frames a second, scaled
+    down: the frames, timestamps and counts of reading the whole clip, bit for bit; a clip
+    whose edit list hides samples (66 x 50) is read whole; a corrupt clip is the same error
+    row, naming its own frames."""
     import numpy as np
 
     from embedjob.decode import video
     from embedjob.decode.sniff import sniff_format
     from embedjob.decode.types import DecodeOptions
 
-    options = DecodeOptions(modality="video", max_image_pixels=1 << 24, fps=4.0, max_frames=32, frame_multiple=2, max_frame_pixels=200 * 120)
-    for name in ("torchcodec_nasa_13013.mp4", "decord_corrupted.mp4", "decord_video_270.mov", "torchcodec_h264_10bits.mp4"):
+    names = ("torchcodec_nasa_13013.mp4", "decord_corrupted.mp4", "decord_video_270.mov", "torchcodec_h264_10bits.mp4",
+             "hfdatasets_test_video_66x50.mov")
+    errors = set()
+    for fps in (4.0, 30.0):
+        options = DecodeOptions(modality="video", max_image_pixels=1 << 24, fps=fps, max_frames=300, frame_multiple=2, max_frame_pixels=200 * 120)
+        for name in names:
+            data = (DATA / name).read_bytes()
+            read = {}
+            for needed in (True, False):
+                monkeypatch.setattr(video, "READ_NEEDED", needed)
+                try:
+                    read[needed] = video.decode_video(data, options, sniff_format(data)[1])
+                except MediaError as exc:
+                    read[needed] = str(exc)
+            if isinstance(read[True], str) or isinstance(read[False], str):
+                assert read[True] == read[False], name
+                errors.add(name)
+                continue
+            assert np.array_equal(read[True].frames, read[False].frames), (name, fps)
+            assert (read[True].timestamps, read[True].source_frames) == (read[False].timestamps, read[False].source_frames), name
+    assert errors == {"decord_corrupted.mp4"}
+
+
+def test_open_gops_leading_pictures_are_read_as_a_decode_from_the_first_frame_gives_them() -> None:
+    """`decode_video`, scaled down, 8 frames a second of the open-GOP clips: decord's frames
+    of a decode of every frame in order at that size, bit for bit (its seeks in the whole
+    clip gave other pictures for some)."""
+    import io
+
+    import decord
+    import numpy as np
+
+    from embedjob.decode import video
+    from embedjob.decode.sniff import sniff_format
+    from embedjob.decode.types import DecodeOptions
+
+    options = DecodeOptions(modality="video", max_image_pixels=1 << 24, fps=8.0, max_frames=64, frame_multiple=2, max_frame_pixels=200 * 120)
+    for name in ("gop/derived_testsrc2_h264_open_gop_256x144.mp4", "gop/derived_testsrc2_hevc_open_gop_256x144.mp4", "torchcodec_h265_video.mp4"):
         data = (DATA / name).read_bytes()
-        read = {}
-        for needed in (True, False):
-            monkeypatch.setattr(video, "READ_NEEDED", needed)
-            try:
-                read[needed] = video.decode_video(data, options, sniff_format(data)[1])
-            except Exception as exc:  # a clip that fails must fail alike
-                read[needed] = repr(exc)
-        if isinstance(read[True], str) or isinstance(read[False], str):
-            assert read[True] == read[False], name
-            continue
-        assert np.array_equal(read[True].frames, read[False].frames), name
-        assert (read[True].timestamps, read[True].source_frames) == (read[False].timestamps, read[False].source_frames), name
+        got = video.decode_video(data, options, sniff_format(data)[1])
+        height, width = got.frames.shape[1:3]
+        reader = decord.VideoReader(io.BytesIO(video.decoder_bytes(data)), width=width, height=height)
+        indices = video.sample_frame_indices(len(reader), float(reader.get_avg_fps()), options.fps, options.max_frames, options.frame_multiple)
+        assert np.array_equal(got.frames, reader.get_batch(list(range(len(reader)))).asnumpy()[indices]), name

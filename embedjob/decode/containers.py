@@ -135,7 +135,9 @@ class Mp4Samples:
     lies in the file (`offsets`, `sizes`), when it is shown (`times`: composition times in
     the track's units; their order is the display order, whatever the edit list shifts),
     whether decoding may start at it (`sync`); the track's sample entry type (`codec`) and
-    the payload of its decoder configuration box (`config`: `avcC` or `hvcC`)."""
+    the payload of its decoder configuration box (`config`: `avcC` or `hvcC`); `cut`:
+    whether its edit list leaves samples unshown (more than one edit that shows media, or
+    one that starts after the first composition time), whose frames decord still counts."""
 
     codec: str
     config: bytes
@@ -143,6 +145,7 @@ class Mp4Samples:
     sizes: list[int]
     times: list[int]
     sync: list[bool]
+    cut: bool = False
 
 
 def mp4_samples(data: bytes) -> Mp4Samples | None:
@@ -150,7 +153,10 @@ def mp4_samples(data: bytes) -> Mp4Samples | None:
     placed: no video track, no `avcC`/`hvcC` sample entry, sample tables missing, not
     adding up or pointing past the end of `data` (a fragmented MP4 keeps its samples in
     `moof` boxes, which are not read here)."""
-    stbl = _first_video_stbl(data)
+    trak = _first_video_trak(data)
+    mdia = _child(data, *trak, b"mdia") if trak else None
+    minf = _child(data, *mdia, b"minf") if mdia else None
+    stbl = _child(data, *minf, b"stbl") if minf else None
     if stbl is None:
         return None
     boxes = {kind: (start, end) for kind, start, end in _boxes(data, *stbl)}
@@ -167,11 +173,24 @@ def mp4_samples(data: bytes) -> Mp4Samples | None:
         offsets = _sample_offsets(data, boxes, sizes)
         times = _composition_times(data, boxes, len(sizes))
         sync = _sync_samples(data, boxes.get(b"stss"), len(sizes))
+        starts = _edit_starts(data, trak)
     except (struct.error, ValueError):
         return None
     if config is None or not sizes or any(o + n > len(data) for o, n in zip(offsets, sizes)):
         return None
-    return Mp4Samples(codec, bytes(data[config[0] : config[1]]), offsets, sizes, times, sync)
+    cut = len(starts) > 1 or any(start > min(times) for start in starts)
+    return Mp4Samples(codec, bytes(data[config[0] : config[1]]), offsets, sizes, times, sync, cut)
+
+
+def _edit_starts(data: bytes, trak: tuple[int, int]) -> list[int]:
+    """The media time each edit of the track's edit list (`edts`/`elst`) starts showing
+    at, leaving out empty edits (media time -1, a delay)."""
+    edts = _child(data, *trak, b"edts")
+    elst = _child(data, *edts, b"elst") if edts else None
+    if elst is None:
+        return []
+    entries = _table(data, elst, ">QqHH" if data[elst[0]] == 1 else ">IiHH")
+    return [media for _, media, _, _ in entries if media != -1]
 
 
 def mp4_with_samples(data: bytes, samples: Mp4Samples, keep: list[int]) -> bytes:
@@ -253,15 +272,12 @@ def _full_box(kind: bytes, entries: list[bytes], version: int = 0) -> bytes:
     return _box(kind, struct.pack(">BxxxI", version, len(entries)) + b"".join(entries))
 
 
-def _first_video_stbl(data: bytes) -> tuple[int, int] | None:
-    """(payload start, end) of the `stbl` box of the first video track, as `_read_trak` finds it."""
+def _first_video_trak(data: bytes) -> tuple[int, int] | None:
+    """(payload start, end) of the first video track's `trak` box, as `_read_trak` finds it."""
     moov = _child(data, 0, len(data), b"moov")
     for kind, start, end in _boxes(data, *moov) if moov else ():
-        mdia = _child(data, start, end, b"mdia") if kind == b"trak" else None
-        hdlr = _child(data, *mdia, b"hdlr") if mdia else None
-        if hdlr and data[hdlr[0] + 8 : hdlr[0] + 12] == b"vide":
-            minf = _child(data, *mdia, b"minf")
-            return _child(data, *minf, b"stbl") if minf else None
+        if kind == b"trak" and _is_video(data, (start - 8, start, end)):
+            return start, end
     return None
 
 

@@ -219,14 +219,26 @@ def _decode_video_job(job: _VideoJob) -> DecodedVideo:
         return _deferred(job, indices, size, timestamps, source_fps, num_frames)
     if size != (width, height):
         logger.debug("decoding %dx%d frames at %dx%d (max_frame_pixels=%s)", width, height, *size, options.max_frame_pixels)
-    needed = _needed_only(job, indices, num_frames) if READ_NEEDED else None
-    if needed is not None:
-        job, indices = needed
-        reader = _open_reader(job, size if size != (width, height) else None)
-    elif size != (width, height):
-        reader = _open_reader(job, size)
-    frames = _apply_matrix(_read_frames(job, reader, indices), job.facts.matrix)
+    scaled = size if size != (width, height) else None
+    frames = _read_needed(job, indices, num_frames, scaled) if READ_NEEDED else None
+    if frames is None:
+        frames = _read_frames(job, _open_reader(job, size) if scaled else reader, indices)
+    frames = _apply_matrix(frames, job.facts.matrix)
     return DecodedVideo(np.ascontiguousarray(frames), timestamps, source_fps, num_frames)
+
+
+def _read_needed(job: _VideoJob, indices: list[int], frames: int, size: tuple[int, int] | None) -> np.ndarray | None:
+    """The frames at `indices`, read from a copy of the clip holding only the pictures
+    they need (`_needed_only`), or None where there is no such copy or it cannot be
+    read: then the whole clip is read, and a corrupt one's error row names its own frames."""
+    needed = _needed_only(job, indices, frames)
+    if needed is None:
+        return None
+    copy, positions = needed
+    try:
+        return _read_frames(copy, _open_reader(copy, size), positions)
+    except MediaError:
+        return None
 
 
 READ_NEEDED = True
@@ -242,11 +254,12 @@ whole clip misread."""
 def _needed_only(job: _VideoJob, indices: list[int], frames: int) -> tuple[_VideoJob, list[int]] | None:
     """The job over a copy of its bytes holding only the pictures `indices` need, and
     their indices in it; None where the track is no H.264 or HEVC stream whose sample
-    table is read here and numbers the `frames` decord counts at distinct times, or where
-    nothing would be left out."""
+    table is read here and numbers the `frames` decord counts at distinct times, where its
+    edit list leaves samples unshown (`Mp4Samples.cut`: decord's frame index then counts
+    them otherwise), or where nothing would be left out."""
     samples = mp4_samples(job.source) if job.fmt in ("MP4", "MOV") else None
     config = decoder_config(samples.codec, samples.config, any_depth=True) if samples is not None else None
-    if config is None or len(samples.sizes) != frames or len(set(samples.times)) != frames:
+    if config is None or samples.cut or len(samples.sizes) != frames or len(set(samples.times)) != frames:
         return None
     view = memoryview(job.source)
     try:
@@ -298,10 +311,11 @@ def _deferred(
 def cut_packets(data: bytes, indices: list[int], frames: int, size: tuple[int, int] | None) -> PacketFeed | None:
     """The pictures the frames at `indices` of an MP4/MOV need (`gop.packet_feed`), or None
     where its first video track is no 8-bit 4:2:0 H.264 or HEVC stream whose sample table
-    is read here and numbers the `frames` decord counts, or its SPS gave no `size`."""
+    is read here and numbers the `frames` decord counts, whose edit list leaves samples
+    unshown (`Mp4Samples.cut`), or whose SPS gave no `size`."""
     samples = mp4_samples(data) if size is not None else None
     config = decoder_config(samples.codec, samples.config) if samples is not None else None
-    if config is None or len(samples.sizes) != frames:
+    if config is None or samples.cut or len(samples.sizes) != frames:
         return None
     view = memoryview(data)
     try:

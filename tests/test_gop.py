@@ -189,6 +189,10 @@ def test_the_sample_table_numbers_decords_frames_and_shows_the_keyframes_where_f
     assert mp4_samples(b"\x00\x00\x00\x08ftyp") is None
     truncated = (DATA / "torchcodec_nasa_13013.mp4").read_bytes()[:-100_000]
     assert mp4_samples(truncated) is None
+    two_entries = bytearray((DATA / "torchcodec_nasa_13013.mp4").read_bytes())
+    at = two_entries.index(b"stsd") + 4
+    two_entries[at + 4 : at + 8] = (2).to_bytes(4, "big")  # samples may then be described by another entry
+    assert mp4_samples(bytes(two_entries)) is None
 
 
 def test_the_decoder_configuration_of_8_bit_clips_is_read_and_deeper_ones_are_refused() -> None:

@@ -150,9 +150,9 @@ class Mp4Samples:
 
 def mp4_samples(data: bytes) -> Mp4Samples | None:
     """The first video track's samples (`Mp4Samples`), or None where they cannot all be
-    placed: no video track, no `avcC`/`hvcC` sample entry, sample tables missing, not
-    adding up or pointing past the end of `data` (a fragmented MP4 keeps its samples in
-    `moof` boxes, which are not read here)."""
+    placed: no video track, no `avcC`/`hvcC` sample entry or more than one sample entry,
+    sample tables missing, not adding up or pointing past the end of `data` (a fragmented
+    MP4 keeps its samples in `moof` boxes, which are not read here)."""
     trak = _first_video_trak(data)
     mdia = _child(data, *trak, b"mdia") if trak else None
     minf = _child(data, *mdia, b"minf") if mdia else None
@@ -164,7 +164,8 @@ def mp4_samples(data: bytes) -> Mp4Samples | None:
         return None
     stsd = boxes[b"stsd"][0]
     codec = data[stsd + 12 : stsd + 16].decode("latin-1")
-    if codec not in _PARAMETER_SETS or stsd + 16 > len(data):
+    # One sample description: the copies and cuts made of these samples describe them all by it.
+    if codec not in _PARAMETER_SETS or stsd + 16 > len(data) or data[stsd + 4 : stsd + 8] != b"\x00\x00\x00\x01":
         return None
     entry = stsd + 8
     try:

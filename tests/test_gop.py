@@ -207,6 +207,11 @@ def test_the_decoder_configuration_of_8_bit_clips_is_read_and_deeper_ones_are_re
     assert (h264.codec, h264.length_size, [u[0] & 0x1F for u in h264.parameter_sets]) == ("h264", 4, [7, 8])
     assert (hevc.codec, hevc.length_size, [(u[0] >> 1) & 0x3F for u in hevc.parameter_sets]) == ("hevc", 4, [32, 33, 34, 39])
     assert config("torchcodec_h264_10bits.mp4") is None and config("torchcodec_h265_10bits.mp4") is None
+    for name, entry in (("torchcodec_nasa_13013.mp4", "avc1"), ("gop/derived_testsrc2_hevc_open_gop_256x144.mp4", "hvc1")):
+        record = mp4_samples((DATA / name).read_bytes()).config
+        whole = decoder_config(entry, record)
+        cut_short = [decoder_config(entry, record[:n]) for n in range(len(record))]
+        assert all(c is None or c == whole for c in cut_short) and cut_short[len(record) // 2] is None, name
 
 
 def vcl_units(codec: str, annex_b: bytes) -> list[bytes]:

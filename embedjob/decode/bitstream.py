@@ -183,15 +183,10 @@ def _avcc_config(config: bytes, any_depth: bool) -> DecoderConfig | None:
     each unit after its 16-bit length."""
     if config[1] not in H264_8BIT_420 and not any_depth:
         return None
-    units, pos = [], 5
+    units: list[bytes] = []
+    pos = 5
     for mask in (0x1F, 0xFF):
-        count, pos = config[pos] & mask, pos + 1
-        for _ in range(count):
-            size = int.from_bytes(config[pos : pos + 2], "big")
-            if pos + 2 + size > len(config):
-                return None
-            units.append(bytes(config[pos + 2 : pos + 2 + size]))
-            pos += 2 + size
+        pos = _sized_units(config, pos + 1, config[pos] & mask, units)
     return DecoderConfig("h264", (config[4] & 3) + 1, tuple(units))
 
 
@@ -201,16 +196,24 @@ def _hvcc_config(config: bytes, any_depth: bool) -> DecoderConfig | None:
     one (byte 21, low 2 bits), then arrays of NAL units (see `hvcc_sps`)."""
     if (config[16] & 3 != 1 or config[17] & 7 or config[18] & 7) and not any_depth:
         return None
-    units, pos = [], 23
+    units: list[bytes] = []
+    pos = 23
     for _ in range(config[22]):
-        count, pos = int.from_bytes(config[pos + 1 : pos + 3], "big"), pos + 3
-        for _ in range(count):
-            size = int.from_bytes(config[pos : pos + 2], "big")
-            if pos + 2 + size > len(config):
-                return None
-            units.append(bytes(config[pos + 2 : pos + 2 + size]))
-            pos += 2 + size
+        pos = _sized_units(config, pos + 3, int.from_bytes(config[pos + 1 : pos + 3], "big"), units)
     return DecoderConfig("hevc", (config[21] & 3) + 1, tuple(units))
+
+
+def _sized_units(config: bytes, pos: int, count: int, units: list[bytes]) -> int:
+    """Appends the `count` NAL units at `pos` of a configuration record, each after its
+    16-bit length, to `units`; the position after them. IndexError where one runs past
+    the record (`decoder_config` then says None)."""
+    for _ in range(count):
+        size = int.from_bytes(config[pos : pos + 2], "big")
+        if pos + 2 + size > len(config):
+            raise IndexError("a parameter set runs past its configuration record")
+        units.append(bytes(config[pos + 2 : pos + 2 + size]))
+        pos += 2 + size
+    return pos
 
 
 def _h264(bits: _Bits) -> SequenceFacts:

@@ -199,6 +199,8 @@ def _hvcc_config(config: bytes, any_depth: bool) -> DecoderConfig | None:
     units: list[bytes] = []
     pos = 23
     for _ in range(config[22]):
+        if pos + 3 > len(config):
+            raise IndexError("an array of parameter sets runs past its configuration record")
         pos = _sized_units(config, pos + 3, int.from_bytes(config[pos + 1 : pos + 3], "big"), units)
     return DecoderConfig("hevc", (config[21] & 3) + 1, tuple(units))
 
@@ -209,7 +211,7 @@ def _sized_units(config: bytes, pos: int, count: int, units: list[bytes]) -> int
     the record (`decoder_config` then says None)."""
     for _ in range(count):
         size = int.from_bytes(config[pos : pos + 2], "big")
-        if pos + 2 + size > len(config):
+        if pos + 2 > len(config) or pos + 2 + size > len(config):
             raise IndexError("a parameter set runs past its configuration record")
         units.append(bytes(config[pos + 2 : pos + 2 + size]))
         pos += 2 + size

@@ -242,13 +242,14 @@ def _read_needed(job: _VideoJob, indices: list[int], frames: int, size: tuple[in
 
 
 READ_NEEDED = True
-"""Whether decord reads an 8-bit H.264 or HEVC MP4/MOV through a copy whose first video
-track holds only the pictures the sampled frames need (`gop.needed_pictures`,
+"""Whether decord reads an H.264 or HEVC MP4/MOV through a copy whose first video track
+holds only the pictures the sampled frames need (`gop.needed_pictures`,
 `containers.mp4_with_samples`): asked for frame i, decord decodes every picture from the
 keyframe before it, and about half of those in a stream with B-frames are references for
-none. The frames are those of a decode from the first frame, bit for bit
-(tests/test_gop.py), open GOPs' leading pictures included, which decord's seeks in the
-whole clip misread."""
+none. On: a core decoded 1.88x the clips of the video benchmark's kinds
+(benchmarks/RESULTS.md section 8), and the frames are those of a decode from the first
+frame, bit for bit (tests/test_gop.py), open GOPs' leading pictures included, which
+decord's seeks in the whole clip misread."""
 
 
 def _needed_only(job: _VideoJob, indices: list[int], frames: int) -> tuple[_VideoJob, list[int]] | None:

@@ -101,13 +101,10 @@ def _read_moov(data: bytes, start: int, end: int, facts: Mp4Facts) -> None:
 
 
 def _read_trak(data: bytes, start: int, end: int, box_offset: int, facts: Mp4Facts) -> None:
+    if not _is_video(data, start, end):
+        return
     tkhd = _child(data, start, end, b"tkhd")
     mdia = _child(data, start, end, b"mdia")
-    # Only mdia's own hdlr names the track type; QuickTime also puts a data-handler
-    # hdlr inside minf.
-    hdlr = _child(data, *mdia, b"hdlr") if mdia else None
-    if not hdlr or data[hdlr[0] + 8 : hdlr[0] + 12] != b"vide":
-        return
     minf = _child(data, *mdia, b"minf")
     stbl = _child(data, *minf, b"stbl") if minf else None
     stsd = _child(data, *stbl, b"stsd") if stbl else None
@@ -132,9 +129,10 @@ def _read_trak(data: bytes, start: int, end: int, box_offset: int, facts: Mp4Fac
 @dataclass
 class Mp4Samples:
     """The coded samples of an MP4/MOV's first video track, in decode order: where each
-    lies in the file (`offsets`, `sizes`), when it is shown (`times`: composition times in
-    the track's units; their order is the display order, whatever the edit list shifts),
-    whether decoding may start at it (`sync`); the track's sample entry type (`codec`) and
+    lies in the file (`offsets`, `sizes`), when it is decoded (`decode`) and shown (`times`:
+    composition times in the track's units; their order is the display order, whatever the
+    edit list shifts), whether decoding may start at it (`sync`); the track's `trak` box
+    (`track`: its payload start and end), its sample entry type (`codec`) and
     the payload of its decoder configuration box (`config`: `avcC` or `hvcC`); `cut`:
     whether its edit list leaves samples unshown (more than one edit that shows media, or
     one that starts after the first composition time), whose frames decord still counts."""
@@ -145,6 +143,8 @@ class Mp4Samples:
     sizes: list[int]
     times: list[int]
     sync: list[bool]
+    decode: list[int]
+    track: tuple[int, int]
     cut: bool = False
 
 
@@ -172,7 +172,7 @@ def mp4_samples(data: bytes) -> Mp4Samples | None:
         config = _child(data, entry + 8 + _VISUAL_SAMPLE_ENTRY, entry + struct.unpack_from(">I", data, entry)[0], _PARAMETER_SETS[codec][0])
         sizes = _sample_sizes(data, *boxes[b"stsz"])
         offsets = _sample_offsets(data, boxes, sizes)
-        times = _composition_times(data, boxes, len(sizes))
+        decode, times = _sample_times(data, boxes, len(sizes))
         sync = _sync_samples(data, boxes.get(b"stss"), len(sizes))
         starts = _edit_starts(data, trak)
     except (struct.error, ValueError):
@@ -180,7 +180,7 @@ def mp4_samples(data: bytes) -> Mp4Samples | None:
     if config is None or not sizes or any(o + n > len(data) for o, n in zip(offsets, sizes)):
         return None
     cut = len(starts) > 1 or any(start > min(times) for start in starts)
-    return Mp4Samples(codec, bytes(data[config[0] : config[1]]), offsets, sizes, times, sync, cut)
+    return Mp4Samples(codec, bytes(data[config[0] : config[1]]), offsets, sizes, times, sync, decode, trak, cut)
 
 
 def _edit_starts(data: bytes, trak: tuple[int, int]) -> list[int]:
@@ -194,7 +194,7 @@ def _edit_starts(data: bytes, trak: tuple[int, int]) -> list[int]:
     return [media for _, media, _, _ in entries if media != -1]
 
 
-def mp4_with_samples(data: bytes, samples: Mp4Samples, keep: list[int]) -> bytes:
+def mp4_with_samples(data: bytes | bytearray, samples: Mp4Samples, keep: list[int]) -> bytes | bytearray:
     """`data` (an MP4/MOV whose first video track's samples are `samples`) made to hold
     only the samples at decode positions `keep` (ascending) in that track, and no other
     track: its `moov` renamed `free` (same size, so no sample moves) and a new one
@@ -207,12 +207,11 @@ def mp4_with_samples(data: bytes, samples: Mp4Samples, keep: list[int]) -> bytes
     leading pictures decord misreads after a seek."""
     moov = _spans(data, 0, len(data))[b"moov"]
     movie = _spans(data, moov[1], moov[2])
-    trak = next(span for kind, span in _all_spans(data, moov[1], moov[2]) if kind == b"trak" and _is_video(data, span))
-    track = _spans(data, trak[1], trak[2])
+    track = _spans(data, *samples.track)
     mdia = _spans(data, track[b"mdia"][1], track[b"mdia"][2])
     minf = _spans(data, mdia[b"minf"][1], mdia[b"minf"][2])
     stbl = _spans(data, minf[b"stbl"][1], minf[b"stbl"][2])
-    decode = _decode_times(data, stbl)
+    decode = samples.decode
     ends = [decode[k] for k in keep[1:]] + [decode[keep[-1]] + max(decode[keep[-1]] - decode[keep[-2]], 1) if len(keep) > 1 else decode[keep[-1]] + 1]
     tables = b"".join([
         _raw(data, stbl[b"stsd"]),
@@ -246,18 +245,12 @@ def _spans(data: bytes, start: int, end: int) -> dict[bytes, tuple[int, int, int
     return found
 
 
-def _is_video(data: bytes, trak: tuple[int, int, int]) -> bool:
-    mdia = _child(data, trak[1], trak[2], b"mdia")
+def _is_video(data: bytes, start: int, end: int) -> bool:
+    """Whether the `trak` payload data[start:end] is a video track. Only mdia's own hdlr
+    names the track type; QuickTime also puts a data-handler hdlr inside minf."""
+    mdia = _child(data, start, end, b"mdia")
     hdlr = _child(data, *mdia, b"hdlr") if mdia else None
     return bool(hdlr) and data[hdlr[0] + 8 : hdlr[0] + 12] == b"vide"
-
-
-def _decode_times(data: bytes, stbl: dict[bytes, tuple[int, int, int]]) -> list[int]:
-    times, at = [], 0
-    for samples, delta in _table(data, stbl[b"stts"][1:], ">II"):
-        times += [at + n * delta for n in range(samples)]
-        at += samples * delta
-    return times
 
 
 def _raw(data: bytes, span: tuple[int, int, int]) -> bytes:
@@ -277,7 +270,7 @@ def _first_video_trak(data: bytes) -> tuple[int, int] | None:
     """(payload start, end) of the first video track's `trak` box, as `_read_trak` finds it."""
     moov = _child(data, 0, len(data), b"moov")
     for kind, start, end in _boxes(data, *moov) if moov else ():
-        if kind == b"trak" and _is_video(data, (start - 8, start, end)):
+        if kind == b"trak" and _is_video(data, start, end):
             return start, end
     return None
 
@@ -322,9 +315,9 @@ def _sample_offsets(data: bytes, boxes: dict[bytes, tuple[int, int]], sizes: lis
     return offsets
 
 
-def _composition_times(data: bytes, boxes: dict[bytes, tuple[int, int]], count: int) -> list[int]:
-    """Decode times (`stts`) plus composition offsets (`ctts`): read signed whatever its
-    version says, as FFmpeg does (muxers write negative offsets into version 0 boxes)."""
+def _sample_times(data: bytes, boxes: dict[bytes, tuple[int, int]], count: int) -> tuple[list[int], list[int]]:
+    """Decode times (`stts`), and those plus composition offsets (`ctts`): read signed
+    whatever its version says, as FFmpeg does (muxers write negative offsets into version 0 boxes)."""
     times, at = [], 0
     for samples, delta in _table(data, boxes[b"stts"], ">II"):
         if len(times) + samples > count:
@@ -341,8 +334,8 @@ def _composition_times(data: bytes, boxes: dict[bytes, tuple[int, int]], count: 
             shifted += [offset] * samples
         if len(shifted) != count:
             raise ValueError("ctts and stsz count different samples")
-        times = [t + o for t, o in zip(times, shifted)]
-    return times
+        return times, [t + o for t, o in zip(times, shifted)]
+    return times, times
 
 
 def _sync_samples(data: bytes, stss: tuple[int, int] | None, count: int) -> list[bool]:

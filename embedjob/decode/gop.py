@@ -179,14 +179,11 @@ PARAMETER_SETS = {"h264": {7, 8}, "hevc": {32, 33, 34}}
 """NAL unit types of each codec's parameter sets (SPS, PPS; VPS, SPS, PPS)."""
 
 
-def packet_feed(config: DecoderConfig, samples: Sequence[bytes | memoryview], times: Sequence[int], sync: Sequence[bool],
+def packet_feed(config: DecoderConfig, units: Sequence[Sequence[bytes | memoryview]], stream: Sequence[Picture],
                 wanted: Iterable[int], size: tuple[int, int]) -> PacketFeed:
-    """The `PacketFeed` for the frames shown at display indices `wanted` of a stream whose
-    samples (decode order, NAL units after lengths, `config`) are shown at `times`, with
-    decoding possible from those `sync` marks. ValueError where a sample's units do not
-    add up."""
-    units = [prefixed_units(sample, config.length_size) for sample in samples]
-    stream = sample_pictures(config.codec, units, times, sync)
+    """The `PacketFeed` for the frames shown at display indices `wanted` of a stream of
+    `config`'s codec whose samples (decode order) hold the NAL `units` and are the
+    pictures `stream` (`sample_pictures`)."""
     shown = {k: index for index, k in enumerate(display_order(stream))}
     needed = needed_pictures(stream, wanted)
     packets = []

@@ -140,13 +140,13 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     A planned 8-bit H.264 or HEVC stream read as NV12 is fed to the decoder packet by
     packet: the pictures its worker cut out (`DeferredVideo.feed`), else those read here
     (`FEED_SAMPLED`); any other, through a session that reads a spilled file."""
-    data = decoder_bytes(video.data)
     colour = media_colour(video.data) if YUV_HERE else None
     if video.feed is not None and colour is not None:
         try:
             return _fed_as_cut(video, device, colour)
         except Unfed:
             pass
+    data = decoder_bytes(video.data)
     if FEED_SAMPLED and colour is not None and video.indices:
         try:
             return _fed(data, video, device, colour)
@@ -333,11 +333,7 @@ def _fed(data: bytes | bytearray, video: DeferredVideo, device: torch.device, co
     wanted = {stream[order[index]].pts: k for k, index in enumerate(unique)}
     kind = ("fed", codec, width, height)
     packets = _positions(nvc.CreateDemuxer(_Reader(data)), set(gop.needed_pictures(stream, unique)))
-    try:
-        frames = _feed(nvc, packets, wanted, (kind, codec_id), device, colour, (height, width))
-    except Exception:
-        _drop_current()  # a decoder that failed is not trusted with the next video
-        raise
+    frames = _feed(nvc, packets, wanted, (kind, codec_id), device, colour, (height, width))
     return _in_sample_order(frames, unique, video), video
 
 
@@ -369,12 +365,8 @@ def _fed_as_cut(video: DeferredVideo, device: torch.device, colour: Colour) -> t
     base = ctypes.cast(ctypes.c_char_p(feed.stream), ctypes.c_void_p).value or 0
     packets = [_packet(nvc, base + offset, size, shown) for (offset, size), shown in zip(feed.bounds, feed.shown)]
     unique = sorted(set(video.indices))
-    try:
-        frames = _feed(nvc, [*packets, nvc.PacketData()], {index: k for k, index in enumerate(unique)},
-                       (("fed", feed.codec, width, height), codec_id), device, colour, (height, width))
-    except Exception:
-        _drop_current()  # a decoder that failed is not trusted with the next video
-        raise
+    frames = _feed(nvc, [*packets, nvc.PacketData()], {index: k for k, index in enumerate(unique)},
+                   (("fed", feed.codec, width, height), codec_id), device, colour, (height, width))
     return _in_sample_order(frames, unique, video), video
 
 
@@ -404,7 +396,18 @@ def _feed(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: tuple[
     `packets` (ending with the empty one that ends the stream) fed to this thread's
     decoder of `kind`. The decoder makes its frames on the thread's stream and reuses
     their memory, so whatever it does after they are read (in this video or the next)
-    waits for the reads, queued on the caller's stream."""
+    waits for the reads, queued on the caller's stream. A decoder that fails is dropped:
+    it is not trusted with the next video."""
+    try:
+        return _fed_frames(nvc, packets, wanted, kind, device, colour, coded)
+    except Exception:
+        _drop_current()
+        raise
+
+
+def _fed_frames(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: tuple[tuple, Any],
+                device: torch.device, colour: Colour, coded: tuple[int, int]) -> list[torch.Tensor]:
+    """The body of `_feed`, which drops the decoder where this fails."""
     decoder, own = _fed_session(nvc, kind, device)
     current = torch.cuda.current_stream(device) if own is not None else None
     frames: dict[int, torch.Tensor] = {}

@@ -40,11 +40,12 @@ from typing import Any
 
 import numpy as np
 
-from embedjob.decode.bitstream import decoder_config
+from embedjob.decode.bitstream import DecoderConfig, decoder_config
 from embedjob.decode.containers import (
     MATROSKA_HEAD,
     Matrix,
     Mp4Facts,
+    Mp4Samples,
     matroska_duration,
     matroska_frame_size,
     mp4_facts,
@@ -54,6 +55,7 @@ from embedjob.decode.containers import (
 )
 from embedjob.decode.gop import (
     PacketFeed,
+    Picture,
     display_order,
     needed_pictures,
     packet_feed,
@@ -254,27 +256,43 @@ decord's seeks in the whole clip misread."""
 
 def _needed_only(job: _VideoJob, indices: list[int], frames: int) -> tuple[_VideoJob, list[int]] | None:
     """The job over a copy of its bytes holding only the pictures `indices` need, and
-    their indices in it; None where the track is no H.264 or HEVC stream whose sample
-    table is read here and numbers the `frames` decord counts at distinct times, where its
-    edit list leaves samples unshown (`Mp4Samples.cut`: decord's frame index then counts
-    them otherwise), or where nothing would be left out."""
-    samples = mp4_samples(job.source) if job.fmt in ("MP4", "MOV") else None
-    config = decoder_config(samples.codec, samples.config, any_depth=True) if samples is not None else None
+    their indices in it; None where `_track_pictures` finds none, or nothing would be left out."""
+    track = _track_pictures(job.source, frames, any_depth=True) if job.fmt in ("MP4", "MOV") else None
+    keep = needed_pictures(track.stream, indices) if track is not None else []
+    if len(keep) in (0, frames):
+        return None
+    shown = {k: index for index, k in enumerate(display_order(track.stream))}
+    position = {shown[k]: n for n, k in enumerate(sorted(keep, key=shown.__getitem__))}
+    source = mp4_with_samples(job.source, track.samples, keep)
+    return dataclasses.replace(job, source=source), [position[index] for index in indices]
+
+
+@dataclass
+class _TrackPictures:
+    """An MP4/MOV's first video track read for its pictures: its `samples`, its decoder
+    `config`, each sample's NAL `units` and the `stream` of pictures they make."""
+
+    samples: Mp4Samples
+    config: DecoderConfig
+    units: list[list[bytes | memoryview]]
+    stream: list[Picture]
+
+
+def _track_pictures(data: bytes | bytearray, frames: int, any_depth: bool) -> _TrackPictures | None:
+    """The first video track's pictures, or None where it is no H.264 or HEVC stream
+    (8-bit 4:2:0 unless `any_depth`) whose sample table is read here and numbers the
+    `frames` decord counts at distinct times, or its edit list leaves samples unshown
+    (`Mp4Samples.cut`: decord's frame index then counts them otherwise)."""
+    samples = mp4_samples(data)
+    config = decoder_config(samples.codec, samples.config, any_depth) if samples is not None else None
     if config is None or samples.cut or len(samples.sizes) != frames or len(set(samples.times)) != frames:
         return None
-    view = memoryview(job.source)
+    view = memoryview(data)
     try:
         units = [prefixed_units(view[o : o + n], config.length_size) for o, n in zip(samples.offsets, samples.sizes)]
     except ValueError:
         return None
-    stream = sample_pictures(config.codec, units, samples.times, samples.sync)
-    keep = needed_pictures(stream, indices)
-    if len(keep) == frames:
-        return None
-    shown = {k: index for index, k in enumerate(display_order(stream))}
-    position = {shown[k]: n for n, k in enumerate(sorted(keep, key=shown.__getitem__))}
-    source = mp4_with_samples(bytes(job.source), samples, keep)
-    return dataclasses.replace(job, source=source), [position[index] for index in indices]
+    return _TrackPictures(samples, config, units, sample_pictures(config.codec, units, samples.times, samples.sync))
 
 
 def _planned_size(job: _VideoJob, reader: Any, first: int) -> tuple[int, int]:
@@ -311,18 +329,9 @@ def _deferred(
 
 def cut_packets(data: bytes, indices: list[int], frames: int, size: tuple[int, int] | None) -> PacketFeed | None:
     """The pictures the frames at `indices` of an MP4/MOV need (`gop.packet_feed`), or None
-    where its first video track is no 8-bit 4:2:0 H.264 or HEVC stream whose sample table
-    is read here and numbers the `frames` decord counts, whose edit list leaves samples
-    unshown (`Mp4Samples.cut`), or whose SPS gave no `size`."""
-    samples = mp4_samples(data) if size is not None else None
-    config = decoder_config(samples.codec, samples.config) if samples is not None else None
-    if config is None or samples.cut or len(samples.sizes) != frames:
-        return None
-    view = memoryview(data)
-    try:
-        return packet_feed(config, [view[o : o + n] for o, n in zip(samples.offsets, samples.sizes)], samples.times, samples.sync, indices, size)
-    except ValueError:
-        return None
+    where `_track_pictures` finds no 8-bit 4:2:0 ones or its SPS gave no `size`."""
+    track = _track_pictures(data, frames, any_depth=False) if size is not None else None
+    return packet_feed(track.config, track.units, track.stream, indices, size) if track is not None else None
 
 
 def _shown(size: tuple[int, int], matrix: Matrix) -> tuple[int, int]:

@@ -91,13 +91,63 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
+# --- the GPU's video decoders -----------------------------------------------------------------
+
+
+class DecoderBusy:
+    """How busy the GPU's video decoders (all its NVDEC engines together) were while the
+    `with` block ran, from NVML's decoder utilisation as `nvidia-smi` samples it every
+    `period_ms`. Where nvidia-smi is missing (a machine without a GPU) it samples nothing
+    and `summary` is None.
+
+    NVML averages each sample over its own window of up to a second, so the figures are
+    for runs of several seconds: `summary` gives the mean over the samples from the
+    first to the last non-zero one (a job's setup, before its first clip, is left out)
+    and the share of those at 90 % or more (the engines full)."""
+
+    def __init__(self, period_ms: int = 200) -> None:
+        self.period_ms = period_ms
+        self.samples: list[float] = []
+        self._process: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> DecoderBusy:
+        command = ["nvidia-smi", "--query-gpu=utilization.decoder", "--format=csv,noheader,nounits", "-i", "0",
+                   f"--loop-ms={self.period_ms}"]
+        try:
+            self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self._process = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        out, _ = self._process.communicate(timeout=10)
+        self.samples = [float(line) for line in out.split() if line.strip().replace(".", "", 1).isdigit()]
+
+    def summary(self) -> tuple[float, float] | None:
+        """(mean busy %, share of samples at 90 % or more) over the samples from the first to the
+        last non-zero, or None where none was non-zero."""
+        busy = [k for k, value in enumerate(self.samples) if value > 0]
+        if not busy:
+            return None
+        span = self.samples[busy[0] : busy[-1] + 1]
+        return sum(span) / len(span), sum(value >= 90 for value in span) / len(span)
+
+    def describe(self) -> str:
+        """`summary` for a table cell: "73 % (full 41 %)", or "-"."""
+        summary = self.summary()
+        return "-" if summary is None else f"{summary[0]:.0f} % (full {100 * summary[1]:.0f} %)"
+
+
 # --- jobs through the command line ----------------------------------------------------------
 
 
 def run_cli(job: Path, output: Path, gpus: int, overrides: list[str], logfile: Path, tree: Path = REPO) -> dict[str, Any] | None:
     """One `embedjob run` through the CLI of the source tree `tree`, as a user runs it, its
     output in `logfile`; its statistics, or None if it failed."""
-    command = [sys.executable, "-m", "embedjob.cli", "run", str(job), "--gpus", str(gpus), "--overwrite"]
+    command = [os.path.abspath(sys.executable), "-m", "embedjob.cli", "run", str(job), "--gpus", str(gpus), "--overwrite"]
     for override in [*overrides, f"output.path={output}"]:
         command += ["--set", override]
     path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)

@@ -43,7 +43,8 @@
 # up by each call; clips-bg leaves a maker running in the background, through later calls on the warm machine,
 # while the GPU stages run; `clips` waits for it), then at once video NAME... (benchmarks/video_decode.py on them:
 # decord, nvdec and auto, tower qwen, siglip or clip; VIDEO_DECODERS picks settings, NVDEC_SESSIONS="4 7 14" the
-# GPU decoder's session counts, an nvdec run each and auto at the fastest's, 7 by default), nvdec-scaling (benchmarks/
+# GPU decoder's session counts, an nvdec run each and auto at the fastest's, 7 by default; VIDEO_VARIANTS=
+# "auto:embedjob.pipeline.WORKER_NICE=0" adds runs on a copy of the tree with those constants), nvdec-scaling (benchmarks/
 # nvdec_scaling.py on them: NVDEC alone, sessions as threads and as processes; NVDEC_SCALING_FLAGS="--sessions 1 7"
 # picks counts), fp8-layers NAME...
 # (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),
@@ -245,10 +246,11 @@ clips_said() {
 video() {
   # `video.decoder` decord, nvdec and auto on the clips `clips` made, one tower per name (qwen, siglip, clip).
   local tower
-  # shellcheck disable=SC2086  # VIDEO_DECODERS and NVDEC_SESSIONS are lists
+  # shellcheck disable=SC2086  # VIDEO_DECODERS, NVDEC_SESSIONS and VIDEO_VARIANTS are lists
   for tower in "$@"; do
     timeout "$(budget 560)" python3 benchmarks/video_decode.py "${smoke[@]}" --clips "$work/clips" --tower "$tower" \
-      --decoders ${VIDEO_DECODERS:-decord nvdec auto} --nvdec-sessions ${NVDEC_SESSIONS:-7} --workdir "$work/video-$tower" 2>&1 |
+      --decoders ${VIDEO_DECODERS:-decord nvdec auto} --nvdec-sessions ${NVDEC_SESSIONS:-7} ${VIDEO_VARIANTS:+--variants $VIDEO_VARIANTS} \
+      --workdir "$work/video-$tower" 2>&1 |
       tee "$out/video-$tower.log"
     # The jobs' own logs (auto's shares, the decoders' refusals) come back beside the table.
     cp -r "$work/video-$tower/logs" "$out/video-$tower-logs" 2>/dev/null

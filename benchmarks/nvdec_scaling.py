@@ -24,7 +24,8 @@ Per row: clips per second, seconds of video per second, the sessions' parallelis
 seconds the clips took, summed over sessions, over the wall time: N when N sessions never
 wait for each other, 1 when they take turns) and, for threads, the share of the time a
 Python probe thread woke when it asked to (the GIL free: near 1 when the decoder's calls release
-it, near 0 when they hold it while the GPU decodes). A first pass over as many clips as
+it, near 0 when they hold it while the GPU decodes), and how busy NVML saw the NVDEC engines
+(`common.DecoderBusy`: near 100 % where they bound the rate). A first pass over as many clips as
 sessions, not timed, opens the sessions (each process opens its own on its first clip).
 
     PYTHONPATH=. python3 benchmarks/nvdec_scaling.py --clips DIR [--sessions 1 4 7 14] [--clips-limit 128]
@@ -50,7 +51,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import fmt, log, skipped, table  # noqa: E402
+from benchmarks.common import DecoderBusy, fmt, log, skipped, table  # noqa: E402
 from embedjob.decode.types import DecodeOptions, DeferredVideo  # noqa: E402
 
 SCRIPT = "nvdec_scaling"
@@ -87,6 +88,8 @@ class Run:
     wall: float = 0.0
     busy: float = 0.0
     gil_free: float | None = None
+    decoders: str = "-"
+    """How busy the NVDEC engines were (`common.DecoderBusy`)."""
     error: str | None = None
     """Why the run stopped (its row says so; the runs after it go on)."""
 
@@ -235,7 +238,8 @@ def processes_run(paths: list[Path], sessions: int, device: torch.device, varian
 
 def render(runs: list[Run], device: str) -> str:
     """The table of the runs so far."""
-    head = ["mode", "sessions", "clips", "video s", "seconds", "clips/s", "video s / s", "vs 1 session", "parallelism", "GIL free"]
+    head = ["mode", "sessions", "clips", "video s", "seconds", "clips/s", "video s / s", "vs 1 session", "parallelism", "GIL free",
+            "NVDEC busy"]
     # Each mode's (threads or processes, and the variant) own 1-session row is its reference.
     single = {r.mode: r.video_seconds / r.wall for r in runs if r.sessions == 1 and r.wall}
     rows = []
@@ -246,7 +250,7 @@ def render(runs: list[Run], device: str) -> str:
         rate = r.video_seconds / r.wall
         scaling = f"{rate / single[r.mode]:.2f}x" if r.mode in single else "-"
         rows.append([r.mode, r.sessions, r.clips, f"{r.video_seconds:.1f}", f"{r.wall:.2f}", f"{r.clips / r.wall:.2f}",
-                     f"{rate:.1f}", scaling, f"{r.busy / r.wall:.2f}", fmt(r.gil_free, ".2f")])
+                     f"{rate:.1f}", scaling, f"{r.busy / r.wall:.2f}", fmt(r.gil_free, ".2f"), r.decoders])
     lines = [f"# NVDEC alone, by sessions ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"device: {device}; torch {torch.__version__}; command: {' '.join(sys.argv)}", ""]
     return "\n".join(lines + table(head, rows))
@@ -288,7 +292,9 @@ def main() -> int:
         for mode in args.modes:
             for sessions in args.sessions:
                 try:
-                    run = threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device, VARIANTS[variant])
+                    with DecoderBusy() as busy:
+                        run = threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device, VARIANTS[variant])
+                    run.decoders = busy.describe()
                 except Exception as exc:  # a variant the decoder refuses is a row, and the others still run
                     run = Run(mode, sessions, error=repr(exc))
                 run.mode = f"{mode}, {variant}"

@@ -38,6 +38,7 @@ import argparse
 import io
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import time
@@ -54,7 +55,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import NO_MULTICAST, collect_photos, cosine, fmt, rank0, run_cli, skipped, table_row  # noqa: E402
+from benchmarks.common import NO_MULTICAST, DecoderBusy, collect_photos, cosine, fmt, rank0, run_cli, skipped, table_row  # noqa: E402
 from benchmarks.common import log as _log  # noqa: E402
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
 from benchmarks.gpu_decode import compare  # noqa: E402
@@ -83,17 +84,24 @@ def main() -> int:
     log(f"[video] encoder only on {parquet}")
     encoder = measure(load_job(job, []), device, len(os.sched_getaffinity(0)), 3)
     runs: dict[str, dict[str, Any] | None] = {}
+    plans: dict[str, Planned] = {}
     decord: pa.Table | None = None
     compared: dict[str, tuple[tuple[bool, np.ndarray, int], str]] = {}
     text = ""
-    for label, decoder, sessions in planned_runs(args, runs):
-        if decoder == "nvdec" and args.smoke:
+    for plan in planned_runs(args, runs):
+        label = plan.label
+        plans[label] = plan
+        if plan.decoder == "nvdec" and args.smoke:
             skipped("video_decode", "the nvdec run", "NVDEC needs a CUDA device")
             runs[label] = None
             continue
-        output = workdir / f"out-{label}"
-        overrides = [f"runtime.workers={_workers(args, decoder)}", f"video.decoder={decoder}", f"video.nvdec_sessions={sessions}"]
-        runs[label] = run_cli(job, output, 1, overrides, workdir / "logs" / f"{label}.log")
+        output = workdir / f"out-{len(plans)}"
+        overrides = [f"runtime.workers={_workers(args, plan.decoder)}", f"video.decoder={plan.decoder}",
+                     f"video.nvdec_sessions={plan.sessions}"]
+        tree = patched_tree(plan.patches, workdir / f"tree-{len(plans)}") if plan.patches else REPO
+        with DecoderBusy() as busy:
+            runs[label] = run_cli(job, output, 1, overrides, workdir / "logs" / f"run-{len(plans)}.log", tree)
+        plan.decoders = busy.describe()
         if runs[label] is not None:
             table = pq.read_table(sorted(output.glob("part-*.parquet")))
             if label == "decord":
@@ -102,25 +110,72 @@ def main() -> int:
                 compared[label] = (compare(decord, table), worst_clips(decord, table))
         log(f"[video] {label}: {'done' if runs[label] else 'FAILED'}")
         # Saved after every run, so a call cut off by its limit keeps the rows it finished.
-        text = report(workdir, seconds, encoder, runs, compared, args)
+        text = report(workdir, seconds, encoder, runs, plans, compared, args)
         log(f"[video] the table so far:\n{text}")
     print(text, flush=True)
     return 0
 
 
-def planned_runs(args: argparse.Namespace, runs: dict[str, dict[str, Any] | None]) -> Iterator[tuple[str, str, int]]:
-    """(label, decoder, sessions) of each run, in order: decord, nvdec once per
-    `--nvdec-sessions` count, then auto at the count whose nvdec run was fastest (the
-    first count when none ran). `runs` fills as they end: the later runs read it."""
+@dataclass
+class Planned:
+    """One run of the job: its decoder, its NVDEC sessions, the module constants its copy of
+    the tree has rewritten (`--variants`), and how busy NVML saw the NVDEC engines in it."""
+
+    decoder: str
+    sessions: int
+    patches: tuple[tuple[str, str], ...] = ()
+    """(module.NAME, value) pairs."""
+    decoders: str = "-"
+
+    @property
+    def label(self) -> str:
+        base = "decord" if self.decoder == "decord" else f"{self.decoder}-{self.sessions}"
+        return base + "".join(f" {name}={value}" for name, value in self.patches)
+
+
+def planned_runs(args: argparse.Namespace, runs: dict[str, dict[str, Any] | None]) -> Iterator[Planned]:
+    """Each run, in order: decord, nvdec once per `--nvdec-sessions` count, then auto at the
+    count whose nvdec run was fastest (the first count when none ran), then each of
+    `--variants` (auto's and nvdec's at that count too). `runs` fills as they end: the later
+    runs read it."""
     for decoder in args.decoders:
         if decoder == "decord":
-            yield "decord", decoder, args.nvdec_sessions[0]
+            yield Planned(decoder, args.nvdec_sessions[0])
         elif decoder == "nvdec":
             for sessions in args.nvdec_sessions:
-                yield f"nvdec-{sessions}", decoder, sessions
+                yield Planned(decoder, sessions)
         else:
-            sessions = fastest_sessions(args, runs)
-            yield f"auto-{sessions}", decoder, sessions
+            yield Planned(decoder, fastest_sessions(args, runs))
+    for decoder, patches in args.variants:
+        yield Planned(decoder, args.nvdec_sessions[0] if decoder == "decord" else fastest_sessions(args, runs), patches)
+
+
+def parse_variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """`--variants` item "DECODER:module.NAME=VALUE[,module.NAME=VALUE]" as (decoder, patches)."""
+    decoder, _, rest = text.partition(":")
+    patches = tuple(tuple(item.split("=", 1)) for item in rest.split(",") if item)
+    if decoder not in DECODERS or not patches or any(len(p) != 2 or "." not in p[0] for p in patches):
+        raise argparse.ArgumentTypeError(f"{text!r}: want DECODER:module.NAME=VALUE[,...] with DECODER one of {', '.join(DECODERS)}")
+    return decoder, patches  # type: ignore[return-value]
+
+
+def patched_tree(patches: tuple[tuple[str, str], ...], directory: Path) -> Path:
+    """A copy of the repository's `embedjob` package in `directory` with each patched module's
+    `NAME = ...` line (exactly one, at the start of a line) rewritten to `NAME = VALUE`: a
+    constant A/B'd in the job's own processes, its decode workers included (they import the
+    package afresh, so a patch made in this process would not reach them)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    shutil.copytree(REPO / "embedjob", directory / "embedjob", ignore=shutil.ignore_patterns("__pycache__"))
+    for name, value in patches:
+        module, _, constant = name.rpartition(".")
+        path = directory.joinpath(*module.split(".")).with_suffix(".py")
+        if not path.is_file():
+            raise SystemExit(f"--variants: no module {module} ({path})")
+        source, count = re.subn(rf"^{re.escape(constant)}( *:[^=]*)? = .*$", f"{constant} = {value}", path.read_text(), flags=re.M)
+        if count != 1:
+            raise SystemExit(f"--variants: {module} has {count} lines assigning {constant}, not one")
+        path.write_text(source)
+    return directory
 
 
 def fastest_sessions(args: argparse.Namespace, runs: dict[str, dict[str, Any] | None]) -> int:
@@ -130,12 +185,12 @@ def fastest_sessions(args: argparse.Namespace, runs: dict[str, dict[str, Any] | 
     return min(timed)[1] if timed else args.nvdec_sessions[0]
 
 
-def report(workdir: Path, seconds: float, encoder: EncoderOnly, runs: dict[str, dict[str, Any] | None],
+def report(workdir: Path, seconds: float, encoder: EncoderOnly, runs: dict[str, dict[str, Any] | None], plans: dict[str, Planned],
            compared: dict[str, tuple[tuple[bool, np.ndarray, int], str]], args: argparse.Namespace) -> str:
     """The table of the runs so far (`compared`: each GPU run's comparison with decord's
     rows and its clips furthest from decord's vectors), also written to
     `<workdir>/video_decode.md`."""
-    text = render(seconds, encoder, runs, {label: cosines for label, (cosines, _) in compared.items()}, args)
+    text = render(seconds, encoder, runs, plans, {label: cosines for label, (cosines, _) in compared.items()}, args)
     text += "".join(f"\nlowest cosines to decord, {label}: {worst}" for label, (_, worst) in compared.items())
     (workdir / "video_decode.md").write_text(text + "\n")
     return text
@@ -314,12 +369,12 @@ def write_job(workdir: Path, parquet: Path, smoke: bool, name: str = "qwen") -> 
 
 
 def render(
-    seconds: float, encoder: EncoderOnly, runs: dict[str, dict[str, Any] | None],
+    seconds: float, encoder: EncoderOnly, runs: dict[str, dict[str, Any] | None], plans: dict[str, Planned],
     cosines: dict[str, tuple[bool, np.ndarray, int]], args: argparse.Namespace,
 ) -> str:
     head = ["decoder", "workers", "clips", "video s", "pipeline s", "video s / s", "clips/s", "/ enc.-only",
             "GPU-decoded", "worker decode s", "GPU-decode thread s", "cos min", "cos median", "rows identical",
-            "main thread's waits s"]
+            "NVDEC busy", "main thread's waits s"]
     lines = [
         f"# video.decoder: {', '.join(args.decoders)} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
@@ -332,7 +387,8 @@ def render(
               f"{encoder.rate:.2f}"] + ["-"] * (len(head) - 7)),
     ]
     for label, stats in runs.items():
-        decoder, _, sessions = label.partition("-")
+        plan = plans[label]
+        decoder, sessions = plan.decoder, plan.sessions
         workers = _workers(args, decoder)
         if stats is None:
             said = "skipped (needs a GPU)" if args.smoke and decoder == "nvdec" else "FAILED"
@@ -346,13 +402,14 @@ def render(
         name = decoder if decoder == "decord" else f"{decoder} ({sessions} sessions)"
         if decoder == "auto" and first.get("gpu_share") is not None:
             name = f"auto ({sessions} sessions, last GPU share {first['gpu_share']:.2f})"
+        name += "".join(f", {patch}={value}" for patch, value in plan.patches)
         lines.append(table_row([
             name, workers, stats["rows"], f"{seconds:.1f}", fmt(pipeline, ".2f"), fmt(seconds / pipeline if pipeline else None, ".1f"),
             fmt(rate, ".2f"), fmt(rate / encoder.rate if rate else None, ".3f"), stats.get("device_decoded", "-"),
             fmt(first.get("decode_seconds"), ".1f"), fmt(first.get("device_decode_seconds"), ".2f"),
             fmt(cos.min() if cos is not None else None, ".5f"), fmt(float(np.median(cos)) if cos is not None else None, ".5f"),
             "-" if compared is None else ("yes" if compared[0] else "NO"),
-            _waits(first),
+            plan.decoders, _waits(first),
         ]))
     return "\n".join(lines)
 
@@ -400,6 +457,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decoders", nargs="+", choices=DECODERS, default=list(DECODERS),
                         help="video.decoder settings to run, decord first (auto: decord and NVDEC in the shares the rank measures); "
                              "the cosines are to decord's run, so they need it")
+    parser.add_argument("--variants", nargs="+", type=parse_variant, default=[], metavar="DECODER:module.NAME=VALUE",
+                        help="more runs, after --decoders', each on a copy of the tree with module constants rewritten "
+                             "(e.g. auto:embedjob.decode.video.PACKETS_IN_WORKERS=True)")
     parser.add_argument("--workdir", default="video-decode-work")
     parser.add_argument("--smoke", action="store_true", help="CPU only: the tiny tower, test clips where --clips has none")
     args = parser.parse_args()

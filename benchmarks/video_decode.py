@@ -18,12 +18,15 @@ SigLIP-so400m-384- or CLIP-L/14-336-size tower, bf16, compiled, graphs; 2 frames
 second, at most 32 frames), then runs `embedjob run --gpus 1` on them once per
 `--decoders` setting (decord first): `decord` and `auto` with `--workers` decode
 processes, `nvdec` with `--nvdec-workers`, once per `--nvdec-sessions` count of decoder
-sessions, `auto` at the count whose nvdec run was fastest), and prints one table, saved
+sessions, `auto` at the count whose nvdec run was fastest; then each `--variants` run, on a copy of
+the package with module constants rewritten, e.g. `auto:embedjob.pipeline.WORKER_NICE=0`),
+and prints one table, saved
 again after every run (a run cut off keeps the rows before it): seconds of video
 embedded per second of pipeline (the clips' durations over `pipeline_seconds`), clips
 per second, that over the encoder-only rate, the clips the GPU decoded, the workers' and
 the GPU-decode thread's seconds, the per-clip cosine of each other run's embeddings to
-the decord run's (min and median), and what the rank's main thread waited for (its
+the decord run's (min and median), how busy NVML saw the NVDEC engines
+(`common.DecoderBusy`), and what the rank's main thread waited for (its
 `waits`, in seconds), then each GPU setting's four clips furthest from decord's vectors
 (clip names say codec, height and keyframe interval). The table is written to
 `<workdir>/video_decode.md` and printed.

@@ -277,8 +277,8 @@ pictures without one), instead of read through a SimpleDecoder session, which de
 every picture from the keyframe before each sample and reads from a spilled file. About
 half the pictures of a stream with B-frames are references for none. On: on an H100,
 NVDEC alone read 75.2 s of video a second in one thread fed so against 42.8 through a
-session, 161.9 against 149.4 in 7 (where the feed's Python steps, two demuxer passes a
-clip, hold the GIL half the time), and the feed reads the leading pictures of open GOPs
+session, 161.9 against 149.4 in 7 (where the feed's Python steps, then two demuxer passes
+a clip, held the GIL half the time; now one, `_fed`), and the feed reads the leading pictures of open GOPs
 as a decode from the first frame does, where a session's seeks misread them or failed
 (benchmarks/RESULTS.md section 11; tests/test_gpu.py)."""
 
@@ -311,10 +311,13 @@ class _Reader:
 
 
 def _fed(data: bytes | bytearray, video: DeferredVideo, device: torch.device, colour: Colour) -> tuple[torch.Tensor, DeferredVideo]:
-    """`decode_frames` by the packet feed: the stream's packets read once for their
-    pictures (`gop.Picture`: pts, keyframe, reference), then read again and fed to a kept
-    decoder of the stream's kind where `gop.needed_pictures` names them, and the end of
-    the stream, which flushes it. Frames are taken by pts as they come out."""
+    """`decode_frames` by the packet feed: the stream's packets read once, each copied out
+    with its picture (`gop.Picture`: pts, keyframe, reference), then those
+    `gop.needed_pictures` names fed from the copies to a kept decoder of the stream's
+    kind, and the end of the stream, which flushes it. Frames are taken by pts as they
+    come out. One demuxer pass: a second, to feed its packets, cost the rank 6 ms a clip
+    of Python holding the GIL (2 to open a demuxer, 4 to walk 139 packets) against under
+    1 ms to copy them."""
     import PyNvVideoCodec as nvc
 
     _sessions.current = None
@@ -325,27 +328,23 @@ def _fed(data: bytes | bytearray, video: DeferredVideo, device: torch.device, co
     codec = CODECS.get(str(codec_id).rsplit(".", 1)[-1].upper())
     if codec is None or demuxer.BitDepth() > 8:
         raise Unfed(f"{codec_id} at {demuxer.BitDepth()} bits")
-    stream = gop.pictures([(packet.pts, bool(packet.key), _picture_kind(codec, packet)) for packet in demuxer if packet.bsl])
+    copies = [(packet.pts, bool(packet.key), ctypes.string_at(packet.bsl_data, packet.bsl)) for packet in demuxer if packet.bsl]
+    stream = gop.pictures([(pts, key, _picture_kind(codec, unit)) for pts, key, unit in copies])
     if len(stream) != video.source_frames or len({picture.pts for picture in stream}) != len(stream):
         raise Unfed(f"{len(stream)} packets for {video.source_frames} frames")
     unique = sorted(set(video.indices))
     order = gop.display_order(stream)
     wanted = {stream[order[index]].pts: k for k, index in enumerate(unique)}
-    kind = ("fed", codec, width, height)
-    packets = _positions(nvc.CreateDemuxer(_Reader(data)), set(gop.needed_pictures(stream, unique)))
-    frames = _feed(nvc, packets, wanted, (kind, codec_id), device, colour, (height, width))
+    needed = sorted(gop.needed_pictures(stream, unique))
+    packets = [_packet(nvc, _address(copies[k][2]), len(copies[k][2]), copies[k][0]) for k in needed]
+    frames = _feed(nvc, [*packets, nvc.PacketData()], wanted, (("fed", codec, width, height), codec_id), device, colour, (height, width))
     return _in_sample_order(frames, unique, video), video
 
 
-def _positions(demuxer: Any, fed: set[int]) -> Iterator[Any]:
-    """The demuxer's packets at decode positions `fed`, and the empty one that ends the stream."""
-    position = -1
-    for packet in demuxer:
-        if packet.bsl:
-            position += 1
-            if position not in fed:
-                continue
-        yield packet
+def _address(data: bytes) -> int:
+    """Where `data`'s bytes are: a packet handed to the decoder points into them, so they
+    must outlive the feed (its caller holds them)."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
 
 
 def _fed_as_cut(video: DeferredVideo, device: torch.device, colour: Colour) -> tuple[torch.Tensor, DeferredVideo]:
@@ -362,7 +361,7 @@ def _fed_as_cut(video: DeferredVideo, device: torch.device, colour: Colour) -> t
     if codec_id is None:
         raise Unfed(f"{PACKAGE} names no codec {feed.codec.upper()}")
     _sessions.current = None
-    base = ctypes.cast(ctypes.c_char_p(feed.stream), ctypes.c_void_p).value or 0
+    base = _address(feed.stream)
     packets = [_packet(nvc, base + offset, size, shown) for (offset, size), shown in zip(feed.bounds, feed.shown)]
     unique = sorted(set(video.indices))
     frames = _feed(nvc, [*packets, nvc.PacketData()], {index: k for k, index in enumerate(unique)},
@@ -377,16 +376,15 @@ def _packet(nvc: Any, address: int, size: int, pts: int) -> Any:
     return packet
 
 
-def _picture_kind(codec: str, packet: Any) -> gop.SliceKind | None:
+def _picture_kind(codec: str, unit: bytes) -> gop.SliceKind | None:
     """The `gop.SliceKind` of the picture in a demuxer's packet (Annex B), from its first
     `HEAD` bytes or, where they hold no slice, all of it. A packet that does not start
     with a start code is refused: the lengths before AVCC's units could pass for one."""
-    head = ctypes.string_at(packet.bsl_data, min(packet.bsl, HEAD))
-    if not (head.startswith(b"\x00\x00\x01") or head.startswith(b"\x00\x00\x00\x01")):
+    if not (unit.startswith(b"\x00\x00\x01") or unit.startswith(b"\x00\x00\x00\x01")):
         raise Unfed("packets not in Annex B")
-    kind = gop.picture_kind(codec, gop.nal_units(head))
-    if kind is None and packet.bsl > HEAD:
-        kind = gop.picture_kind(codec, gop.nal_units(ctypes.string_at(packet.bsl_data, packet.bsl)))
+    kind = gop.picture_kind(codec, gop.nal_units(unit[:HEAD]))
+    if kind is None and len(unit) > HEAD:
+        kind = gop.picture_kind(codec, gop.nal_units(unit))
     return kind
 
 

@@ -44,7 +44,7 @@
 # while the GPU stages run; `clips` waits for it), then at once video NAME... (benchmarks/video_decode.py on them:
 # decord, nvdec and auto, tower qwen, siglip or clip; VIDEO_DECODERS picks settings, NVDEC_SESSIONS="4 7 14" the
 # GPU decoder's session counts, an nvdec run each and auto at the fastest's, 7 by default; VIDEO_VARIANTS=
-# "auto:embedjob.pipeline.WORKER_NICE=0" adds runs on a copy of the tree with those constants), nvdec-scaling (benchmarks/
+# "auto:embedjob.decode.video.PACKETS_IN_WORKERS=True" adds runs on a copy of the tree with those constants), nvdec-scaling (benchmarks/
 # nvdec_scaling.py on them: NVDEC alone, sessions as threads and as processes; NVDEC_SCALING_FLAGS="--sessions 1 7"
 # picks counts), fp8-layers NAME...
 # (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),

@@ -19,7 +19,7 @@ second, at most 32 frames), then runs `embedjob run --gpus 1` on them once per
 `--decoders` setting (decord first): `decord` and `auto` with `--workers` decode
 processes, `nvdec` with `--nvdec-workers`, once per `--nvdec-sessions` count of decoder
 sessions, `auto` at the count whose nvdec run was fastest; then each `--variants` run, on a copy of
-the package with module constants rewritten, e.g. `auto:embedjob.pipeline.WORKER_NICE=0`),
+the package with module constants rewritten, e.g. `auto:embedjob.decode.nvdec.FEED_SAMPLED=False`),
 and prints one table, saved
 again after every run (a run cut off keeps the rows before it): seconds of video
 embedded per second of pipeline (the clips' durations over `pipeline_seconds`), clips

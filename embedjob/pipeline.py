@@ -103,16 +103,6 @@ FIRST_WINDOW = 32
 """The smallest first window that ramps up (see `window_sizes`)."""
 
 
-WORKER_NICE = 10
-"""How far below the rank the decode workers' scheduling priority is (`DecodePool`'s
-`nice`) where the rank's own threads feed a GPU decoder (`video.decoder` nvdec or auto,
-`preprocess.decoder` gpu or auto). There the workers fill every core, and a rank thread
-preempted while it holds the GIL stalls all the others: the GPU's decoder sat idle while
-it waited for its feed (NVDEC read 18 clips/s beside 16 workers, 30 alone;
-benchmarks/RESULTS.md, section 11). At 10 the rank's threads weigh nine workers' each
-where they contend; the workers still have every core the rank leaves. Where only the
-workers decode, the rank mostly waits for them, and they keep its priority."""
-
 AUTO_ROWS = 64
 """Items a rank encodes before `preprocess.decoder: auto` first compares decode and device rates."""
 AUTO_LOGGED_CHANGE = 0.1
@@ -555,8 +545,7 @@ class RankPipeline:
         def start() -> tuple[DecodePool, Iterator[Any]]:
             since = time.perf_counter()
             timeout = self.job.runtime.decode_timeout
-            nice = WORKER_NICE if self._gpu_decodes else 0
-            pool = DecodePool(fn, self.workers, timeout, in_flight, WORKER_MODULES, error=MediaError, local=local, nice=nice)
+            pool = DecodePool(fn, self.workers, timeout, in_flight, WORKER_MODULES, error=MediaError, local=local)
             try:
                 stream = pool.imap(rows, idle=LINGER)
             except BaseException:

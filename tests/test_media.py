@@ -402,8 +402,6 @@ def pool_task(task: tuple[str, object]) -> object:
         return item_over_a_cut_file(Path(str(value)))
     if kind == "stalling_item":
         return item_that_stalls_in_transfer()
-    if kind == "niceness":
-        return os.nice(0)
     return int(value) ** 2  # type: ignore[call-overload]
 
 
@@ -546,19 +544,6 @@ def test_a_pool_whose_every_task_is_local_never_waits_for_its_poll() -> None:
         took = time.monotonic() - start
     assert [value for _, value in results] == list(range(200))
     assert took < 3.0
-
-
-def test_workers_started_nicer_stay_so_after_a_crash_and_the_caller_keeps_its_priority() -> None:
-    """A pool given `nice` (a rank whose own threads feed the GPU's decoder) runs every
-    worker, a replacement for a crashed one too, that much below its caller."""
-    here = os.nice(0)
-    tasks = [("niceness", None), ("crash", None), ("niceness", None)]
-    with DecodePool(pool_task, workers=1, timeout=5.0, nice=7, **POOL) as nicer:
-        results = list(nicer.imap(tasks))
-    assert [expected_outcome(r) for r in results] == [min(here + 7, 19), "decoder_crashed", min(here + 7, 19)]
-    assert os.nice(0) == here
-    with pytest.raises(ValueError, match="nice"):
-        DecodePool(pool_task, workers=1, timeout=5.0, nice=20, **POOL)
 
 
 def test_decoding_starts_before_the_first_result_is_asked_for(pool: DecodePool) -> None:

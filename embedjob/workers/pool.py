@@ -88,11 +88,7 @@ def _run_task(fn: Callable[[Any], Any], task: Any, error: type[Exception]) -> An
 _READY_SEQ = -1
 
 
-def _worker_main(
-    fn: Callable[[Any], Any], error: type[Exception], conn: multiprocessing.connection.Connection, nice: int = 0
-) -> None:
-    if nice:
-        os.nice(nice)
+def _worker_main(fn: Callable[[Any], Any], error: type[Exception], conn: multiprocessing.connection.Connection) -> None:
     # Ctrl-C reaches the whole process group, and SLURM's SIGTERM every process of the
     # job: the parent decides what stops (a worker dead of it would turn the rows in
     # flight into decoder_crashed rows); the pool ends its workers with SIGKILL.
@@ -361,7 +357,6 @@ class DecodePool(Generic[T, R]):
         *,
         error: type[Exception],
         local: Callable[[T], R | None] | None = None,
-        nice: int = 0,
     ):
         """`error` is the per-task error class: built as `error(code, message)` for a
         timeout, a crash, a bug in fn or a result that cannot cross to the parent, and
@@ -373,10 +368,7 @@ class DecodePool(Generic[T, R]):
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        if not 0 <= nice <= 19:
-            raise ValueError(f"nice must be in [0, 19], got {nice}")
         self._fn = fn
-        self._nice = nice
         self._local = local
         self._error = error
         self._timeout = timeout
@@ -468,7 +460,7 @@ class DecodePool(Generic[T, R]):
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, args=(self._fn, self._error, child, self._nice), daemon=True, name="embedjob-decode")
+        process = self._ctx.Process(target=_worker_main, args=(self._fn, self._error, child), daemon=True, name="embedjob-decode")
         process.start()
         child.close()
         return _Worker(process=process, conn=parent, sock=_result_socket(parent, self._timeout))

@@ -33,6 +33,7 @@ from embedjob.decode import (
     worker_preload,
 )
 from embedjob.decode.device import decode_jpegs, pixel_groups
+from embedjob.decode.gop import PacketFeed
 from embedjob.decode.image import deferred_jpeg
 from embedjob.decode.nvdec import decode_videos, refusal
 from embedjob.encoders import EncoderAdapter, EncoderInput
@@ -237,26 +238,46 @@ def _preprocess_failed(exc: Exception) -> str:
 
 _VIDEO_INDICES_KEY = "video_indices"
 _VIDEO_PLAN_KEY = "video_plan"
-_VIDEO_KEYS = (VIDEO_KEY, _VIDEO_INDICES_KEY, _VIDEO_PLAN_KEY)
+_FEED_KEY, _FEED_BOUNDS_KEY, _FEED_SHOWN_KEY = "video_feed", "video_feed_bounds", "video_feed_shown"
+FEED_CODECS = ("h264", "hevc")
+"""A `PacketFeed`'s codec as its index here in `_VIDEO_PLAN_KEY` (-1: no feed)."""
 
 
 def _video_plan(video: DeferredVideo) -> dict[str, torch.Tensor]:
     """The item tensors that carry a deferred video to the rank: its bytes, the frames
-    to read and (decoded width, height, display matrix, shown height, width)."""
+    to read, (decoded width, height, display matrix, shown height, width, the stream's
+    frames, the feed's codec and size) and the pictures the worker cut out for the GPU's
+    decoder (`DeferredVideo.feed`), each as it is. The stream's frame count is what the
+    rank's packet feed checks its demuxer's packets against: without it, every clip went
+    through a decoder session that decodes each picture from the keyframe. The sample
+    timestamps and frame rate stay behind: the rank makes nothing of them."""
     (a, b), (c, d) = video.matrix
-    plan = [*video.decoded, a, b, c, d, *video.shown]
-    return {
+    feed = video.feed
+    codec, size = (FEED_CODECS.index(feed.codec), feed.size) if feed is not None else (-1, (0, 0))
+    plan = [*video.decoded, a, b, c, d, *video.shown, video.source_frames, codec, *size]
+    tensors = {
         VIDEO_KEY: torch.frombuffer(bytearray(video.data), dtype=torch.uint8),
         _VIDEO_INDICES_KEY: torch.tensor(video.indices, dtype=torch.int64),
         _VIDEO_PLAN_KEY: torch.tensor(plan, dtype=torch.int64),
     }
+    if feed is not None:
+        tensors[_FEED_KEY] = torch.frombuffer(bytearray(feed.stream), dtype=torch.uint8)
+        tensors[_FEED_BOUNDS_KEY] = torch.tensor(feed.bounds, dtype=torch.int64).reshape(-1, 2)
+        tensors[_FEED_SHOWN_KEY] = torch.tensor(feed.shown, dtype=torch.int64)
+    return tensors
 
 
 def _planned(item: EncoderInput) -> DeferredVideo:
     """`_video_plan` read back (what `nvdec.decode_videos` needs of it)."""
-    width, height, a, b, c, d, shown_h, shown_w = item.tensors[_VIDEO_PLAN_KEY].tolist()
+    width, height, a, b, c, d, shown_h, shown_w, frames, codec, feed_w, feed_h = item.tensors[_VIDEO_PLAN_KEY].tolist()
     data = item.tensors[VIDEO_KEY].numpy().tobytes()
-    return DeferredVideo(data, item.tensors[_VIDEO_INDICES_KEY].tolist(), (width, height), ((a, b), (c, d)), (shown_h, shown_w), [], 0.0, 0)
+    feed = None
+    if codec >= 0:
+        bounds = tuple((offset, size) for offset, size in item.tensors[_FEED_BOUNDS_KEY].tolist())
+        feed = PacketFeed(FEED_CODECS[codec], (feed_w, feed_h), item.tensors[_FEED_KEY].numpy().tobytes(), bounds,
+                          tuple(item.tensors[_FEED_SHOWN_KEY].tolist()))
+    indices = item.tensors[_VIDEO_INDICES_KEY].tolist()
+    return DeferredVideo(data, indices, (width, height), ((a, b), (c, d)), (shown_h, shown_w), [], 0.0, frames, feed)
 
 
 def left_for_device(decoded: Decoded) -> bool:

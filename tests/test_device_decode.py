@@ -1079,7 +1079,7 @@ def fed_stand_in(monkeypatch: pytest.MonkeyPatch, clips: dict[bytes, list[tuple[
     monkeypatch.setattr(FedDemuxer, "streams", {bytes(video_decoder_bytes(data)): (320, 180, packets) for data, packets in clips.items()})
     monkeypatch.setattr(FedDecoder, "made", [])
     monkeypatch.setattr(nvdec, "_sessions", threading.local())
-    module = SimpleNamespace(CreateDemuxer=FedDemuxer, CreateDecoder=FedDecoder)
+    module = SimpleNamespace(CreateDemuxer=FedDemuxer, CreateDecoder=FedDecoder, PacketData=CutPacket)
     monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module)
     assert nvdec.FEED_SAMPLED and nvdec.YUV_HERE
 
@@ -1189,3 +1189,72 @@ def test_the_pictures_a_worker_cut_out_are_fed_as_packets_made_on_the_rank_witho
     assert decoder.fed == list(feed.shown)
     assert CutDecoder.handed == [feed.stream[offset : offset + size] for offset, size in feed.bounds]
     assert [int(f[0, 0, 0]) for f in frames] == [int(i % 200 * 255 / 219) for i in planned.indices] and plan == planned
+
+
+CUT_VIDEOS = sorted(p.name for p in DATA.iterdir() if p.suffix in (".mp4", ".mov", ".mkv")) + [
+    f"gop/{p.name}" for p in sorted((DATA / "gop").glob("*.mp4"))
+]
+
+
+@pytest.mark.parametrize("name", CUT_VIDEOS)
+def test_a_worker_that_cuts_the_pictures_plans_every_clip_as_one_that_does_not(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`video.PACKETS_IN_WORKERS` (on): each of the repository's videos (corrupt, 10-bit,
+    turned, tiny, AV1 in Matroska, open GOPs) planned for the GPU by a worker that cuts the
+    pictures out is the plan, or the error row, of one that does not; a cut is made of
+    8-bit H.264 or HEVC MP4/MOV tracks only, and holds every sampled frame."""
+    from embedjob.decode import video
+    from embedjob.decode.sniff import sniff_format
+
+    data = (DATA / name).read_bytes()
+    options = dataclasses.replace(VIDEO_OPTIONS, defer_video=True, fps=2.0, max_frames=32)
+    found = sniff_format(data)
+    plans = {}
+    for cut in (False, True):
+        monkeypatch.setattr(video, "PACKETS_IN_WORKERS", cut)
+        try:
+            plans[cut] = video.decode_video(data, options, found[1] if found else None)
+        except MediaError as exc:
+            plans[cut] = exc.code
+    if isinstance(plans[False], str):
+        assert plans[True] == plans[False]
+        return
+    assert plans[False].feed is None
+    assert dataclasses.replace(plans[True], feed=None) == plans[False]
+    feed = plans[True].feed
+    if feed is not None:
+        assert found[1] in ("MP4", "MOV") and feed.codec in ("h264", "hevc")
+        assert set(plans[True].indices) <= set(feed.shown)
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_clip_left_for_the_gpu_by_a_worker_reaches_the_rank_fit_for_the_packet_feed(
+    cut: bool, preprocess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's clip, planned by a worker and sent to the rank as an item: the rank feeds its
+    decoder packet by packet, from its own demuxer (the stream's frame count, which the feed
+    checks the packets against, crossed with the plan) or, with `video.PACKETS_IN_WORKERS`,
+    from the pictures the worker cut out (no demuxer); never through a decoder session,
+    which decodes every picture from the keyframe before each sample (the stand-in module
+    has none: a session would fail, and the clip take the CPU path)."""
+    from embedjob.decode import nvdec, video
+
+    data = (DATA / "torchcodec_nasa_13013.mp4").read_bytes()
+    monkeypatch.setattr(video, "PACKETS_IN_WORKERS", cut)
+    options = dataclasses.replace(VIDEO_OPTIONS, fps=2.0, max_frames=32)
+    left = worker.decode_row(InputRow(0, "nasa", data, None, None), dataclasses.replace(options, defer_video=True), preprocess)
+    window = [pickle.loads(pickle.dumps(left, protocol=5))]
+    sent = video.decode_video(data, dataclasses.replace(options, defer_video=True), "MP4")
+    assert worker._planned(window[0].item) == dataclasses.replace(sent, timestamps=[], source_fps=0.0)
+    assert (sent.feed is not None) == cut
+    fed_stand_in(monkeypatch, {data: pyramid_stream(sent.source_frames, 30)})
+    codecs = SimpleNamespace(H264="cudaVideoCodec.H264", HEVC="cudaVideoCodec.HEVC")
+    monkeypatch.setattr(sys.modules["PyNvVideoCodec"], "cudaVideoCodec", codecs, raising=False)
+    if cut:
+        monkeypatch.setattr(sys.modules["PyNvVideoCodec"], "CreateDecoder", CutDecoder)
+        monkeypatch.setattr(CutDecoder, "handed", [])
+    monkeypatch.setattr(nvdec, "_pool", None)
+    assert worker.decode_on_device(window, options, preprocess, torch.device("cpu")) == 1
+    (decoder,) = FedDecoder.made
+    assert 0 < len(decoder.fed) < sent.source_frames
+    assert decoder.fed == list(sent.feed.shown) if cut else all(pts % 512 == 0 for pts in decoder.fed)
+    assert window[0].error is None and window[0].item.frames == len(sent.indices)

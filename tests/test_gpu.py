@@ -1002,11 +1002,23 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(tmp_path: Path, cache_dir: str,
     first row on (`decode_split.FIRST_SHARE`: the 9 rows are all submitted before auto
     measures; the first, a 568 x 320 H.264 clip, is one the GPU reads) and here holds
     that share (windows then mix clips the workers decoded with clips the GPU decoded):
-    each row is the decord job's, in order, up to the decoders' rounding."""
+    each row is the decord job's, in order, up to the decoders' rounding. The 8-bit H.264
+    and HEVC clips the GPU reads go through the packet feed (`nvdec._feed`), not a decoder
+    session: the plan a worker sends carries what the feed needs."""
     from embedjob import pipeline
     from embedjob.config import load_job
+    from embedjob.decode import nvdec
     from embedjob.runner import run_job
 
+    fed: list[int] = []
+    feed = nvdec._feed
+
+    def counted(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        frames = feed(*args, **kwargs)
+        fed.append(len(frames))
+        return frames
+
+    monkeypatch.setattr(nvdec, "_feed", counted)
     monkeypatch.setattr(pipeline, "AUTO_ROWS", 1)
     monkeypatch.setattr(pipeline, "gpu_share", lambda *rates: 0.5)
     outputs, stats = {}, {}
@@ -1016,6 +1028,7 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(tmp_path: Path, cache_dir: str,
         stats[decoder] = run_job(load_job(REPO / "jobs" / "demo-video.yaml", overrides))
         outputs[decoder] = pq.read_table(sorted((tmp_path / decoder).glob("part-*.parquet"))).to_pylist()
     assert stats["decord"]["device_decoded"] == 0 and stats[setting]["device_decoded"] > 0
+    assert 0 < len(fed) <= stats[setting]["device_decoded"]
     if setting == "auto":
         assert stats["auto"]["ranks"][0]["gpu_share"] == 0.5
     for cpu_row, gpu_row in zip(outputs["decord"], outputs[setting], strict=True):

@@ -175,6 +175,29 @@ def rank0(stats: dict[str, Any]) -> dict[str, Any]:
     return (stats.get("ranks") or [{}])[0]
 
 
+def past_head_start(stats: dict[str, Any], least_seconds: float = 5.0) -> tuple[int, float] | None:
+    """(rows, seconds) of rank 0's run after its first 2 x `batching.window` rows, from its
+    time series: the decode workers start while the rank compiles and captures, and hold
+    up to that many rows decoded when it is ready, which it then encodes at the encoder's
+    pace. In a job bound by decoding, `pipeline_seconds` counts those rows without the
+    time they took (331 clips, all decoded during a 28 s setup, looked 0.86 of the encoder
+    alone). None where fewer than `least_seconds` remain after them."""
+    first = rank0(stats)
+    timeline = first.get("timeline") or {}
+    series = (timeline.get("series") or {}).get("rows")
+    window = ((stats.get("job") or {}).get("batching") or {}).get("window")
+    if not series or not window:
+        return None
+    width, end, skip = timeline["width"], timeline["end"], 2 * window
+    done = 0.0
+    for k, rows in enumerate(series):
+        done += rows
+        if done >= skip:
+            seconds = end - (k + 1) * width
+            return (round(sum(series) - done), seconds) if seconds >= least_seconds else None
+    return None
+
+
 def timed_rows(stats: dict[str, Any]) -> int:
     """Rows encoded after setup: ranks ready first encode their head start while the others
     still set up (`rows_during_setup`, absent from statistics older than that key)."""

@@ -23,7 +23,9 @@ the package with module constants rewritten, e.g. `auto:embedjob.decode.nvdec.FE
 and prints one table, saved
 again after every run (a run cut off keeps the rows before it): seconds of video
 embedded per second of pipeline (the clips' durations over `pipeline_seconds`), clips
-per second, that over the encoder-only rate, the clips the GPU decoded, the workers' and
+per second, that over the encoder-only rate, the same past the head start (the clips after
+the first two windows, which the workers may have decoded while the rank set up:
+`common.past_head_start`; the figure for a job bound by decoding, on 1,000 clips or more), the clips the GPU decoded, the workers' and
 the GPU-decode thread's seconds, the per-clip cosine of each other run's embeddings to
 the decord run's (min and median), how busy NVML saw the NVDEC engines
 (`common.DecoderBusy`), and what the rank's main thread waited for (its
@@ -58,7 +60,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import NO_MULTICAST, DecoderBusy, collect_photos, cosine, fmt, rank0, run_cli, skipped, table_row  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    NO_MULTICAST, DecoderBusy, collect_photos, cosine, fmt, past_head_start, rank0, run_cli, skipped, table_row,
+)
 from benchmarks.common import log as _log  # noqa: E402
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
 from benchmarks.gpu_decode import compare  # noqa: E402
@@ -376,7 +380,7 @@ def render(
     cosines: dict[str, tuple[bool, np.ndarray, int]], args: argparse.Namespace,
 ) -> str:
     head = ["decoder", "workers", "clips", "video s", "pipeline s", "video s / s", "clips/s", "/ enc.-only",
-            "GPU-decoded", "worker decode s", "GPU-decode thread s", "cos min", "cos median", "rows identical",
+            "past the head start: / enc.-only", "GPU-decoded", "worker decode s", "GPU-decode thread s", "cos min", "cos median", "rows identical",
             "NVDEC busy", "main thread's waits s"]
     lines = [
         f"# video.decoder: {', '.join(args.decoders)} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
@@ -408,7 +412,8 @@ def render(
         name += "".join(f", {patch}={value}" for patch, value in plan.patches)
         lines.append(table_row([
             name, workers, stats["rows"], f"{seconds:.1f}", fmt(pipeline, ".2f"), fmt(seconds / pipeline if pipeline else None, ".1f"),
-            fmt(rate, ".2f"), fmt(rate / encoder.rate if rate else None, ".3f"), stats.get("device_decoded", "-"),
+            fmt(rate, ".2f"), fmt(rate / encoder.rate if rate else None, ".3f"), _past_head_start(stats, encoder),
+            stats.get("device_decoded", "-"),
             fmt(first.get("decode_seconds"), ".1f"), fmt(first.get("device_decode_seconds"), ".2f"),
             fmt(cos.min() if cos is not None else None, ".5f"), fmt(float(np.median(cos)) if cos is not None else None, ".5f"),
             "-" if compared is None else ("yes" if compared[0] else "NO"),
@@ -433,6 +438,16 @@ def worst_clips(decord: pa.Table, other: pa.Table, count: int = 4) -> str:
 def _workers(args: argparse.Namespace, decoder: str) -> int:
     """The decode processes of a `decoder` run: `--nvdec-workers` for nvdec, `--workers` else."""
     return args.nvdec_workers if decoder == "nvdec" else args.workers
+
+
+def _past_head_start(stats: dict[str, Any], encoder: EncoderOnly) -> str:
+    """The run's clips per second after the rows its workers could have decoded during setup
+    (`common.past_head_start`), over the encoder-only rate, with the clips it counts."""
+    past = past_head_start(stats)
+    if past is None:
+        return "- (too few clips)"
+    rows, seconds = past
+    return f"{rows / seconds / encoder.rate:.3f} ({rows} clips)"
 
 
 def _waits(rank: dict[str, Any]) -> str:

@@ -123,3 +123,18 @@ def test_device_checks_smoke_runs_a_stage_and_prints_its_summary(tmp_path: Path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "=== device_checks.sh summary ===" in done.stdout
     assert "attention backends on cpu" in done.stdout
+
+
+def test_a_decode_bound_jobs_rate_past_the_head_start_leaves_out_the_rows_decoded_during_setup() -> None:
+    """A job whose workers held two windows (8 rows) decoded when the rank got ready encodes
+    them at once (10 rows in its third second), then 5 a second: the rate counted past the
+    head start is the decoders' 5, where rows over pipeline seconds says 5.7; a run that
+    ends too soon after its head start has no such rate."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.common import past_head_start
+
+    stats = {"job": {"batching": {"window": 4}},
+             "ranks": [{"timeline": {"width": 1.0, "end": 9.0, "series": {"rows": [0, 0, 10, 5, 5, 5, 5, 5, 5]}}}]}
+    assert past_head_start(stats) == (30, 6.0)
+    assert past_head_start(stats, least_seconds=7.0) is None
+    assert past_head_start({"job": {"batching": {"window": 4}}, "ranks": [{"timeline": {"width": 1.0, "end": 3.0, "series": {"rows": [0, 0, 7]}}}]}) is None

@@ -239,7 +239,7 @@ def _preprocess_failed(exc: Exception) -> str:
 _VIDEO_INDICES_KEY = "video_indices"
 _VIDEO_PLAN_KEY = "video_plan"
 _FEED_KEY, _FEED_BOUNDS_KEY, _FEED_SHOWN_KEY = "video_feed", "video_feed_bounds", "video_feed_shown"
-FEED_CODECS = ("h264", "hevc")
+_FEED_CODECS = ("h264", "hevc")
 """A `PacketFeed`'s codec as its index here in `_VIDEO_PLAN_KEY` (-1: no feed)."""
 
 
@@ -253,7 +253,7 @@ def _video_plan(video: DeferredVideo) -> dict[str, torch.Tensor]:
     timestamps and frame rate stay behind: the rank makes nothing of them."""
     (a, b), (c, d) = video.matrix
     feed = video.feed
-    codec, size = (FEED_CODECS.index(feed.codec), feed.size) if feed is not None else (-1, (0, 0))
+    codec, size = (_FEED_CODECS.index(feed.codec), feed.size) if feed is not None else (-1, (0, 0))
     plan = [*video.decoded, a, b, c, d, *video.shown, video.source_frames, codec, *size]
     tensors = {
         VIDEO_KEY: torch.frombuffer(bytearray(video.data), dtype=torch.uint8),
@@ -274,7 +274,7 @@ def _planned(item: EncoderInput) -> DeferredVideo:
     feed = None
     if codec >= 0:
         bounds = tuple((offset, size) for offset, size in item.tensors[_FEED_BOUNDS_KEY].tolist())
-        feed = PacketFeed(FEED_CODECS[codec], (feed_w, feed_h), item.tensors[_FEED_KEY].numpy().tobytes(), bounds,
+        feed = PacketFeed(_FEED_CODECS[codec], (feed_w, feed_h), item.tensors[_FEED_KEY].numpy().tobytes(), bounds,
                           tuple(item.tensors[_FEED_SHOWN_KEY].tolist()))
     indices = item.tensors[_VIDEO_INDICES_KEY].tolist()
     return DeferredVideo(data, indices, (width, height), ((a, b), (c, d)), (shown_h, shown_w), [], 0.0, frames, feed)

@@ -17,11 +17,11 @@ Pure Python, no torch. A parameter set that ends early or breaks the syntax give
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-HEVC_SPS = 33
-"""The NAL unit type of an HEVC sequence parameter set."""
+H264_SPS, HEVC_SPS = 7, 33
+"""The NAL unit types of an H.264 and an HEVC sequence parameter set."""
 
 _H264_HIGH_PROFILES = {100, 110, 122, 244, 44, 83, 86, 118, 128, 138, 139, 134, 135}
 """profile_idc values whose SPS carries chroma format, bit depths and scaling lists."""
@@ -118,33 +118,22 @@ def _walked(nal: bytes, header: int, walk: Callable[[_Bits], SequenceFacts]) -> 
 
 
 def avcc_sps(config: bytes) -> bytes | None:
-    """The first SPS of an `avcC` box's payload (AVCDecoderConfigurationRecord: 5 bytes,
-    then the SPS count in the low 5 bits, each SPS after its 16-bit length)."""
-    if len(config) < 8 or config[5] & 0x1F == 0:
-        return None
-    size = int.from_bytes(config[6:8], "big")
-    return config[8 : 8 + size] if 8 + size <= len(config) else None
+    """The first SPS of an `avcC` box's payload, or None (see `_record_units`)."""
+    return _first_of(_record_units("h264", config), H264_SPS)
 
 
 def hvcc_sps(config: bytes) -> bytes | None:
-    """The first SPS of an `hvcC` box's payload (HEVCDecoderConfigurationRecord: 22
-    bytes, the array count, then arrays of NAL units of one type each)."""
-    pos = 23
-    if len(config) < pos:
+    """The first SPS of an `hvcC` box's payload, or None (see `_record_units`)."""
+    return _first_of(_record_units("hevc", config), HEVC_SPS)
+
+
+def _first_of(units: Iterator[tuple[int, bytes]], kind: int) -> bytes | None:
+    """The first of a record's `units` listed as of `kind`, read up to it: a record cut short
+    after it still gives it."""
+    try:
+        return next((unit for listed, unit in units if listed == kind), None)
+    except IndexError:
         return None
-    for _ in range(config[22]):
-        if pos + 3 > len(config):
-            return None
-        kind, count = config[pos] & 0x3F, int.from_bytes(config[pos + 1 : pos + 3], "big")
-        pos += 3
-        for _ in range(count):
-            if pos + 2 > len(config):
-                return None
-            size = int.from_bytes(config[pos : pos + 2], "big")
-            if kind == HEVC_SPS:
-                return config[pos + 2 : pos + 2 + size] if pos + 2 + size <= len(config) else None
-            pos += 2 + size
-    return None
 
 
 @dataclass(frozen=True)
@@ -162,60 +151,65 @@ H264_8BIT_420 = {66, 77, 88, 100}
 """profile_idc of H.264 profiles that are 8-bit 4:2:0 (or monochrome) by definition:
 Baseline, Main, Extended, High; High 10 and up may carry more."""
 
+RECORDS = {"avc1": "h264", "avc3": "h264", "hvc1": "hevc", "hev1": "hevc"}
+"""Sample entries whose configuration record `decoder_config` reads, by codec."""
+
 
 def decoder_config(entry: str, config: bytes, any_depth: bool = False) -> DecoderConfig | None:
     """The `DecoderConfig` of an `avcC` (sample entry avc1/avc3) or `hvcC` (hvc1/hev1)
     payload of an 8-bit 4:2:0 stream, or with `any_depth` of any bit depth and chroma
     format; None for any other, or a record cut short."""
+    codec = RECORDS.get(entry)
     try:
-        if entry in ("avc1", "avc3"):
-            return _avcc_config(config, any_depth)
-        if entry in ("hvc1", "hev1"):
-            return _hvcc_config(config, any_depth)
+        if codec is None or not (any_depth or _8bit_420(codec, config)):
+            return None
+        length_size = (config[4] if codec == "h264" else config[21]) & 3
+        return DecoderConfig(codec, length_size + 1, tuple(unit for _, unit in _record_units(codec, config)))
     except IndexError:
         return None
-    return None
 
 
-def _avcc_config(config: bytes, any_depth: bool) -> DecoderConfig | None:
-    """AVCDecoderConfigurationRecord: version, profile, compatibility, level, the length
-    size less one (low 2 bits), the SPS count (low 5 bits) and SPSs, the PPS count and PPSs,
-    each unit after its 16-bit length."""
-    if config[1] not in H264_8BIT_420 and not any_depth:
-        return None
-    units: list[bytes] = []
-    pos = 5
-    for mask in (0x1F, 0xFF):
-        pos = _sized_units(config, pos + 1, config[pos] & mask, units)
-    return DecoderConfig("h264", (config[4] & 3) + 1, tuple(units))
+def _8bit_420(codec: str, config: bytes) -> bool:
+    """Whether a record says 8-bit 4:2:0: an H.264 profile that is (`H264_8BIT_420`), or HEVC's
+    chroma format (byte 16, low 2 bits: 1 is 4:2:0) and luma and chroma bit depths less 8
+    (bytes 17 and 18, low 3 bits)."""
+    if codec == "h264":
+        return config[1] in H264_8BIT_420
+    return config[16] & 3 == 1 and not config[17] & 7 and not config[18] & 7
 
 
-def _hvcc_config(config: bytes, any_depth: bool) -> DecoderConfig | None:
-    """HEVCDecoderConfigurationRecord: chroma format (byte 16, low 2 bits: 1 is 4:2:0),
-    luma and chroma bit depths less 8 (bytes 17 and 18, low 3 bits), the length size less
-    one (byte 21, low 2 bits), then arrays of NAL units (see `hvcc_sps`)."""
-    if (config[16] & 3 != 1 or config[17] & 7 or config[18] & 7) and not any_depth:
-        return None
-    units: list[bytes] = []
+def _record_units(codec: str, config: bytes) -> Iterator[tuple[int, bytes]]:
+    """The NAL units of a configuration record, in order, each with the NAL unit type its
+    record lists it under; an IndexError where the record ends before one does.
+    AVCDecoderConfigurationRecord: version, profile, compatibility, level, the length size
+    less one, the SPS count (low 5 bits) and SPSs, the PPS count and PPSs, each after its
+    16-bit length. HEVCDecoderConfigurationRecord: 22 bytes, the array count, then arrays
+    of units of one type each (type in the low 6 bits, 16-bit count, units)."""
+    if codec == "h264":
+        pos = 5
+        for kind, mask in ((H264_SPS, 0x1F), (H264_SPS + 1, 0xFF)):
+            count, pos = config[pos] & mask, pos + 1
+            for _ in range(count):
+                unit, pos = _sized_unit(config, pos)
+                yield kind, unit
+        return
     pos = 23
     for _ in range(config[22]):
         if pos + 3 > len(config):
             raise IndexError("an array of parameter sets runs past its configuration record")
-        pos = _sized_units(config, pos + 3, int.from_bytes(config[pos + 1 : pos + 3], "big"), units)
-    return DecoderConfig("hevc", (config[21] & 3) + 1, tuple(units))
+        kind, count, pos = config[pos] & 0x3F, int.from_bytes(config[pos + 1 : pos + 3], "big"), pos + 3
+        for _ in range(count):
+            unit, pos = _sized_unit(config, pos)
+            yield kind, unit
 
 
-def _sized_units(config: bytes, pos: int, count: int, units: list[bytes]) -> int:
-    """Appends the `count` NAL units at `pos` of a configuration record, each after its
-    16-bit length, to `units`; the position after them. IndexError where one runs past
-    the record (`decoder_config` then says None)."""
-    for _ in range(count):
-        size = int.from_bytes(config[pos : pos + 2], "big")
-        if pos + 2 > len(config) or pos + 2 + size > len(config):
-            raise IndexError("a parameter set runs past its configuration record")
-        units.append(bytes(config[pos + 2 : pos + 2 + size]))
-        pos += 2 + size
-    return pos
+def _sized_unit(config: bytes, pos: int) -> tuple[bytes, int]:
+    """The NAL unit at `pos` of a configuration record, after its 16-bit length, and the
+    position after it; IndexError where it runs past the record."""
+    size = int.from_bytes(config[pos : pos + 2], "big")
+    if pos + 2 > len(config) or pos + 2 + size > len(config):
+        raise IndexError("a parameter set runs past its configuration record")
+    return bytes(config[pos + 2 : pos + 2 + size]), pos + 2 + size
 
 
 def _h264(bits: _Bits) -> SequenceFacts:

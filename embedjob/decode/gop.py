@@ -58,10 +58,10 @@ def slice_kind(codec: str, unit: bytes | memoryview) -> SliceKind | None:
     """`unit`'s `SliceKind` when it is a slice of a picture (`codec` "h264" or "hevc"),
     else None (parameter sets, SEI, delimiters, an unknown codec or a unit too short)."""
     if codec == "h264" and unit:
-        kind = unit[0] & 0x1F
+        kind = _unit_type(codec, unit)
         return SliceKind(referenced=(unit[0] >> 5) & 3 != 0) if 1 <= kind <= 5 else None
     if codec == "hevc" and len(unit) >= 2:
-        kind = (unit[0] >> 1) & 0x3F
+        kind = _unit_type(codec, unit)
         if kind >= 32:
             return None
         # Even types up to RSV_VCL_N14 are sub-layer non-reference pictures.
@@ -111,6 +111,11 @@ def display_order(stream: Sequence[Picture]) -> list[int]:
     """Decode positions of `stream`'s pictures in the order they are shown (by pts, ties in
     decode order): the frame index decord and the planners count in."""
     return sorted(range(len(stream)), key=lambda k: (stream[k].pts, k))
+
+
+def shown_at(stream: Sequence[Picture]) -> dict[int, int]:
+    """Each decode position's display index (`display_order` inverted)."""
+    return {k: index for index, k in enumerate(display_order(stream))}
 
 
 def needed_pictures(stream: Sequence[Picture], wanted: Iterable[int]) -> list[int]:
@@ -184,7 +189,7 @@ def packet_feed(config: DecoderConfig, units: Sequence[Sequence[bytes | memoryvi
     """The `PacketFeed` for the frames shown at display indices `wanted` of a stream of
     `config`'s codec whose samples (decode order) hold the NAL `units` and are the
     pictures `stream` (`sample_pictures`)."""
-    shown = {k: index for index, k in enumerate(display_order(stream))}
+    shown = shown_at(stream)
     needed = needed_pictures(stream, wanted)
     packets = []
     for n, k in enumerate(needed):

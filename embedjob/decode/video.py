@@ -56,11 +56,11 @@ from embedjob.decode.containers import (
 from embedjob.decode.gop import (
     PacketFeed,
     Picture,
-    display_order,
     needed_pictures,
     packet_feed,
     prefixed_units,
     sample_pictures,
+    shown_at,
 )
 from embedjob.decode.sniff import sniff_format
 from embedjob.decode.types import DecodedVideo, DecodeOptions, DeferredVideo, MediaError, last_line
@@ -261,7 +261,7 @@ def _needed_only(job: _VideoJob, indices: list[int], frames: int) -> tuple[_Vide
     keep = needed_pictures(track.stream, indices) if track is not None else []
     if len(keep) in (0, frames):
         return None
-    shown = {k: index for index, k in enumerate(display_order(track.stream))}
+    shown = shown_at(track.stream)
     position = {shown[k]: n for n, k in enumerate(sorted(keep, key=shown.__getitem__))}
     source = mp4_with_samples(job.source, track.samples, keep)
     return dataclasses.replace(job, source=source), [position[index] for index in indices]

@@ -144,17 +144,37 @@ class DecoderBusy:
 # --- jobs through the command line ----------------------------------------------------------
 
 
-def run_cli(job: Path, output: Path, gpus: int, overrides: list[str], logfile: Path, tree: Path = REPO) -> dict[str, Any] | None:
+PROFILED_CLI = """
+import cProfile, sys
+from embedjob.cli import main
+profile = cProfile.Profile()
+try:
+    code = profile.runcall(main, sys.argv[2:])
+finally:
+    profile.dump_stats(sys.argv[1])
+sys.exit(code)
+"""
+"""`python -c PROFILED_CLI OUT.prof ARGS...`: `embedjob ARGS...` under cProfile, its statistics
+dumped to OUT.prof whatever the exit. From Python 3.12 cProfile sees every thread of the
+process (rank 0's pipeline, decode threads and writer); the decode workers are processes of
+their own and are not in it."""
+
+
+def run_cli(job: Path, output: Path, gpus: int, overrides: list[str], logfile: Path, tree: Path = REPO,
+            profile: Path | None = None) -> dict[str, Any] | None:
     """One `embedjob run` through the CLI of the source tree `tree`, as a user runs it, its
-    output in `logfile`; its statistics, or None if it failed."""
-    command = [os.path.abspath(sys.executable), "-m", "embedjob.cli", "run", str(job), "--gpus", str(gpus), "--overwrite"]
+    output in `logfile`; its statistics, or None if it failed. With `profile` the command's
+    process runs under cProfile (`PROFILED_CLI`), its statistics written there."""
+    python = os.path.abspath(sys.executable)
+    entry = [python, "-c", PROFILED_CLI, str(profile)] if profile is not None else [python, "-m", "embedjob.cli"]
+    command = [*entry, "run", str(job), "--gpus", str(gpus), "--overwrite"]
     for override in [*overrides, f"output.path={output}"]:
         command += ["--set", override]
     path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
     env = {**NO_MULTICAST, **os.environ, "PYTHONPATH": path}
     logfile.parent.mkdir(parents=True, exist_ok=True)
     with logfile.open("w") as out:
-        out.write(" ".join(command) + "\n")
+        out.write(" ".join("PROFILED_CLI" if c == PROFILED_CLI else c for c in command) + "\n")
         out.flush()
         code = subprocess.run(command, env=env, cwd=tree, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
     stats = sorted(output.glob("_embedjob/stats-*.json"))
@@ -163,6 +183,19 @@ def run_cli(job: Path, output: Path, gpus: int, overrides: list[str], logfile: P
         log("run_cli", f"run failed (exit code {code}); last lines of {logfile}:\n" + "\n".join(tail))
         return None
     return json.loads(stats[0].read_text())
+
+
+def profile_summary(path: Path, rows: int = 25) -> str:
+    """What a `run_cli(..., profile=path)` run's process spent its time on: the `rows`
+    functions with the most own time, then the package's own functions by cumulative time
+    (a thread's waits show there: own times of all threads add up past the wall time)."""
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(str(path), stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats("embedjob", rows)
+    return text.getvalue()
 
 
 def read_output(directory: Path) -> pa.Table:

@@ -44,7 +44,8 @@
 # while the GPU stages run; `clips` waits for it), then at once video NAME... (benchmarks/video_decode.py on them:
 # decord, nvdec and auto, tower qwen, siglip or clip; VIDEO_DECODERS picks settings, NVDEC_SESSIONS="4 7 14" the
 # GPU decoder's session counts, an nvdec run each and auto at the fastest's, 7 by default; VIDEO_VARIANTS=
-# "auto:embedjob.decode.video.PACKETS_IN_WORKERS=True" adds runs on a copy of the tree with those constants), nvdec-scaling (benchmarks/
+# "auto:embedjob.decode.video.PACKETS_IN_WORKERS=False" adds runs on a copy of the tree with those constants; VIDEO_PROFILE="auto" runs
+# those jobs under cProfile, its table in video-NAME.log), nvdec-scaling (benchmarks/
 # nvdec_scaling.py on them: NVDEC alone, sessions as threads and as processes; NVDEC_SCALING_FLAGS="--sessions 1 7"
 # picks counts), fp8-layers NAME...
 # (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),
@@ -246,14 +247,16 @@ clips_said() {
 video() {
   # `video.decoder` decord, nvdec and auto on the clips `clips` made, one tower per name (qwen, siglip, clip).
   local tower
-  # shellcheck disable=SC2086  # VIDEO_DECODERS, NVDEC_SESSIONS and VIDEO_VARIANTS are lists
+  # shellcheck disable=SC2086  # VIDEO_DECODERS, NVDEC_SESSIONS, VIDEO_VARIANTS and VIDEO_PROFILE are lists
   for tower in "$@"; do
     timeout "$(budget 560)" python3 benchmarks/video_decode.py "${smoke[@]}" --clips "$work/clips" --tower "$tower" \
       --decoders ${VIDEO_DECODERS:-decord nvdec auto} --nvdec-sessions ${NVDEC_SESSIONS:-7} ${VIDEO_VARIANTS:+--variants $VIDEO_VARIANTS} \
+      ${VIDEO_PROFILE:+--profile $VIDEO_PROFILE} \
       --workdir "$work/video-$tower" 2>&1 |
       tee "$out/video-$tower.log"
-    # The jobs' own logs (auto's shares, the decoders' refusals) come back beside the table.
-    cp -r "$work/video-$tower/logs" "$out/video-$tower-logs" 2>/dev/null
+    # The jobs' own logs (auto's shares, the decoders' refusals) come back beside the table; the profiles stay
+    # (their summaries are in the log, and a call brings back 8 files).
+    cp -r "$work/video-$tower/logs" "$out/video-$tower-logs" 2>/dev/null && rm -f "$out/video-$tower-logs"/*.prof
     summary+=("video_decode.py, $tower:" "$(cat "$work/video-$tower/video_decode.md" 2>/dev/null || echo "no table: see video-$tower.log")")
   done
 }

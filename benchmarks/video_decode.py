@@ -31,7 +31,9 @@ the decord run's (min and median), how busy NVML saw the NVDEC engines
 (`common.DecoderBusy`), and what the rank's main thread waited for (its
 `waits`, in seconds), then each GPU setting's four clips furthest from decord's vectors
 (clip names say codec, height and keyframe interval). The table is written to
-`<workdir>/video_decode.md` and printed.
+`<workdir>/video_decode.md` and printed. `--profile auto` (or nvdec, decord) runs those
+jobs under cProfile (`common.PROFILED_CLI`) and logs where the process's time went, for a
+missed target's evidence: the rank's threads, not the decode workers.
 `--smoke` runs it on the CPU with the tiny tower on a few of the test clips when
 `--clips` has none, 2 workers, and skips the nvdec run (it needs a GPU), saying so
 (`auto` there decodes with decord, as on any machine without a video decoder).
@@ -61,7 +63,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
-    NO_MULTICAST, DecoderBusy, collect_photos, cosine, fmt, past_head_start, rank0, run_cli, skipped, table_row,
+    NO_MULTICAST, DecoderBusy, collect_photos, cosine, fmt, past_head_start, profile_summary, rank0, run_cli, skipped,
+    table_row,
 )
 from benchmarks.common import log as _log  # noqa: E402
 from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
@@ -106,9 +109,13 @@ def main() -> int:
         overrides = [f"runtime.workers={_workers(args, plan.decoder)}", f"video.decoder={plan.decoder}",
                      f"video.nvdec_sessions={plan.sessions}"]
         tree = patched_tree(plan.patches, workdir / f"tree-{len(plans)}") if plan.patches else REPO
+        profile = workdir / "logs" / f"run-{len(plans)}.prof" if plan.decoder in args.profile else None
         with DecoderBusy() as busy:
-            runs[label] = run_cli(job, output, 1, overrides, workdir / "logs" / f"run-{len(plans)}.log", tree)
+            runs[label] = run_cli(job, output, 1, overrides, workdir / "logs" / f"run-{len(plans)}.log", tree, profile)
         plan.decoders = busy.describe()
+        if profile is not None and profile.is_file():
+            log(f"[video] {label}: cProfile of the job's process (run under it, so slower than the table's other runs):\n"
+                f"{profile_summary(profile)}")
         if runs[label] is not None:
             table = pq.read_table(sorted(output.glob("part-*.parquet")))
             if label == "decord":
@@ -478,6 +485,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", type=parse_variant, default=[], metavar="DECODER:module.NAME=VALUE",
                         help="more runs, after --decoders', each on a copy of the tree with module constants rewritten "
                              "(e.g. auto:embedjob.decode.video.PACKETS_IN_WORKERS=True)")
+    parser.add_argument("--profile", nargs="*", choices=DECODERS, default=[], metavar="DECODER",
+                        help="run these decoders' jobs (their --variants too) under cProfile and log what the job's process "
+                             "spent its time on (the profile itself beside the run's log)")
     parser.add_argument("--workdir", default="video-decode-work")
     parser.add_argument("--smoke", action="store_true", help="CPU only: the tiny tower, test clips where --clips has none")
     args = parser.parse_args()

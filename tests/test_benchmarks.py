@@ -100,6 +100,18 @@ def test_the_nvjpeg_contention_mode_makes_its_windows_and_says_it_skipped_the_ti
 
 
 @pytest.mark.slow
+def test_video_decode_profiles_the_jobs_it_is_asked_to_and_only_those(tmp_path: Path) -> None:
+    """`--profile auto`: the auto job's process runs under cProfile and its functions by own
+    time are logged (a missed target's evidence); the decord job runs as before."""
+    done = script("video_decode", "--smoke", "--decoders", "decord", "auto", "--profile", "auto", "--workdir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| auto (7 sessions) |" in done.stdout
+    assert done.stderr.count("cProfile of the job's process") == 1, done.stderr[-3000:]
+    assert "Ordered by: internal time" in done.stderr
+    assert [p.name for p in (tmp_path / "logs").glob("*.prof")] == ["run-2.prof"]
+
+
+@pytest.mark.slow
 def test_thumbnails_replay_their_graphs(tmp_path: Path) -> None:
     done = script("packing", "--smoke", "--thumbnails", "16", "--workdir", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -484,8 +484,8 @@ def parse_args() -> argparse.Namespace:
                              "the cosines are to decord's run, so they need it")
     parser.add_argument("--variants", nargs="+", type=parse_variant, default=[], metavar="DECODER:module.NAME=VALUE",
                         help="more runs, after --decoders', each on a copy of the tree with module constants rewritten "
-                             "(e.g. auto:embedjob.decode.video.PACKETS_IN_WORKERS=True)")
-    parser.add_argument("--profile", nargs="*", choices=DECODERS, default=[], metavar="DECODER",
+                             "(e.g. auto:embedjob.decode.video.PACKETS_IN_WORKERS=False)")
+    parser.add_argument("--profile", nargs="+", choices=DECODERS, default=[], metavar="DECODER",
                         help="run these decoders' jobs (their --variants too) under cProfile and log what the job's process "
                              "spent its time on (the profile itself beside the run's log)")
     parser.add_argument("--workdir", default="video-decode-work")

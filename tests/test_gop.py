@@ -341,6 +341,41 @@ def test_a_video_job_reads_the_same_frames_with_and_without_the_pictures_left_ou
     assert errors == {"decord_corrupted.mp4"}
 
 
+def test_a_video_is_read_by_one_decord_reader_at_a_time(monkeypatch) -> None:
+    """`decode_video` drops the reader it planned with before it opens the one that reads
+    the copy of the needed pictures, or the scaled one: with the planning reader still
+    open, a core read the benchmark's clips 1.7x slower (benchmarks/RESULTS.md section 8).
+    The frames stay those of reading the whole clip."""
+    import weakref
+
+    import numpy as np
+
+    from embedjob.decode import video
+    from embedjob.decode.sniff import sniff_format
+    from embedjob.decode.types import DecodeOptions
+
+    opened: list[weakref.ref] = []
+    real = video._open_reader
+
+    def tracked(job, size):
+        assert all(ref() is None for ref in opened), "a decord reader opened while another is still open"
+        reader = real(job, size)
+        opened.append(weakref.ref(reader))
+        return reader
+
+    data = (DATA / "torchcodec_nasa_13013.mp4").read_bytes()
+    for scaled in (None, 200 * 120):
+        options = DecodeOptions(modality="video", max_image_pixels=1 << 24, fps=4.0, max_frames=32, frame_multiple=1, max_frame_pixels=scaled)
+        read = {}
+        for needed in (True, False):
+            monkeypatch.setattr(video, "READ_NEEDED", needed)
+            monkeypatch.setattr(video, "_open_reader", tracked)
+            opened.clear()
+            read[needed] = video.decode_video(data, options, sniff_format(data)[1])
+            assert len(opened) == (2 if needed or scaled else 1), (needed, scaled)
+        assert np.array_equal(read[True].frames, read[False].frames), scaled
+
+
 def test_open_gops_leading_pictures_are_read_as_a_decode_from_the_first_frame_gives_them() -> None:
     """`decode_video`, scaled down, 8 frames a second of the open-GOP clips: decord's frames
     of a decode of every frame in order at that size, bit for bit (its seeks in the whole

@@ -222,20 +222,22 @@ def _decode_video_job(job: _VideoJob) -> DecodedVideo:
     if size != (width, height):
         logger.debug("decoding %dx%d frames at %dx%d (max_frame_pixels=%s)", width, height, *size, options.max_frame_pixels)
     scaled = size if size != (width, height) else None
-    frames = _read_needed(job, indices, num_frames, scaled) if READ_NEEDED else None
+    needed = _needed_only(job, indices, num_frames) if READ_NEEDED else None
+    if needed is not None or scaled is not None:
+        # One decord reader at a time: with the planning reader still open, a core read the
+        # copies of 16 clips in 8.4 s, without it in 4.7 (benchmarks/RESULTS.md section 8).
+        reader = None
+    frames = _read_copy(needed, scaled) if needed is not None else None
     if frames is None:
-        frames = _read_frames(job, _open_reader(job, size) if scaled else reader, indices)
+        frames = _read_frames(job, reader if reader is not None else _open_reader(job, scaled), indices)
     frames = _apply_matrix(frames, job.facts.matrix)
     return DecodedVideo(np.ascontiguousarray(frames), timestamps, source_fps, num_frames)
 
 
-def _read_needed(job: _VideoJob, indices: list[int], frames: int, size: tuple[int, int] | None) -> np.ndarray | None:
-    """The frames at `indices`, read from a copy of the clip holding only the pictures
-    they need (`_needed_only`), or None where there is no such copy or it cannot be
-    read: then the whole clip is read, and a corrupt one's error row names its own frames."""
-    needed = _needed_only(job, indices, frames)
-    if needed is None:
-        return None
+def _read_copy(needed: tuple[_VideoJob, list[int]], size: tuple[int, int] | None) -> np.ndarray | None:
+    """The sampled frames, read from `_needed_only`'s copy of the clip holding only the
+    pictures they need, or None where the copy cannot be read: then the whole clip is
+    read, and a corrupt one's error row names its own frames."""
     copy, positions = needed
     try:
         return _read_frames(copy, _open_reader(copy, size), positions)
@@ -248,7 +250,7 @@ READ_NEEDED = True
 holds only the pictures the sampled frames need (`gop.needed_pictures`,
 `containers.mp4_with_samples`): asked for frame i, decord decodes every picture from the
 keyframe before it, and about half of those in a stream with B-frames are references for
-none. On: a core decoded 1.88x the clips of the video benchmark's kinds
+none. On: a core decoded 1.7x the clips of the video benchmark's kinds
 (benchmarks/RESULTS.md section 8), and the frames are those of a decode from the first
 frame, bit for bit (tests/test_gop.py), open GOPs' leading pictures included, which
 decord's seeks in the whole clip misread."""

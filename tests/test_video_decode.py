@@ -452,3 +452,43 @@ def test_a_video_left_for_the_gpu_is_planned_as_the_cpu_path_would_without_decod
     monkeypatch.setattr(video, "mp4_facts", lambda data: dataclasses.replace(read_facts(data), stream_size=None))
     # Without the SPS's size the worker cuts no pictures (`video.PACKETS_IN_WORKERS`): the rank feeds them itself.
     assert dataclasses.replace(video.decode_video(data, options, fmt), feed=None) == dataclasses.replace(planned, feed=None)
+
+
+@pytest.mark.parametrize("name, decodes", [
+    ("decord_video_90.mov", False),
+    ("torchcodec_h265_video.mp4", False),
+    ("colour/derived_h264_bt709.mkv", True),
+])
+def test_decord_reads_the_same_frames_without_decoding_one_alone_where_the_sps_says_the_size(
+    name: str, decodes: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU path learns the frame size as a worker planning for the GPU does: from the
+    SPS of an H.264 or HEVC MP4/MOV whose container says the same, with no frame decoded
+    alone (7 % of a clip's decode, benchmarks/RESULTS.md section 8); the frames, times and
+    counts are those of decoding the first frame to learn it, scaled down or not."""
+    import numpy as np
+
+    from embedjob.decode import video
+
+    data = (LOCAL / name).read_bytes()
+    fmt = "MATROSKA" if name.endswith(".mkv") else "MOV" if name.endswith(".mov") else "MP4"
+    real = video._get_batch
+    alone: list[list[int]] = []
+
+    def counted(job, reader, indices):
+        if len(indices) == 1:
+            alone.append(indices)
+        return real(job, reader, indices)
+
+    read_facts = video.mp4_facts
+    for scaled in (None, 200 * 120):
+        options = DecodeOptions(modality="video", max_image_pixels=1, fps=2.0, max_frames=32, frame_multiple=2, max_frame_pixels=scaled)
+        monkeypatch.setattr(video, "_get_batch", counted)
+        monkeypatch.setattr(video, "mp4_facts", read_facts)
+        alone.clear()
+        read = video.decode_video(data, options, fmt)
+        assert bool(alone) == decodes, (scaled, alone)
+        monkeypatch.setattr(video, "mp4_facts", lambda data: dataclasses.replace(read_facts(data), stream_size=None))
+        sized = video.decode_video(data, options, fmt)
+        assert np.array_equal(read.frames, sized.frames), scaled
+        assert (read.timestamps, read.source_frames) == (sized.timestamps, sized.source_frames)

@@ -298,13 +298,13 @@ def _track_pictures(data: bytes | bytearray, frames: int, any_depth: bool) -> _T
 
 
 def _planned_size(job: _VideoJob, reader: Any, first: int) -> tuple[int, int]:
-    """The (width, height) the frames decode to. decord exposes none before decoding, so
-    one frame, decoded alone, tells it; a video left for the GPU's decoder takes it from
-    its SPS instead where the container declares the same (`Mp4Facts.stream_size`): a
-    worker then planned 720p and 1080p clips in 10.1 ms each instead of 34.8
+    """The (width, height) the frames decode to: their SPS's where the container declares
+    the same (`Mp4Facts.stream_size`), else that of one frame decoded alone (decord exposes
+    none before decoding). A worker then planned 720p and 1080p clips it leaves for the GPU
+    in 10.1 ms each instead of 34.8, and decord reads a clip 7 % sooner without that decode
     (benchmarks/RESULTS.md section 8)."""
     facts = job.facts
-    if job.options.defer_video and facts.stream_size is not None and facts.stream_size == facts.frame_size:
+    if facts.stream_size is not None and facts.stream_size == facts.frame_size:
         return facts.stream_size
     height, width = _to_numpy(_get_batch(job, reader, [first])).shape[1:3]
     return width, height

@@ -50,7 +50,7 @@ from embedjob.captions import CaptionEncoder, PendingCaptions, caption_encoder, 
 from embedjob.config import Job, JobError
 from embedjob.decode import DecodeOptions, MediaError
 from embedjob.decode.device import nvjpeg_problem
-from embedjob.decode.nvdec import decode_stream, nvdec_problem
+from embedjob.decode.nvdec import nvdec_problem
 from embedjob.encoders import EncoderAdapter, load_adapter
 from embedjob.engine.defs import Encoded, Encoder, output_dtype, to_host
 from embedjob.engine.encode import build_encoder
@@ -671,7 +671,7 @@ class RankPipeline:
         if not self._gpu_decodes:
             yield from windows
             return
-        stream = decode_stream(self.device)
+        stream = torch.cuda.Stream(self.device)
         with (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-gpu-decode") as thread,
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-nvjpeg") as nvjpeg,

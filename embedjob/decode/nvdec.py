@@ -69,22 +69,6 @@ its H.264 stream only 20 levels off decord's. On: SigLIP-so400m's vectors of 1,1
 read this way were within cosine 0.99817 of decord's at worst, against 0.98306 through the
 RGB output (an H100, benchmarks/RESULTS.md section 11; tests/test_gpu.py compares pixels)."""
 
-STREAM_PRIORITY = 0
-"""CUDA priority of the streams the rank decodes on (`decode_stream`: each video decode
-thread's own, which its decoder maps frames on, and the one JPEGs are decoded and frames
-turned to RGB and resized on, `RankPipeline._decoded_on_device`); lower runs sooner, 0 is
-the encoder's. PyNvVideoCodec waits for a frame's copy on the thread's stream before it
-hands the frame on, and that stream waits for the frames before it to be read: at the
-encoder's priority those small kernels queue behind its products, and a decode thread
-waits with them. -1 lets their blocks start before the encoder's next ones
-(benchmarks/video_decode.py --variants measures it)."""
-
-
-def decode_stream(device: torch.device) -> torch.cuda.Stream:
-    """A new stream on `device` at `STREAM_PRIORITY`."""
-    return torch.cuda.Stream(device, priority=STREAM_PRIORITY)
-
-
 COEFFICIENTS = {"bt601": (104597, 132201, 25675, 53279), "bt709": (117489, 138438, 13975, 34925)}
 """YUV -> RGB for limited-range chroma, in 1/65536: V to red, U to blue, U and V off green;
 FFmpeg's swscale table (`ff_yuv2rgb_coeffs`), by the matrix it picks for a stream."""
@@ -445,7 +429,7 @@ def _fed_session(nvc: Any, kind: tuple[tuple, Any], device: torch.device) -> tup
     thread's own CUDA stream (none off a GPU), and that stream."""
     key, codec_id = kind
     if device.type == "cuda" and getattr(_sessions, "feed_stream", None) is None:
-        _sessions.feed_stream = decode_stream(device)
+        _sessions.feed_stream = torch.cuda.Stream(device)
     own = _sessions.feed_stream if device.type == "cuda" else None
     kept = _kept(nvc, device)
     held = kept.pop(key, None)
@@ -495,7 +479,7 @@ def _new_session(nvc: Any, path: str, device: torch.device, native: bool) -> Any
     """A decoder session on `device` handing RGB frames, or NV12 ones with `native`; on this
     thread's own CUDA stream with `OWN_STREAMS`."""
     if OWN_STREAMS and getattr(_sessions, "stream", None) is None:
-        _sessions.stream = decode_stream(device)
+        _sessions.stream = torch.cuda.Stream(device)
     stream = {"cuda_stream": _sessions.stream.cuda_stream} if OWN_STREAMS else {}
     output = nvc.OutputColorType.NATIVE if native else nvc.OutputColorType.RGB
     return nvc.SimpleDecoder(path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=output, **stream)

@@ -47,7 +47,7 @@
 # "auto:embedjob.decode.video.PACKETS_IN_WORKERS=False" adds runs on a copy of the tree with those constants; VIDEO_PROFILE="auto" runs
 # those jobs under cProfile, its table in video-NAME.log), nvdec-scaling (benchmarks/
 # nvdec_scaling.py on them: NVDEC alone, sessions as threads and as processes; NVDEC_SCALING_FLAGS="--sessions 1 7"
-# picks counts), fp8-layers NAME...
+# picks counts, "--loads none cpu gpu both" adds runs beside 16 decord processes and/or bf16 products on the GPU), fp8-layers NAME...
 # (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),
 # quantize (benchmarks/quantize_rows.py: the FP8 row quantisation alone at the towers' shapes, by warps, #57),
 # families (benchmarks/family_checks.py: DINOv3's bf16 paths against float32, Qwen3.5's batches and kernels;

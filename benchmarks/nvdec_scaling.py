@@ -20,6 +20,13 @@ of their own (`own-streams`: `nvdec.OWN_STREAMS`), fed only the packets the samp
 clips are planned first, as the decode workers plan them (`video.decode_video` with
 `defer_video`; the cut, too, is made then, untimed).
 
+With `--loads`, each run is repeated beside what a job runs next to the GPU's decoder:
+`cpu`, `--load-workers` processes decoding the clips with decord, as a job's decode
+workers do (their clips a second are in the row); `gpu`, a thread of this process replaying
+a CUDA graph of bf16 products back to back, as the encoder's graphs keep the device busy;
+`both`. In `video.decoder: auto` the GPU's decoder read about half what it reads alone
+(RESULTS.md section 11): these rows say which neighbour takes it.
+
 Per row: clips per second, seconds of video per second, the sessions' parallelism (the
 seconds the clips took, summed over sessions, over the wall time: N when N sessions never
 wait for each other, 1 when they take turns) and, for threads, the share of the time a
@@ -29,20 +36,23 @@ it, near 0 when they hold it while the GPU decodes), and how busy NVML saw the N
 sessions, not timed, opens the sessions (each process opens its own on its first clip).
 
     PYTHONPATH=. python3 benchmarks/nvdec_scaling.py --clips DIR [--sessions 1 4 7 14] [--clips-limit 128]
+        [--loads none cpu gpu both] [--load-workers 16]
 
 `--smoke` (no GPU) runs both modes on the repository's test clips with decord standing in
-for NVDEC (`video.decode_video` on the CPU), saying so: the timing and the probe are
-checked, the numbers are not NVDEC's.
+for NVDEC (`video.decode_video` on the CPU), saying so: the timing, the probe and the CPU
+load are checked, the numbers are not NVDEC's; the GPU load needs a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import multiprocessing
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -90,6 +100,8 @@ class Run:
     gil_free: float | None = None
     decoders: str = "-"
     """How busy the NVDEC engines were (`common.DecoderBusy`)."""
+    load_rate: float | None = None
+    """Clips a second the `cpu` load's decord processes read meanwhile."""
     error: str | None = None
     """Why the run stopped (its row says so; the runs after it go on)."""
 
@@ -175,6 +187,96 @@ class GilProbe:
         self._thread.join()
 
 
+LOADS = ("none", "cpu", "gpu", "both")
+
+
+def _load_main(paths: list[str], stop: multiprocessing.Event, done: multiprocessing.Value) -> None:
+    """One `cpu` load process: decord reads `paths` round and round, as a decode worker
+    reads clips, until `stop`, counting each clip it finishes in `done`."""
+    datas = [Path(p).read_bytes() for p in paths]
+    while not stop.is_set():
+        read_decord(datas[done.value % len(datas)])
+        with done.get_lock():
+            done.value += 1
+
+
+class CpuLoad:
+    """`workers` processes of `_load_main` over `paths` (each its own share) while the
+    block runs; `rate`, once it ends, the clips a second they finished between the end of
+    `LOAD_SETTLE_SECONDS` and the block's end."""
+
+    def __init__(self, paths: list[Path], workers: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop, self._done = context.Event(), context.Value("q", 0)
+        shares = [[str(p) for p in paths[k::workers]] or [str(paths[k % len(paths)])] for k in range(workers)]
+        self._workers = [context.Process(target=_load_main, args=(share, self._stop, self._done), daemon=True) for share in shares]
+        self._counted = (0, 0.0)
+        self.rate: float | None = None
+
+    def __enter__(self) -> CpuLoad:
+        for worker in self._workers:
+            worker.start()
+        time.sleep(LOAD_SETTLE_SECONDS)
+        self._counted = (self._done.value, time.perf_counter())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        done, since = self._counted
+        self.rate = (self._done.value - done) / (time.perf_counter() - since)
+        self._stop.set()
+        for worker in self._workers:
+            worker.join(PROCESS_SECONDS)
+
+
+LOAD_SETTLE_SECONDS = 3.0
+"""Seconds the load processes get to import and start reading before a run is timed."""
+
+
+class GpuLoad:
+    """A thread replaying a CUDA graph of `PRODUCTS` bf16 8192 x 8192 products on a stream
+    of its own, back to back, while the block runs: the device as busy as the encoder's
+    graphs keep it, with as little of this process's CPU and GIL (a replay is one call)."""
+
+    PRODUCTS = 8
+
+    def __init__(self, device: torch.device) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._replay, daemon=True)
+        self._stream = torch.cuda.Stream(device)
+        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) / 8192**0.5  # products stay finite
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._stream):
+            b = a @ a  # warm-up outside the capture: cuBLAS picks its kernel
+            with torch.cuda.graph(self._graph, stream=self._stream):
+                for _ in range(self.PRODUCTS):
+                    b = a @ b
+        self._stream.synchronize()
+
+    def _replay(self) -> None:
+        # A thread starts on the legacy default stream, which would wait for every other stream.
+        with torch.cuda.stream(self._stream):
+            while not self._stop.is_set():
+                self._graph.replay()
+                self._stream.synchronize()
+
+    def __enter__(self) -> GpuLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@contextlib.contextmanager
+def loaded(load: str, paths: list[Path], workers: int, device: torch.device) -> Iterator[CpuLoad | None]:
+    """The `load` (`LOADS`) running while the block runs; the CPU load, whose rate is read after."""
+    with contextlib.ExitStack() as stack:
+        if load in ("gpu", "both"):
+            stack.enter_context(GpuLoad(device))
+        yield stack.enter_context(CpuLoad(paths, workers)) if load in ("cpu", "both") else None
+
+
 def threads_run(clips: list[DeferredVideo], sessions: int, window: int, device: torch.device) -> Run:
     """`clips` on `sessions` threads of this process, a window at a time, with the GIL probe running.
     New threads, so new sessions, made under the variant's settings."""
@@ -239,8 +341,8 @@ def processes_run(paths: list[Path], sessions: int, device: torch.device, varian
 def render(runs: list[Run], device: str) -> str:
     """The table of the runs so far."""
     head = ["mode", "sessions", "clips", "video s", "seconds", "clips/s", "video s / s", "vs 1 session", "parallelism", "GIL free",
-            "NVDEC busy"]
-    # Each mode's (threads or processes, and the variant) own 1-session row is its reference.
+            "NVDEC busy", "CPU load clips/s"]
+    # Each mode's (threads or processes, the variant and the load) own 1-session row is its reference.
     single = {r.mode: r.video_seconds / r.wall for r in runs if r.sessions == 1 and r.wall}
     rows = []
     for r in runs:
@@ -250,7 +352,7 @@ def render(runs: list[Run], device: str) -> str:
         rate = r.video_seconds / r.wall
         scaling = f"{rate / single[r.mode]:.2f}x" if r.mode in single else "-"
         rows.append([r.mode, r.sessions, r.clips, f"{r.video_seconds:.1f}", f"{r.wall:.2f}", f"{r.clips / r.wall:.2f}",
-                     f"{rate:.1f}", scaling, f"{r.busy / r.wall:.2f}", fmt(r.gil_free, ".2f"), r.decoders])
+                     f"{rate:.1f}", scaling, f"{r.busy / r.wall:.2f}", fmt(r.gil_free, ".2f"), r.decoders, fmt(r.load_rate, ".1f")])
     lines = [f"# NVDEC alone, by sessions ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"device: {device}; torch {torch.__version__}; command: {' '.join(sys.argv)}", ""]
     return "\n".join(lines + table(head, rows))
@@ -291,20 +393,23 @@ def main() -> int:
         for setting in NVDEC_SETTINGS:
             setattr(nvdec, setting, VARIANTS[variant][setting])
         clips = plans[VARIANTS[variant].get("PACKETS_IN_WORKERS", False)]
-        for mode in args.modes:
-            for sessions in args.sessions:
-                try:
-                    with DecoderBusy() as busy:
-                        run = threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device, VARIANTS[variant])
-                    run.decoders = busy.describe()
-                except Exception as exc:  # a variant the decoder refuses is a row, and the others still run
-                    run = Run(mode, sessions, error=repr(exc))
-                run.mode = f"{mode}, {variant}"
-                runs.append(run)
-                log(SCRIPT, f"{run.mode} x {sessions}: {run.error or f'{run.clips / run.wall:.2f} clips/s'}")
-                # Printed after every run, so a call cut off by its limit keeps the rows before it.
-                print(render(runs, name), flush=True)
+        for mode, sessions, load in [(m, n, load) for load in args.loads for m in args.modes for n in args.sessions]:
+            try:
+                with loaded(load, paths, args.load_workers, device) as cpu, DecoderBusy() as busy:
+                    run = threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device, VARIANTS[variant])
+                run.decoders = busy.describe()
+                run.load_rate = cpu.rate if cpu is not None else None
+            except Exception as exc:  # a variant the decoder refuses is a row, and the others still run
+                run = Run(mode, sessions, error=repr(exc))
+            run.mode = f"{mode}, {variant}" + (f", {LOAD_NAMES[load].format(workers=args.load_workers)}" if load != "none" else "")
+            runs.append(run)
+            log(SCRIPT, f"{run.mode} x {sessions}: {run.error or f'{run.clips / run.wall:.2f} clips/s'}")
+            # Printed after every run, so a call cut off by its limit keeps the rows before it.
+            print(render(runs, name), flush=True)
     return 0
+
+
+LOAD_NAMES = {"cpu": "beside {workers} decord processes", "gpu": "beside bf16 products", "both": "beside both"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -316,8 +421,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
                         help="the sessions on the library's default stream, on streams of their own, fed only the packets the samples need (a job's)")
     parser.add_argument("--window", type=int, default=256, help="clips the threads take at a time, as the job's windows (batching.window)")
+    parser.add_argument("--loads", nargs="+", choices=LOADS, default=["none"],
+                        help="run each beside nothing, decord processes (cpu), bf16 products on the GPU (gpu) or both")
+    parser.add_argument("--load-workers", type=int, default=16, help="decord processes of the cpu load (a job's runtime.workers)")
     parser.add_argument("--smoke", action="store_true", help="CPU only: the test clips, read by decord instead of NVDEC")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.smoke and {"gpu", "both"} & set(args.loads):
+        parser.error("--loads gpu and both need a GPU; --smoke runs on a CPU")
+    return args
 
 
 if __name__ == "__main__":

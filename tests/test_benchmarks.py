@@ -72,7 +72,9 @@ SMOKES = {
     "captions": (["--smoke", "--models", "clip"], ["| model | run | rows |", "images + captions"]),
     "wds_index": (["--smoke"], ["| scan | ms per tar |", "walk alone: ours", "index, cache hit"]),
     "fp8_layers": (["--smoke", "--mixes", "siglip", "--keep", "0", "4"], ["| layer (worst first) |", "block 1: mlp.fc2", "| 4 | 8 |"]),
-    "nvdec_scaling": (["--smoke", "--sessions", "1", "2"], ["| mode | sessions | clips |", "decord standing in for NVDEC", "| processes, own-streams | 2 |"]),
+    "nvdec_scaling": (["--smoke", "--sessions", "1", "2", "--variants", "own-streams", "cut", "--loads", "none", "cpu", "--load-workers", "2"],
+                      ["| mode | sessions | clips |", "decord standing in for NVDEC", "| processes, own-streams | 2 |",
+                       "| threads, cut, beside 2 decord processes | 2 |"]),
     "quantize_rows": (["--smoke"], ["| input (tower: the layers reading it) | warps |", "SigLIP-so400m: fc2, 4,304 wide after gelu_tanh", "torch path standing in"]),
     "family_checks": (["--smoke"], ["| check | result |", "DINOv3: embedjob float32, graphs of the uncompiled blocks", "Qwen3.5: all batches", "an image job's graph offsets"]),
 }

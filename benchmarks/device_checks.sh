@@ -44,7 +44,8 @@
 # while the GPU stages run; `clips` waits for it), then at once video NAME... (benchmarks/video_decode.py on them:
 # decord, nvdec and auto, tower qwen, siglip or clip; VIDEO_DECODERS picks settings, NVDEC_SESSIONS="4 7 14" the
 # GPU decoder's session counts, an nvdec run each and auto at the fastest's, 7 by default; VIDEO_VARIANTS=
-# "auto:embedjob.decode.video.PACKETS_IN_WORKERS=False" adds runs on a copy of the tree with those constants; VIDEO_PROFILE="auto" runs
+# "auto:embedjob.decode.video.PACKETS_IN_WORKERS=False" adds runs on a copy of the tree with those constants
+# (or with job settings: "auto:runtime.workers=12"); VIDEO_PROFILE="auto" runs
 # those jobs under cProfile, its table in video-NAME.log), nvdec-scaling (benchmarks/
 # nvdec_scaling.py on them: NVDEC alone, sessions as threads and as processes; NVDEC_SCALING_FLAGS="--sessions 1 7"
 # picks counts, "--loads none cpu gpu both" adds runs beside 16 decord processes and/or bf16 products on the GPU), fp8-layers NAME...

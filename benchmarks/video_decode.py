@@ -19,7 +19,8 @@ second, at most 32 frames), then runs `embedjob run --gpus 1` on them once per
 `--decoders` setting (decord first): `decord` and `auto` with `--workers` decode
 processes, `nvdec` with `--nvdec-workers`, once per `--nvdec-sessions` count of decoder
 sessions, `auto` at the count whose nvdec run was fastest; then each `--variants` run, on a copy of
-the package with module constants rewritten, e.g. `auto:embedjob.decode.nvdec.FEED_SAMPLED=False`),
+the package with module constants rewritten, e.g. `auto:embedjob.decode.nvdec.FEED_SAMPLED=False`,
+and/or with job settings, e.g. `auto:runtime.workers=12`),
 and prints one table, saved
 again after every run (a run cut off keeps the rows before it): seconds of video
 embedded per second of pipeline (the clips' durations over `pipeline_seconds`), clips
@@ -106,9 +107,9 @@ def main() -> int:
             runs[label] = None
             continue
         output = workdir / f"out-{len(plans)}"
-        overrides = [f"runtime.workers={_workers(args, plan.decoder)}", f"video.decoder={plan.decoder}",
-                     f"video.nvdec_sessions={plan.sessions}"]
-        tree = patched_tree(plan.patches, workdir / f"tree-{len(plans)}") if plan.patches else REPO
+        overrides = [f"runtime.workers={_workers(args, plan)}", f"video.decoder={plan.decoder}",
+                     f"video.nvdec_sessions={plan.sessions}", *(f"{name}={value}" for name, value in plan.settings)]
+        tree = patched_tree(plan.constants, workdir / f"tree-{len(plans)}") if plan.constants else REPO
         profile = workdir / "logs" / f"run-{len(plans)}.prof" if plan.decoder in args.profile else None
         with DecoderBusy() as busy:
             runs[label] = run_cli(job, output, 1, overrides, workdir / "logs" / f"run-{len(plans)}.log", tree, profile)
@@ -138,8 +139,18 @@ class Planned:
     decoder: str
     sessions: int
     patches: tuple[tuple[str, str], ...] = ()
-    """(module.NAME, value) pairs."""
+    """(module.NAME, value) pairs of `embedjob` constants, and (section.key, value) job settings."""
     decoders: str = "-"
+
+    @property
+    def constants(self) -> tuple[tuple[str, str], ...]:
+        """The patches that rewrite `embedjob` module constants (`patched_tree`)."""
+        return tuple(p for p in self.patches if p[0].startswith("embedjob."))
+
+    @property
+    def settings(self) -> tuple[tuple[str, str], ...]:
+        """The patches that are job settings (`--set`), given after the run's own."""
+        return tuple(p for p in self.patches if not p[0].startswith("embedjob."))
 
     @property
     def label(self) -> str:
@@ -165,11 +176,13 @@ def planned_runs(args: argparse.Namespace, runs: dict[str, dict[str, Any] | None
 
 
 def parse_variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
-    """`--variants` item "DECODER:module.NAME=VALUE[,module.NAME=VALUE]" as (decoder, patches)."""
+    """`--variants` item "DECODER:NAME=VALUE[,NAME=VALUE]" as (decoder, patches): each NAME
+    an `embedjob.module.CONSTANT` or a job setting (`runtime.workers`)."""
     decoder, _, rest = text.partition(":")
     patches = tuple(tuple(item.split("=", 1)) for item in rest.split(",") if item)
     if decoder not in DECODERS or not patches or any(len(p) != 2 or "." not in p[0] for p in patches):
-        raise argparse.ArgumentTypeError(f"{text!r}: want DECODER:module.NAME=VALUE[,...] with DECODER one of {', '.join(DECODERS)}")
+        raise argparse.ArgumentTypeError(f"{text!r}: want DECODER:NAME=VALUE[,...] with DECODER one of {', '.join(DECODERS)} "
+                                         "and each NAME embedjob.module.CONSTANT or a job setting such as runtime.workers")
     return decoder, patches  # type: ignore[return-value]
 
 
@@ -403,7 +416,7 @@ def render(
     for label, stats in runs.items():
         plan = plans[label]
         decoder, sessions = plan.decoder, plan.sessions
-        workers = _workers(args, decoder)
+        workers = _workers(args, plan)
         if stats is None:
             said = "skipped (needs a GPU)" if args.smoke and decoder == "nvdec" else "FAILED"
             lines.append(table_row([label, workers, said] + ["-"] * (len(head) - 3)))
@@ -442,9 +455,13 @@ def worst_clips(decord: pa.Table, other: pa.Table, count: int = 4) -> str:
     return ", ".join(f"{names[k]} {cos[k]:.5f}" for k in order) or "none"
 
 
-def _workers(args: argparse.Namespace, decoder: str) -> int:
-    """The decode processes of a `decoder` run: `--nvdec-workers` for nvdec, `--workers` else."""
-    return args.nvdec_workers if decoder == "nvdec" else args.workers
+def _workers(args: argparse.Namespace, plan: Planned) -> int:
+    """The decode processes of a run: its variant's `runtime.workers`, else `--nvdec-workers`
+    for nvdec and `--workers` for the others."""
+    given = dict(plan.settings).get("runtime.workers")
+    if given is not None:
+        return int(given)
+    return args.nvdec_workers if plan.decoder == "nvdec" else args.workers
 
 
 def _past_head_start(stats: dict[str, Any], encoder: EncoderOnly) -> str:
@@ -482,9 +499,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decoders", nargs="+", choices=DECODERS, default=list(DECODERS),
                         help="video.decoder settings to run, decord first (auto: decord and NVDEC in the shares the rank measures); "
                              "the cosines are to decord's run, so they need it")
-    parser.add_argument("--variants", nargs="+", type=parse_variant, default=[], metavar="DECODER:module.NAME=VALUE",
+    parser.add_argument("--variants", nargs="+", type=parse_variant, default=[], metavar="DECODER:NAME=VALUE",
                         help="more runs, after --decoders', each on a copy of the tree with module constants rewritten "
-                             "(e.g. auto:embedjob.decode.video.PACKETS_IN_WORKERS=False)")
+                             "(e.g. auto:embedjob.decode.video.PACKETS_IN_WORKERS=False) and/or with job settings "
+                             "(e.g. auto:runtime.workers=12)")
     parser.add_argument("--profile", nargs="+", choices=DECODERS, default=[], metavar="DECODER",
                         help="run these decoders' jobs (their --variants too) under cProfile and log what the job's process "
                              "spent its time on (the profile itself beside the run's log)")

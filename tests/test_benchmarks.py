@@ -114,6 +114,20 @@ def test_video_decode_profiles_the_jobs_it_is_asked_to_and_only_those(tmp_path: 
 
 
 @pytest.mark.slow
+def test_video_decode_variants_take_job_settings_beside_constants(tmp_path: Path) -> None:
+    """`--variants auto:runtime.workers=1,embedjob...=...`: the variant's job runs with one
+    decode worker (its row says so) on a copy of the tree with the constant rewritten, and
+    only the constant goes to the copy."""
+    done = script("video_decode", "--smoke", "--decoders", "decord", "--variants",
+                  "decord:runtime.workers=1,embedjob.decode.video.READ_NEEDED=False", "--workdir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| decord, runtime.workers=1, embedjob.decode.video.READ_NEEDED=False | 1 |" in done.stdout, done.stdout[-3000:]
+    assert "| decord | 2 |" in done.stdout
+    assert "READ_NEEDED = False" in (tmp_path / "tree-2" / "embedjob" / "decode" / "video.py").read_text()
+    assert "--set runtime.workers=1" in (tmp_path / "logs" / "run-2.log").read_text().splitlines()[0]
+
+
+@pytest.mark.slow
 def test_thumbnails_replay_their_graphs(tmp_path: Path) -> None:
     done = script("packing", "--smoke", "--thumbnails", "16", "--workdir", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,3 +317,58 @@ def readable(data: bytes) -> bool:
     except Exception:
         return False
     return True
+
+
+LOAD_SHAPE = (16384, 1280, 5120)
+"""The Qwen2.5-VL-7B tower's MLP product (tokens x width x MLP width), bf16."""
+GEMMS_PER_GRAPH = 50
+
+
+class GemmLoad:
+    """A stream replaying a graph of GEMMs back to back until stopped, as the encoder's
+    graphs keep the SMs busy."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        m, k, n = LOAD_SHAPE
+        self.stream = torch.cuda.Stream(device)
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+        with torch.cuda.stream(self.stream):
+            for _ in range(3):
+                a @ b
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=self.stream):
+                for _ in range(GEMMS_PER_GRAPH):
+                    a @ b
+        torch.cuda.synchronize(device)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def tflops(self, replays: int = 5) -> float:
+        """The graph's GEMM rate alone."""
+        import torch
+
+        m, k, n = LOAD_SHAPE
+        with torch.cuda.stream(self.stream):
+            seconds = median_seconds(self.graph.replay, replays, self.stream.device)
+        return 2 * m * k * n * GEMMS_PER_GRAPH / seconds / 1e12
+
+    def _run(self) -> None:
+        import torch
+
+        # A thread starts on the legacy default stream, which would wait for every other stream.
+        with torch.cuda.stream(self.stream):
+            while not self.stop.is_set():
+                self.graph.replay()
+                self.stream.synchronize()
+
+    def __enter__(self) -> GemmLoad:
+        self.thread.start()
+        time.sleep(0.3)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()

@@ -55,7 +55,6 @@ import os
 import pstats
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,8 +75,8 @@ from benchmarks.common import (  # noqa: E402
     collect_photos,
     cosine,
     fmt,
+    GemmLoad,
     matmul_peak,
-    median_seconds,
     rank0,
     read_output,
     run_cli,
@@ -333,53 +332,7 @@ def _run_cells(result: MixRuns, decoder: str, enc: float | None, workers: int) -
 
 # --- --contention: one window's nvjpeg call beside the encoder's GEMMs ------------------------
 
-LOAD_SHAPE = (16384, 1280, 5120)
-"""The Qwen2.5-VL-7B tower's MLP product (tokens x width x MLP width), bf16."""
-GEMMS_PER_GRAPH = 50
 CONTENTION_HEAD = ["mix", "CUDA_DEVICE_MAX_CONNECTIONS", "GEMM graph alone TFLOP/s", "idle ms", "beside GEMMs ms", "slower"]
-
-
-class GemmLoad:
-    """A stream replaying a graph of GEMMs back to back until stopped, as the encoder's
-    graphs keep the SMs busy."""
-
-    def __init__(self, device: torch.device) -> None:
-        m, k, n = LOAD_SHAPE
-        self.stream = torch.cuda.Stream(device)
-        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
-        with torch.cuda.stream(self.stream):
-            for _ in range(3):
-                a @ b
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, stream=self.stream):
-                for _ in range(GEMMS_PER_GRAPH):
-                    a @ b
-        torch.cuda.synchronize(device)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def tflops(self, replays: int = 5) -> float:
-        """The graph's GEMM rate alone."""
-        m, k, n = LOAD_SHAPE
-        with torch.cuda.stream(self.stream):
-            seconds = median_seconds(self.graph.replay, replays, self.stream.device)
-        return 2 * m * k * n * GEMMS_PER_GRAPH / seconds / 1e12
-
-    def _run(self) -> None:
-        with torch.cuda.stream(self.stream):
-            while not self.stop.is_set():
-                self.graph.replay()
-                self.stream.synchronize()
-
-    def __enter__(self) -> GemmLoad:
-        self.thread.start()
-        time.sleep(0.3)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def window_decode(blobs: list[bytes], device: torch.device) -> Callable[[], list[torch.Tensor]]:

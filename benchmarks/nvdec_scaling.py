@@ -23,8 +23,8 @@ clips are planned first, as the decode workers plan them (`video.decode_video` w
 With `--loads`, each run is repeated beside what a job runs next to the GPU's decoder:
 `cpu`, `--load-workers` processes decoding the clips with decord, as a job's decode
 workers do (their clips a second are in the row); `gpu`, a thread of this process replaying
-a CUDA graph of bf16 products back to back, as the encoder's graphs keep the device busy;
-`both`. In `video.decoder: auto` the GPU's decoder read about half what it reads alone
+a CUDA graph of bf16 products back to back on a stream of its own (`common.GemmLoad`), as
+the encoder's graphs keep the device busy; `both`. In `video.decoder: auto` the GPU's decoder read about half what it reads alone
 (RESULTS.md section 11): these rows say which neighbour takes it.
 
 Per row: clips per second, seconds of video per second, the sessions' parallelism (the
@@ -61,7 +61,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import DecoderBusy, fmt, log, skipped, table  # noqa: E402
+from benchmarks.common import DecoderBusy, GemmLoad, fmt, log, skipped, table  # noqa: E402
 from embedjob.decode.types import DecodeOptions, DeferredVideo  # noqa: E402
 
 SCRIPT = "nvdec_scaling"
@@ -232,48 +232,12 @@ LOAD_SETTLE_SECONDS = 3.0
 """Seconds the load processes get to import and start reading before a run is timed."""
 
 
-class GpuLoad:
-    """A thread replaying a CUDA graph of `PRODUCTS` bf16 8192 x 8192 products on a stream
-    of its own, back to back, while the block runs: the device as busy as the encoder's
-    graphs keep it, with as little of this process's CPU and GIL (a replay is one call)."""
-
-    PRODUCTS = 8
-
-    def __init__(self, device: torch.device) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._replay, daemon=True)
-        self._stream = torch.cuda.Stream(device)
-        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) / 8192**0.5  # products stay finite
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(self._stream):
-            b = a @ a  # warm-up outside the capture: cuBLAS picks its kernel
-            with torch.cuda.graph(self._graph, stream=self._stream):
-                for _ in range(self.PRODUCTS):
-                    b = a @ b
-        self._stream.synchronize()
-
-    def _replay(self) -> None:
-        # A thread starts on the legacy default stream, which would wait for every other stream.
-        with torch.cuda.stream(self._stream):
-            while not self._stop.is_set():
-                self._graph.replay()
-                self._stream.synchronize()
-
-    def __enter__(self) -> GpuLoad:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 @contextlib.contextmanager
 def loaded(load: str, paths: list[Path], workers: int, device: torch.device) -> Iterator[CpuLoad | None]:
     """The `load` (`LOADS`) running while the block runs; the CPU load, whose rate is read after."""
     with contextlib.ExitStack() as stack:
         if load in ("gpu", "both"):
-            stack.enter_context(GpuLoad(device))
+            stack.enter_context(GemmLoad(device))
         yield stack.enter_context(CpuLoad(paths, workers)) if load in ("cpu", "both") else None
 
 

@@ -188,6 +188,8 @@ class GilProbe:
 
 
 LOADS = ("none", "cpu", "gpu", "both")
+LOAD_NAMES = {"cpu": "beside {workers} decord processes", "gpu": "beside bf16 products", "both": "beside both"}
+"""How a run's row names its load."""
 
 
 def _load_main(paths: list[str], stop: multiprocessing.Event, done: multiprocessing.Value) -> None:
@@ -371,9 +373,6 @@ def main() -> int:
             # Printed after every run, so a call cut off by its limit keeps the rows before it.
             print(render(runs, name), flush=True)
     return 0
-
-
-LOAD_NAMES = {"cpu": "beside {workers} decord processes", "gpu": "beside bf16 products", "both": "beside both"}
 
 
 def parse_args() -> argparse.Namespace:

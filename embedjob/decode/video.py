@@ -223,13 +223,15 @@ def _decode_video_job(job: _VideoJob) -> DecodedVideo:
         logger.debug("decoding %dx%d frames at %dx%d (max_frame_pixels=%s)", width, height, *size, options.max_frame_pixels)
     scaled = size if size != (width, height) else None
     needed = _needed_only(job, indices, num_frames) if READ_NEEDED else None
-    if needed is not None or scaled is not None:
+    if needed is None and scaled is None:
+        frames = _read_frames(job, reader, indices)
+    else:
         # One decord reader at a time: with the planning reader still open, a core read the
         # copies of 16 clips in 8.4 s, without it in 4.7 (benchmarks/RESULTS.md section 8).
-        reader = None
-    frames = _read_copy(needed, scaled) if needed is not None else None
-    if frames is None:
-        frames = _read_frames(job, reader if reader is not None else _open_reader(job, scaled), indices)
+        del reader
+        frames = _read_copy(needed, scaled) if needed is not None else None
+        if frames is None:
+            frames = _read_frames(job, _open_reader(job, scaled), indices)
     frames = _apply_matrix(frames, job.facts.matrix)
     return DecodedVideo(np.ascontiguousarray(frames), timestamps, source_fps, num_frames)
 

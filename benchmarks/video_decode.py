@@ -107,8 +107,7 @@ def main() -> int:
             runs[label] = None
             continue
         output = workdir / f"out-{len(plans)}"
-        overrides = [f"runtime.workers={_workers(args, plan)}", f"video.decoder={plan.decoder}",
-                     f"video.nvdec_sessions={plan.sessions}", *(f"{name}={value}" for name, value in plan.settings)]
+        overrides = [f"{key}={value}" for key, value in _settings(args, plan).items()]
         tree = patched_tree(plan.constants, workdir / f"tree-{len(plans)}") if plan.constants else REPO
         profile = workdir / "logs" / f"run-{len(plans)}.prof" if plan.decoder in args.profile else None
         with DecoderBusy() as busy:
@@ -149,7 +148,7 @@ class Planned:
 
     @property
     def settings(self) -> tuple[tuple[str, str], ...]:
-        """The patches that are job settings (`--set`), given after the run's own."""
+        """The patches that are job settings (`--set`), over the run's own (`_settings`)."""
         return tuple(p for p in self.patches if not p[0].startswith("embedjob."))
 
     @property
@@ -455,13 +454,17 @@ def worst_clips(decord: pa.Table, other: pa.Table, count: int = 4) -> str:
     return ", ".join(f"{names[k]} {cos[k]:.5f}" for k in order) or "none"
 
 
+def _settings(args: argparse.Namespace, plan: Planned) -> dict[str, str]:
+    """The job settings of a run, each once: its decode processes (`--nvdec-workers` for
+    nvdec, `--workers` for the others), decoder and sessions, then its variant's, which win."""
+    workers = args.nvdec_workers if plan.decoder == "nvdec" else args.workers
+    own = {"runtime.workers": str(workers), "video.decoder": plan.decoder, "video.nvdec_sessions": str(plan.sessions)}
+    return {**own, **dict(plan.settings)}
+
+
 def _workers(args: argparse.Namespace, plan: Planned) -> int:
-    """The decode processes of a run: its variant's `runtime.workers`, else `--nvdec-workers`
-    for nvdec and `--workers` for the others."""
-    given = dict(plan.settings).get("runtime.workers")
-    if given is not None:
-        return int(given)
-    return args.nvdec_workers if plan.decoder == "nvdec" else args.workers
+    """The decode processes of a run (`_settings`)."""
+    return int(_settings(args, plan)["runtime.workers"])
 
 
 def _past_head_start(stats: dict[str, Any], encoder: EncoderOnly) -> str:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import itertools
 import multiprocessing
 import sys
 import threading
@@ -196,8 +197,10 @@ def _load_main(paths: list[str], stop: multiprocessing.Event, done: multiprocess
     """One `cpu` load process: decord reads `paths` round and round, as a decode worker
     reads clips, until `stop`, counting each clip it finishes in `done`."""
     datas = [Path(p).read_bytes() for p in paths]
-    while not stop.is_set():
-        read_decord(datas[done.value % len(datas)])
+    for k in itertools.count():
+        if stop.is_set():
+            return
+        read_decord(datas[k % len(datas)])
         with done.get_lock():
             done.value += 1
 

@@ -415,7 +415,7 @@ def render(
     for label, stats in runs.items():
         plan = plans[label]
         decoder, sessions = plan.decoder, plan.sessions
-        workers = _workers(args, plan)
+        workers = _settings(args, plan)["runtime.workers"]
         if stats is None:
             said = "skipped (needs a GPU)" if args.smoke and decoder == "nvdec" else "FAILED"
             lines.append(table_row([label, workers, said] + ["-"] * (len(head) - 3)))
@@ -460,11 +460,6 @@ def _settings(args: argparse.Namespace, plan: Planned) -> dict[str, str]:
     workers = args.nvdec_workers if plan.decoder == "nvdec" else args.workers
     own = {"runtime.workers": str(workers), "video.decoder": plan.decoder, "video.nvdec_sessions": str(plan.sessions)}
     return {**own, **dict(plan.settings)}
-
-
-def _workers(args: argparse.Namespace, plan: Planned) -> int:
-    """The decode processes of a run (`_settings`)."""
-    return int(_settings(args, plan)["runtime.workers"])
 
 
 def _past_head_start(stats: dict[str, Any], encoder: EncoderOnly) -> str:

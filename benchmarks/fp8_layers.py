@@ -16,7 +16,12 @@ such layer but the k with the largest error runs in that FP8 (simulated: the sam
 quantisation, the product in float32, so any device runs it) and the table gives each
 item's cosine to its vector without FP8 (the reference: bf16 on a GPU, float32 on a
 CPU), min and median: how many layers kept in bf16 the 0.995
-target of issue #57 takes, and which ones (block index and name, worst first).
+target of issue #57 takes, and which ones (block index and name, worst first). With
+`--kinds`, one more pass per kind of layer (its path in a block, such as `mlp.fc2`)
+keeps that kind in bf16 in every block, the rest in FP8: the cosine each kind costs,
+beside its share of the blocks' products (multiply-adds per token), which is about the
+share of FP8's speed-up it gives back. `--kept PATH...` keeps those kinds in bf16 in
+every FP8 pass, as `model.fp8_keep` does (so `--kinds` then gives the pairs).
 `--smoke` runs tiny towers of the same architectures on 8 images on the CPU. The table is
 written to `<workdir>/fp8_layers.md` and printed.
 """
@@ -104,6 +109,21 @@ class Layers:
         return self.weights[name]
 
 
+def kind(name: str) -> str:
+    """A layer's path within its block: "block 3: mlp.fc1" -> "mlp.fc1"."""
+    return name.split(": ", 1)[1]
+
+
+def kind_shares(layers: Layers) -> dict[str, float]:
+    """Each kind's share of the blocks' multiply-adds per token (in x out summed over the
+    blocks); every layer of a block reads the same tokens, so this is its share of the products."""
+    sizes: dict[str, int] = {}
+    for name, module in layers.modules.items():
+        sizes[kind(name)] = sizes.get(kind(name), 0) + module.in_features * module.out_features
+    total = sum(sizes.values())
+    return {k: size / total for k, size in sizes.items()}
+
+
 def linear_layers(adapter: Any) -> Layers:
     """Every `torch.nn.Linear` of the adapter's blocks (`compile_units`), named by block and path."""
     modules = {}
@@ -182,14 +202,24 @@ def bench_mix(name: str, args: argparse.Namespace, photos: list[Any], device: to
         reference = pooled(job, adapter, items)
     worst = sorted(layers.errors.values(), key=lambda e: e.relative, reverse=True)
     sweeps = []
+    always = {n for n in layers.modules if kind(n) in args.kept}
     for keep in args.keep:
-        kept = {e.name for e in worst[:keep]}
+        kept = {e.name for e in worst[:keep]} | always
         log(f"[{name}] every linear layer in FP8 but the {keep} worst")
         with simulated_fp8(layers, [n for n in layers.modules if n not in kept]):
             cos = cosine(pooled(job, adapter, items), reference)
         sweeps.append((keep, len(layers.modules) - len(kept), float(cos.min()), float(np.median(cos))))
+    kinds = []
+    if args.kinds:
+        for each, share in sorted(kind_shares(layers).items(), key=lambda pair: -pair[1]):
+            if each in args.kept:
+                continue
+            log(f"[{name}] every linear layer in FP8 but {each}")
+            with simulated_fp8(layers, [n for n in layers.modules if kind(n) != each and n not in always]):
+                cos = cosine(pooled(job, adapter, items), reference)
+            kinds.append((each, share, float(cos.min()), float(np.median(cos))))
     return {"mix": name, "tower": mix.tower.describe(args.smoke), "items": len(items), "worst": worst, "sweeps": sweeps,
-            "layers": len(layers.modules), "dtype": str(adapter.dtype).removeprefix("torch.")}
+            "kinds": kinds, "layers": len(layers.modules), "dtype": str(adapter.dtype).removeprefix("torch.")}
 
 
 def render(results: list[dict[str, Any]], args: argparse.Namespace, device: torch.device, wall: float) -> str:
@@ -212,10 +242,18 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, device: torc
             "| --- | ---: |",
             *(f"| {e.name} | {e.relative:.2e} |" for e in result["worst"][:WORST_SHOWN]),
             "",
+            *([f"Kept in bf16 in every pass (--kept): {', '.join(args.kept)}.", ""] if args.kept else []),
             "| kept in bf16 (the worst) | layers in FP8 | cos to the reference min | median |",
             "| ---: | ---: | ---: | ---: |",
             *(f"| {keep} | {fp8} | {low:.5f} | {median:.5f} |" for keep, fp8, low, median in result["sweeps"]),
         ]
+        if result["kinds"]:
+            lines += [
+                "",
+                "| kept in bf16 in every block | its share of the products | cos to the reference min | median |",
+                "| --- | ---: | ---: | ---: |",
+                *(f"| {each} | {share:.1%} | {low:.5f} | {median:.5f} |" for each, share, low, median in result["kinds"]),
+            ]
     return "\n".join(lines)
 
 
@@ -239,6 +277,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mixes", nargs="+", choices=sorted(MIXES), default=["siglip", "qwen-mixed"])
     parser.add_argument("--images", type=int, default=64, help="items per mix")
     parser.add_argument("--keep", nargs="+", type=int, default=[0, 2, 4, 8], help="how many of the worst layers stay in bf16, one pass each")
+    parser.add_argument("--kept", nargs="+", default=[], help="kinds of layer (mlp.fc2) kept in bf16 in every block in every pass")
+    parser.add_argument("--kinds", action="store_true", help="one more pass per kind of layer, that kind kept in bf16 in every block")
     parser.add_argument("--rows", type=int, default=1024, help="the most input rows of one batch each layer's error is measured on")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default="/tmp/fp8_layers")

@@ -27,7 +27,8 @@ empty), `fp8-activation-apart` (the MLP's activation a kernel of its own, not ap
 the layer that reads it: `fp8.ACTIVATION_INTO` empty), `fp8-norm-apart` (the blocks'
 norms kernels of their own: `fp8.NORM_INTO` empty) and `fp8-gated-apart` (a gated MLP's
 `act(gate) * up` a tensor of its own, written in bf16 and read by the down projection:
-`fp8.GATED_MLPS` empty; gate and up still joined); `bf16-strided` and `fp8-strided`
+`fp8.GATED_MLPS` empty; gate and up still joined), `fp8-keep-out` (the attention output
+projection kept in bf16 in every block: `model.fp8_keep`, `ATTENTION_OUTPUT`); `bf16-strided` and `fp8-strided`
 keep the fixed-resolution towers' hidden state in the layout their embeddings give it
 (`fixed.ROW_MAJOR` off: SigLIP's is transposed); `bf16-gelu-apart` leaves SigLIP's tanh
 GELU a kernel of its own instead of the product's epilogue (`epilogues.EPILOGUES` off);
@@ -90,10 +91,14 @@ VARIANTS = {
     "fp8-strided": ("fp8", {(fixed, "ROW_MAJOR"): False}),
     "fp8-gated-apart": ("fp8", {(fp8, "GATED_MLPS"): ()}),
     "fp8-looped-rows": ("fp8", {(base, "WIDE_ROWS"): 0}),
+    "fp8-keep-out": ("fp8", {}, lambda family: [f"model.fp8_keep=[{ATTENTION_OUTPUT[family]}]"]),
 }
 """Variant -> (model.precision, the (module, setting) pairs of `encoders.fp8`,
 `encoders.fixed`, `encoders.base` and `encoders.epilogues` it changes while its adapter is
-made, with their values[, further job overrides])."""
+made, with their values[, further job overrides, or a function of the tower's family
+that gives them])."""
+ATTENTION_OUTPUT = {"qwen2_5_vl": "attn.proj", "siglip": "self_attn.out_proj", "clip": "self_attn.out_proj"}
+"""The mixes' towers' attention output projection, by family: what `fp8-keep-out` keeps in bf16."""
 
 
 def log(message: str) -> None:
@@ -118,11 +123,12 @@ def free(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def layers_of(name: str):
-    """The overrides of variant `name`, with its module settings in force while inside."""
+def layers_of(name: str, family: str):
+    """The overrides of variant `name` for a tower of `family`, with its module settings in force while inside."""
     precision, settings, *extra = VARIANTS[name]
+    overrides = (extra[0](family) if callable(extra[0]) else extra[0]) if extra else []
     with module_settings(settings):
-        yield [f"model.precision={precision}", *(extra[0] if extra else [])]
+        yield [f"model.precision={precision}", *overrides]
 
 
 def variant(job_path: Path, overrides: list[str], device: torch.device, prepared, repeats: int) -> tuple[EncoderOnly, np.ndarray]:
@@ -133,10 +139,10 @@ def variant(job_path: Path, overrides: list[str], device: torch.device, prepared
     return result, torch.cat(outputs).numpy()
 
 
-def kernel_table(job_path: Path, name: str, device: torch.device, items: list, rows: int = 15) -> str:
+def kernel_table(job_path: Path, name: str, family: str, device: torch.device, items: list, rows: int = 15) -> str:
     """The CUDA kernels of one compiled eager forward of the largest packed batch of
     `items` in variant `name`, by total device time (`bench.largest_batch_kernels`)."""
-    with layers_of(name) as overrides:
+    with layers_of(name, family) as overrides:
         job = load_job(job_path, overrides)
         adapter = load_adapter(job, device)
         adapter.compile(dynamic=True)
@@ -166,7 +172,7 @@ def bench_mix(name: str, args: argparse.Namespace, photos, device: torch.device,
     results, vectors = {}, {}
     for precision in args.precisions:
         log(f"[{name}] {precision}")
-        with layers_of(precision) as overrides:
+        with layers_of(precision, mix.tower.family) as overrides:
             results[precision], vectors[precision] = variant(job_path, overrides, device, prepared, args.repeats)
     reference_items = (prepared[0][: args.reference], 0)
     log(f"[{name}] float32 reference on {len(reference_items[0])} items")
@@ -177,7 +183,7 @@ def bench_mix(name: str, args: argparse.Namespace, photos, device: torch.device,
     n = len(reference)
     if args.kernels and device.type == "cuda":
         for precision in args.precisions:
-            log(f"[{name}] kernels, {precision}:\n" + kernel_table(job_path, precision, device, prepared[0]))
+            log(f"[{name}] kernels, {precision}:\n" + kernel_table(job_path, precision, mix.tower.family, device, prepared[0]))
     return {
         "mix": name,
         "items": len(prepared[0]),

@@ -150,6 +150,12 @@ class ModelConfig:
         "the transformer blocks' linear layers: bf16 (in model.dtype) or fp8 (row-wise FP8; GPUs of compute "
         "capability 9.0 or newer, model.dtype bfloat16; see README for when it pays)",
     )
+    fp8_keep: list[str] = key(
+        [],
+        "model.precision fp8: the blocks' linear layers that stay in model.dtype, by their path in a block as an fp8 job's "
+        "log names them (attn.proj in Qwen-VL, self_attn.out_proj in SigLIP/CLIP): each brings the vectors closer to bf16's "
+        "and gives back its share of FP8's speed-up (docs/performance.md)",
+    )
     attention: Literal["auto", "varlen", "fa4"] = key(
         "auto",
         "Qwen-VL, SigLIP 2: the packed attention kernel: fa4 (FlashAttention-4 on segments over 128 tokens, the varlen kernels "
@@ -642,6 +648,8 @@ def _check_model(job: Job, errors: list[str]) -> None:
             "than FlashAttention-4 (cuDNN's kernels on an H200, benchmarks/RESULTS.md); remove model.attention"
         )
     _check_pool(job, errors)
+    if job.model.fp8_keep and job.model.precision != "fp8":
+        errors.append("model.fp8_keep names layers kept out of FP8, but model.precision is not fp8; remove model.fp8_keep")
     if pp.decoder == "gpu" and pp.tiling == "anyres":
         errors.append("preprocess.decoder = 'gpu' cannot cut anyres tiles (they are cut on the CPU); use decoder: cpu or tiling: none")
     if pp.decoder == "gpu" and job.runtime.device == "cpu":

@@ -182,6 +182,66 @@ def test_a_joined_layer_called_out_of_order_or_on_other_inputs_gives_its_own_out
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_kept_layers_stay_in_full_precision_and_bring_the_vectors_closer(tmp_path: Path, cache_dir: str) -> None:
+    """The demo job with model.fp8_keep: the kept layers run as they are in every block,
+    the stats leave them out of the FP8 layers, the rows are the same and each vector is
+    closer to the full-precision job's than every-layer FP8 puts it, on the whole."""
+    common = ("--set", "runtime.workers=0")
+    assert run(tmp_path / "full", cache_dir, *common) == 0
+    assert run(tmp_path / "fp8", cache_dir, *common, "--set", "model.precision=fp8") == 0
+    kept = ("--set", "model.fp8_keep=[attn.proj, mlp.down_proj]")
+    assert run(tmp_path / "kept", cache_dir, *common, "--set", "model.precision=fp8", *kept) == 0
+    (full_rows, full), (_, fp8), (kept_rows, kept_vectors) = (embeddings(tmp_path / n) for n in ("full", "fp8", "kept"))
+    assert [(r["row"], r["error"]) for r in kept_rows] == [(r["row"], r["error"]) for r in full_rows]
+    stats = json.loads((tmp_path / "kept" / "_embedjob" / "stats-00000.json").read_text())
+    assert stats["fp8_layers"] == {name: 4 for name in ("attn.qkv", "mlp.gate_proj", "mlp.up_proj")}
+    assert (1 - cosines(kept_vectors, full)).mean() < (1 - cosines(fp8, full)).mean()
+
+
+def test_keeping_one_sibling_joins_the_others_and_leaves_its_norm_and_mlp_apart(cache_dir: str) -> None:
+    """SigLIP with v_proj kept: q and k share one product without it, and the norm that v
+    reads runs on its own; Qwen with its down projection kept: gate and up stay joined
+    but no gated FP8 MLP forms. Each converted block computes what the block with its
+    remaining layers in FP8 on their own computes."""
+    siglip = {"family": "siglip", "path": "builtin:tiny-siglip"}
+    full = load_adapter(make_job(cache_dir, model=siglip), torch.device("cpu"))
+    kept = load_adapter(make_job(cache_dir, model={**siglip, "precision": "fp8", "fp8_keep": ["self_attn.v_proj"]}),
+                        torch.device("cpu"))
+    assert "self_attn.v_proj" not in kept.fp8_layers and kept.fp8_layers["self_attn.q_proj"] == len(kept.compile_units())
+    for block in kept.compile_units():
+        attention = block.self_attn
+        assert type(attention.v_proj) is torch.nn.Linear and isinstance(block.layer_norm1, torch.nn.LayerNorm)
+        assert isinstance(attention.q_proj, Fp8Joint) and attention.q_proj.siblings == 2 and attention.q_proj.product.norm is None
+    reference = full.compile_units()[0]
+    expected = copy.deepcopy(reference)
+    for name in ("q_proj", "k_proj", "out_proj"):
+        setattr(expected.self_attn, name, Fp8Linear(getattr(reference.self_attn, name)))
+    expected.mlp.fc1, expected.mlp.fc2 = Fp8Linear(reference.mlp.fc1), Fp8Linear(reference.mlp.fc2)
+    width = reference.self_attn.q_proj.in_features
+    torch.manual_seed(4)
+    x = torch.randn(2, 9, width) * 2 + 0.5
+    with torch.inference_mode():
+        got, want = kept.compile_units()[0](x, attention_mask=None), expected(x, attention_mask=None)
+    got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
+    assert torch.nn.functional.cosine_similarity(got.flatten(0, -2), want.flatten(0, -2)).min() > 0.999
+
+    qwen = load_adapter(make_job(cache_dir, model={"precision": "fp8", "fp8_keep": ["mlp.down_proj"]}), torch.device("cpu"))
+    for block in qwen.compile_units():
+        assert not isinstance(block.mlp, Fp8GatedMlp) and type(block.mlp.down_proj) is torch.nn.Linear
+        assert isinstance(block.mlp.gate_proj, Fp8Joint) and block.mlp.gate_proj.shared is block.mlp.up_proj.shared
+
+
+def test_a_kept_layer_no_block_has_or_a_keep_without_fp8_stops_before_any_row(tmp_path: Path, cache_dir: str, capsys) -> None:
+    """A misspelt path names the blocks' real ones; model.fp8_keep in a bf16 job is a spec error."""
+    assert run(tmp_path, cache_dir, "--set", "model.precision=fp8", "--set", "model.fp8_keep=[attn.out_proj]") == 2
+    err = capsys.readouterr().err
+    assert "model.fp8_keep names attn.out_proj, which no block of this tower has" in err
+    assert "attn.proj, attn.qkv, mlp.down_proj, mlp.gate_proj, mlp.up_proj" in err
+    assert run(tmp_path, cache_dir, "--set", "model.fp8_keep=[attn.proj]") == 2
+    assert "model.precision is not fp8; remove model.fp8_keep" in capsys.readouterr().err
+    assert not list(tmp_path.glob("part-*.parquet"))
+
+
 def test_fp8_where_the_device_cannot_is_one_line_before_any_row(
     tmp_path: Path, cache_dir: str, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -220,6 +280,9 @@ def test_the_default_precision_leaves_the_fingerprint_of_earlier_output_unchange
     bf16 = job_fingerprint(make_job(cache_dir, input={"path": str(table)}))
     fp8 = job_fingerprint(make_job(cache_dir, input={"path": str(table)}, model={"precision": "fp8"}))
     assert "precision" not in bf16["model"] and fp8["model"]["precision"] == "fp8"
+    assert "fp8_keep" not in fp8["model"]
+    kept = job_fingerprint(make_job(cache_dir, input={"path": str(table)}, model={"precision": "fp8", "fp8_keep": ["attn.proj"]}))
+    assert kept["model"]["fp8_keep"] == ["attn.proj"]
 
 
 @pytest.mark.parametrize(

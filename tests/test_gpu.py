@@ -495,15 +495,21 @@ def test_a_budget_added_mid_run_is_captured_into_the_pool_and_replays_like_eager
     manager.clear()
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "siglip", "clip"])
-def test_fp8_compiled_graphs_replay_like_eager_and_stay_close_to_bf16(cache_dir: str, family: str) -> None:
-    """model.precision fp8 on the GPU: the blocks compiled with their FP8 layers, captured
-    into a pool first filled with NaN; every replay equals the padded eager run, every
-    real row is finite and within FP8 rounding of the bf16 tower's."""
+@pytest.mark.parametrize(
+    ("family", "keep"),
+    [("qwen2_5_vl", []), ("siglip", []), ("clip", []), ("qwen2_5_vl", ["attn.proj", "mlp.down_proj"]),
+     ("siglip", ["self_attn.v_proj"])],
+)
+def test_fp8_compiled_graphs_replay_like_eager_and_stay_close_to_bf16(cache_dir: str, family: str, keep: list[str]) -> None:
+    """model.precision fp8 on the GPU: the blocks compiled with their FP8 layers (and the
+    layers model.fp8_keep names in bf16 beside them), captured into a pool first filled
+    with NaN; every replay equals the padded eager run, every real row is finite and
+    within FP8 rounding of the bf16 tower's."""
     model = {"family": family, "path": f"builtin:tiny-{family}", "dtype": "bfloat16"}
     bf16 = load_adapter(make_job(cache_dir, model=model), torch.device("cuda"))
-    fp8 = load_adapter(make_job(cache_dir, model={**model, "precision": "fp8"}), torch.device("cuda"))
+    fp8 = load_adapter(make_job(cache_dir, model={**model, "precision": "fp8", "fp8_keep": keep}), torch.device("cuda"))
     assert fp8.fp8_layers and sum(fp8.fp8_layers.values()) >= 2 * len(fp8.compile_units())
+    assert not set(keep) & set(fp8.fp8_layers)
     fp8.compile(dynamic=True)
     items = [fp8.preprocessor()(m) for m in MEDIA if not hasattr(m, "frames")]
     plan = BudgetPlan(tuple(fp8.budget_unit * 2**k for k in range(6)) if fp8.budget_unit > 1 else PLAN.token_budgets,

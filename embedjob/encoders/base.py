@@ -29,6 +29,7 @@ import logging
 import os
 import pickle
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -293,15 +294,16 @@ class EncoderAdapter(abc.ABC):
         """Whether `forward` can be captured in a CUDA graph on this adapter's device."""
         return True
 
-    def use_fp8(self) -> None:
+    def use_fp8(self, keep: Sequence[str] = ()) -> None:
         """Run the linear layers of `compile_units` (the transformer blocks) in row-wise
-        FP8 (`encoders.fp8`); a JobError, before any change, where the device cannot.
-        Before `compile`, so the compiled blocks are those with the FP8 layers."""
+        FP8 (`encoders.fp8`), but those at the paths `keep` (`model.fp8_keep`); a
+        JobError, before any change, where the device cannot or `keep` names no block's
+        linear layer. Before `compile`, so the compiled blocks are those with the FP8 layers."""
         from embedjob.encoders.fp8 import check_fp8, convert_blocks
 
         check_fp8(self.device, self.dtype)
         blocks = self.compile_units()
-        self.fp8_layers = dict(convert_blocks(blocks))
+        self.fp8_layers = dict(convert_blocks(blocks, keep))
         logger.info(
             "model.precision fp8: %d linear layers of %d blocks in row-wise FP8 (%s); the patch embedding, "
             "attention, the norms that no FP8 layer applies and the layers outside the blocks in %s",

@@ -47,6 +47,13 @@ activation is recognised by its values, and at load the converted MLP must compu
 the MLP does on a probe input, else it stays as it was. On the Qwen2.5-VL-7B-size tower
 FP8 ran 1.41x bf16 with it and 1.30x without (benchmarks/RESULTS.md).
 
+Layers a job keeps in the model's dtype (`model.fp8_keep`, paths within a block) are left
+as they are; joined siblings of a kept layer join without it, and a norm or activation
+that a kept layer reads runs on its own. Every layer's FP8 product adds about the same
+error, whatever its size, so a kept layer buys cosine by its count of quantisations and
+costs speed by its share of the products: the attention output projection, the
+smallest of a block, buys the most per cost (benchmarks/RESULTS.md section 6).
+
 Invariants: a converted layer computes `x @ W.T + b` up to FP8 rounding, for any input
 row count and any layer shape (the FP8 product needs both matrix dimensions multiples
 of 16: weights are zero-padded once, inputs along their last dimension at each call);
@@ -59,7 +66,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -462,11 +469,14 @@ def check_fp8(device: torch.device, dtype: torch.dtype) -> None:
         ) from None
 
 
-def convert_blocks(blocks: Iterable[torch.nn.Module]) -> Counter[str]:
+def convert_blocks(blocks: Iterable[torch.nn.Module], keep: Collection[str] = ()) -> Counter[str]:
     """Replace every `nn.Linear` inside `blocks` by its FP8 layer, in place, the siblings
     of a `JOINT_GROUPS` group by `Fp8Joint`s of one product and a `GATED_MLPS` MLP of
     joined siblings by an `Fp8GatedMlp`; how many of each (name relative to its block,
-    e.g. `mlp.down_proj`) were converted."""
+    e.g. `mlp.down_proj`) were converted. The linear layers at the paths `keep` stay as
+    they are; a JobError, before any change, where one of them is no linear layer of a block."""
+    blocks = list(blocks)
+    _check_kept(blocks, keep)
     converted: Counter[str] = Counter()
     joined: Counter[tuple[str, ...]] = Counter()
     activated: Counter[tuple[str, str, str]] = Counter()
@@ -476,21 +486,22 @@ def convert_blocks(blocks: Iterable[torch.nn.Module]) -> Counter[str]:
         for name, module in list(block.named_modules()):
             prefix = f"{name}." if name else ""
             for group in JOINT_GROUPS:
-                if _join(module, group):
-                    joined[tuple(prefix + member for member in group)] += 1
-                    converted.update(prefix + member for member in group)
+                members = [member for member in group if prefix + member not in keep]
+                if len(members) > 1 and _join(module, members):
+                    joined[tuple(prefix + member for member in members)] += 1
+                    converted.update(prefix + member for member in members)
             for pair in ACTIVATION_INTO:
-                activation = _activate_into(module, *pair)
+                activation = None if prefix + pair[1] in keep else _activate_into(module, *pair)
                 if activation is not None:
                     activated[prefix + pair[0], prefix + pair[1], activation] += 1
                     converted[prefix + pair[1]] += 1
-            replacement = _gate_into(block, name, module)
+            replacement = _gate_into(block, name, module, keep)
             if replacement is not None:
                 gated[tuple(prefix + member for member in replacement.names), replacement.activation] += 1
                 converted[prefix + replacement.names[2]] += 1
                 continue  # `module` is replaced; its down layer is the replacement's, in FP8
             for child_name, child in list(module.named_children()):
-                if type(child) is torch.nn.Linear:
+                if type(child) is torch.nn.Linear and prefix + child_name not in keep:
                     setattr(module, child_name, Fp8Linear(child))
                     converted[prefix + child_name] += 1
         for norm_name, readers in NORM_INTO:
@@ -508,7 +519,25 @@ def convert_blocks(blocks: Iterable[torch.nn.Module]) -> Counter[str]:
         )
     for (norm_name, readers, kind), count in normed.items():
         logger.info("model.precision fp8: %s apply %s (%s) as they quantise, in %d blocks", ", ".join(readers), norm_name, kind, count)
+    if keep:
+        logger.info("model.precision fp8: %s stay in the model dtype (model.fp8_keep)", ", ".join(sorted(keep)))
     return converted
+
+
+def linear_paths(blocks: Iterable[torch.nn.Module]) -> set[str]:
+    """The paths within a block of the blocks' `nn.Linear` layers (e.g. `mlp.fc2`)."""
+    return {name for block in blocks for name, module in block.named_modules() if type(module) is torch.nn.Linear}
+
+
+def _check_kept(blocks: list[torch.nn.Module], keep: Collection[str]) -> None:
+    """A JobError naming the paths of `keep` that are no linear layer of any block, and those that are."""
+    paths = linear_paths(blocks)
+    unknown = sorted(set(keep) - paths)
+    if unknown:
+        raise JobError(
+            f"model.fp8_keep names {', '.join(unknown)}, which no block of this tower has as a linear layer; "
+            f"its blocks' linear layers are: {', '.join(sorted(paths)) or 'none'}"
+        )
 
 
 def _norm_into(block: torch.nn.Module, norm_name: str, readers: Sequence[str]) -> str | None:
@@ -570,14 +599,16 @@ def _feeds_alone(module: torch.nn.Module, activation: str, layer: str) -> bool:
     return first < last and all(isinstance(getattr(module, name), torch.nn.Identity) for name in names[first + 1 : last])
 
 
-def _gate_into(block: torch.nn.Module, path: str, mlp: torch.nn.Module) -> Fp8GatedMlp | None:
+def _gate_into(block: torch.nn.Module, path: str, mlp: torch.nn.Module, keep: Collection[str]) -> Fp8GatedMlp | None:
     """Where `mlp`, at `path` in `block`, is an MLP of `GATED_MLPS` names with its gate
     and up `Fp8Joint`s of one product of the two (gate first), a linear down layer of
-    their width and a `GATES` activation (by its values), and on a probe input its
-    `Fp8GatedMlp` computes what it computes, replace it by that and return it; None
-    where nothing changed. Never the block itself, which has no parent here to hold the
-    replacement."""
+    their width that `keep` does not name and a `GATES` activation (by its values), and
+    on a probe input its `Fp8GatedMlp` computes what it computes, replace it by that and
+    return it; None where nothing changed. Never the block itself, which has no parent
+    here to hold the replacement."""
     for names in GATED_MLPS if path else ():
+        if f"{path}.{names[2]}" in keep:
+            continue
         gate, up, down, function = (getattr(mlp, name, None) for name in names)
         if not (isinstance(gate, Fp8Joint) and isinstance(up, Fp8Joint) and type(down) is torch.nn.Linear):
             continue

@@ -92,7 +92,7 @@ def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
     if options.text:
         check_text_tower(adapter)
     if job.model.precision == "fp8":
-        adapter.use_fp8()
+        adapter.use_fp8(job.model.fp8_keep)
     elif device.type == "cuda" and dtype in HALF and epilogues.EPILOGUES:
         adapter.use_epilogues()
         if adapter.text is not None:

@@ -46,10 +46,10 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import builtin_sources, collect_photos, cosine  # noqa: E402
 from benchmarks.common import log as _log  # noqa: E402
-from benchmarks.encoder_only import preprocess_rows  # noqa: E402
+from benchmarks.encoder_only import module_settings, preprocess_rows  # noqa: E402
 from benchmarks.mixes import MIXES, jpeg_dataset, save_tower, write_job  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
-from embedjob.encoders import load_adapter  # noqa: E402
+from embedjob.encoders import epilogues, load_adapter  # noqa: E402
 from embedjob.encoders.fp8 import quantize_rows  # noqa: E402
 from embedjob.engine import packer  # noqa: E402
 from embedjob.engine.encode import budget_plan  # noqa: E402
@@ -194,7 +194,9 @@ def bench_mix(name: str, args: argparse.Namespace, photos: list[Any], device: to
     dataset = jpeg_dataset(mix, count, args.seed, photos, workdir / "data", len(os.sched_getaffinity(0)))
     tower = save_tower(mix.tower, workdir / "towers", args.smoke)
     job = load_job(write_job(workdir / name, mix, tower, dataset.path, workdir / "cache", args.smoke), ["batching.compile=false"])
-    adapter = load_adapter(job, device)
+    # An fp8 job's blocks have no bf16 epilogues (SigLIP's fc1 with its GELU stays a linear layer), so neither do these.
+    with module_settings({(epilogues, "EPILOGUES"): False}):
+        adapter = load_adapter(job, device)
     items, failed = preprocess_rows(job, adapter, len(os.sched_getaffinity(0)))
     log(f"[{name}] {len(items)} items ({failed} did not decode); bf16 with the layers' FP8 errors measured")
     layers = linear_layers(adapter)

@@ -16,6 +16,8 @@
 # give each call one mix: `mixes siglip`, ..., the last with `report`.
 # For the encoder's kernels (#19), one call per mix or two:
 #     bash benchmarks/device_checks.sh kernels qwen-mixed siglip
+# FP8 with the attention output projection kept in bf16 (model.fp8_keep, #57) against all-FP8, speed and cosine:
+#     PRECISIONS="fp8 fp8-keep-out" bash benchmarks/device_checks.sh kernels qwen-224 siglip
 # For video (#56): 1,152 clips take the 16 cores about 15 minutes at CLIP_SECONDS=5.25, so the
 # maker runs in the background through calls made back to back (an idle machine goes back in
 # 30 s), the first carrying [".ffmpeg", "bench-data", ".whl-light"], the others [".whl", "bench-data"]:

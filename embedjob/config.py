@@ -148,7 +148,7 @@ class ModelConfig:
     precision: Literal["bf16", "fp8"] = key(
         "bf16",
         "the transformer blocks' linear layers: bf16 (in model.dtype) or fp8 (row-wise FP8; GPUs of compute "
-        "capability 9.0 or newer, model.dtype bfloat16; see README for when it pays)",
+        "capability 9.0 or newer, model.dtype bfloat16; docs/performance.md says when it pays)",
     )
     fp8_keep: list[str] = key(
         [],

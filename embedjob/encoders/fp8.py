@@ -49,10 +49,11 @@ FP8 ran 1.41x bf16 with it and 1.30x without (benchmarks/RESULTS.md).
 
 Layers a job keeps in the model's dtype (`model.fp8_keep`, paths within a block) are left
 as they are; joined siblings of a kept layer join without it, and a norm or activation
-that a kept layer reads runs on its own. Every layer's FP8 product adds about the same
-error, whatever its size, so a kept layer buys cosine by its count of quantisations and
-costs speed by its share of the products: the attention output projection, the
-smallest of a block, buys the most per cost (benchmarks/RESULTS.md section 6).
+that a kept layer reads runs on its own. Every layer's FP8 product is about as far off,
+whatever its size, but not every error reaches the vector alike: kept in every block,
+the attention output projection (8-9 % of the products) brought the vectors closer to
+float32 than any other kind (benchmarks/RESULTS.md section 6), while a layer costs
+speed by its share of the products.
 
 Invariants: a converted layer computes `x @ W.T + b` up to FP8 rounding, for any input
 row count and any layer shape (the FP8 product needs both matrix dimensions multiples
@@ -524,14 +525,10 @@ def convert_blocks(blocks: Iterable[torch.nn.Module], keep: Collection[str] = ()
     return converted
 
 
-def linear_paths(blocks: Iterable[torch.nn.Module]) -> set[str]:
-    """The paths within a block of the blocks' `nn.Linear` layers (e.g. `mlp.fc2`)."""
-    return {name for block in blocks for name, module in block.named_modules() if type(module) is torch.nn.Linear}
-
-
 def _check_kept(blocks: list[torch.nn.Module], keep: Collection[str]) -> None:
-    """A JobError naming the paths of `keep` that are no linear layer of any block, and those that are."""
-    paths = linear_paths(blocks)
+    """A JobError naming the paths of `keep` that are no linear layer of any block (e.g.
+    `mlp.fc2`), and those that are."""
+    paths = {name for block in blocks for name, module in block.named_modules() if type(module) is torch.nn.Linear}
     unknown = sorted(set(keep) - paths)
     if unknown:
         raise JobError(

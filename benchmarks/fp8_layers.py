@@ -18,7 +18,7 @@ item's cosine to its vector without FP8 (the reference: bf16 on a GPU, float32 o
 CPU), min and median: how many layers kept in bf16 the 0.995
 target of issue #57 takes, and which ones (block index and name, worst first). With
 `--kinds`, one more pass per kind of layer (its path in a block, such as `mlp.fc2`)
-keeps that kind in bf16 in every block, the rest in FP8: the cosine each kind costs,
+keeps that kind in bf16 in every block, the rest in FP8: the cosine keeping it buys,
 beside its share of the blocks' products (multiply-adds per token), which is about the
 share of FP8's speed-up it gives back. `--kept PATH...` keeps those kinds in bf16 in
 every FP8 pass, as `model.fp8_keep` does (so `--kinds` then gives the pairs).

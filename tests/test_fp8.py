@@ -281,8 +281,11 @@ def test_the_default_precision_leaves_the_fingerprint_of_earlier_output_unchange
     fp8 = job_fingerprint(make_job(cache_dir, input={"path": str(table)}, model={"precision": "fp8"}))
     assert "precision" not in bf16["model"] and fp8["model"]["precision"] == "fp8"
     assert "fp8_keep" not in fp8["model"]
-    kept = job_fingerprint(make_job(cache_dir, input={"path": str(table)}, model={"precision": "fp8", "fp8_keep": ["attn.proj"]}))
-    assert kept["model"]["fp8_keep"] == ["attn.proj"]
+    def kept(layers: list[str]) -> dict:
+        return job_fingerprint(make_job(cache_dir, input={"path": str(table)}, model={"precision": "fp8", "fp8_keep": layers}))
+
+    assert kept(["mlp.down_proj", "attn.proj"])["model"]["fp8_keep"] == ["attn.proj", "mlp.down_proj"]
+    assert kept(["attn.proj", "mlp.down_proj", "attn.proj"]) == kept(["mlp.down_proj", "attn.proj"]) != kept(["attn.proj"])
 
 
 @pytest.mark.parametrize(

@@ -143,11 +143,14 @@ def _model_identity(job: Job) -> dict[str, Any]:
     (benchmarks/RESULTS.md), so output resumes across it (and `auto` resolves per machine).
     The pooling `pool` and its deprecated alias `dinov2_pool` pick is recorded once, under
     the alias's name as output written before `pool` existed recorded it, so that output
-    resumes and either spelling of one pooling resumes the other's. `fp8_keep` is left out
-    where empty, as output written before it existed had every layer in FP8."""
+    resumes and either spelling of one pooling resumes the other's. `fp8_keep` is a set of
+    layers, recorded sorted, and left out where empty, as output written before it existed
+    had every layer in FP8."""
     values = _without_default(job.model, "precision", "bf16")
     del values["attention"], values["pool"]
-    if not values["fp8_keep"]:
+    if values["fp8_keep"]:
+        values["fp8_keep"] = sorted(set(values["fp8_keep"]))
+    else:
         del values["fp8_keep"]
     values["dinov2_pool"] = job.model.image_pool
     return values

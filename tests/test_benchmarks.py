@@ -72,8 +72,9 @@ SMOKES = {
     "captions": (["--smoke", "--models", "clip"], ["| model | run | rows |", "images + captions"]),
     "wds_index": (["--smoke"], ["| scan | ms per tar |", "walk alone: ours", "index, cache hit"]),
     "fp8_layers": (
-        ["--smoke", "--mixes", "siglip", "--keep", "0", "4", "--kinds", "--kept", "self_attn.out_proj"],
-        ["| layer (worst first) |", "block 1: mlp.fc2", "| 0 | 10 |", "| mlp.fc1 | 25.0% |", "(--kept): self_attn.out_proj."],
+        ["--smoke", "--mixes", "siglip", "--keep", "0", "4", "--kinds", "--kept", "self_attn.out_proj", "--calibrate", "4"],
+        ["| layer (worst first) |", "block 1: mlp.fc2", "| rounded | 0 | 10 |", "| calibrated on 4 items | 0 | 10 |",
+         "| mlp.fc1 | 25.0% |", "(--kept): self_attn.out_proj.", "the 4 items after"],
     ),
     "nvdec_scaling": (["--smoke", "--sessions", "1", "2", "--variants", "own-streams", "cut", "--loads", "none", "cpu", "--load-workers", "2"],
                       ["| mode | sessions | clips |", "decord standing in for NVDEC", "| processes, own-streams | 2 |",

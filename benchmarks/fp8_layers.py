@@ -37,8 +37,8 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,20 +174,13 @@ def linear_layers(adapter: Any) -> Layers:
 
 
 @contextmanager
-def measuring(layers: Layers, rows: int) -> Iterator[None]:
-    """While inside, every layer's forward also adds its FP8 product's error on (a spread
-    of at most `rows` of) its input rows to `layers.errors`."""
+def reading_inputs(layers: Layers, seen: Callable[[str, torch.nn.Linear, torch.Tensor], None]) -> Iterator[None]:
+    """While inside, every layer's forward first hands `seen` its name, itself and its input as rows."""
 
     def hook(name: str, module: torch.nn.Linear):
-        def measure(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1])
-            if x.shape[0] > rows:
-                x = x[torch.linspace(0, x.shape[0] - 1, rows, device=x.device).long()]
-            exact = torch.nn.functional.linear(x.float(), module.weight.float(), None if module.bias is None else module.bias.float())
-            seen = layers.errors.setdefault(name, LayerError(name))
-            seen.error += float((fp8_product(x, layers.fp8(name), module.bias) - exact).pow(2).sum())
-            seen.norm += float(exact.pow(2).sum())
-        return measure
+        def read(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            seen(name, module, args[0].reshape(-1, args[0].shape[-1]))
+        return read
 
     handles = [module.register_forward_pre_hook(hook(name, module)) for name, module in layers.modules.items()]
     try:
@@ -197,22 +190,29 @@ def measuring(layers: Layers, rows: int) -> Iterator[None]:
             handle.remove()
 
 
-@contextmanager
-def collecting(layers: Layers) -> Iterator[None]:
+def measuring(layers: Layers, rows: int) -> AbstractContextManager[None]:
+    """While inside, every layer's forward also adds its FP8 product's error on (a spread
+    of at most `rows` of) its input rows to `layers.errors`."""
+
+    def measure(name: str, module: torch.nn.Linear, x: torch.Tensor) -> None:
+        if x.shape[0] > rows:
+            x = x[torch.linspace(0, x.shape[0] - 1, rows, device=x.device).long()]
+        exact = torch.nn.functional.linear(x.float(), module.weight.float(), None if module.bias is None else module.bias.float())
+        seen = layers.errors.setdefault(name, LayerError(name))
+        seen.error += float((fp8_product(x, layers.fp8(name), module.bias) - exact).pow(2).sum())
+        seen.norm += float(exact.pow(2).sum())
+
+    return reading_inputs(layers, measure)
+
+
+def collecting(layers: Layers) -> AbstractContextManager[None]:
     """While inside, every layer adds x^T x of its input rows to `layers.hessians`."""
 
-    def hook(name: str):
-        def collect(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1]).float()
-            layers.hessians[name] = layers.hessians.get(name, 0) + x.T @ x
-        return collect
+    def collect(name: str, _module: torch.nn.Linear, x: torch.Tensor) -> None:
+        x = x.float()
+        layers.hessians[name] = layers.hessians.get(name, 0) + x.T @ x
 
-    handles = [module.register_forward_pre_hook(hook(name)) for name, module in layers.modules.items()]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    return reading_inputs(layers, collect)
 
 
 @contextmanager

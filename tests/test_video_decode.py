@@ -361,11 +361,30 @@ def test_decoder_diagnostics_go_into_the_error_not_to_stderr(capfd: pytest.Captu
     assert capfd.readouterr().err == ""
 
 
-def test_truncated_mkv_is_an_error_that_says_how_much_is_missing() -> None:
+def test_truncated_mkv_is_an_error_that_says_how_much_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Told from the clusters before decord opens the bytes: its demuxer has crashed the
+    decoding process on this file now and then, which made the row decoder_crashed."""
+    import embedjob.decode.video as video
+
+    def no_decoder(*args, **kwargs):
+        raise AssertionError("decord opened a Matroska file cut short")
+
+    monkeypatch.setattr(video, "_decord", no_decoder)
     with pytest.raises(MediaError) as err:
         decode(local("derived_mkv_truncated.mkv"), QWEN)
     assert err.value.code == "truncated"
     assert "declares 10.38s but only 5.00s" in err.value.message
+
+
+def test_only_a_matroska_segment_running_past_the_end_has_a_cut_span() -> None:
+    from embedjob.decode.containers import matroska_cut_span
+
+    whole = (SHARED / "videos" / "decord_flipping_a_pancake.mkv").read_bytes() if SHARED.exists() else None
+    assert matroska_cut_span(local("derived_mkv_truncated.mkv")) == pytest.approx(5.0)
+    assert matroska_cut_span(local("torchcodec_av1_video.mkv")) is None
+    if whole is not None:
+        assert matroska_cut_span(whole) is None
+        assert 0 < matroska_cut_span(whole[: len(whole) // 2]) < matroska_cut_span(whole[: 3 * len(whole) // 4])
 
 
 

@@ -464,6 +464,50 @@ def matroska_duration(head: bytes) -> float | None:
     return value * nanoseconds / 1e9
 
 
+_EBML_CLUSTER, _EBML_TIMECODE, _EBML_SIMPLE_BLOCK, _EBML_BLOCK_GROUP, _EBML_BLOCK = 0x1F43B675, 0xE7, 0xA3, 0xA0, 0xA1
+
+
+def matroska_cut_span(data: bytes) -> float | None:
+    """Seconds from the first block to the last one whose header `data` holds, where the
+    Segment declares more bytes than `data` has (a file cut short); None where it fits
+    or its size is unknown. Read from the clusters' timecodes alone, so a cut file is
+    told before a decoder opens it (decord's demuxer has crashed on some)."""
+    pos = 0
+    while pos < len(data):
+        ident, pos = _ebml_vint(data, pos, keep_marker=True)
+        size, pos = _ebml_vint(data, pos, keep_marker=False)
+        if ident is None or size is None:
+            return None
+        if ident == _EBML_SEGMENT:
+            break
+        pos += max(size, 0)
+    else:
+        return None
+    if size < 0 or pos + size <= len(data):
+        return None
+    info = _ebml_child(data, pos, len(data), _EBML_INFO)
+    scale = info and _ebml_child(data, *info, _EBML_SCALE)
+    nanoseconds = int.from_bytes(data[scale[0] : scale[1]], "big") if scale else 1_000_000
+    times = [t for ident, start, stop in _ebml_elements(data, pos, len(data)) if ident == _EBML_CLUSTER
+             for t in _block_times(data, start, stop)]
+    return (max(times) - min(times)) * nanoseconds / 1e9 if times else 0.0
+
+
+def _block_times(data: bytes, start: int, stop: int) -> list[int]:
+    """The timecodes (cluster timecode plus each block's own) of the blocks of the cluster in data[start:stop]."""
+    timecode = _ebml_child(data, start, stop, _EBML_TIMECODE)
+    if timecode is None:
+        return []
+    base, times = int.from_bytes(data[timecode[0] : timecode[1]], "big"), []
+    for ident, first, last in _ebml_elements(data, start, stop):
+        block = (first, last) if ident == _EBML_SIMPLE_BLOCK else _ebml_child(data, first, last, _EBML_BLOCK) if ident == _EBML_BLOCK_GROUP else None
+        if block:
+            track, at = _ebml_vint(data, block[0], keep_marker=False)
+            if track is not None and at + 2 <= block[1]:
+                times.append(base + int.from_bytes(data[at : at + 2], "big", signed=True))
+    return times
+
+
 def _ebml_child(data: bytes, start: int, end: int, wanted: int) -> tuple[int, int] | None:
     """(payload start, payload end) of the first element `wanted` in data[start:end]."""
     for ident, payload, stop in _ebml_elements(data, start, end):

@@ -46,6 +46,7 @@ from embedjob.decode.containers import (
     Matrix,
     Mp4Facts,
     Mp4Samples,
+    matroska_cut_span,
     matroska_duration,
     matroska_frame_size,
     mp4_facts,
@@ -179,6 +180,8 @@ def decode_video(data: bytes, options: DecodeOptions, fmt: str | None) -> Decode
     facts = mp4_facts(data) if fmt in ("MP4", "MOV") else Mp4Facts()
     if facts.truncated:
         raise MediaError("truncated", f"{fmt}: a box runs past the end of the file ({len(data)} bytes)")
+    if fmt == "MATROSKA":
+        _check_matroska_cut(data)
     declared = facts.frame_size if fmt != "MATROSKA" else matroska_frame_size(data[:MATROSKA_HEAD])
     if declared is not None:
         # Before decord opens the stream: opening alone may decode a frame at full size.
@@ -370,6 +373,16 @@ def decoder_bytes(data: bytes) -> bytes | bytearray:
     if found is None or found[1] not in ("MP4", "MOV"):
         return data
     return patched(data, mp4_facts(data).patches)
+
+
+def _check_matroska_cut(data: bytes) -> None:
+    """A Matroska file cut short (its Segment runs past the end) whose blocks span less
+    than nine tenths of the duration it declares is `truncated` before decord opens it,
+    by the same rule as `_check_matroska_complete`."""
+    span = matroska_cut_span(data)
+    declared = matroska_duration(data[:MATROSKA_HEAD]) if span is not None else None
+    if declared and span < 0.9 * declared:
+        raise MediaError("truncated", f"Matroska declares {declared:.2f}s but only {span:.2f}s of frames are present")
 
 
 def _check_matroska_complete(head: bytes, times: np.ndarray | None, num_frames: int, fps: float) -> None:

@@ -66,7 +66,11 @@ SMOKES = {
     "gpu_decode": (["--smoke", "--mixes", "qwen-224", "--images", "8", "--decoders", "cpu", "--repeats", "1"], ["| mix | decoder | workers |"]),
     "naflex": (["--smoke"], ["| tower | max patches | variant |", "ours_graphs"]),
     "packing": (["--smoke"], ["padding, ladder", "min_padding never worse than greedy"]),
-    "precision": (["--smoke", "--mixes", "qwen-224", "--images", "qwen-224=8", "--reference", "2", "--repeats", "1", "--precisions", "bf16-varlen-attn", "fp8-keep-out"], ["| mix | precision |", "| fp8-keep-out |"]),
+    "precision": (
+        ["--smoke", "--mixes", "qwen-224", "--images", "qwen-224=8", "--reference", "2", "--repeats", "1",
+         "--precisions", "bf16-varlen-attn", "fp8-keep-out"],
+        ["| mix | precision |", "| fp8-keep-out |"],
+    ),
     "scaling": (["--smoke", "--mixes", "qwen-224", "--images", "8"], ["| mix | run | rows |"]),
     "video_decode": (["--smoke"], ["skipped the nvdec run", "| decoder | workers |"]),
     "captions": (["--smoke", "--models", "clip"], ["| model | run | rows |", "images + captions"]),

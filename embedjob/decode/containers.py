@@ -500,7 +500,10 @@ def _block_times(data: bytes, start: int, stop: int) -> list[int]:
         return []
     base, times = int.from_bytes(data[timecode[0] : timecode[1]], "big"), []
     for ident, first, last in _ebml_elements(data, start, stop):
-        block = (first, last) if ident == _EBML_SIMPLE_BLOCK else _ebml_child(data, first, last, _EBML_BLOCK) if ident == _EBML_BLOCK_GROUP else None
+        if ident == _EBML_SIMPLE_BLOCK:
+            block: tuple[int, int] | None = (first, last)
+        else:
+            block = _ebml_child(data, first, last, _EBML_BLOCK) if ident == _EBML_BLOCK_GROUP else None
         if block:
             track, at = _ebml_vint(data, block[0], keep_marker=False)
             if track is not None and at + 2 <= block[1]:

@@ -180,8 +180,10 @@ def decode_video(data: bytes, options: DecodeOptions, fmt: str | None) -> Decode
     facts = mp4_facts(data) if fmt in ("MP4", "MOV") else Mp4Facts()
     if facts.truncated:
         raise MediaError("truncated", f"{fmt}: a box runs past the end of the file ({len(data)} bytes)")
-    if fmt == "MATROSKA":
-        _check_matroska_cut(data)
+    span = matroska_cut_span(data) if fmt == "MATROSKA" else None
+    if span is not None:
+        # Told before decord opens it: its demuxer has crashed the process on cut Matroska files.
+        _check_matroska_complete(data[:MATROSKA_HEAD], span)
     declared = facts.frame_size if fmt != "MATROSKA" else matroska_frame_size(data[:MATROSKA_HEAD])
     if declared is not None:
         # Before decord opens the stream: opening alone may decode a frame at full size.
@@ -209,7 +211,11 @@ def _decode_video_job(job: _VideoJob) -> DecodedVideo:
     indices = sample_frame_indices(num_frames, source_fps, options.fps, options.max_frames, options.frame_multiple)
     times = _frame_times(reader, num_frames)
     if job.fmt == "MATROSKA":
-        _check_matroska_complete(bytes(job.source[:MATROSKA_HEAD]), times, num_frames, source_fps)
+        if times is not None:
+            present = float(times[-1, 1] - times[0, 0])
+        else:
+            present = num_frames / source_fps if source_fps > 0 else 0.0
+        _check_matroska_complete(bytes(job.source[:MATROSKA_HEAD]), present)
     if times is not None:
         indices = _time_uniform(indices, times)
     width, height = _planned_size(job, reader, indices[0])
@@ -375,28 +381,15 @@ def decoder_bytes(data: bytes) -> bytes | bytearray:
     return patched(data, mp4_facts(data).patches)
 
 
-def _check_matroska_cut(data: bytes) -> None:
-    """A Matroska file cut short (its Segment runs past the end) whose blocks span less
-    than nine tenths of the duration it declares is `truncated` before decord opens it,
-    by the same rule as `_check_matroska_complete`."""
-    span = matroska_cut_span(data)
-    declared = matroska_duration(data[:MATROSKA_HEAD]) if span is not None else None
-    if declared and span < 0.9 * declared:
-        raise MediaError("truncated", f"Matroska declares {declared:.2f}s but only {span:.2f}s of frames are present")
-
-
-def _check_matroska_complete(head: bytes, times: np.ndarray | None, num_frames: int, fps: float) -> None:
+def _check_matroska_complete(head: bytes, present: float) -> None:
     """A Matroska file cut short still opens and decodes the frames before the cut, so
-    compare the duration its header declares with the frames actually present: a file
-    missing more than a tenth of it is `truncated` (an embedding of half a clip must not
-    pass for the clip)."""
+    compare the duration its header declares with the `present` seconds of frames (by
+    decord's frame times, or before decord by the blocks' timecodes of a file whose
+    Segment runs past its end, `matroska_cut_span`): a file missing more than a tenth of
+    it is `truncated` (an embedding of half a clip must not pass for the clip)."""
     declared = matroska_duration(head)
     if declared is None or declared <= 0:
         return
-    if times is not None:
-        present = float(times[-1, 1] - times[0, 0])
-    else:
-        present = num_frames / fps if fps > 0 else 0.0
     if present < 0.9 * declared:
         raise MediaError("truncated", f"Matroska declares {declared:.2f}s but only {present:.2f}s of frames are present")
 

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import builtin_sources, collect_photos, fmt, matmul_peak, table  # noqa: E402
 from benchmarks.mixes import MIXES, SMOKE_IMAGES, items_flops, jpeg_dataset, save_tower, write_job  # noqa: E402
 from embedjob.bench import device_passes  # noqa: E402
+from embedjob.calibration import calibration_for  # noqa: E402
 from embedjob.config import Job, load_job  # noqa: E402
 from embedjob.decode import DecodeOptions, MediaError, decode  # noqa: E402
 from embedjob.encoders import EncoderInput, load_adapter  # noqa: E402
@@ -109,9 +110,10 @@ def measure(
     docstring). `prepared`: the items (and the count of rows that did not decode) of an
     earlier `preprocess_rows` of the same input and preprocessing, to compare variants
     of one model on the same items; `outputs`: see `_timed`; `rows`: only the input's
-    first rows (all by default)."""
+    first rows (all by default). A job with `model.fp8_calibrate` calibrates its FP8
+    weights on its input's first rows as a job does (`calibration_for`, `workers` decoding)."""
     start = time.perf_counter()
-    adapter = load_adapter(job, device)
+    adapter = load_adapter(job, device, calibration_for(job, workers))
     if job.batching.compile and device.type == "cuda":
         torch._dynamo.reset()
         adapter.compile(dynamic=True)

@@ -55,7 +55,7 @@ from benchmarks.encoder_only import module_settings, preprocess_rows  # noqa: E4
 from benchmarks.mixes import MIXES, jpeg_dataset, save_tower, write_job  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
 from embedjob.encoders import epilogues, load_adapter  # noqa: E402
-from embedjob.encoders.fp8 import FP8_MAX, quantize_rows  # noqa: E402
+from embedjob.encoders.fp8 import calibrated_rows, quantize_rows  # noqa: E402
 from embedjob.engine import packer  # noqa: E402
 from embedjob.engine.encode import budget_plan  # noqa: E402
 from embedjob.engine.graphs import GraphManager, pool_rows  # noqa: E402
@@ -120,32 +120,11 @@ class Layers:
         return self.weights[name]
 
 
-def calibrated_weight(weight: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01, block: int = 128) -> torch.Tensor:
-    """`weight` rounded to e4m3 with `fp8_weight`'s per-channel scales, one input column at
-    a time, each column's rounding error spread over the columns after it by the inverse
-    of `hessian` (the sum of x^T x over the inputs seen), so the layer's output on such
-    inputs moves least; dequantised to float32. Columns `block` at a time, the rest
-    updated by one product per block."""
-    w = weight.detach().float().clone()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-    h = hessian.double().clone()
-    idle = h.diagonal() == 0  # inputs that were always zero: their columns do not matter
-    h[idle, idle] = 1.0
-    w[:, idle] = 0.0
-    h += damp * h.diagonal().mean() * torch.eye(h.shape[0], dtype=h.dtype)
-    upper = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    rounded = torch.empty_like(w)
-    for start in range(0, w.shape[1], block):
-        stop = min(start + block, w.shape[1])
-        part, errors = w[:, start:stop].clone(), torch.empty(w.shape[0], stop - start)
-        for i in range(stop - start):
-            column = part[:, i]
-            q = (column / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
-            rounded[:, start + i] = q
-            errors[:, i] = (column - q) / upper[start + i, start + i]
-            part[:, i:] -= errors[:, i : i + 1] * upper[start + i, start + i : stop]
-        w[:, stop:] -= errors @ upper[start:stop, stop:]
-    return rounded
+def calibrated_weight(weight: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """`weight` rounded to e4m3 as a job with `model.fp8_calibrate` rounds it
+    (`fp8.calibrated_rows`, `hessian` the sum of x^T x over the inputs seen), dequantised to float32."""
+    quantized, scale = calibrated_rows(weight, hessian)
+    return quantized.float() * scale
 
 
 def kind(name: str) -> str:

@@ -28,7 +28,10 @@ the layer that reads it: `fp8.ACTIVATION_INTO` empty), `fp8-norm-apart` (the blo
 norms kernels of their own: `fp8.NORM_INTO` empty) and `fp8-gated-apart` (a gated MLP's
 `act(gate) * up` a tensor of its own, written in bf16 and read by the down projection:
 `fp8.GATED_MLPS` empty; gate and up still joined), `fp8-keep-out` (the attention output
-projection kept in bf16 in every block: `model.fp8_keep`, `ATTENTION_OUTPUT`); `bf16-strided` and `fp8-strided`
+projection kept in bf16 in every block: `model.fp8_keep`, `ATTENTION_OUTPUT`), `fp8-calibrated` (the FP8
+weights calibrated on the mix's first `CALIBRATION_ROWS` items, `model.fp8_calibrate`: with it every
+cosine to bf16 is over the other items only, and the float32 reference is always on the last items);
+`bf16-strided` and `fp8-strided`
 keep the fixed-resolution towers' hidden state in the layout their embeddings give it
 (`fixed.ROW_MAJOR` off: SigLIP's is transposed); `bf16-gelu-apart` leaves SigLIP's tanh
 GELU a kernel of its own instead of the product's epilogue (`epilogues.EPILOGUES` off);
@@ -91,14 +94,21 @@ VARIANTS = {
     "fp8-strided": ("fp8", {(fixed, "ROW_MAJOR"): False}),
     "fp8-gated-apart": ("fp8", {(fp8, "GATED_MLPS"): ()}),
     "fp8-looped-rows": ("fp8", {(base, "WIDE_ROWS"): 0}),
-    "fp8-keep-out": ("fp8", {}, lambda family: [f"model.fp8_keep=[{ATTENTION_OUTPUT[family]}]"]),
+    "fp8-keep-out": ("fp8", {}, lambda family, _smoke: [f"model.fp8_keep=[{ATTENTION_OUTPUT[family]}]"]),
+    "fp8-calibrated": ("fp8", {}, lambda _family, smoke: [f"model.fp8_calibrate={calibration_rows(smoke)}"]),
 }
 """Variant -> (model.precision, the (module, setting) pairs of `encoders.fp8`,
 `encoders.fixed`, `encoders.base` and `encoders.epilogues` it changes while its adapter is
 made, with their values[, further job overrides, or a function of the tower's family
-that gives them])."""
+and --smoke that gives them])."""
 ATTENTION_OUTPUT = {"qwen2_5_vl": "attn.proj", "siglip": "self_attn.out_proj", "clip": "self_attn.out_proj"}
 """The mixes' towers' attention output projection, by family: what `fp8-keep-out` keeps in bf16."""
+CALIBRATION_ROWS = 64
+"""The items `fp8-calibrated` calibrates on: the mix's first (`model.fp8_calibrate`); 8 with --smoke."""
+
+
+def calibration_rows(smoke: bool) -> int:
+    return 8 if smoke else CALIBRATION_ROWS
 
 
 def log(message: str) -> None:
@@ -123,10 +133,10 @@ def free(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def layers_of(name: str, family: str):
+def layers_of(name: str, family: str, smoke: bool):
     """The overrides of variant `name` for a tower of `family`, with its module settings in force while inside."""
     precision, settings, *extra = VARIANTS[name]
-    overrides = (extra[0](family) if callable(extra[0]) else extra[0]) if extra else []
+    overrides = (extra[0](family, smoke) if callable(extra[0]) else extra[0]) if extra else []
     with module_settings(settings):
         yield [f"model.precision={precision}", *overrides]
 
@@ -142,7 +152,7 @@ def variant(job_path: Path, overrides: list[str], device: torch.device, prepared
 def kernel_table(job_path: Path, name: str, family: str, device: torch.device, items: list, rows: int = 15) -> str:
     """The CUDA kernels of one compiled eager forward of the largest packed batch of
     `items` in variant `name`, by total device time (`bench.largest_batch_kernels`)."""
-    with layers_of(name, family) as overrides:
+    with layers_of(name, family, False) as overrides:
         job = load_job(job_path, overrides)
         adapter = load_adapter(job, device)
         adapter.compile(dynamic=True)
@@ -172,15 +182,17 @@ def bench_mix(name: str, args: argparse.Namespace, photos, device: torch.device,
     results, vectors = {}, {}
     for precision in args.precisions:
         log(f"[{name}] {precision}")
-        with layers_of(precision, mix.tower.family) as overrides:
+        with layers_of(precision, mix.tower.family, args.smoke) as overrides:
             results[precision], vectors[precision] = variant(job_path, overrides, device, prepared, args.repeats)
-    reference_items = (prepared[0][: args.reference], 0)
-    log(f"[{name}] float32 reference on {len(reference_items[0])} items")
+    reference_items = (prepared[0][-args.reference :], 0)
+    log(f"[{name}] float32 reference on the last {len(reference_items[0])} items")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     _, reference = variant(job_path, REFERENCE, device, reference_items, 1)
     n = len(reference)
+    # Cosines to bf16 leave out the items a calibrated variant calibrated on, for every variant alike.
+    held = calibration_rows(args.smoke) if "fp8-calibrated" in args.precisions else 0
     if args.kernels and device.type == "cuda":
         for precision in args.precisions:
             log(f"[{name}] kernels, {precision}:\n" + kernel_table(job_path, precision, mix.tower.family, device, prepared[0]))
@@ -189,9 +201,10 @@ def bench_mix(name: str, args: argparse.Namespace, photos, device: torch.device,
         "items": len(prepared[0]),
         "tower": mix.tower.describe(args.smoke),
         "results": results,
-        "to_bf16": {p: cosine(vectors[p], vectors["bf16"]) for p in results if p != "bf16"},
-        "to_reference": {p: (cosine(vectors[p][:n], reference), relative_error(vectors[p][:n], reference)) for p in results},
+        "to_bf16": {p: cosine(vectors[p][held:], vectors["bf16"][held:]) for p in results if p != "bf16"},
+        "to_reference": {p: (cosine(vectors[p][-n:], reference), relative_error(vectors[p][-n:], reference)) for p in results},
         "reference_items": n,
+        "held": held,
         "peak": peak,
     }
 
@@ -237,8 +250,9 @@ def render(rows: list[dict], args: argparse.Namespace, wall: float) -> str:
             for p, (_, err) in row["to_reference"].items()
             if p != "bf16"
         )
+        held = f", cosines to bf16 over the {row['items'] - row['held']} after the first {row['held']}" if row["held"] else ""
         lines.append(
-            f"- **{row['mix']}**: {row['tower']}; {row['items']} items, float32 reference on the first "
+            f"- **{row['mix']}**: {row['tower']}; {row['items']} items{held}, float32 reference on the last "
             f"{row['reference_items']}; {ratios}"
         )
     return "\n".join(lines)

@@ -156,6 +156,13 @@ class ModelConfig:
         "log names them (attn.proj in Qwen-VL, self_attn.out_proj in SigLIP/CLIP): each brings the vectors closer to bf16's "
         "and gives back its share of FP8's speed-up (docs/performance.md)",
     )
+    fp8_calibrate: int = key(
+        0,
+        "model.precision fp8: rows whose layer inputs calibrate the FP8 weights (the input's first ones in row order whose "
+        "media decode, the same for every shard); each weight is rounded so its layer's output on such inputs moves least, "
+        "closer to bf16 at no cost per row (docs/performance.md); 0: rounded to nearest",
+        AT_LEAST_0,
+    )
     attention: Literal["auto", "varlen", "fa4"] = key(
         "auto",
         "Qwen-VL, SigLIP 2: the packed attention kernel: fa4 (FlashAttention-4 on segments over 128 tokens, the varlen kernels "
@@ -650,6 +657,8 @@ def _check_model(job: Job, errors: list[str]) -> None:
     _check_pool(job, errors)
     if job.model.fp8_keep and job.model.precision != "fp8":
         errors.append("model.fp8_keep names layers kept out of FP8, but model.precision is not fp8; remove model.fp8_keep")
+    if job.model.fp8_calibrate and job.model.precision != "fp8":
+        errors.append("model.fp8_calibrate calibrates FP8 weights, but model.precision is not fp8; remove model.fp8_calibrate")
     if pp.decoder == "gpu" and pp.tiling == "anyres":
         errors.append("preprocess.decoder = 'gpu' cannot cut anyres tiles (they are cut on the CPU); use decoder: cpu or tiling: none")
     if pp.decoder == "gpu" and job.runtime.device == "cpu":

@@ -46,6 +46,7 @@ import pyarrow as pa
 import torch
 
 from embedjob import stopping
+from embedjob.calibration import calibration_for
 from embedjob.captions import CaptionEncoder, PendingCaptions, caption_encoder, caption_task
 from embedjob.config import Job, JobError
 from embedjob.decode import DecodeOptions, MediaError
@@ -129,15 +130,16 @@ def window_sizes(window: int) -> Iterator[int]:
 # --- the model --------------------------------------------------------------------
 
 
-def load_encoder_adapter(job: Job, device: torch.device) -> EncoderAdapter:
-    """The job's adapter on `device`.
+def load_encoder_adapter(job: Job, device: torch.device, workers: int = 0) -> EncoderAdapter:
+    """The job's adapter on `device`, its FP8 weights calibrated on the input's first
+    rows where the job asks (`calibration`, decoded by `workers` processes).
 
     A checkpoint that cannot serve the job (not a checkpoint, another family) is a job
     error: the user must change model.path or model.family. A JobError raised while
     loading already names its key (model.attention, model.precision) and passes as it is.
     """
     try:
-        return load_adapter(job, device)
+        return load_adapter(job, device, calibration_for(job, workers))
     except JobError:
         raise
     except (ValueError, OSError) as exc:
@@ -462,7 +464,7 @@ class RankPipeline:
             start_worker_server(WORKER_MODULES)
         compiler = self.job.batching.compile and self.device.type == "cuda"
         threading.Thread(target=_warm_imports, args=(compiler,), name="embedjob-import", daemon=True).start()
-        adapter = load_encoder_adapter(self.job, self.device)
+        adapter = load_encoder_adapter(self.job, self.device, self.workers)
         since = self._setup("load", since)
         compile_if_asked(self.job, adapter)
         self.options = decode_options(self.job, adapter)

@@ -68,8 +68,8 @@ SMOKES = {
     "packing": (["--smoke"], ["padding, ladder", "min_padding never worse than greedy"]),
     "precision": (
         ["--smoke", "--mixes", "qwen-224", "--images", "qwen-224=8", "--reference", "2", "--repeats", "1",
-         "--precisions", "bf16-varlen-attn", "fp8-keep-out"],
-        ["| mix | precision |", "| fp8-keep-out |"],
+         "--precisions", "bf16-varlen-attn", "fp8-keep-out", "fp8-calibrated"],
+        ["| mix | precision |", "| fp8-keep-out |", "| fp8-calibrated |", "cosines to bf16 over the 16 after the first 8"],
     ),
     "scaling": (["--smoke", "--mixes", "qwen-224", "--images", "8"], ["| mix | run | rows |"]),
     "video_decode": (["--smoke"], ["skipped the nvdec run", "| decoder | workers |"]),

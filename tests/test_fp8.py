@@ -530,3 +530,132 @@ def test_the_row_kernels_compile_for_hopper_at_the_towers_widths(width: int, nor
         source = ASTSource(fp8_quantize_rows_kernel, {**pointers, **scalars, **{name: "constexpr" for name in names}}, names)
         built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         assert built.asm["cubin"], f"gated {gated}"
+
+
+def test_calibrated_rounding_moves_the_output_on_such_inputs_less_than_rounding_to_nearest() -> None:
+    """On inputs like those of the product (correlated columns, as real tokens have), the
+    calibrated rows' output error is well below nearest rounding's, on other inputs of the
+    same kind too; the scales are nearest rounding's, so a layer takes either; a column
+    whose inputs were all zero is rounded to nearest."""
+    from embedjob.encoders.fp8 import calibrated_rows, quantize_rows
+
+    torch.manual_seed(0)
+    weight = torch.randn(96, 160)
+    mixing = torch.randn(160, 160) / 4 + torch.eye(160)
+
+    def inputs(rows: int) -> torch.Tensor:
+        x = torch.randn(rows, 160) @ mixing + 2.0
+        x[:, 7] = 0.0  # a column no calibration input reaches
+        return x
+
+    seen = inputs(512)
+    quantized, scale = calibrated_rows(weight, seen.T @ seen)
+    nearest, nearest_scale = quantize_rows(weight)
+    assert quantized.dtype == torch.float8_e4m3fn and torch.equal(scale, nearest_scale)
+    assert torch.equal(quantized[:, 7], nearest[:, 7])
+    held_out = inputs(256)
+    exact = held_out @ weight.T
+
+    def error(q: torch.Tensor) -> float:
+        return float((held_out @ (q.float() * scale).T - exact).norm() / exact.norm())
+
+    assert error(quantized) < 0.75 * error(nearest)
+
+
+def test_a_product_that_cannot_be_inverted_rounds_to_nearest_with_a_warning(caplog) -> None:
+    from embedjob.encoders.fp8 import calibrated_rows, quantize_rows
+
+    weight = torch.randn(32, 48)
+    product = torch.full((48, 48), float("nan"))
+    with caplog.at_level("WARNING"):
+        quantized, scale = calibrated_rows(weight, product)
+    assert all(torch.equal(a, b) for a, b in zip((quantized.float(), scale), (t.float() for t in quantize_rows(weight))))
+    assert "cannot be inverted" in caplog.text
+
+
+def test_input_products_are_what_each_layer_read_and_siblings_share_theirs(cache_dir: str) -> None:
+    """SigLIP's q, k and v read the normed state: one product, equal to x^T x of those
+    rows; fc2 reads the activation; after the block nothing is hooked any more."""
+    from embedjob.encoders.fp8 import input_products
+
+    adapter = load_adapter(make_job(cache_dir, model={"family": "siglip", "path": "builtin:tiny-siglip"}), torch.device("cpu"))
+    block = adapter.compile_units()[0]
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, block.self_attn.q_proj.in_features)
+    seen: dict[str, torch.Tensor] = {}
+
+    def read(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        seen["fc2"] = args[0].reshape(-1, args[0].shape[-1])
+
+    block.mlp.fc2.register_forward_pre_hook(read)
+    with torch.inference_mode(), input_products([block]) as products:
+        block(x, attention_mask=None)
+    normed = block.layer_norm1(x).reshape(-1, x.shape[-1])
+    attention = block.self_attn
+    torch.testing.assert_close(products[attention.q_proj], normed.T @ normed, rtol=1e-5, atol=1e-4)
+    assert torch.equal(products[attention.q_proj], products[attention.v_proj])
+    torch.testing.assert_close(products[block.mlp.fc2], seen["fc2"].T @ seen["fc2"], rtol=1e-5, atol=1e-4)
+    assert len(products) == sum(type(m) is torch.nn.Linear for m in block.modules())
+    with torch.inference_mode(), input_products([]) as none:
+        block(x, attention_mask=None)
+    assert none == {} and not attention.q_proj._forward_pre_hooks
+
+
+def test_calibrated_fp8_job_is_closer_to_full_precision_on_rows_it_was_not_calibrated_on(tmp_path: Path, cache_dir: str, caplog) -> None:
+    """The demo job with model.fp8_calibrate: 4 (the input's first four rows): the rows
+    are those of the full-precision job, the log names what calibrated, and on the other
+    rows the vectors are closer to full precision than nearest rounding puts them."""
+    common = ("--set", "runtime.workers=0", "--set", "model.precision=fp8")
+    assert run(tmp_path / "full", cache_dir, "--set", "runtime.workers=0") == 0
+    assert run(tmp_path / "fp8", cache_dir, *common) == 0
+    with caplog.at_level("INFO"):
+        assert run(tmp_path / "calibrated", cache_dir, *common, "--set", "model.fp8_calibrate=4") == 0
+    assert "model.fp8_calibrate: the inputs of 20 linear layers read over 4 rows (of the input's first 4)" in caplog.text
+    assert "weights rounded to suit the calibration rows' inputs in" in caplog.text
+    (full_rows, full), (_, fp8), (rows, calibrated) = (embeddings(tmp_path / n) for n in ("full", "fp8", "calibrated"))
+    assert [(r["row"], r["error"]) for r in rows] == [(r["row"], r["error"]) for r in full_rows]
+    other = slice(4, None)
+    assert (1 - cosines(calibrated[other], full[other])).mean() < 0.7 * (1 - cosines(fp8[other], full[other])).mean()
+
+
+def test_every_shard_calibrates_on_the_same_rows(tmp_path: Path, cache_dir: str) -> None:
+    """Shard 1/2 starts at row 6 but calibrates on the input's first rows, as shard 0/2
+    and a one-shard run do: the two shards' vectors are the one-shard run's, bit for bit."""
+    common = ("--set", "runtime.workers=0", "--set", "model.precision=fp8", "--set", "model.fp8_calibrate=3")
+    assert run(tmp_path / "one", cache_dir, *common) == 0
+    for shard in ("0/2", "1/2"):
+        assert run(tmp_path / "two", cache_dir, *common, "--shard", shard) == 0
+    (one_rows, one), (two_rows, two) = embeddings(tmp_path / "one"), embeddings(tmp_path / "two")
+    assert [r["id"] for r in two_rows] == [r["id"] for r in one_rows]
+    assert np.array_equal(one, two)
+
+
+def test_calibration_where_the_first_rows_do_not_decode(tmp_path: Path, cache_dir: str, caplog, capsys) -> None:
+    """Fewer rows that decode than asked: a warning and the job runs on those; none among
+    the rows read: one line naming their errors and what to change, before any part."""
+    photo = PHOTOS[0].read_bytes()
+    table = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"image": [b"not an image"] * 3 + [photo] + [b"junk"] * 6}), table)
+    job = ("--set", f"input.path={table}", "--set", "input.id_column=null", "--set", "runtime.workers=0",
+           "--set", "model.precision=fp8", "--set", "runtime.max_error_rate=null")
+    with caplog.at_level("WARNING"):
+        assert run(tmp_path / "few", cache_dir, *job, "--set", "model.fp8_calibrate=2") == 0
+    assert "model.fp8_calibrate asks for 2 rows; only 1 of the input's first 8 rows decoded (unknown_format 7)" in caplog.text
+    pq.write_table(pa.table({"image": [b"not an image"] * 10 + [photo]}), table)
+    assert run(tmp_path / "none", cache_dir, *job, "--set", "model.fp8_calibrate=2") == 2
+    err = capsys.readouterr().err
+    assert "model.fp8_calibrate: none of the input's first 8 rows decoded (unknown_format 8)" in err
+    assert "set model.fp8_calibrate: 0" in err and not list((tmp_path / "none").glob("part-*.parquet"))
+
+
+def test_calibration_is_in_the_fingerprint_and_needs_fp8(tmp_path: Path, cache_dir: str, capsys) -> None:
+    table = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"image": [b"x"]}), table)
+
+    def model(values: dict) -> dict:
+        return job_fingerprint(make_job(cache_dir, input={"path": str(table)}, model=values))["model"]
+
+    assert "fp8_calibrate" not in model({"precision": "fp8"})
+    assert model({"precision": "fp8", "fp8_calibrate": 64})["fp8_calibrate"] == 64
+    assert run(tmp_path, cache_dir, "--set", "model.fp8_calibrate=8") == 2
+    assert "model.precision is not fp8; remove model.fp8_calibrate" in capsys.readouterr().err

@@ -28,8 +28,9 @@ import abc
 import logging
 import os
 import pickle
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,6 +41,10 @@ import torch
 from embedjob.encoders.attention import HALF
 
 logger = logging.getLogger(__name__)
+
+Calibration = Callable[["EncoderAdapter"], Mapping[torch.nn.Module, torch.Tensor]]
+"""What `EncoderAdapter.use_fp8` calls to calibrate the FP8 weights: the adapter, its
+blocks as loaded, in; each linear layer's input product out (`fp8.input_products`)."""
 
 WIDE_ROWS = 4096
 """The widest row that compiled blocks reduce in one pass (a persistent reduction, the row
@@ -294,20 +299,28 @@ class EncoderAdapter(abc.ABC):
         """Whether `forward` can be captured in a CUDA graph on this adapter's device."""
         return True
 
-    def use_fp8(self, keep: Sequence[str] = ()) -> None:
+    def use_fp8(self, keep: Sequence[str] = (), calibration: Calibration | None = None) -> None:
         """Run the linear layers of `compile_units` (the transformer blocks) in row-wise
         FP8 (`encoders.fp8`), but those at the paths `keep` (`model.fp8_keep`); a
         JobError, before any change, where the device cannot or `keep` names no block's
-        linear layer. Before `compile`, so the compiled blocks are those with the FP8 layers."""
-        from embedjob.encoders.fp8 import check_fp8, convert_blocks
+        linear layer. With `calibration`, called on this adapter while its blocks are
+        as loaded, the weights are rounded by the input products it returns
+        (`fp8.calibrated_rows`). Before `compile`, so the compiled blocks are those with
+        the FP8 layers."""
+        from embedjob.encoders.fp8 import check_fp8, check_kept, convert_blocks
 
         check_fp8(self.device, self.dtype)
         blocks = self.compile_units()
-        self.fp8_layers = dict(convert_blocks(blocks, keep))
+        check_kept(blocks, keep)
+        inputs = None if calibration is None else calibration(self)
+        since = time.perf_counter()
+        self.fp8_layers = dict(convert_blocks(blocks, keep, inputs))
         logger.info(
-            "model.precision fp8: %d linear layers of %d blocks in row-wise FP8 (%s); the patch embedding, "
+            "model.precision fp8: %d linear layers of %d blocks in row-wise FP8 (%s%s); the patch embedding, "
             "attention, the norms that no FP8 layer applies and the layers outside the blocks in %s",
-            sum(self.fp8_layers.values()), len(blocks), ", ".join(sorted(self.fp8_layers)), str(self.dtype).removeprefix("torch."),
+            sum(self.fp8_layers.values()), len(blocks), ", ".join(sorted(self.fp8_layers)),
+            "" if inputs is None else f"; weights rounded to suit the calibration rows' inputs in {time.perf_counter() - since:.1f} s",
+            str(self.dtype).removeprefix("torch."),
         )
 
     def use_epilogues(self) -> None:

@@ -24,7 +24,7 @@ import torch
 from embedjob.config import Job, cache_root, relative_note
 from embedjob.encoders import epilogues
 from embedjob.encoders.attention import HALF, resolve_backend
-from embedjob.encoders.base import EncoderAdapter, Placement
+from embedjob.encoders.base import Calibration, EncoderAdapter, Placement
 from embedjob.encoders.registry import FAMILIES
 
 logger = logging.getLogger(__name__)
@@ -73,11 +73,14 @@ class AdapterOptions:
         )
 
 
-def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
+def load_adapter(job: Job, device: torch.device, calibration: Calibration | None = None) -> EncoderAdapter:
     """Build the adapter the job asks for, on `device`, in the job's dtype (float32 on CPU).
 
     The attention backend is resolved first (a JobError where `model.attention: fa4`
-    cannot run), so such a job stops before any checkpoint is read or fetched.
+    cannot run), so such a job stops before any checkpoint is read or fetched. Under
+    `model.precision: fp8`, `calibration` (where given) calibrates the FP8 weights
+    (`EncoderAdapter.use_fp8`); the caller gives one where `model.fp8_calibrate` asks,
+    since the rows it reads are the job's input, which encoders know nothing of.
     """
     family = FAMILIES.get(job.model.family)
     if family is None:
@@ -92,7 +95,7 @@ def load_adapter(job: Job, device: torch.device) -> EncoderAdapter:
     if options.text:
         check_text_tower(adapter)
     if job.model.precision == "fp8":
-        adapter.use_fp8(job.model.fp8_keep)
+        adapter.use_fp8(job.model.fp8_keep, calibration)
     elif device.type == "cuda" and dtype in HALF and epilogues.EPILOGUES:
         adapter.use_epilogues()
         if adapter.text is not None:

@@ -145,13 +145,16 @@ def _model_identity(job: Job) -> dict[str, Any]:
     the alias's name as output written before `pool` existed recorded it, so that output
     resumes and either spelling of one pooling resumes the other's. `fp8_keep` is a set of
     layers, recorded sorted, and left out where empty, as output written before it existed
-    had every layer in FP8."""
+    had every layer in FP8; `fp8_calibrate` is left out where 0 (rounded to nearest, as
+    before it existed). Calibration rows are the input's, which the input part identifies."""
     values = _without_default(job.model, "precision", "bf16")
     del values["attention"], values["pool"]
     if values["fp8_keep"]:
         values["fp8_keep"] = sorted(set(values["fp8_keep"]))
     else:
         del values["fp8_keep"]
+    if not values["fp8_calibrate"]:
+        del values["fp8_calibrate"]
     values["dinov2_pool"] = job.model.image_pool
     return values
 

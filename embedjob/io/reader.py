@@ -221,19 +221,43 @@ def scan_input(cfg: InputConfig, columns: Sequence[str] = (), cache_root: Path |
     fragments = []
     first_row = 0
     for info in infos:
-        for index in range(info.metadata.num_row_groups):
-            group = info.metadata.row_group(index)
-            if group.num_rows == 0:
-                continue
-            cost = _media_bytes(group, cfg.media_column) or group.total_byte_size
-            fragments.append(Fragment(info.path, index, first_row, group.num_rows, cost))
-            first_row += group.num_rows
+        fragments += _fragments_of(info, cfg, first_row)
+        first_row += info.metadata.num_rows
     logger.info(
         "input %s: %s, %s, %s", cfg.path, plural(len(infos), "file"), plural(len(fragments), "row group"), plural(first_row, "row")
     )
     typed = [info.id_type for info in infos if not pa.types.is_null(info.id_type)]
     files = [info.identity for info in infos if info.identity is not None]
     return InputListing(fragments, typed[0] if typed else infos[0].id_type, files, _column_types(infos, columns))
+
+
+def _fragments_of(info: _FileInfo, cfg: InputConfig, first_row: int) -> list[Fragment]:
+    """The non-empty row groups of one file whose first row is global row `first_row`."""
+    fragments = []
+    for index in range(info.metadata.num_row_groups):
+        group = info.metadata.row_group(index)
+        if group.num_rows == 0:
+            continue
+        cost = _media_bytes(group, cfg.media_column) or group.total_byte_size
+        fragments.append(Fragment(info.path, index, first_row, group.num_rows, cost))
+        first_row += group.num_rows
+    return fragments
+
+
+def leading_rows(cfg: InputConfig, cache_root: Path | None = None) -> Iterator[InputRow]:
+    """The input's rows from its first in row order (every shard's, not one shard's),
+    reading the footers of only the Parquet files it gets to, one at a time, so a caller
+    that wants a few rows of an input of thousands of remote files reads one or two
+    footers; webdataset input is scanned whole (its tar indexes are kept, `scan_input`)."""
+    if cfg.format == "webdataset":
+        yield from read_rows(cfg, scan_input(cfg, (), cache_root).fragments)
+        return
+    first_row = 0
+    for location in _find_files(cfg.path, cfg.storage_options):
+        with _open(location, cfg.storage_options) as pf:
+            info = _file_info(location, pf, cfg)
+        yield from read_rows(cfg, _fragments_of(info, cfg, first_row))
+        first_row += info.metadata.num_rows
 
 
 def list_fragments(cfg: InputConfig) -> list[Fragment]:

@@ -566,3 +566,29 @@ def test_files_that_disagree_on_the_columns(tmp_path):
 def test_missing_local_media_root(dataset, tmp_path):
     with pytest.raises(JobError, match="input.media_root .* is not a directory"):
         list_fragments(cfg(dataset, media_root=str(tmp_path / "absent")))
+
+
+def test_leading_rows_are_the_inputs_first_rows_and_read_only_the_footers_they_reach(
+    dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What model.fp8_calibrate reads: the input's rows from its first, across files in
+    order with global row numbers, as `read_rows` gives them; taking the first 9 opens
+    a.parquet and b.parquet only, never the last file's footer."""
+    import itertools
+
+    from embedjob.io import reader
+
+    opened: list[str] = []
+    original = reader._open
+
+    def counting(location: str, *args, **kwargs):
+        opened.append(Path(location).name)
+        return original(location, *args, **kwargs)
+
+    monkeypatch.setattr(reader, "_open", counting)
+    config = cfg(dataset)
+    first = list(itertools.islice(reader.leading_rows(config), 9))
+    assert "c.parquet" not in opened
+    assert [(r.row, r.id) for r in first] == list(enumerate(expected_ids()[:9]))
+    assert [(r.row, r.id, r.data) for r in first] == [(r.row, r.id, r.data) for r in read_all(config)[:9]]
+    assert [r.id for r in reader.leading_rows(config)] == expected_ids()

@@ -223,7 +223,12 @@ def video_decoder(job: Job, device: torch.device) -> str:
 def vector_description(job: Job, model: dict[str, Any]) -> dict[str, Any]:
     """What every part says of its vectors (its schema's `embedjob` metadata): which
     model made them, how, and their width, so a reader needs neither the job nor the
-    width of the model (`model`: the loaded adapter's `describe()`)."""
+    width of the model (`model`: the loaded adapter's `describe()`). An fp8 job's layers
+    kept in bf16 and calibration rows are named where it has them: vectors of two FP8
+    settings differ."""
+    fp8 = {"fp8_keep": sorted(set(job.model.fp8_keep))} if job.model.fp8_keep else {}
+    if job.model.fp8_calibrate:
+        fp8["fp8_calibrate"] = job.model.fp8_calibrate
     return {
         "model_path": job.model.path,
         "family": model["family"],
@@ -234,6 +239,7 @@ def vector_description(job: Job, model: dict[str, Any]) -> dict[str, Any]:
         "dtype": job.output.dtype,
         "width": model["embed_dim"],
         "embedjob_version": __version__,
+        **fp8,
         **caption_keys(job),
     }
 

@@ -195,6 +195,8 @@ def test_kept_layers_stay_in_full_precision_and_bring_the_vectors_closer(tmp_pat
     assert [(r["row"], r["error"]) for r in kept_rows] == [(r["row"], r["error"]) for r in full_rows]
     stats = json.loads((tmp_path / "kept" / "_embedjob" / "stats-00000.json").read_text())
     assert stats["fp8_layers"] == {name: 4 for name in ("attn.qkv", "mlp.gate_proj", "mlp.up_proj")}
+    described = json.loads(pq.read_schema(sorted((tmp_path / "kept").glob("part-*.parquet"))[0]).metadata[b"embedjob"])
+    assert described["fp8_keep"] == ["attn.proj", "mlp.down_proj"] and "fp8_calibrate" not in described
     assert (1 - cosines(kept_vectors, full)).mean() < (1 - cosines(fp8, full)).mean()
 
 
@@ -614,6 +616,9 @@ def test_calibrated_fp8_job_is_closer_to_full_precision_on_rows_it_was_not_calib
     assert "weights rounded to suit the calibration rows' inputs in" in caplog.text
     (full_rows, full), (_, fp8), (rows, calibrated) = (embeddings(tmp_path / n) for n in ("full", "fp8", "calibrated"))
     assert [(r["row"], r["error"]) for r in rows] == [(r["row"], r["error"]) for r in full_rows]
+    for path in sorted((tmp_path / "calibrated").glob("part-*.parquet")):
+        described = json.loads(pq.read_schema(path).metadata[b"embedjob"])
+        assert (described["precision"], described["fp8_calibrate"]) == ("fp8", 4) and "fp8_keep" not in described
     other = slice(4, None)
     assert (1 - cosines(calibrated[other], full[other])).mean() < 0.7 * (1 - cosines(fp8[other], full[other])).mean()
 

@@ -18,6 +18,8 @@
 #     bash benchmarks/device_checks.sh kernels qwen-mixed siglip
 # FP8 with the attention output projection kept in bf16 (model.fp8_keep, #57) against all-FP8, speed and cosine:
 #     PRECISIONS="fp8 fp8-keep-out" bash benchmarks/device_checks.sh kernels qwen-224 siglip
+# and FP8 weights calibrated on each mix's first 64 items (model.fp8_calibrate), cosines over the rest:
+#     PRECISIONS="fp8 fp8-calibrated" bash benchmarks/device_checks.sh kernels siglip qwen-224
 # For video (#56): 1,152 clips take the 16 cores about 15 minutes at CLIP_SECONDS=5.25, so the
 # maker runs in the background through calls made back to back (an idle machine goes back in
 # 30 s), the first carrying [".ffmpeg", "bench-data", ".whl-light"], the others [".whl", "bench-data"]:

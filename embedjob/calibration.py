@@ -52,8 +52,9 @@ def calibration_for(job: Job, workers: int) -> Calibration | None:
 
 
 def fp8_input_products(job: Job, workers: int, adapter: EncoderAdapter) -> dict[torch.nn.Module, torch.Tensor]:
-    """Each linear layer of the adapter's blocks' input product over the calibration rows
-    (`calibration_items`), the tower run eagerly on them as loaded, in the job's batches."""
+    """The input product of every linear layer of the adapter's blocks over the calibration
+    rows (`calibration_items`), by layer: the tower as loaded runs them eagerly, packed in
+    the job's batches, with no graph captured (a capture now would be of bf16 blocks)."""
     since = time.perf_counter()
     items, read = calibration_items(job, adapter, workers)
     plan = budget_plan(job, adapter)

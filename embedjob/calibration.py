@@ -59,7 +59,7 @@ def fp8_input_products(job: Job, workers: int, adapter: EncoderAdapter) -> dict[
     items, read = calibration_items(job, adapter, workers)
     plan = budget_plan(job, adapter)
     encoder = BatchEncoder(adapter, graph_paths(adapter, plan, None), job.batching.policy)
-    with input_products(adapter.compile_units()) as products:
+    with input_products(adapter.compile_units(), job.model.fp8_keep) as products:
         encoder.encode(items, "mean", adapter.dtype)
     logger.info(
         "model.fp8_calibrate: the inputs of %s read over %s (of the input's first %d) in %.1f s",

@@ -598,6 +598,9 @@ def test_input_products_are_what_each_layer_read_and_siblings_share_theirs(cache
     assert torch.equal(products[attention.q_proj], products[attention.v_proj])
     torch.testing.assert_close(products[block.mlp.fc2], seen["fc2"].T @ seen["fc2"], rtol=1e-5, atol=1e-4)
     assert len(products) == sum(type(m) is torch.nn.Linear for m in block.modules())
+    with torch.inference_mode(), input_products([block], keep=["mlp.fc2"]) as kept:
+        block(x, attention_mask=None)
+    assert block.mlp.fc2 not in kept and len(kept) == len(products) - 1
     with torch.inference_mode(), input_products([]) as none:
         block(x, attention_mask=None)
     assert none == {} and not attention.q_proj._forward_pre_hooks

@@ -281,10 +281,13 @@ def calibrated_rows(weight: torch.Tensor, product: torch.Tensor) -> tuple[torch.
 
 
 @contextmanager
-def input_products(blocks: Iterable[torch.nn.Module]) -> Iterator[dict[torch.nn.Module, torch.Tensor]]:
-    """While inside, every `nn.Linear` of `blocks` adds x^T x of its input rows (float32,
-    on their device) to the dict this yields, by layer: what `calibrated_rows` weighs
-    rounding errors by. Siblings called on one tensor (q, k and v) share its product.
+def input_products(
+    blocks: Iterable[torch.nn.Module], keep: Collection[str] = ()
+) -> Iterator[dict[torch.nn.Module, torch.Tensor]]:
+    """While inside, every `nn.Linear` of `blocks` but those at the paths `keep` (which
+    stay out of FP8, `convert_blocks`) adds x^T x of its input rows (float32, on their
+    device) to the dict this yields, by layer: what `calibrated_rows` weighs rounding
+    errors by. Siblings called on one tensor (q, k and v) share its product.
     What a layer reads is its input as the block computes it (after its norm and
     activation), which is what an FP8 layer that applies them quantises."""
     products: dict[torch.nn.Module, torch.Tensor] = {}
@@ -297,7 +300,7 @@ def input_products(blocks: Iterable[torch.nn.Module]) -> Iterator[dict[torch.nn.
             latest[0], latest[1] = x, rows.T @ rows
         products[module] = products[module] + latest[1] if module in products else latest[1].clone()
 
-    layers = [m for block in blocks for m in block.modules() if type(m) is torch.nn.Linear]
+    layers = [m for block in blocks for path, m in block.named_modules() if type(m) is torch.nn.Linear and path not in keep]
     handles = [layer.register_forward_pre_hook(add) for layer in layers]
     try:
         yield products

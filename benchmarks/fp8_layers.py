@@ -55,7 +55,7 @@ from benchmarks.encoder_only import module_settings, preprocess_rows  # noqa: E4
 from benchmarks.mixes import MIXES, jpeg_dataset, save_tower, write_job  # noqa: E402
 from embedjob.config import load_job  # noqa: E402
 from embedjob.encoders import epilogues, load_adapter  # noqa: E402
-from embedjob.encoders.fp8 import calibrated_rows, quantize_rows  # noqa: E402
+from embedjob.encoders.fp8 import calibrated_rows, input_products, quantize_rows  # noqa: E402
 from embedjob.engine import packer  # noqa: E402
 from embedjob.engine.encode import budget_plan  # noqa: E402
 from embedjob.engine.graphs import GraphManager, pool_rows  # noqa: E402
@@ -184,14 +184,13 @@ def measuring(layers: Layers, rows: int) -> AbstractContextManager[None]:
     return reading_inputs(layers, measure)
 
 
-def collecting(layers: Layers) -> AbstractContextManager[None]:
-    """While inside, every layer adds x^T x of its input rows to `layers.hessians`."""
-
-    def collect(name: str, _module: torch.nn.Linear, x: torch.Tensor) -> None:
-        x = x.float()
-        layers.hessians[name] = layers.hessians.get(name, 0) + x.T @ x
-
-    return reading_inputs(layers, collect)
+@contextmanager
+def collecting(layers: Layers) -> Iterator[None]:
+    """While inside, every layer's x^T x of its input rows is summed (`fp8.input_products`,
+    as a calibrating job sums them), and on leaving put in `layers.hessians`."""
+    with input_products(layers.modules.values()) as products:
+        yield
+    layers.hessians.update({name: products[module] for name, module in layers.modules.items() if module in products})
 
 
 @contextmanager

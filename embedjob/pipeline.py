@@ -57,7 +57,7 @@ from embedjob.engine.defs import Encoded, Encoder, output_dtype, to_host
 from embedjob.engine.encode import build_encoder
 from embedjob.host import device_name
 from embedjob.io import reader
-from embedjob.io.checkpoint import caption_keys
+from embedjob.io.checkpoint import caption_keys, fp8_keys
 from embedjob.io.digest import UNREAD, digest_array
 from embedjob.io.writer import RowBlock
 from embedjob.decode_split import DecodeSplit, gpu_share
@@ -225,10 +225,7 @@ def vector_description(job: Job, model: dict[str, Any]) -> dict[str, Any]:
     model made them, how, and their width, so a reader needs neither the job nor the
     width of the model (`model`: the loaded adapter's `describe()`). An fp8 job's layers
     kept in bf16 and calibration rows are named where it has them: vectors of two FP8
-    settings differ."""
-    fp8 = {"fp8_keep": sorted(set(job.model.fp8_keep))} if job.model.fp8_keep else {}
-    if job.model.fp8_calibrate:
-        fp8["fp8_calibrate"] = job.model.fp8_calibrate
+    settings differ (`fp8_keys`)."""
     return {
         "model_path": job.model.path,
         "family": model["family"],
@@ -239,7 +236,7 @@ def vector_description(job: Job, model: dict[str, Any]) -> dict[str, Any]:
         "dtype": job.output.dtype,
         "width": model["embed_dim"],
         "embedjob_version": __version__,
-        **fp8,
+        **fp8_keys(job),
         **caption_keys(job),
     }
 

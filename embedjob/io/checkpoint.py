@@ -143,20 +143,25 @@ def _model_identity(job: Job) -> dict[str, Any]:
     (benchmarks/RESULTS.md), so output resumes across it (and `auto` resolves per machine).
     The pooling `pool` and its deprecated alias `dinov2_pool` pick is recorded once, under
     the alias's name as output written before `pool` existed recorded it, so that output
-    resumes and either spelling of one pooling resumes the other's. `fp8_keep` is a set of
-    layers, recorded sorted, and left out where empty, as output written before it existed
-    had every layer in FP8; `fp8_calibrate` is left out where 0 (rounded to nearest, as
-    before it existed). Calibration rows are the input's, which the input part identifies."""
+    resumes and either spelling of one pooling resumes the other's. The FP8 settings are
+    `fp8_keys`' (calibration rows are the input's, which the input part identifies)."""
     values = _without_default(job.model, "precision", "bf16")
-    del values["attention"], values["pool"]
-    if values["fp8_keep"]:
-        values["fp8_keep"] = sorted(set(values["fp8_keep"]))
-    else:
-        del values["fp8_keep"]
-    if not values["fp8_calibrate"]:
-        del values["fp8_calibrate"]
+    del values["attention"], values["pool"], values["fp8_keep"], values["fp8_calibrate"]
+    values.update(fp8_keys(job))
     values["dinov2_pool"] = job.model.image_pool
     return values
+
+
+def fp8_keys(job: Job) -> dict[str, Any]:
+    """An fp8 job's layers kept in bf16 (a set, recorded sorted) and calibration rows,
+    which change its vectors: in the fingerprint and in each part's metadata, left out
+    where unset, so output made before they existed resumes."""
+    described: dict[str, Any] = {}
+    if job.model.fp8_keep:
+        described["fp8_keep"] = sorted(set(job.model.fp8_keep))
+    if job.model.fp8_calibrate:
+        described["fp8_calibrate"] = job.model.fp8_calibrate
+    return described
 
 
 def job_fingerprint(job: Job, listing: reader.InputListing | None = None) -> dict[str, Any]:

@@ -22,6 +22,8 @@ forward of the mix's largest batch by device time (where the time goes).
 `model.precision: fp8` runs), `fp8-exact-accum` (the FP8 product promoting its partial
 sums to float32: `fp8.FAST_ACCUM` off), `fp8-compiler-quant` (activations quantised
 by the compiler's fused reduction instead of the Triton row kernel: `fp8.ROW_KERNEL` off),
+`fp8-one-block` (the row kernel holding a row in one block of the next power of two, not
+up to three: `fp8.ROW_BLOCKS` 1),
 `fp8-unjoined` (every linear layer its own quantisation and product: `fp8.JOINT_GROUPS`
 empty), `fp8-activation-apart` (the MLP's activation a kernel of its own, not applied by
 the layer that reads it: `fp8.ACTIVATION_INTO` empty), `fp8-norm-apart` (the blocks'
@@ -88,6 +90,7 @@ VARIANTS = {
     "fp8": ("fp8", {}),
     "fp8-exact-accum": ("fp8", {(fp8, "FAST_ACCUM"): False}),
     "fp8-compiler-quant": ("fp8", {(fp8, "ROW_KERNEL"): False}),
+    "fp8-one-block": ("fp8", {(fp8, "ROW_BLOCKS"): 1}),
     "fp8-unjoined": ("fp8", {(fp8, "JOINT_GROUPS"): ()}),
     "fp8-activation-apart": ("fp8", {(fp8, "ACTIVATION_INTO"): ()}),
     "fp8-norm-apart": ("fp8", {(fp8, "NORM_INTO"): ()}),

@@ -1,12 +1,13 @@
-"""FP8 row quantisation alone: the row kernel's memory rate at the towers' shapes, by warps per row (RESULTS.md section 6).
+"""FP8 row quantisation alone: the row kernel's memory rate at the towers' shapes, by blocks and warps per row (RESULTS.md section 6).
 
 On an H200 the quantisation took 23 % of SigLIP-so400m's FP8 batch (108 calls of 618 us,
 about 1.75 TB/s of the memory's 4.8; section 6), which keeps FP8 at 1.25x bf16 where the
 target is 1.3x. This script times `torch.ops.embedjob.fp8_quantize_rows` (the Triton
 kernel of `encoders.fp8_kernel`) alone on `--rows` rows (186,624: 256 SigLIP images of 729
-patches, its largest batch) for each input the FP8 layers quantise, at each `--warps`
-(`fp8.ROW_WARPS`; `default` is the rule a job runs: 4 warps with an activation or for rows
-of up to 2,048, else 8):
+patches, its largest batch) for each input the FP8 layers quantise, at each `--blocks`
+(`fp8.ROW_BLOCKS`: the most power-of-two blocks a program holds its row in; 1 is one
+block of the next power of two) and each `--warps` (`fp8.ROW_WARPS`; `default` is the rule
+a job runs: 4 warps with an activation or for rows of up to 2,048, else 8):
 
 - SigLIP-so400m: 1,152 wide after the layer norm (q, k, v and fc1), 1,152 plain (the
   attention output), 4,304 after the tanh GELU (fc2);
@@ -18,7 +19,7 @@ bytes it moves (bf16 in, FP8 and a scale out) per second, and that over the rate
 copy of the same input in the same process (a read and a write: what the memory gives a
 kernel of this shape). The table is printed last.
 
-    PYTHONPATH=. python3 benchmarks/quantize_rows.py [--rows 186624] [--warps default 2 4 8 16]
+    PYTHONPATH=. python3 benchmarks/quantize_rows.py [--rows 186624] [--blocks 3 1] [--warps default 2 4 8 16]
 
 `--smoke` (no GPU) times the torch path of the same call (`fp8.quantize_input`) on the CPU
 on 256 rows, saying so: the table and its arithmetic are checked, not the kernel.
@@ -41,6 +42,7 @@ from benchmarks.common import log, median_seconds, skipped, table  # noqa: E402
 from embedjob.encoders import fp8  # noqa: E402
 
 SCRIPT = "quantize_rows"
+DEFAULT_BLOCKS = fp8.ROW_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -110,19 +112,24 @@ def main() -> int:
     device = torch.device("cpu") if args.smoke else torch.device("cuda")
     rows = 256 if args.smoke else args.rows
     warps = ["default"] if args.smoke else args.warps
+    blocks = [fp8.ROW_BLOCKS] if args.smoke else args.blocks
     lines = []
     for case in CASES:
         x, weight, bias = inputs(case, rows, device)
         copy = median_seconds(lambda: x.clone(), args.repeats, device)
-        for setting in warps:
-            fp8.ROW_WARPS = None if setting == "default" else int(setting)
-            took = median_seconds(quantizer(case, x, weight, bias, args.smoke), args.repeats, device)
-            rate = moved(case, x) / took
-            lines.append([case.describe(), setting, f"{took * 1e6:.1f}", f"{rate / 1e12:.2f}", f"{rate / (2 * x.nbytes / copy):.2f}"])
-            log(SCRIPT, f"{case.describe()}, warps {setting}: {took * 1e6:.1f} us")
-    fp8.ROW_WARPS = None
+        for most in blocks:
+            fp8.ROW_BLOCKS = most
+            widths = " + ".join(f"{width:,}" for width in fp8.row_blocks(fp8._padded(case.cols), most) if width)
+            for setting in warps:
+                fp8.ROW_WARPS = None if setting == "default" else int(setting)
+                took = median_seconds(quantizer(case, x, weight, bias, args.smoke), args.repeats, device)
+                rate = moved(case, x) / took
+                lines.append([case.describe(), widths, setting, f"{took * 1e6:.1f}", f"{rate / 1e12:.2f}",
+                              f"{rate / (2 * x.nbytes / copy):.2f}"])
+                log(SCRIPT, f"{case.describe()}, blocks {widths}, warps {setting}: {took * 1e6:.1f} us")
+    fp8.ROW_WARPS, fp8.ROW_BLOCKS = None, DEFAULT_BLOCKS
     name = "cpu, the torch path standing in for the kernel" if args.smoke else torch.cuda.get_device_name(0)
-    head = ["input (tower: the layers reading it)", "warps", "us a call", "TB/s", "/ bf16 copy's rate"]
+    head = ["input (tower: the layers reading it)", "blocks (lanes)", "warps", "us a call", "TB/s", "/ bf16 copy's rate"]
     print("\n".join([f"# FP8 row quantisation, {rows:,} rows ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
                      f"device: {name}; torch {torch.__version__}; command: {' '.join(sys.argv)}", "", *table(head, lines, 2)]), flush=True)
     return 0
@@ -131,6 +138,8 @@ def main() -> int:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=186_624, help="rows a call quantises (SigLIP's largest batch: 256 x 729)")
+    parser.add_argument("--blocks", nargs="+", type=int, default=[DEFAULT_BLOCKS, 1], choices=[1, 2, 3],
+                        help="fp8.ROW_BLOCKS values (the job's first)")
     parser.add_argument("--warps", nargs="+", default=["default", "2", "4", "8", "16"], help="fp8.ROW_WARPS values (default: a job's rule)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="CPU only: the torch path on 256 rows")

@@ -17,6 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
 from PIL import Image
 from conftest import REPO, make_job
 
@@ -498,15 +500,16 @@ KERNEL_HELPERS = Path(__file__).with_name("fp8_kernel_helpers.py")
 def test_the_row_kernel_quantises_as_the_torch_path_does_in_tritons_interpreter() -> None:
     """The kernel CUDA layers use, run by Triton's interpreter on the CPU: the torch path's
     scales (a row of zeros among them: the smallest scale) and zero padding, after a layer
-    norm, an RMS norm, an activation or none. Its FP8 values are tests/test_gpu.py's to
-    check, on a GPU."""
+    norm, an RMS norm, an activation or none, and of a gated MLP's joined gate|up row; a
+    row held in up to three blocks (SigLIP's 1,152 as 1,024 + 128) gives the bytes of the
+    same row held in one. Its FP8 values are tests/test_gpu.py's to check, on a GPU."""
     pytest.importorskip("triton")
     done = subprocess.run([sys.executable, str(KERNEL_HELPERS)], env={**os.environ, "TRITON_INTERPRET": "1"},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
-    assert len(results) == 5
-    wrong = [r for r in results if not (r["padding_zero"] and r["scale_error"] < 1e-5)]
+    assert len(results) == 16
+    wrong = [r for r in results if not (r["padding_zero"] and r["scale_error"] < 1e-5 and r["as_one_block"])]
     assert not wrong, wrong
 
 
@@ -524,7 +527,8 @@ def test_the_row_kernels_compile_for_hopper_at_the_towers_widths(width: int, nor
     from embedjob.encoders.fp8_kernel import fp8_quantize_rows_kernel
 
     pointers = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "w_ptr": "*bf16", "b_ptr": "*bf16", "stride": "i64"}
-    constants = {"BLOCK": triton.next_power_of_2(fp8._padded(width)), "TINY": fp8._TINY, "LIMIT": fp8.FP8_MAX,
+    head, mid, tail = fp8.row_blocks(fp8._padded(width), fp8.ROW_BLOCKS)
+    constants = {"HEAD": head, "MID": mid, "TAIL": tail, "TINY": fp8._TINY, "LIMIT": fp8.FP8_MAX,
                  "ACTIVATION": activation, "NORM": norm, "EPS": 1e-6}
     scalars = {"cols": "i32", "padded": "i32", "up": "i32"}
     for gated in (False, True):
@@ -532,6 +536,27 @@ def test_the_row_kernels_compile_for_hopper_at_the_towers_widths(width: int, nor
         source = ASTSource(fp8_quantize_rows_kernel, {**pointers, **scalars, **{name: "constexpr" for name in names}}, names)
         built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         assert built.asm["cubin"], f"gated {gated}"
+
+
+@given(st.integers(1, 1024).map(lambda n: 16 * n), st.integers(1, 3))
+@example(1152, 3)
+def test_the_row_kernels_blocks_cover_a_row_with_fewer_lanes_than_a_power_of_two(padded: int, most: int) -> None:
+    """The blocks a row kernel's program holds a row in (`fp8.row_blocks`) are at most
+    `most` powers of two, largest first, covering the row; past the largest, the lanes
+    they add beyond the row are fewer than the smallest block (no block is wasted), and
+    never more than one block of the next power of two has; one block is that power of two."""
+    from embedjob.encoders.fp8 import row_blocks
+
+    blocks = row_blocks(padded, most)
+    widths = [width for width in blocks if width]
+    assert len(blocks) == 3 and 1 <= len(widths) <= most and blocks[len(widths):] == (0,) * (3 - len(widths))
+    assert all(width & (width - 1) == 0 for width in widths) and widths == sorted(widths, reverse=True)
+    assert padded <= sum(widths) <= 1 << (padded - 1).bit_length()
+    assert len(widths) == 1 or sum(widths) - padded < widths[-1]
+    if most == 1:
+        assert widths == [1 << (padded - 1).bit_length()]
+    if padded == 1152 and most == 3:  # SigLIP's width: 1,024 + 128 lanes, not 2,048
+        assert widths == [1024, 128]
 
 
 def test_calibrated_rounding_moves_the_output_on_such_inputs_less_than_rounding_to_nearest() -> None:

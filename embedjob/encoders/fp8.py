@@ -101,6 +101,11 @@ RESULTS.md section 6) 2 warps quantised the normed 1,024-1,280-column rows up to
 and 16 the gated 3,420-column row 1.22x: by their share, about 1 % of an FP8 batch (untimed).
 Several rows a program (a block kernel, in git history) was slower at every width. Read at
 each launch."""
+ROW_BLOCKS = 3
+"""Most power-of-two blocks a row kernel's program holds its row in (`row_blocks`); 1:
+one block of the next power of two over the row, as the kernel did until the blocks
+came, which computes on up to twice the lanes the row has (SigLIP's 4,304 columns on
+8,192) and needs registers for them. Read at each launch."""
 
 
 JOINT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -221,6 +226,21 @@ def recognised_activation(
 
 def _padded(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
+
+
+def row_blocks(padded: int, most: int) -> tuple[int, int, int]:
+    """The widths (powers of two, largest first, 0 for none) of the at most `most` (1 to
+    3) blocks that the row kernel holds a row of `padded` columns in: `padded`'s binary
+    digits from the top, the last block rounded up to the next power of two over what
+    is left, so the blocks cover `padded` with the fewest lanes that many blocks allow."""
+    widths = []
+    left = padded
+    while left > 0 and len(widths) < most - 1:
+        widths.append(1 << (left.bit_length() - 1))
+        left -= widths[-1]
+    if left > 0:
+        widths.append(1 << (left - 1).bit_length())
+    return (*widths, *[0] * (3 - len(widths)))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,8 +373,6 @@ def _register_row_quantizer() -> None:
     A `torch.library.triton_op`, so compiled blocks call the kernel and CUDA graphs
     capture it, and its fake implementation is this function traced on fake tensors;
     registered once, when the first layer is made (Triton is imported only where CUDA runs)."""
-    import triton
-
     from embedjob.encoders.fp8_kernel import fp8_quantize_rows_kernel
 
     @torch.library.triton_op("embedjob::fp8_quantize_rows", mutates_args=())
@@ -369,11 +387,12 @@ def _register_row_quantizer() -> None:
         quantized = torch.empty(rows, padded, dtype=FP8, device=x.device)
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
         warps = ROW_WARPS or (4 if activation or padded <= 2048 else 8)
+        head, mid, tail = row_blocks(padded, ROW_BLOCKS)
         weight = x if weight is None else weight  # not read without a norm
         bias = weight if bias is None else bias  # not read without a layer norm
         torch.library.wrap_triton(fp8_quantize_rows_kernel)[(rows,)](
             x, quantized, scale, weight, bias, x.stride(0), cols, padded, up,
-            BLOCK=triton.next_power_of_2(padded), TINY=_TINY, LIMIT=FP8_MAX, ACTIVATION=activation, NORM=norm, EPS=eps,
+            HEAD=head, MID=mid, TAIL=tail, TINY=_TINY, LIMIT=FP8_MAX, ACTIVATION=activation, NORM=norm, EPS=eps,
             GATED=up > 0, num_warps=warps,
         )
         return quantized, scale

@@ -54,7 +54,8 @@
 # nvdec_scaling.py on them: NVDEC alone, sessions as threads and as processes; NVDEC_SCALING_FLAGS="--sessions 1 7"
 # picks counts, "--loads none cpu gpu both" adds runs beside 16 decord processes and/or bf16 products on the GPU), fp8-layers NAME...
 # (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),
-# quantize (benchmarks/quantize_rows.py: the FP8 row quantisation alone at the towers' shapes, by warps, #57),
+# quantize (benchmarks/quantize_rows.py: the FP8 row quantisation alone at the towers' shapes, by blocks and warps, #57;
+# QUANTIZE_FLAGS="--blocks 3 2 1 --warps default 4" picks them),
 # families (benchmarks/family_checks.py: DINOv3's bf16 paths against float32, Qwen3.5's batches and kernels;
 # FAMILY_FLAGS="--no-compile" or "--checks qwen3_5" shortens it).
 # MIX_REPEATS (2) sets the mixes' repeats (qwen-mixed always 1). TESTS="expr" runs only the GPU tests pytest's -k selects; TESTS_SECONDS (420) bounds them. SMOKE=1 passes --smoke to the
@@ -276,7 +277,7 @@ nvdec_scaling() {
 
 quantize() {
   # The FP8 row quantisation alone at the towers' shapes, by warps per row (#57).
-  timeout "$(budget 300)" python3 benchmarks/quantize_rows.py "${smoke[@]}" 2>&1 | tee "$out/quantize.log"
+  timeout "$(budget 300)" python3 benchmarks/quantize_rows.py "${smoke[@]}" ${QUANTIZE_FLAGS:-} 2>&1 | tee "$out/quantize.log"
   summary+=("quantize_rows.py:" "$(sed -n '/^# FP8 row quantisation/,$p' "$out/quantize.log")")
 }
 

@@ -556,15 +556,18 @@ def test_a_calibrated_fp8_job_on_cuda_is_closer_to_bf16_and_calibrates_alike_eve
      (3420, 3424, 16, "gelu_tanh", None), (1152, 1152, 0, None, "layer_norm"), (72, 80, 16, None, "layer_norm"),
      (1280, 1280, 0, None, "rms_norm")],
 )
+@pytest.mark.parametrize("blocks", [3, 1])
 def test_the_fp8_row_kernel_quantises_as_the_reference_does(
-    cols: int, padded: int, wider: int, activation: str | None, norm: str | None
+    cols: int, padded: int, wider: int, activation: str | None, norm: str | None, blocks: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Triton quantiser that CUDA layers use gives `quantize_rows`' scales and
     values (round to nearest even, one e4m3 step at most where the two divisions round
     apart), zeros in the padded columns, also from rows of a wider tensor, after an
-    MLP's activation and after a block's norm (against their float32 definitions)."""
+    MLP's activation and after a block's norm (against their float32 definitions),
+    whether a program holds its row in up to three blocks or in one (`fp8.ROW_BLOCKS`)."""
     from embedjob.encoders import fp8
 
+    monkeypatch.setattr(fp8, "ROW_BLOCKS", blocks)
     fp8._register_row_quantizer()
     generator = torch.Generator(device="cuda").manual_seed(cols)
     magnitudes = torch.logspace(-4, 4, 300, device="cuda")[:, None]

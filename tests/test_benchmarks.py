@@ -83,7 +83,7 @@ SMOKES = {
     "nvdec_scaling": (["--smoke", "--sessions", "1", "2", "--variants", "own-streams", "cut", "--loads", "none", "cpu", "--load-workers", "2"],
                       ["| mode | sessions | clips |", "decord standing in for NVDEC", "| processes, own-streams | 2 |",
                        "| threads, cut, beside 2 decord processes | 2 |"]),
-    "quantize_rows": (["--smoke"], ["| input (tower: the layers reading it) | warps |", "SigLIP-so400m: fc2, 4,304 wide after gelu_tanh", "torch path standing in"]),
+    "quantize_rows": (["--smoke"], ["| input (tower: the layers reading it) | blocks (lanes) | warps |", "| 4,096 + 128 + 128 |", "SigLIP-so400m: fc2, 4,304 wide after gelu_tanh", "torch path standing in"]),
     "family_checks": (["--smoke"], ["| check | result |", "DINOv3: embedjob float32, graphs of the uncompiled blocks", "Qwen3.5: all batches", "an image job's graph offsets"]),
 }
 WORKDIRS = {"family_checks", "encoder_only", "gpu_decode", "precision", "scaling", "video_decode", "captions", "wds_index", "fp8_layers"}

@@ -99,8 +99,9 @@ speed of 4, but with a GELU 4 warps are 1.14x faster on 4,304 and 4,096 columns;
 row counts as one with an activation). On an H100 (`benchmarks/quantize_rows.py`, benchmarks/
 RESULTS.md section 6) 2 warps quantised the normed 1,024-1,280-column rows up to 1.16x faster
 and 16 the gated 3,420-column row 1.22x: by their share, about 1 % of an FP8 batch (untimed).
-Several rows a program (a block kernel, in git history) was slower at every width. Read at
-each launch."""
+Several rows a program (a block kernel, in git history) was slower at every width. Held in
+`ROW_BLOCKS` blocks, SigLIP's normed 1,152-column rows took 297 us a call at 1 warp against
+417 at 4 (untimed in a tower, so not yet the rule; RESULTS.md section 6). Read at each launch."""
 ROW_BLOCKS = 3
 """Most power-of-two blocks a row kernel's program holds its row in (`row_blocks`); 1:
 one block of the next power of two over the row, as the kernel did until the blocks

@@ -556,18 +556,21 @@ def test_a_calibrated_fp8_job_on_cuda_is_closer_to_bf16_and_calibrates_alike_eve
      (3420, 3424, 16, "gelu_tanh", None), (1152, 1152, 0, None, "layer_norm"), (72, 80, 16, None, "layer_norm"),
      (1280, 1280, 0, None, "rms_norm")],
 )
-@pytest.mark.parametrize("blocks", [3, 1])
+@pytest.mark.parametrize(("blocks", "warps"), [(3, None), (1, None), (3, 1)])
 def test_the_fp8_row_kernel_quantises_as_the_reference_does(
-    cols: int, padded: int, wider: int, activation: str | None, norm: str | None, blocks: int, monkeypatch: pytest.MonkeyPatch
+    cols: int, padded: int, wider: int, activation: str | None, norm: str | None, blocks: int, warps: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The Triton quantiser that CUDA layers use gives `quantize_rows`' scales and
     values (round to nearest even, one e4m3 step at most where the two divisions round
     apart), zeros in the padded columns, also from rows of a wider tensor, after an
     MLP's activation and after a block's norm (against their float32 definitions),
-    whether a program holds its row in up to three blocks or in one (`fp8.ROW_BLOCKS`)."""
+    whether a program holds its row in up to three blocks or in one (`fp8.ROW_BLOCKS`), in
+    a job's warps or in one (`fp8.ROW_WARPS`, which `fp8-tuned-warps` gives narrow rows)."""
     from embedjob.encoders import fp8
 
     monkeypatch.setattr(fp8, "ROW_BLOCKS", blocks)
+    monkeypatch.setattr(fp8, "ROW_WARPS", warps)
     fp8._register_row_quantizer()
     generator = torch.Generator(device="cuda").manual_seed(cols)
     magnitudes = torch.logspace(-4, 4, 300, device="cuda")[:, None]

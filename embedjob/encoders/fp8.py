@@ -93,15 +93,16 @@ ROW_KERNEL = True
 """Whether new layers quantise activations on CUDA with the Triton row kernel rather than
 the compiler's fused reduction (see the module docstring). Read when a layer is made."""
 ROW_WARPS: int | None = None
-"""Warps per row of the row kernel; None: 8 for rows wider than 2,048 columns without an
-activation, else 4 (a one-off benchmark, now in git history: 8 warps read 3,456-column rows at 1.12x the
-speed of 4, but with a GELU 4 warps are 1.14x faster on 4,304 and 4,096 columns; a gated
-row counts as one with an activation). On an H100 (`benchmarks/quantize_rows.py`, benchmarks/
-RESULTS.md section 6) 2 warps quantised the normed 1,024-1,280-column rows up to 1.16x faster
-and 16 the gated 3,420-column row 1.22x: by their share, about 1 % of an FP8 batch (untimed).
-Several rows a program (a block kernel, in git history) was slower at every width. Held in
-`ROW_BLOCKS` blocks, SigLIP's normed 1,152-column rows took 297 us a call at 1 warp against
-417 at 4 (untimed in a tower, so not yet the rule; RESULTS.md section 6). Read at each launch."""
+"""Warps per row of the row kernel for every row; None: `ROW_WARPS_BY_KIND`'s. Read at each launch."""
+ROW_WARPS_BY_KIND = {"narrow": 4, "wide": 8, "activated": 4, "gated": 4}
+"""Warps per row of the row kernel by the row's kind (`row_kind`): a one-off benchmark (git
+history) found 8 warps read plain 3,456-column rows 1.12x as fast as 4, but with a GELU 4
+were 1.14x faster on 4,304 and 4,096 columns. Held in `ROW_BLOCKS` blocks on an H100
+(`benchmarks/quantize_rows.py`, RESULTS.md section 6), SigLIP's normed 1,152-column rows
+took 297 us a call at 1 warp against 417 at 4, and Qwen's gated 3,420-column rows 1,185 at
+8 against 1,332; untimed in a tower, so not yet these values (precision.py's
+`fp8-tuned-warps` times them). Several rows a program (a block kernel, in git history) was
+slower at every width. Read at each launch."""
 ROW_BLOCKS = 3
 """Most power-of-two blocks a row kernel's program holds its row in (`row_blocks`); 1:
 one block of the next power of two over the row, as the kernel did until the blocks
@@ -227,6 +228,17 @@ def recognised_activation(
 
 def _padded(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
+
+
+def row_kind(padded: int, activation: int, up: int) -> str:
+    """What `ROW_WARPS_BY_KIND` calls a row the kernel quantises: "gated" (a joined gate|up
+    row, `up` > 0), "activated" (an `ACTIVATIONS` code), else "narrow" up to 2,048 columns
+    and "wide" past them (a norm or nothing before the scale)."""
+    if up > 0:
+        return "gated"
+    if activation:
+        return "activated"
+    return "narrow" if padded <= 2048 else "wide"
 
 
 def row_blocks(padded: int, most: int) -> tuple[int, int, int]:
@@ -387,7 +399,7 @@ def _register_row_quantizer() -> None:
         rows = x.shape[0]
         quantized = torch.empty(rows, padded, dtype=FP8, device=x.device)
         scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-        warps = ROW_WARPS or (4 if activation or padded <= 2048 else 8)
+        warps = ROW_WARPS or ROW_WARPS_BY_KIND[row_kind(padded, activation, up)]
         head, mid, tail = row_blocks(padded, ROW_BLOCKS)
         weight = x if weight is None else weight  # not read without a norm
         bias = weight if bias is None else bias  # not read without a layer norm

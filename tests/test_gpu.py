@@ -496,15 +496,21 @@ def test_a_budget_added_mid_run_is_captured_into_the_pool_and_replays_like_eager
 
 
 @pytest.mark.parametrize(
-    ("family", "keep"),
-    [("qwen2_5_vl", []), ("siglip", []), ("clip", []), ("qwen2_5_vl", ["attn.proj", "mlp.down_proj"]),
-     ("siglip", ["self_attn.v_proj"])],
+    ("family", "keep", "norms_in_kernel"),
+    [("qwen2_5_vl", [], True), ("siglip", [], True), ("clip", [], True), ("qwen2_5_vl", ["attn.proj", "mlp.down_proj"], True),
+     ("siglip", ["self_attn.v_proj"], True), ("siglip", [], False), ("qwen2_5_vl", [], False)],
 )
-def test_fp8_compiled_graphs_replay_like_eager_and_stay_close_to_bf16(cache_dir: str, family: str, keep: list[str]) -> None:
+def test_fp8_compiled_graphs_replay_like_eager_and_stay_close_to_bf16(
+    cache_dir: str, family: str, keep: list[str], norms_in_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """model.precision fp8 on the GPU: the blocks compiled with their FP8 layers (and the
     layers model.fp8_keep names in bf16 beside them), captured into a pool first filled
     with NaN; every replay equals the padded eager run, every real row is finite and
-    within FP8 rounding of the bf16 tower's."""
+    within FP8 rounding of the bf16 tower's; also with the normed rows quantised by the
+    compiler (`fp8.NORMS_IN_KERNEL` off, benchmarks' `fp8-compiler-norms`)."""
+    from embedjob.encoders import fp8 as fp8_layers
+
+    monkeypatch.setattr(fp8_layers, "NORMS_IN_KERNEL", norms_in_kernel)
     model = {"family": family, "path": f"builtin:tiny-{family}", "dtype": "bfloat16"}
     bf16 = load_adapter(make_job(cache_dir, model=model), torch.device("cuda"))
     fp8 = load_adapter(make_job(cache_dir, model={**model, "precision": "fp8", "fp8_keep": keep}), torch.device("cuda"))

@@ -92,6 +92,13 @@ without (bf16: 219), and the per-item cosine to bf16 did not move
 ROW_KERNEL = True
 """Whether new layers quantise activations on CUDA with the Triton row kernel rather than
 the compiler's fused reduction (see the module docstring). Read when a layer is made."""
+NORMS_IN_KERNEL = True
+"""Whether the row kernel also quantises the rows a block's norm feeds (`NORM_INTO`: q, k, v
+and fc1 after their norm), where `ROW_KERNEL` is on; off, those rows take the torch path,
+which the compiler fuses with the residual add before the norm into one reduction of its
+own (benchmarks/precision.py's `fp8-compiler-norms`: in SigLIP-so400m's FP8 batch the
+residual adds took 25.8 ms beside the row kernel's 49.2 on an H100, RESULTS.md section 6).
+Read when a layer is called."""
 ROW_WARPS: int | None = None
 """Warps per row of the row kernel for every row; None: `ROW_WARPS_BY_KIND`'s. Read at each launch."""
 ROW_WARPS_BY_KIND = {"narrow": 4, "wide": 8, "activated": 4, "gated": 4}
@@ -467,8 +474,9 @@ class Fp8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        kernel = self.row_kernel and (self.norm is None or NORMS_IN_KERNEL)
         quantized, scale = quantize_input(
-            rows, self.weight.shape[1], self.in_features, self.row_kernel, activation=self.activation, norm=self.norm
+            rows, self.weight.shape[1], self.in_features, kernel, activation=self.activation, norm=self.norm
         )
         return self._product(quantized, scale, x)
 

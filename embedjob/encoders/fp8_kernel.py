@@ -5,8 +5,8 @@ hidden state `act(gate) * up` from the two halves of the joined gate|up row. Imp
 where the op is registered (CUDA machines), since Triton is not needed elsewhere.
 
 A program holds its row as up to three blocks of power-of-two widths (`HEAD`, `MID`,
-`TAIL`; `fp8.row_chunks` picks them), not one block of the next power of two: SigLIP's
-1,152 columns are 1,024 + 128 lanes, not 2,048, and its 4,304 are 4,096 + 256, not
+`TAIL`; `fp8.row_blocks` picks them), not one block of the next power of two: SigLIP's
+1,152 columns are 1,024 + 128 lanes, not 2,048, and its 4,304 are 4,096 + 128 + 128, not
 8,192, so a program does not compute on, nor hold registers for, lanes outside its row.
 
 Invariants: `q * scale` approximates the (normed, activated or gated) row, rounded to

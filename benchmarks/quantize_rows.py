@@ -40,10 +40,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import log, median_seconds, skipped, table  # noqa: E402
+from benchmarks.encoder_only import module_settings  # noqa: E402
 from embedjob.encoders import fp8  # noqa: E402
 
 SCRIPT = "quantize_rows"
-DEFAULT_BLOCKS = fp8.ROW_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -118,21 +118,7 @@ def main() -> int:
     for case in CASES:
         x, weight, bias = inputs(case, rows, device)
         copy = median_seconds(lambda: x.clone(), args.repeats, device)
-        timed = set()
-        for most in blocks:
-            fp8.ROW_BLOCKS = most
-            widths = " + ".join(f"{width:,}" for width in fp8.row_blocks(fp8._padded(case.cols), most) if width)
-            if widths in timed:  # a width that splits no further under a larger `most` runs the same kernel
-                continue
-            timed.add(widths)
-            for setting in warps:
-                fp8.ROW_WARPS = None if setting == "default" else int(setting)
-                took = median_seconds(quantizer(case, x, weight, bias, args.smoke), args.repeats, device)
-                rate = moved(case, x) / took
-                lines.append([case.describe(), widths, setting, f"{took * 1e6:.1f}", f"{rate / 1e12:.2f}",
-                              f"{rate / (2 * x.nbytes / copy):.2f}"])
-                log(SCRIPT, f"{case.describe()}, blocks {widths}, warps {setting}: {took * 1e6:.1f} us")
-    fp8.ROW_WARPS, fp8.ROW_BLOCKS = None, DEFAULT_BLOCKS
+        lines += case_lines(case, x, weight, bias, copy, blocks, warps, args)
     name = "cpu, the torch path standing in for the kernel" if args.smoke else torch.cuda.get_device_name(0)
     head = ["input (tower: the layers reading it)", "blocks (lanes)", "warps", "us a call", "TB/s", "/ bf16 copy's rate"]
     print("\n".join([f"# FP8 row quantisation, {rows:,} rows ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
@@ -140,10 +126,30 @@ def main() -> int:
     return 0
 
 
+def case_lines(case: Case, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, copy: float,
+               blocks: list[int], warps: list[str], args: argparse.Namespace) -> list[list[str]]:
+    """The table's lines of one case: a call timed at each warps setting for each distinct
+    split of its row into blocks (a width that splits no further under a larger `--blocks`
+    runs the same kernel, so it is timed once)."""
+    lines, timed = [], set()
+    for most in blocks:
+        widths = " + ".join(f"{width:,}" for width in fp8.row_blocks(fp8._padded(case.cols), most) if width)
+        if widths in timed:
+            continue
+        timed.add(widths)
+        for setting in warps:
+            with module_settings({(fp8, "ROW_BLOCKS"): most, (fp8, "ROW_WARPS"): None if setting == "default" else int(setting)}):
+                took = median_seconds(quantizer(case, x, weight, bias, args.smoke), args.repeats, x.device)
+            rate = moved(case, x) / took
+            lines.append([case.describe(), widths, setting, f"{took * 1e6:.1f}", f"{rate / 1e12:.2f}", f"{rate / (2 * x.nbytes / copy):.2f}"])
+            log(SCRIPT, f"{case.describe()}, blocks {widths}, warps {setting}: {took * 1e6:.1f} us")
+    return lines
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=186_624, help="rows a call quantises (SigLIP's largest batch: 256 x 729)")
-    parser.add_argument("--blocks", nargs="+", type=int, default=[DEFAULT_BLOCKS, 1], choices=[1, 2, 3],
+    parser.add_argument("--blocks", nargs="+", type=int, default=[fp8.ROW_BLOCKS, 1], choices=[1, 2, 3],
                         help="fp8.ROW_BLOCKS values (the job's first)")
     parser.add_argument("--warps", nargs="+", default=["default", "2", "4", "8", "16"], help="fp8.ROW_WARPS values (default: a job's rule)")
     parser.add_argument("--repeats", type=int, default=10)

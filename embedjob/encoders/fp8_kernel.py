@@ -107,21 +107,24 @@ def fp8_quantize_rows_kernel(
     (no norm: a gated MLP's norm comes before its gate and up projections). The norm's
     epsilon is a constant because under the compiler a float argument arrives as
     float64, which has no conversion to FP8."""
+    MID_LANES: tl.constexpr = MID if MID > 0 else 1  # an absent block: one lane past the row, never stored or reduced
+    TAIL_LANES: tl.constexpr = TAIL if TAIL > 0 else 1
+    TAIL_FIRST: tl.constexpr = HEAD + MID
     row = tl.program_id(0).to(tl.int64)
     start = x_ptr + row * stride
     head = loaded(start, 0, HEAD, cols, up, ACTIVATION, GATED)
-    mid = loaded(start, HEAD, MID if MID > 0 else 1, cols, up, ACTIVATION, GATED)
-    tail = loaded(start, HEAD + MID, TAIL if TAIL > 0 else 1, cols, up, ACTIVATION, GATED)
+    mid = loaded(start, HEAD, MID_LANES, cols, up, ACTIVATION, GATED)
+    tail = loaded(start, TAIL_FIRST, TAIL_LANES, cols, up, ACTIVATION, GATED)
     if NORM == 1:
         mean = total(head, mid, tail, MID, TAIL) / cols
         head = centred(head, 0, HEAD, cols, mean)
-        mid = centred(mid, HEAD, MID if MID > 0 else 1, cols, mean)
-        tail = centred(tail, HEAD + MID, TAIL if TAIL > 0 else 1, cols, mean)
+        mid = centred(mid, HEAD, MID_LANES, cols, mean)
+        tail = centred(tail, TAIL_FIRST, TAIL_LANES, cols, mean)
     if NORM != 0:
         factor = tl.rsqrt(total(head * head, mid * mid, tail * tail, MID, TAIL) / cols + EPS)
         head = scaled(head, 0, HEAD, cols, factor, w_ptr, b_ptr, NORM)
-        mid = scaled(mid, HEAD, MID if MID > 0 else 1, cols, factor, w_ptr, b_ptr, NORM)
-        tail = scaled(tail, HEAD + MID, TAIL if TAIL > 0 else 1, cols, factor, w_ptr, b_ptr, NORM)
+        mid = scaled(mid, HEAD, MID_LANES, cols, factor, w_ptr, b_ptr, NORM)
+        tail = scaled(tail, TAIL_FIRST, TAIL_LANES, cols, factor, w_ptr, b_ptr, NORM)
     if not GATED:
         head = activated(head, ACTIVATION)
         mid = activated(mid, ACTIVATION)
@@ -132,5 +135,5 @@ def fp8_quantize_rows_kernel(
     if MID > 0:
         stored(out, mid, HEAD, MID, padded, scale, LIMIT)
     if TAIL > 0:
-        stored(out, tail, HEAD + MID, TAIL, padded, scale, LIMIT)
+        stored(out, tail, TAIL_FIRST, TAIL, padded, scale, LIMIT)
     tl.store(scale_ptr + row, scale)

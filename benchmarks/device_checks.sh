@@ -20,9 +20,6 @@
 #     PRECISIONS="fp8 fp8-keep-out" bash benchmarks/device_checks.sh kernels qwen-224 siglip
 # and FP8 weights calibrated on each mix's first 64 items (model.fp8_calibrate), cosines over the rest:
 #     PRECISIONS="fp8 fp8-calibrated" bash benchmarks/device_checks.sh kernels siglip qwen-224
-# and the row kernel's warps that were fastest alone (precision.py's TUNED_ROW_WARPS) against a job's, and the
-# normed rows quantised by the compiler with the residual add before them (fp8.NORMS_IN_KERNEL off):
-#     PRECISIONS="fp8 fp8-tuned-warps fp8-compiler-norms" bash benchmarks/device_checks.sh kernels siglip qwen-224
 # For video (#56): 1,152 clips take the 16 cores about 15 minutes at CLIP_SECONDS=5.25, so the
 # maker runs in the background through calls made back to back (an idle machine goes back in
 # 30 s), the first carrying [".ffmpeg", "bench-data", ".whl-light"], the others [".whl", "bench-data"]:

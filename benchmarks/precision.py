@@ -23,11 +23,7 @@ forward of the mix's largest batch by device time (where the time goes).
 sums to float32: `fp8.FAST_ACCUM` off), `fp8-compiler-quant` (activations quantised
 by the compiler's fused reduction instead of the Triton row kernel: `fp8.ROW_KERNEL` off),
 `fp8-one-block` (the row kernel holding a row in one block of the next power of two, not
-up to three: `fp8.ROW_BLOCKS` 1), `fp8-tuned-warps` (the row kernel's warps by row kind
-that `benchmarks/quantize_rows.py` found fastest alone, `TUNED_ROW_WARPS`, for
-`fp8.ROW_WARPS_BY_KIND`), `fp8-compiler-norms` (the rows a block's norm feeds quantised by
-the compiler's reduction, fused with the residual add before the norm; the row kernel
-quantises the others: `fp8.NORMS_IN_KERNEL` off),
+up to three: `fp8.ROW_BLOCKS` 1),
 `fp8-unjoined` (every linear layer its own quantisation and product: `fp8.JOINT_GROUPS`
 empty), `fp8-activation-apart` (the MLP's activation a kernel of its own, not applied by
 the layer that reads it: `fp8.ACTIVATION_INTO` empty), `fp8-norm-apart` (the blocks'
@@ -82,8 +78,6 @@ from embedjob.engine.encode import budget_plan  # noqa: E402
 SMOKE_IMAGES = 24
 DEFAULT_IMAGES = {"qwen-mixed": 768, "qwen-224": 2048, "siglip": 2048, "clip": 2048}
 REFERENCE = ["model.dtype=float32", "batching.compile=false", "batching.cuda_graphs=false"]
-TUNED_ROW_WARPS = {"narrow": 1, "wide": 8, "activated": 4, "gated": 8}
-"""The row kernel's warps by row kind that were fastest alone on an H100 (RESULTS.md section 6)."""
 VARIANTS = {
     "bf16": ("bf16", {}),
     "bf16-strided": ("bf16", {(fixed, "ROW_MAJOR"): False}),
@@ -97,8 +91,6 @@ VARIANTS = {
     "fp8-exact-accum": ("fp8", {(fp8, "FAST_ACCUM"): False}),
     "fp8-compiler-quant": ("fp8", {(fp8, "ROW_KERNEL"): False}),
     "fp8-one-block": ("fp8", {(fp8, "ROW_BLOCKS"): 1}),
-    "fp8-tuned-warps": ("fp8", {(fp8, "ROW_WARPS_BY_KIND"): TUNED_ROW_WARPS}),
-    "fp8-compiler-norms": ("fp8", {(fp8, "NORMS_IN_KERNEL"): False}),
     "fp8-unjoined": ("fp8", {(fp8, "JOINT_GROUPS"): ()}),
     "fp8-activation-apart": ("fp8", {(fp8, "ACTIVATION_INTO"): ()}),
     "fp8-norm-apart": ("fp8", {(fp8, "NORM_INTO"): ()}),

@@ -92,24 +92,17 @@ without (bf16: 219), and the per-item cosine to bf16 did not move
 ROW_KERNEL = True
 """Whether new layers quantise activations on CUDA with the Triton row kernel rather than
 the compiler's fused reduction (see the module docstring). Read when a layer is made."""
-NORMS_IN_KERNEL = True
-"""Whether the row kernel also quantises the rows a block's norm feeds (`NORM_INTO`: q, k, v
-and fc1 after their norm), where `ROW_KERNEL` is on; off, those rows take the torch path,
-which the compiler fuses with the residual add before the norm into one reduction of its
-own (benchmarks/precision.py's `fp8-compiler-norms`: in SigLIP-so400m's FP8 batch the
-residual adds took 25.8 ms beside the row kernel's 49.2 on an H100, RESULTS.md section 6).
-Read when a layer is called."""
 ROW_WARPS: int | None = None
 """Warps per row of the row kernel for every row; None: `ROW_WARPS_BY_KIND`'s. Read at each launch."""
-ROW_WARPS_BY_KIND = {"narrow": 4, "wide": 8, "activated": 4, "gated": 4}
-"""Warps per row of the row kernel by the row's kind (`row_kind`): a one-off benchmark (git
-history) found 8 warps read plain 3,456-column rows 1.12x as fast as 4, but with a GELU 4
-were 1.14x faster on 4,304 and 4,096 columns. Held in `ROW_BLOCKS` blocks on an H100
-(`benchmarks/quantize_rows.py`, RESULTS.md section 6), SigLIP's normed 1,152-column rows
-took 297 us a call at 1 warp against 417 at 4, and Qwen's gated 3,420-column rows 1,185 at
-8 against 1,332; untimed in a tower, so not yet these values (precision.py's
-`fp8-tuned-warps` times them). Several rows a program (a block kernel, in git history) was
-slower at every width. Read at each launch."""
+ROW_WARPS_BY_KIND = {"narrow": 1, "wide": 8, "activated": 4, "gated": 8}
+"""Warps per row of the row kernel by the row's kind (`row_kind`), each held in `ROW_BLOCKS`
+blocks: on an H100 (RESULTS.md section 6) these ran SigLIP-so400m-size FP8 1.24x bf16 and
+the Qwen2.5-VL-7B-size tower at 224 px 1.41x, against 1.21x and 1.39x with 4 warps for
+narrow and gated rows (`benchmarks/quantize_rows.py` alone: SigLIP's normed 1,152-column rows
+297 us a call at 1 warp against 417 at 4, Qwen's gated 3,420-column rows 1,185 at 8 against
+1,332). Before the blocks, 8 warps read plain 3,456-column rows 1.12x as fast as 4, and
+with a GELU 4 were 1.14x faster on 4,304 and 4,096 columns. Several rows a program (a block
+kernel, in git history) was slower at every width. Read at each launch."""
 ROW_BLOCKS = 3
 """Most power-of-two blocks a row kernel's program holds its row in (`row_blocks`); 1:
 one block of the next power of two over the row, as the kernel did until the blocks
@@ -474,9 +467,8 @@ class Fp8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        kernel = self.row_kernel and (self.norm is None or NORMS_IN_KERNEL)
         quantized, scale = quantize_input(
-            rows, self.weight.shape[1], self.in_features, kernel, activation=self.activation, norm=self.norm
+            rows, self.weight.shape[1], self.in_features, self.row_kernel, activation=self.activation, norm=self.norm
         )
         return self._product(quantized, scale, x)
 

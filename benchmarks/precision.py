@@ -33,9 +33,9 @@ norms kernels of their own: `fp8.NORM_INTO` empty) and `fp8-gated-apart` (a gate
 projection kept in bf16 in every block: `model.fp8_keep`, `ATTENTION_OUTPUT`), `fp8-calibrated` (the FP8
 weights calibrated on the mix's first `CALIBRATION_ROWS` items, `model.fp8_calibrate`: with it every
 cosine to bf16 is over the other items only, and the float32 reference is always on the last items);
-`bf16-strided` and `fp8-strided`
-keep the fixed-resolution towers' hidden state in the layout their embeddings give it
-(`fixed.ROW_MAJOR` off: SigLIP's is transposed); `bf16-gelu-apart` leaves SigLIP's tanh
+`bf16-patch-conv` and `fp8-patch-conv`
+run the fixed-resolution towers' patch embedding as cuDNN's convolution, not one matrix product
+(`fixed.PATCH_PRODUCTS` off; SigLIP's hidden state then enters the blocks transposed); `bf16-gelu-apart` leaves SigLIP's tanh
 GELU a kernel of its own instead of the product's epilogue (`epilogues.EPILOGUES` off);
 `bf16-looped-rows` and `fp8-looped-rows` leave torch's rule for reducing wide rows
 (`base.WIDE_ROWS` 0: the norms of rows over 1,024 elements loop); `bf16-varlen` runs the
@@ -80,7 +80,7 @@ DEFAULT_IMAGES = {"qwen-mixed": 768, "qwen-224": 2048, "siglip": 2048, "clip": 2
 REFERENCE = ["model.dtype=float32", "batching.compile=false", "batching.cuda_graphs=false"]
 VARIANTS = {
     "bf16": ("bf16", {}),
-    "bf16-strided": ("bf16", {(fixed, "ROW_MAJOR"): False}),
+    "bf16-patch-conv": ("bf16", {(fixed, "PATCH_PRODUCTS"): False}),
     "bf16-looped-rows": ("bf16", {(base, "WIDE_ROWS"): 0}),
     "bf16-gelu-apart": ("bf16", {(epilogues, "EPILOGUES"): False}),
     "bf16-varlen": ("bf16", {}, ["model.attention=varlen"]),
@@ -94,7 +94,7 @@ VARIANTS = {
     "fp8-unjoined": ("fp8", {(fp8, "JOINT_GROUPS"): ()}),
     "fp8-activation-apart": ("fp8", {(fp8, "ACTIVATION_INTO"): ()}),
     "fp8-norm-apart": ("fp8", {(fp8, "NORM_INTO"): ()}),
-    "fp8-strided": ("fp8", {(fixed, "ROW_MAJOR"): False}),
+    "fp8-patch-conv": ("fp8", {(fixed, "PATCH_PRODUCTS"): False}),
     "fp8-gated-apart": ("fp8", {(fp8, "GATED_MLPS"): ()}),
     "fp8-looped-rows": ("fp8", {(base, "WIDE_ROWS"): 0}),
     "fp8-keep-out": ("fp8", {}, lambda family, _smoke: [f"model.fp8_keep=[{ATTENTION_OUTPUT[family]}]"]),

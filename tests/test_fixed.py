@@ -32,7 +32,7 @@ from transformers import (
 from embedjob.cli import main
 from embedjob.config import JobError
 from embedjob.encoders import load_adapter
-from embedjob.encoders.fixed import BUILTIN_VISION, FAMILIES, GLOBAL_KEY, builtin_dir
+from embedjob.encoders.fixed import BUILTIN_VISION, FAMILIES, GLOBAL_KEY, PatchProduct, builtin_dir
 from embedjob.engine.encode import build_encoder
 from embedjob.engine.graphs import GraphManager
 from embedjob.engine.packer import BudgetPlan
@@ -324,10 +324,38 @@ def test_embedjob_bench_times_the_fixed_towers_against_plain_transformers(tmp_pa
         assert float(ours.note.rsplit("min cos to plain ", 1)[1]) > 0.9999, ours.note
 
 
+@pytest.mark.parametrize(("kernel", "size"), [((14, 14), (56, 56)), ((16, 16), (40, 53)), ((2, 3), (7, 10))])
+def test_a_patch_product_computes_the_convolution_and_hands_on_row_major_tokens(kernel: tuple, size: tuple) -> None:
+    """The patch embedding as one matrix product: the convolution's output (a partial last
+    patch dropped, as the convolution drops it), with and without a bias, laid out so the
+    embeddings' flatten-and-transpose gives row-major tokens; a convolution it does not
+    compute (overlapping, padded) is left alone."""
+    torch.manual_seed(0)
+    for bias in (True, False):
+        conv = torch.nn.Conv2d(3, 8, kernel_size=kernel, stride=kernel, bias=bias)
+        pixels = torch.randn(2, 3, *size)
+        got = PatchProduct(conv)(pixels)
+        torch.testing.assert_close(got, conv(pixels), rtol=1e-5, atol=1e-5)
+        assert got.flatten(2).transpose(1, 2).is_contiguous()
+    assert not PatchProduct.fits(torch.nn.Conv2d(3, 8, kernel_size=kernel, stride=1))
+    assert not PatchProduct.fits(torch.nn.Conv2d(3, 8, kernel_size=kernel, stride=kernel, padding=1))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_embeds_its_patches_by_one_matrix_product(adapters, family: str) -> None:
+    """Each tower's patch convolution is a `PatchProduct` (cuDNN's convolution took SigLIP
+    ten times as long), its parameters the checkpoint's (the embeddings equal transformers'
+    above)."""
+    modules = list(adapters[family].tower.embeddings.modules())
+    assert sum(isinstance(module, PatchProduct) for module in modules) == 1
+    assert not any(isinstance(module, torch.nn.Conv2d) for module in modules)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_block_reads_a_row_major_hidden_state(adapters, family: str) -> None:
-    """SigLIP's embeddings come out transposed; left so, every compiled block would read
-    (or copy) a strided state. Each block and each of its norms must see a contiguous one."""
+    """From a convolution, SigLIP's embeddings come out transposed; left so, every compiled
+    block would read (or copy) a strided state. Each block and each of its norms must see
+    a contiguous one (the patch product hands on row-major tokens)."""
     adapter = adapters[family]
     seen: list[tuple[str, bool]] = []
     hooks = []

@@ -376,6 +376,8 @@ def test_fixed_res_cuda_graphs_equal_padded_eager_and_the_fp32_cpu_reference(cac
 
 @pytest.mark.parametrize("family", ["clip", "siglip", "dinov2"])
 def test_fixed_res_batches_are_page_locked_uint8_normalised_on_the_device_bitwise(cache_dir: str, family: str) -> None:
+    """The views travel as uint8 and are normalised on the device to the CPU's bits, also
+    by the compiled normalisation (`FixedResAdapter.compile`) in the model's dtype."""
     gpu = load_adapter(_fixed_job(cache_dir, family), torch.device("cuda"))
     static = gpu.static_inputs(8 * gpu.tokens_per_image, max_items=8, max_frames=8)
     buffer = static.tensors["pixel_values"]
@@ -384,6 +386,9 @@ def test_fixed_res_batches_are_page_locked_uint8_normalised_on_the_device_bitwis
     views = gpu.batch_values([gpu.preprocessor()(m) for m in FIXED_MEDIA], static)["pixel_values"]
     assert views.dtype == torch.uint8 and views.is_pinned()
     assert torch.equal(gpu.processing.normalize(views.cuda(), gpu.pixel_scale).cpu(), gpu.processing.normalize(views))
+    gpu.compile(dynamic=True)
+    compiled = gpu.pixels(views.cuda())
+    assert compiled.dtype == gpu.dtype and torch.equal(compiled.cpu(), gpu.processing.normalize(views).to(gpu.dtype))
 
 
 @pytest.mark.parametrize(("job_file", "extra"), [("demo-clip.yaml", ["preprocess.tiling=anyres"]), ("demo-siglip-video.yaml", [])])

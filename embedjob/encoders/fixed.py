@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torchvision.transforms.v2.functional as tvF
 
+from embedjob.encoders import base
 from embedjob.encoders.attention import register_unmasked
 from embedjob.encoders.base import (
     JPEG_KEY,
@@ -76,9 +77,9 @@ logger = logging.getLogger(__name__)
 GLOBAL_KEY = "pixel_values"
 LOCAL_KEY = "tile_pixels"
 MAX_IMAGES_PER_BATCH = 256
-ROW_MAJOR = True
-"""Whether new adapters make the embeddings' output row-major (`row_major_states`).
-Read when an adapter is built; benchmarks switch it off to measure the strided layout."""
+PATCH_PRODUCTS = True
+"""Whether new adapters run the patch embedding's convolution as one matrix product
+(`PatchProduct`). Read when an adapter is built; benchmarks switch it off to time cuDNN's."""
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # PIL resample codes as saved in preprocessor configs -> the torchvision modes transformers
@@ -383,12 +384,26 @@ class FixedResAdapter(EncoderAdapter):
         self.min_budget = self.tokens_per_image
         self.max_budget = self.tokens_per_image * MAX_IMAGES_PER_BATCH
         self.pixel_scale = processing.pixel_scale(placement.device)
+        self.pixels = self._normalized  # compiled by `compile`
 
     def preprocessor(self) -> FixedPreprocessor:
         return self.processing
 
     def compile_units(self) -> list[torch.nn.Module]:
         return list(functools.reduce(getattr, self.spec.layers.split("."), self.tower))
+
+    def compile(self, dynamic: bool) -> None:
+        """The blocks as every adapter compiles them, and `pixels`: run eagerly, the views'
+        conversion to float32, subtraction, division and cast were kernels of their own
+        over the whole batch (on an H100, 7.8 ms of SigLIP-so400m-384's 256-image batch of
+        358, benchmarks/RESULTS.md section 7); compiled, they are one."""
+        super().compile(dynamic)
+        self.pixels = torch.compile(self._normalized, dynamic=dynamic, options=base.COMPILE_OPTIONS)
+
+    def _normalized(self, images: torch.Tensor) -> torch.Tensor:
+        """(N, 3, h, w) views -> the tower's pixels: normalised (`FixedPreprocessor.normalize`)
+        and in the model's dtype."""
+        return self.processing.normalize(images, self.pixel_scale).to(self.dtype)
 
     def describe(self) -> dict[str, Any]:
         info = super().describe()
@@ -433,8 +448,7 @@ class FixedResAdapter(EncoderAdapter):
         """(N, 3, h, w) views -> (N, feature_dim): one embedding per image, in input order
         (per token: (N * patches, feature_dim), each image's patch tokens in turn).
         Normalising here puts it on the device, inside a captured graph."""
-        pixels = self.processing.normalize(inputs.tensors[GLOBAL_KEY], self.pixel_scale).to(self.dtype)
-        output = self.tower(pixel_values=pixels)
+        output = self.tower(pixel_values=self.pixels(inputs.tensors[GLOBAL_KEY]))
         if self.per_token:
             return self._patch_tokens(output.last_hidden_state)
         if self.pool == "patch_mean":
@@ -658,23 +672,65 @@ def load_processing(spec: FixedFamily, directory: Path, vision_config: Any, max_
     )
 
 
-def row_major_states(tower: torch.nn.Module) -> None:
-    """Make the hidden state that enters the first block row-major (contiguous).
+class PatchProduct(torch.nn.Module):
+    """A patch embedding's convolution whose kernel is its stride (no padding, dilation or
+    groups) as one matrix product of each patch's pixels with the flattened kernel.
 
-    SigLIP's embeddings are the patch convolution's output seen through a transpose,
-    plus the position embeddings; an add keeps its first operand's layout, so the state
-    has strides (tokens x hidden, 1, tokens). The blocks are compiled one by one, so each
-    block's output keeps its input's layout and every block's norms (or, in FP8, the row
-    kernel that applies them) read rows at a stride of `tokens` elements or copy them
-    first. One copy here, before the first block, replaces those (SigLIP-so400m: bf16
-    1 % and FP8 4 % faster, benchmarks/RESULTS.md); a state that is row-major already
-    (CLIP, DINOv2) is passed on as it is.
+    On an H100 cuDNN ran SigLIP-so400m-384's bf16 patch convolution over a batch of 256
+    images in 8.2 ms (`precomputed_convolve_sgemm`), a product that cuBLAS runs in well
+    under 1 (benchmarks/RESULTS.md section 7). The output is the convolution's (N, out, h,
+    w) seen through a permute of a row-major (N, h, w, out) tensor, so the
+    `flatten(2).transpose(1, 2)` by which every family's embeddings turn it into tokens
+    is row-major: the hidden state enters the first block contiguous. (A convolution's
+    own output is laid out by channel, and SigLIP's state, added to its position
+    embeddings, kept that transpose: each compiled block's norms then read rows at a
+    stride of `tokens` elements, bf16 1 % and FP8 4 % slower, RESULTS.md's git history.)
+
+    Invariants: the output equals the convolution's up to the products' summation order;
+    pixels past the last whole patch are dropped, as the convolution drops them; the
+    weight and bias are the convolution's own parameters (names and shapes unchanged).
     """
-    tower.embeddings.register_forward_hook(_row_major)
+
+    def __init__(self, conv: torch.nn.Conv2d) -> None:
+        super().__init__()
+        self.weight = conv.weight
+        self.bias = conv.bias
+        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        self.kernel_size = conv.kernel_size
+
+    @staticmethod
+    def fits(module: torch.nn.Module) -> bool:
+        """Whether `module` is a convolution this product computes."""
+        return (
+            type(module) is torch.nn.Conv2d and module.kernel_size == module.stride and module.groups == 1
+            and module.dilation == (1, 1) and module.padding in ((0, 0), "valid")
+        )
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        count, channels, height, width = pixels.shape
+        patch_h, patch_w = self.kernel_size
+        rows, cols = height // patch_h, width // patch_w
+        patches = pixels[:, :, : rows * patch_h, : cols * patch_w].reshape(count, channels, rows, patch_h, cols, patch_w)
+        patches = patches.permute(0, 2, 4, 1, 3, 5).reshape(count * rows * cols, channels * patch_h * patch_w)
+        out = torch.nn.functional.linear(patches, self.weight.reshape(self.out_channels, -1), self.bias)
+        return out.view(count, rows, cols, self.out_channels).permute(0, 3, 1, 2)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_channels}, {self.out_channels}, kernel_size=stride={self.kernel_size}, as one matrix product"
 
 
-def _row_major(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    return output.contiguous()
+def patch_products(module: torch.nn.Module) -> int:
+    """Replace every convolution under `module` that `PatchProduct` computes by one, where
+    `PATCH_PRODUCTS` is on; how many."""
+    replaced = 0
+    if not PATCH_PRODUCTS:
+        return replaced
+    for name, child in list(module.named_modules()):
+        if name and PatchProduct.fits(child):
+            parent, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, attribute, PatchProduct(child))
+            replaced += 1
+    return replaced
 
 
 def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: AdapterOptions) -> FixedResAdapter:
@@ -685,8 +741,7 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
     )
     tower, projection, full = load_model(spec, directory, dtype, text=options.text)
     tower = tower.to(device).eval().requires_grad_(False)
-    if ROW_MAJOR:
-        row_major_states(tower)
+    patch_products(tower.embeddings)
     if projection is not None:
         projection = projection.to(device).eval().requires_grad_(False)
     pool = "patch_mean" if options.pool == "patch_mean" else "pooler"

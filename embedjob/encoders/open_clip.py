@@ -67,7 +67,7 @@ from PIL import Image
 
 from embedjob.config import JobError
 from embedjob.encoders.base import Placement, StaticInputs
-from embedjob.encoders.fixed import GLOBAL_KEY, FixedPreprocessor, FixedResAdapter
+from embedjob.encoders.fixed import GLOBAL_KEY, FixedPreprocessor, FixedResAdapter, patch_products
 from embedjob.encoders.loading import AdapterOptions, builtin_model, resolve_checkpoint
 from embedjob.encoders.registry import OPEN_CLIP_CONFIG, OPEN_CLIP_HUB
 from embedjob.encoders.text import TOKENIZER_FILES, TextAdapter, TextPreprocessor, has_tokenizer, load_in_one_line
@@ -301,7 +301,7 @@ class OpenClipAdapter(FixedResAdapter):
     def forward(self, inputs: StaticInputs) -> torch.Tensor:
         """(N, 3, h, w) uint8 -> (N, embed_dim): `model.encode_image` of the normalised
         views (per token: (N * patches, embed_dim), see the module docstring)."""
-        pixels = self.processing.normalize(inputs.tensors[GLOBAL_KEY], self.pixel_scale).to(self.dtype)
+        pixels = self.pixels(inputs.tensors[GLOBAL_KEY])
         if not self.per_token:
             return self.model.encode_image(pixels, normalize=False)
         states = self.tower.forward_intermediates(pixels, indices=1, output_fmt="NLC", intermediates_only=True)
@@ -408,6 +408,7 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
     check_tower(model.visual, directory, options.per_token)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     attend_batch_first(model.visual)
+    patch_products(model.visual)
     max_tiles = options.max_tiles if options.tiling == "anyres" else 0
     processing = load_processing(model.visual, max_tiles)
     placement = options.placement(device, dtype, path)

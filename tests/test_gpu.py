@@ -1429,13 +1429,16 @@ def test_dinov3_at_dinov3_l_size_departs_from_float32_no_further_than_transforme
     patches) with random bf16 weights, on random pixels as `embedjob bench` feeds them.
     At this size bf16 itself departs from float32 (transformers' own bf16 model: cosine
     0.81-0.83 on an H100, by SDPA kernel), so the bench's 0.834 between our graphs and
-    transformers is bf16's spread, not ours: our eager adapter is transformers' bf16 path,
-    and our compiled graphs sit no further from float32 than transformers' bf16 kernels
-    do, and far nearer their own image's float32 vector than one image's is to the next."""
+    transformers is bf16's spread, not ours: our eager adapter is transformers' bf16 path
+    (its patch convolution as our one product, `patch_products`: a summation order of its
+    own, which this spread would amplify like any other), and our compiled graphs sit no
+    further from float32 than transformers' bf16 kernels do, and far nearer their own
+    image's float32 vector than one image's is to the next."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from embedjob.bench import graph_seconds, save_fixed_tower, view_items
     from embedjob.encoders.fixed import FAMILIES as FIXED
+    from embedjob.encoders.fixed import patch_products
     from embedjob.encoders.loading import transformers_class
 
     def cos_min(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -1457,6 +1460,7 @@ def test_dinov3_at_dinov3_l_size_departs_from_float32_no_further_than_transforme
     with torch.inference_mode():
         reference = cls.from_pretrained(directory, dtype=torch.float32).cuda().eval()(pixel_values=values32).pooler_output
         plain = cls.from_pretrained(directory, dtype=torch.bfloat16).cuda().eval()
+        patch_products(plain.embeddings)
         default = plain(pixel_values=values32.bfloat16()).pooler_output
         for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
             with sdpa_kernel(backend):

@@ -677,8 +677,8 @@ class PatchProduct(torch.nn.Module):
     groups) as one matrix product of each patch's pixels with the flattened kernel.
 
     On an H100 cuDNN ran SigLIP-so400m-384's bf16 patch convolution over a batch of 256
-    images in 8.2 ms (`precomputed_convolve_sgemm`), a product that cuBLAS runs in well
-    under 1 (benchmarks/RESULTS.md section 7). The output is the convolution's (N, out, h,
+    images in 8.2 ms (`precomputed_convolve_sgemm`), a product that cuBLAS runs in 1.5
+    (benchmarks/RESULTS.md section 7). The output is the convolution's (N, out, h,
     w) seen through a permute of a row-major (N, h, w, out) tensor, so the
     `flatten(2).transpose(1, 2)` by which every family's embeddings turn it into tokens
     is row-major: the hidden state enters the first block contiguous. (A convolution's

@@ -129,8 +129,9 @@ tests() {
   local status=${PIPESTATUS[0]} cut=""
   [ "$status" -eq 124 ] && cut=" (cut off at its time bound: the tests after these did not run)"
   summary+=("tests/test_gpu.py: $(tail -n 1 "$out/tests.log")$cut")
-  grep -q '^FAILED\|^ERROR' "$out/tests.log" && summary+=("$(grep '^FAILED\|^ERROR' "$out/tests.log")")
-  return 0
+  local failed
+  failed=$(grep '^FAILED\|^ERROR' "$out/tests.log")
+  [ -z "$failed" ] || summary+=("$failed")
 }
 
 decode() {
@@ -281,7 +282,7 @@ nvdec_scaling() {
 }
 
 quantize() {
-  # The FP8 row quantisation alone at the towers' shapes, by warps per row (#57).
+  # The FP8 row quantisation alone at the towers' shapes, by blocks and warps per row (#57).
   timeout "$(budget 300)" python3 benchmarks/quantize_rows.py "${smoke[@]}" ${QUANTIZE_FLAGS:-} 2>&1 | tee "$out/quantize.log"
   summary+=("quantize_rows.py:" "$(sed -n '/^# FP8 row quantisation/,$p' "$out/quantize.log")")
 }

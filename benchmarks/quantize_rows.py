@@ -7,8 +7,7 @@ kernel of `encoders.fp8_kernel`) alone on `--rows` rows (186,624: 256 SigLIP ima
 patches, its largest batch) for each input the FP8 layers quantise, at each `--blocks`
 (`fp8.ROW_BLOCKS`: the most power-of-two blocks a program holds its row in; 1 is one
 block of the next power of two) and each `--warps` (`fp8.ROW_WARPS`; `default` is the rule
-a job runs, `fp8.ROW_WARPS_BY_KIND`: 4 warps with an activation or for rows of up to 2,048,
-else 8):
+a job runs, `fp8.ROW_WARPS_BY_KIND`'s warps for the row's kind):
 
 - SigLIP-so400m: 1,152 wide after the layer norm (q, k, v and fc1), 1,152 plain (the
   attention output), 4,304 after the tanh GELU (fc2);

@@ -1437,8 +1437,7 @@ def test_dinov3_at_dinov3_l_size_departs_from_float32_no_further_than_transforme
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from embedjob.bench import graph_seconds, save_fixed_tower, view_items
-    from embedjob.encoders.fixed import FAMILIES as FIXED
-    from embedjob.encoders.fixed import patch_products
+    from embedjob.encoders.fixed import FAMILIES as FIXED, patch_products
     from embedjob.encoders.loading import transformers_class
 
     def cos_min(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -402,6 +402,8 @@ def pool_task(task: tuple[str, object]) -> object:
         return item_over_a_cut_file(Path(str(value)))
     if kind == "stalling_item":
         return item_that_stalls_in_transfer()
+    if kind == "nice":
+        return os.nice(0)
     return int(value) ** 2  # type: ignore[call-overload]
 
 
@@ -544,6 +546,15 @@ def test_a_pool_whose_every_task_is_local_never_waits_for_its_poll() -> None:
         took = time.monotonic() - start
     assert [value for _, value in results] == list(range(200))
     assert took < 3.0
+
+
+def test_workers_run_below_the_rank_so_its_threads_get_the_cores_first(pool: DecodePool) -> None:
+    """A decode-bound job keeps every core busy with workers; the rank's threads (feeding
+    the graphs and NVDEC) must win a core when they wake, or the GPU waits on a worker."""
+    assert worker_pool.WORKER_NICE > 0
+    expected = min(os.nice(0) + worker_pool.WORKER_NICE, 19)
+    assert list(pool.imap([("nice", None)] * 4)) == [expected] * 4
+    assert os.nice(0) < expected
 
 
 def test_decoding_starts_before_the_first_result_is_asked_for(pool: DecodePool) -> None:

@@ -88,7 +88,21 @@ def _run_task(fn: Callable[[Any], Any], task: Any, error: type[Exception]) -> An
 _READY_SEQ = -1
 
 
-def _worker_main(fn: Callable[[Any], Any], error: type[Exception], conn: multiprocessing.connection.Connection) -> None:
+WORKER_NICE = 10
+"""Niceness a worker adds to its own on start (`os.nice`, capped by the system at 19). The
+rank's own threads (the main loop feeding the graphs, the GPU-decode threads feeding
+NVDEC) are the job's critical path, and a decode-bound job keeps every core busy with
+workers: at equal priority the scheduler shares a core between a worker and a rank
+thread that woke to hand the GPU its next packet, so the GPU waits on a decode worker.
+Niced, a worker gets only what the rank leaves; on a job the workers do not bind, nothing
+changes (benchmarks/RESULTS.md section 11). Read when a worker starts."""
+
+
+def _worker_main(
+    fn: Callable[[Any], Any], error: type[Exception], conn: multiprocessing.connection.Connection, nice: int
+) -> None:
+    if nice:
+        os.nice(nice)
     # Ctrl-C reaches the whole process group, and SLURM's SIGTERM every process of the
     # job: the parent decides what stops (a worker dead of it would turn the rows in
     # flight into decoder_crashed rows); the pool ends its workers with SIGKILL.
@@ -460,7 +474,7 @@ class DecodePool(Generic[T, R]):
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(target=_worker_main, args=(self._fn, self._error, child), daemon=True, name="embedjob-decode")
+        process = self._ctx.Process(target=_worker_main, args=(self._fn, self._error, child, WORKER_NICE), daemon=True, name="embedjob-decode")
         process.start()
         child.close()
         return _Worker(process=process, conn=parent, sock=_result_socket(parent, self._timeout))

@@ -965,6 +965,25 @@ def test_an_nv12_surface_padded_below_the_picture_gives_the_pictures_rgb() -> No
     assert torch.equal(nv12_to_rgb(padded, coded, Colour()), nv12_to_rgb(nv12, coded, Colour()))
 
 
+def test_a_batch_of_nv12_frames_gives_each_frames_own_rgb() -> None:
+    """The packet feed turns a clip's frames in batches (`nvdec.BATCH_RGB`): each frame of a
+    batch, padded surfaces included, must come out bit for bit as it does alone."""
+    from embedjob.decode.nvdec import Colour, nv12_to_rgb
+
+    clip, raw, first, coded = NV12_FIXTURES[0]
+    nv12, _ = nv12_and_decord_rows(clip, raw, first, coded)
+    height, width = coded
+    padded = torch.full(((height + 8) * 3 // 2, width), 77, dtype=torch.uint8)
+    padded[:height], padded[height + 8 : height + 8 + height // 2] = nv12[:height], nv12[height:]
+    frames = [padded, padded.flip(-1).contiguous(), torch.roll(padded, 7, dims=-1)]
+    for colour in (Colour(), Colour("bt709", full=True)):
+        batch = nv12_to_rgb(torch.stack(frames), coded, colour)
+        assert batch.shape == (3, 3, height, width)
+        for k, frame in enumerate(frames):
+            assert torch.equal(batch[k], nv12_to_rgb(frame, coded, colour)), (k, colour)
+    assert not torch.equal(batch[0], batch[1])
+
+
 # The packet feed (`nvdec.FEED_SAMPLED`): a stream's packets read once for their pictures,
 # then only those its samples need fed to a decoder kept per kind of stream. Here a stand-in
 # demuxer hands the packets of a made-up H.264 stream with B-pyramids (Annex B slice headers,

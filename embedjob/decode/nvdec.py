@@ -167,11 +167,12 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     return _in_sample_order(frames, unique, video), video
 
 
-def _in_sample_order(frames: list[torch.Tensor], unique: list[int], video: DeferredVideo) -> torch.Tensor:
-    """The frames at the ascending indices `unique` as `video.indices` orders (and repeats) them, as shown."""
+def _in_sample_order(frames: list[torch.Tensor] | torch.Tensor, unique: list[int], video: DeferredVideo) -> torch.Tensor:
+    """The frames at the ascending indices `unique` (a list, or stacked) as `video.indices`
+    orders (and repeats) them, as shown."""
     position = {index: k for k, index in enumerate(unique)}
-    stack = torch.stack(frames)[[position[i] for i in video.indices]]
-    return frames_as_decoded(stack, video)
+    stack = frames if isinstance(frames, torch.Tensor) else torch.stack(frames)
+    return frames_as_decoded(stack[[position[i] for i in video.indices]], video)
 
 
 def refusal(exc: Exception) -> str:
@@ -390,13 +391,13 @@ def _picture_kind(codec: str, unit: bytes) -> gop.SliceKind | None:
 
 
 def _feed(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: tuple[tuple, Any],
-          device: torch.device, colour: Colour, coded: tuple[int, int]) -> list[torch.Tensor]:
-    """The frames whose pts are `wanted`'s keys, in its values' order, as RGB on `device`:
-    `packets` (ending with the empty one that ends the stream) fed to this thread's
-    decoder of `kind`. The decoder makes its frames on the thread's stream and reuses
-    their memory, so whatever it does after they are read (in this video or the next)
-    waits for the reads, queued on the caller's stream. A decoder that fails is dropped:
-    it is not trusted with the next video."""
+          device: torch.device, colour: Colour, coded: tuple[int, int]) -> torch.Tensor:
+    """The frames whose pts are `wanted`'s keys, in its values' order, as RGB on `device`
+    ((T, 3, H, W) uint8): `packets` (ending with the empty one that ends the stream) fed
+    to this thread's decoder of `kind`. The decoder makes its frames on the thread's
+    stream and reuses their memory, so whatever it does after they are copied out (in
+    this video or the next) waits for the copies, queued on the caller's stream. A decoder
+    that fails is dropped: it is not trusted with the next video."""
     try:
         return _fed_frames(nvc, packets, wanted, kind, device, colour, coded)
     except Exception:
@@ -405,22 +406,39 @@ def _feed(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: tuple[
 
 
 def _fed_frames(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: tuple[tuple, Any],
-                device: torch.device, colour: Colour, coded: tuple[int, int]) -> list[torch.Tensor]:
-    """The body of `_feed`, which drops the decoder where this fails."""
+                device: torch.device, colour: Colour, coded: tuple[int, int]) -> torch.Tensor:
+    """The body of `_feed`, which drops the decoder where this fails. Each wanted frame's
+    NV12 is copied out of its surface into its place in one batch as it comes; the batch
+    is turned to RGB at the end, `BATCH_RGB` frames a call."""
     decoder, own = _fed_session(nvc, kind, device)
     current = torch.cuda.current_stream(device) if own is not None else None
-    frames: dict[int, torch.Tensor] = {}
+    batch: torch.Tensor | None = None
+    copied: set[int] = set()
     for packet in packets:
-        decoded = [frame for frame in decoder.Decode(packet) if frame.getPTS() in wanted and frame.getPTS() not in frames]
+        decoded = [frame for frame in decoder.Decode(packet) if frame.getPTS() in wanted and frame.getPTS() not in copied]
         if decoded and own is not None:
             current.wait_stream(own)
         for frame in decoded:
-            frames[frame.getPTS()] = nv12_to_rgb(torch.from_dlpack(frame).to(device), coded, colour)
+            surface = torch.from_dlpack(frame).to(device)
+            if batch is None:
+                batch = surface.new_empty((len(wanted), *surface.shape))
+            if surface.shape != batch.shape[1:]:
+                raise RuntimeError(f"the video decoder returned NV12 frames of shapes {tuple(surface.shape)} and {tuple(batch.shape[1:])}")
+            batch[wanted[frame.getPTS()]].copy_(surface)
+            copied.add(frame.getPTS())
         if decoded and own is not None:
             own.wait_stream(current)
-    if len(frames) != len(wanted):
-        raise RuntimeError(f"the video decoder returned {len(frames)} of {len(wanted)} frames")
-    return [frames[pts] for pts in sorted(wanted, key=wanted.__getitem__)]
+    if batch is None or len(copied) != len(wanted):
+        raise RuntimeError(f"the video decoder returned {len(copied)} of {len(wanted)} frames")
+    return torch.cat([nv12_to_rgb(chunk, coded, colour) for chunk in batch.split(BATCH_RGB)])
+
+
+BATCH_RGB = 8
+"""Frames of a video turned from NV12 to RGB by one `nv12_to_rgb` call. The conversion is
+some twenty tensor operations whatever the batch, each a kernel launch by the decode
+thread, holding the GIL: a call per frame cost the thread about 20 launches for each of a
+1080p clip's 11 sampled frames. A batch of 8 1080p frames takes about 0.5 GB of float32
+intermediates, per decode thread."""
 
 
 def _fed_session(nvc: Any, kind: tuple[tuple, Any], device: torch.device) -> tuple[Any, torch.cuda.Stream | None]:
@@ -518,29 +536,31 @@ def _chw(frame: torch.Tensor, coded: tuple[int, int], device: torch.device) -> t
 
 def nv12_to_rgb(nv12: torch.Tensor, coded: tuple[int, int], colour: Colour) -> torch.Tensor:
     """One NV12 frame ((H * 3 / 2, W) uint8: the luma rows, then rows of interleaved U, V
-    pairs; H may be the stream's height padded by up to 15 rows, as decoder surfaces are)
-    of a stream of `coded` (height, width) as (3, H, W) uint8 RGB, as FFmpeg's
+    pairs; H may be the stream's height padded by up to 15 rows, as decoder surfaces are),
+    or a batch of them ((T, H * 3 / 2, W)), of a stream of `coded` (height, width) as
+    (3, H, W) (or (T, 3, H, W)) uint8 RGB, each frame as alone, as FFmpeg's
     swscale makes RGB24 of it for decord: each chroma pair for its 2 x 2 pixels, the
     `colour` matrix, luma from 16-235 and chroma from 16-240 unless `colour.full`. Within
     a level or two of decord's pixels (its fixed-point code rounds its own way), where a
     BT.709 reading of an untagged stream is several levels off on saturated colours.
     Another layout (odd sides, other bit depths) is refused: the caller takes the CPU path."""
     height, width = coded
-    rows = nv12.shape[0] * 2 // 3 if nv12.dim() == 2 else 0  # luma rows: the stream's, or a surface padded to 16
-    if (nv12.dim() != 2 or nv12.dtype != torch.uint8 or nv12.shape[0] % 3 or not height <= rows < height + 16
-            or nv12.shape[1] != width or height % 2 or width % 2):
+    rows = nv12.shape[-2] * 2 // 3 if nv12.dim() in (2, 3) else 0  # luma rows: the stream's, or a surface padded to 16
+    if (nv12.dim() not in (2, 3) or nv12.dtype != torch.uint8 or nv12.shape[-2] % 3 or not height <= rows < height + 16
+            or nv12.shape[-1] != width or height % 2 or width % 2):
         raise RuntimeError(f"the video decoder returned an NV12 frame of shape {tuple(nv12.shape)} and type {nv12.dtype} "
                            f"for a {width} x {height} stream")
-    luma = nv12[:height].float()
-    chroma = nv12[rows : rows + height // 2].reshape(height // 2, width // 2, 2).float() - 128.0
-    chroma = chroma.repeat_interleave(2, dim=0).repeat_interleave(2, dim=1)
+    batch = nv12.shape[:-2]
+    luma = nv12[..., :height, :].float()
+    chroma = nv12[..., rows : rows + height // 2, :].reshape(*batch, height // 2, width // 2, 2).float() - 128.0
+    chroma = chroma.repeat_interleave(2, dim=-3).repeat_interleave(2, dim=-2)
     u, v = chroma[..., 0], chroma[..., 1]
     red_v, blue_u, green_u, green_v = (c / 65536 for c in COEFFICIENTS[colour.matrix])
     if colour.full:
         red_v, blue_u, green_u, green_v = (c * 224 / 255 for c in (red_v, blue_u, green_u, green_v))
     else:
         luma = (luma - 16.0) * (255 / 219)
-    rgb = torch.stack([luma + red_v * v, luma - green_u * u - green_v * v, luma + blue_u * u])
+    rgb = torch.stack([luma + red_v * v, luma - green_u * u - green_v * v, luma + blue_u * u], dim=-3)
     # floor, not round: FFmpeg's code lands half a level lower than exact arithmetic on average.
     return rgb.floor_().clamp_(0, 255).to(torch.uint8)
 

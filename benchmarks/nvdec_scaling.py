@@ -22,7 +22,8 @@ clips are planned first, as the decode workers plan them (`video.decode_video` w
 
 With `--loads`, each run is repeated beside what a job runs next to the GPU's decoder:
 `cpu`, `--load-workers` processes decoding the clips with decord, as a job's decode
-workers do (their clips a second are in the row); `gpu`, a thread of this process replaying
+workers do (their clips a second are in the row), at each `--load-nice` niceness (the
+job's workers run at `workers.pool.WORKER_NICE`, so the rank's threads win a core); `gpu`, a thread of this process replaying
 a CUDA graph of bf16 products back to back on a stream of its own (`common.GemmLoad`), as
 the encoder's graphs keep the device busy; `both`. In `video.decoder: auto` the GPU's decoder read about half what it reads alone
 (RESULTS.md section 11): these rows say which neighbour takes it.
@@ -36,7 +37,7 @@ it, near 0 when they hold it while the GPU decodes), and how busy NVML saw the N
 sessions, not timed, opens the sessions (each process opens its own on its first clip).
 
     PYTHONPATH=. python3 benchmarks/nvdec_scaling.py --clips DIR [--sessions 1 4 7 14] [--clips-limit 128]
-        [--loads none cpu gpu both] [--load-workers 16]
+        [--loads none cpu gpu both] [--load-workers 16] [--load-nice 0 10]
 
 `--smoke` (no GPU) runs both modes on the repository's test clips with decord standing in
 for NVDEC (`video.decode_video` on the CPU), saying so: the timing, the probe and the CPU
@@ -50,6 +51,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import multiprocessing
+import os
 import sys
 import threading
 import time
@@ -64,6 +66,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import DecoderBusy, GemmLoad, fmt, log, skipped, table  # noqa: E402
 from embedjob.decode.types import DecodeOptions, DeferredVideo  # noqa: E402
+from embedjob.workers.pool import WORKER_NICE  # noqa: E402
 
 SCRIPT = "nvdec_scaling"
 MODES = ("threads", "processes")
@@ -189,13 +192,16 @@ class GilProbe:
 
 
 LOADS = ("none", "cpu", "gpu", "both")
-LOAD_NAMES = {"cpu": "beside {workers} decord processes", "gpu": "beside bf16 products", "both": "beside both"}
+LOAD_NAMES = {"cpu": "beside {workers} decord processes at nice {nice}", "gpu": "beside bf16 products",
+              "both": "beside both (nice {nice})"}
 """How a run's row names its load."""
 
 
-def _load_main(paths: list[str], stop: multiprocessing.Event, done: multiprocessing.Value) -> None:
+def _load_main(paths: list[str], nice: int, stop: multiprocessing.Event, done: multiprocessing.Value) -> None:
     """One `cpu` load process: decord reads `paths` round and round, as a decode worker
-    reads clips, until `stop`, counting each clip it finishes in `done`."""
+    reads clips, at `nice` more niceness, until `stop`, counting each clip it finishes in `done`."""
+    if nice:
+        os.nice(nice)
     datas = [Path(p).read_bytes() for p in paths]
     for k in itertools.count():
         if stop.is_set():
@@ -206,15 +212,15 @@ def _load_main(paths: list[str], stop: multiprocessing.Event, done: multiprocess
 
 
 class CpuLoad:
-    """`workers` processes of `_load_main` over `paths` (each its own share) while the
+    """`workers` processes of `_load_main` over `paths` (each its own share), at `nice`, while the
     block runs; `rate`, once it ends, the clips a second they finished between the end of
     `LOAD_SETTLE_SECONDS` and the block's end."""
 
-    def __init__(self, paths: list[Path], workers: int) -> None:
+    def __init__(self, paths: list[Path], workers: int, nice: int) -> None:
         context = multiprocessing.get_context("spawn")
         self._stop, self._done = context.Event(), context.Value("q", 0)
         shares = [[str(p) for p in paths[k::workers]] or [str(paths[k % len(paths)])] for k in range(workers)]
-        self._workers = [context.Process(target=_load_main, args=(share, self._stop, self._done), daemon=True) for share in shares]
+        self._workers = [context.Process(target=_load_main, args=(share, nice, self._stop, self._done), daemon=True) for share in shares]
         self._counted = (0, 0.0)
         self.rate: float | None = None
 
@@ -238,12 +244,13 @@ LOAD_SETTLE_SECONDS = 3.0
 
 
 @contextlib.contextmanager
-def loaded(load: str, paths: list[Path], workers: int, device: torch.device) -> Iterator[CpuLoad | None]:
-    """The `load` (`LOADS`) running while the block runs; the CPU load, whose rate is read after."""
+def loaded(load: str, paths: list[Path], workers: int, nice: int, device: torch.device) -> Iterator[CpuLoad | None]:
+    """The `load` (`LOADS`) running while the block runs (its decord processes at `nice`);
+    the CPU load, whose rate is read after."""
     with contextlib.ExitStack() as stack:
         if load in ("gpu", "both"):
             stack.enter_context(GemmLoad(device))
-        yield stack.enter_context(CpuLoad(paths, workers)) if load in ("cpu", "both") else None
+        yield stack.enter_context(CpuLoad(paths, workers, nice)) if load in ("cpu", "both") else None
 
 
 def threads_run(clips: list[DeferredVideo], sessions: int, window: int, device: torch.device) -> Run:
@@ -362,15 +369,17 @@ def main() -> int:
         for setting in NVDEC_SETTINGS:
             setattr(nvdec, setting, VARIANTS[variant][setting])
         clips = plans[VARIANTS[variant].get("PACKETS_IN_WORKERS", False)]
-        for mode, sessions, load in [(m, n, load) for load in args.loads for m in args.modes for n in args.sessions]:
+        runs_wanted = [(m, n, load, nice) for load in args.loads for nice in (args.load_nice if load in ("cpu", "both") else [0])
+                       for m in args.modes for n in args.sessions]
+        for mode, sessions, load, nice in runs_wanted:
             try:
-                with loaded(load, paths, args.load_workers, device) as cpu, DecoderBusy() as busy:
+                with loaded(load, paths, args.load_workers, nice, device) as cpu, DecoderBusy() as busy:
                     run = threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device, VARIANTS[variant])
                 run.decoders = busy.describe()
                 run.load_rate = cpu.rate if cpu is not None else None
             except Exception as exc:  # a variant the decoder refuses is a row, and the others still run
                 run = Run(mode, sessions, error=repr(exc))
-            run.mode = f"{mode}, {variant}" + (f", {LOAD_NAMES[load].format(workers=args.load_workers)}" if load != "none" else "")
+            run.mode = f"{mode}, {variant}" + (f", {LOAD_NAMES[load].format(workers=args.load_workers, nice=nice)}" if load != "none" else "")
             runs.append(run)
             log(SCRIPT, f"{run.mode} x {sessions}: {run.error or f'{run.clips / run.wall:.2f} clips/s'}")
             # Printed after every run, so a call cut off by its limit keeps the rows before it.
@@ -390,6 +399,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--loads", nargs="+", choices=LOADS, default=["none"],
                         help="run each beside nothing, decord processes (cpu), bf16 products on the GPU (gpu) or both")
     parser.add_argument("--load-workers", type=int, default=16, help="decord processes of the cpu load (a job's runtime.workers)")
+    parser.add_argument("--load-nice", type=int, nargs="+", default=[WORKER_NICE],
+                        help="niceness the cpu load's processes add to their own, one run each (a job's workers: WORKER_NICE)")
     parser.add_argument("--smoke", action="store_true", help="CPU only: the test clips, read by decord instead of NVDEC")
     args = parser.parse_args()
     if args.smoke and {"gpu", "both"} & set(args.loads):

@@ -80,9 +80,11 @@ SMOKES = {
         ["| layer (worst first) |", "block 1: mlp.fc2", "| rounded | 0 | 10 |", "| calibrated on 4 items | 0 | 10 |",
          "| mlp.fc1 | 25.0% |", "(--kept): self_attn.out_proj.", "the 4 items after"],
     ),
-    "nvdec_scaling": (["--smoke", "--sessions", "1", "2", "--variants", "own-streams", "cut", "--loads", "none", "cpu", "--load-workers", "2"],
+    "nvdec_scaling": (["--smoke", "--sessions", "1", "2", "--variants", "own-streams", "cut", "--loads", "none", "cpu", "--load-workers", "2",
+                       "--load-nice", "0", "10"],
                       ["| mode | sessions | clips |", "decord standing in for NVDEC", "| processes, own-streams | 2 |",
-                       "| threads, cut, beside 2 decord processes | 2 |"]),
+                       "| threads, cut, beside 2 decord processes at nice 0 | 2 |",
+                       "| threads, cut, beside 2 decord processes at nice 10 | 2 |"]),
     "quantize_rows": (["--smoke"], ["| input (tower: the layers reading it) | blocks (lanes) | warps |", "| 4,096 + 128 + 128 |", "SigLIP-so400m: fc2, 4,304 wide after gelu_tanh", "torch path standing in"]),
     "family_checks": (["--smoke"], ["| check | result |", "DINOv3: embedjob float32, graphs of the uncompiled blocks", "Qwen3.5: all batches", "an image job's graph offsets"]),
 }

@@ -4,6 +4,7 @@ two demo jobs end to end on the CPU."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -32,7 +33,7 @@ from transformers import (
 from embedjob.cli import main
 from embedjob.config import JobError
 from embedjob.encoders import load_adapter
-from embedjob.encoders.fixed import BUILTIN_VISION, FAMILIES, GLOBAL_KEY, PatchProduct, builtin_dir
+from embedjob.encoders.fixed import BUILTIN_VISION, FAMILIES, GLOBAL_KEY, PatchProduct, builtin_dir, pad_mlps
 from embedjob.engine.encode import build_encoder
 from embedjob.engine.graphs import GraphManager
 from embedjob.engine.packer import BudgetPlan
@@ -372,6 +373,22 @@ def test_every_block_reads_a_row_major_hidden_state(adapters, family: str) -> No
             hook.remove()
     assert len(seen) >= 3 * len(adapter.compile_units())
     assert [key for key, contiguous in seen if not contiguous] == []
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_mlps_padded_to_whole_tiles_embed_as_the_checkpoint_does(adapters, family: str) -> None:
+    """`fixed.MLP_MULTIPLE` pads the blocks' MLP widths with zero channels on CUDA (SigLIP's
+    4,304 is not a whole number of 128-wide tiles): the vectors must not move."""
+    adapter = copy.deepcopy(adapters[family])
+    blocks = adapter.compile_units()
+    widths = [block.mlp.fc1.out_features for block in blocks if hasattr(block.mlp, "fc1")]
+    pad_mlps(adapter.tower, FAMILIES[family].layers, 48)  # the tiny towers' 128 is a whole number of 128-wide tiles
+    grown = [block.mlp.fc1.out_features for block in adapter.compile_units() if hasattr(block.mlp, "fc1")]
+    assert all(width % 48 == 0 and width > old for width, old in zip(grown, widths))
+    if family != "dinov3":  # its MLP is up_proj, down_proj: no layout of base.MLP_LAYOUTS, left as it is
+        assert grown, f"{family}'s MLPs were not padded"
+    media = [random_image(90, 60, 1), random_image(30, 40, 2)]
+    torch.testing.assert_close(_embed(adapter, media), _embed(adapters[family], media), rtol=1e-5, atol=1e-5)
 
 
 def test_fixed_flops_reads_a_siglip_vision_checkpoint_saved_without_vision_use_head(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from embedjob.encoders.base import (
     PackedAdapter,
     Placement,
     StaticInputs,
+    pad_mlp,
 )
 from embedjob.encoders.loading import AdapterOptions, builtin_model, download_snapshot, resolve_checkpoint
 
@@ -755,46 +756,6 @@ class LinearPatchEmbed(torch.nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         rows = pixels.reshape(-1, self.weight.shape[1]).to(self.weight.dtype)
         return torch.nn.functional.linear(rows, self.weight, self.bias)
-
-
-MLP_LAYOUTS = ((("gate_proj", "up_proj"), "down_proj"), (("linear_fc1",), "linear_fc2"), (("fc1",), "fc2"))
-
-
-def pad_mlp(mlp: torch.nn.Module, multiple: int) -> None:
-    """Pad the MLP's hidden width to a multiple of `multiple` with zero channels.
-
-    Qwen2.5-VL's 3420 is not a multiple of 8, so its rows are not 16-byte aligned and
-    cuBLAS falls back to its slower pre-Hopper kernels (the kernel table in
-    benchmarks/RESULTS.md's git history). A zero channel has zero input weights
-    and bias, every activation here maps 0 to 0, and its output weights are zero, so the
-    padded MLP computes the same function.
-    """
-    for inputs, output in MLP_LAYOUTS:
-        if all(hasattr(mlp, name) for name in (*inputs, output)):
-            break
-    else:
-        return
-    width = getattr(mlp, output).in_features
-    extra = -width % multiple
-    if not extra:
-        return
-    for name in inputs:
-        layer = getattr(mlp, name)
-        setattr(mlp, name, _resized_linear(layer, layer.in_features, width + extra))
-    setattr(mlp, output, _resized_linear(getattr(mlp, output), width + extra, getattr(mlp, output).out_features))
-
-
-def _resized_linear(layer: torch.nn.Linear, in_features: int, out_features: int) -> torch.nn.Linear:
-    """A copy of `layer` grown to the given sizes, new weights and bias entries zero."""
-    weight = layer.weight
-    grown = torch.nn.Linear(in_features, out_features, bias=layer.bias is not None, device=weight.device, dtype=weight.dtype)
-    grown.requires_grad_(False)
-    grown.weight.zero_()
-    grown.weight[: layer.out_features, : layer.in_features] = weight
-    if layer.bias is not None:
-        grown.bias.zero_()
-        grown.bias[: layer.out_features] = layer.bias
-    return grown
 
 
 def tune_for_cuda(model: torch.nn.Module) -> None:

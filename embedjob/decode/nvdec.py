@@ -437,8 +437,8 @@ BATCH_RGB = 8
 """Frames of a video turned from NV12 to RGB by one `nv12_to_rgb` call. The conversion is
 some twenty tensor operations whatever the batch, each a kernel launch by the decode
 thread, holding the GIL: a call per frame cost the thread about 20 launches for each of a
-1080p clip's 11 sampled frames. A batch of 8 1080p frames takes about 0.5 GB of float32
-intermediates, per decode thread."""
+1080p clip's 11 sampled frames. Its float32 intermediates peak at some 40 bytes a pixel:
+0.7 GB for 8 1080p frames, per decode thread."""
 
 
 def _fed_session(nvc: Any, kind: tuple[tuple, Any], device: torch.device) -> tuple[Any, torch.cuda.Stream | None]:

@@ -37,8 +37,8 @@ cosine to bf16 is over the other items only, and the float32 reference is always
 run the fixed-resolution towers' patch embedding as cuDNN's convolution, not one matrix product
 (`fixed.PATCH_PRODUCTS` off; SigLIP's hidden state then enters the blocks transposed); `bf16-gelu-apart` leaves SigLIP's tanh
 GELU a kernel of its own instead of the product's epilogue (`epilogues.EPILOGUES` off);
-`bf16-mlp-128` and `fp8-mlp-128` pad the fixed towers' MLP widths to whole 128-wide tiles
-(`fixed.MLP_MULTIPLE` 128: SigLIP-so400m's 4,304 to 4,352);
+`bf16-mlp-unpadded` and `fp8-mlp-unpadded` leave the fixed towers' MLP widths as the
+checkpoint has them (`fixed.MLP_MULTIPLE` 1: SigLIP-so400m's 4,304, not 4,352);
 `bf16-looped-rows` and `fp8-looped-rows` leave torch's rule for reducing wide rows
 (`base.WIDE_ROWS` 0: the norms of rows over 1,024 elements loop); `bf16-varlen` runs the
 Qwen-VL towers' attention without FlashAttention-4 (`model.attention: varlen`: varlen_attn,
@@ -84,7 +84,7 @@ VARIANTS = {
     "bf16": ("bf16", {}),
     "bf16-patch-conv": ("bf16", {(fixed, "PATCH_PRODUCTS"): False}),
     "bf16-looped-rows": ("bf16", {(base, "WIDE_ROWS"): 0}),
-    "bf16-mlp-128": ("bf16", {(fixed, "MLP_MULTIPLE"): 128}),
+    "bf16-mlp-unpadded": ("bf16", {(fixed, "MLP_MULTIPLE"): 1}),
     "bf16-gelu-apart": ("bf16", {(epilogues, "EPILOGUES"): False}),
     "bf16-varlen": ("bf16", {}, ["model.attention=varlen"]),
     "bf16-varlen-attn": ("bf16", {(attention, "SEGMENT_MAX_LENGTH"): 0}),
@@ -100,7 +100,7 @@ VARIANTS = {
     "fp8-patch-conv": ("fp8", {(fixed, "PATCH_PRODUCTS"): False}),
     "fp8-gated-apart": ("fp8", {(fp8, "GATED_MLPS"): ()}),
     "fp8-looped-rows": ("fp8", {(base, "WIDE_ROWS"): 0}),
-    "fp8-mlp-128": ("fp8", {(fixed, "MLP_MULTIPLE"): 128}),
+    "fp8-mlp-unpadded": ("fp8", {(fixed, "MLP_MULTIPLE"): 1}),
     "fp8-keep-out": ("fp8", {}, lambda family, _smoke: [f"model.fp8_keep=[{ATTENTION_OUTPUT[family]}]"]),
     "fp8-calibrated": ("fp8", {}, lambda _family, smoke: [f"model.fp8_calibrate={calibration_rows(smoke)}"]),
 }

@@ -81,10 +81,13 @@ MAX_IMAGES_PER_BATCH = 256
 PATCH_PRODUCTS = True
 """Whether new adapters run the patch embedding's convolution as one matrix product
 (`PatchProduct`). Read when an adapter is built; benchmarks switch it off to time cuDNN's."""
-MLP_MULTIPLE = 1
+MLP_MULTIPLE = 128
 """On CUDA, the blocks' MLP hidden width is padded with zero channels to a multiple of this
 (`base.pad_mlp`: the same function), so the products' tiles divide it: SigLIP-so400m's 4,304
-columns are 33.6 tiles of 128. 1: as the checkpoint has it. Read when an adapter is built."""
+columns are 33.6 tiles of 128. Padded to 4,352, its FP8 tower ran 1.31x bf16 instead of
+1.25x (its products one cuBLAS kernel, 125 ms of a 256-image batch) and bf16 1.01x its
+unpadded rate, the vectors the same (an H100, benchmarks/RESULTS.md section 6). 1: as the
+checkpoint has it. Read when an adapter is built."""
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # PIL resample codes as saved in preprocessor configs -> the torchvision modes transformers

@@ -16,7 +16,9 @@ the stream at 2 frames a second, at most 32, the sampled frames as RGB on the GP
 each with the sessions on the library's default CUDA stream (`shared-stream`), on streams
 of their own (`own-streams`: `nvdec.OWN_STREAMS`), fed only the packets the samples need
 (`fed`: `nvdec.FEED_SAMPLED`, what a job runs), and fed the pictures a worker cut out
-(`cut`: `video.PACKETS_IN_WORKERS`, no demuxer on the rank), as `--variants` says. The
+(`cut`: `video.PACKETS_IN_WORKERS`, no demuxer on the rank), and so with the surfaces
+copied out on the caller's stream, which the threads share (`cut-caller-copies`:
+`nvdec.COPIES_ON_FEED_STREAM` off), as `--variants` says. The
 clips are planned first, as the decode workers plan them (`video.decode_video` with
 `defer_video`; the cut, too, is made then, untimed).
 
@@ -79,14 +81,15 @@ PROCESS_SECONDS = 600
 """The longest a process may take to report (a crashed one never does)."""
 
 VARIANTS = {
-    "shared-stream": {"OWN_STREAMS": False, "FEED_SAMPLED": False},
-    "own-streams": {"OWN_STREAMS": True, "FEED_SAMPLED": False},
-    "fed": {"OWN_STREAMS": False, "FEED_SAMPLED": True},
-    "cut": {"OWN_STREAMS": False, "FEED_SAMPLED": True, "PACKETS_IN_WORKERS": True},
+    "shared-stream": {"OWN_STREAMS": False, "FEED_SAMPLED": False, "COPIES_ON_FEED_STREAM": True},
+    "own-streams": {"OWN_STREAMS": True, "FEED_SAMPLED": False, "COPIES_ON_FEED_STREAM": True},
+    "fed": {"OWN_STREAMS": False, "FEED_SAMPLED": True, "COPIES_ON_FEED_STREAM": True},
+    "cut": {"OWN_STREAMS": False, "FEED_SAMPLED": True, "COPIES_ON_FEED_STREAM": True, "PACKETS_IN_WORKERS": True},
+    "cut-caller-copies": {"OWN_STREAMS": False, "FEED_SAMPLED": True, "COPIES_ON_FEED_STREAM": False, "PACKETS_IN_WORKERS": True},
 }
 """`--variants`: the `nvdec` settings each runs with, and `video.PACKETS_IN_WORKERS` for the plans."""
 
-NVDEC_SETTINGS = ("OWN_STREAMS", "FEED_SAMPLED")
+NVDEC_SETTINGS = ("OWN_STREAMS", "FEED_SAMPLED", "COPIES_ON_FEED_STREAM")
 
 
 @dataclass

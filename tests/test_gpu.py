@@ -948,11 +948,13 @@ def test_frames_read_by_the_packet_feed_are_decords_from_fewer_pictures(monkeypa
 
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
-def test_frames_fed_from_the_pictures_a_worker_cut_out_are_decords(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("on_feed_stream", [True, False])
+def test_frames_fed_from_the_pictures_a_worker_cut_out_are_decords(monkeypatch: pytest.MonkeyPatch, on_feed_stream: bool) -> None:
     """`video.PACKETS_IN_WORKERS`: the pictures a worker cuts out of a clip's samples
     (`gop.packet_feed`), handed to the decoder as packets made here with no demuxer on the
     rank, give decord's frames of a decode from the first frame to the last, within a level
-    on average, for the plans of the test above and the worker's own (2 frames a second)."""
+    on average, for the plans of the test above and the worker's own (2 frames a second),
+    whichever stream copies the surfaces out (`nvdec.COPIES_ON_FEED_STREAM`)."""
     import decord
 
     from embedjob.decode import nvdec, video
@@ -960,6 +962,7 @@ def test_frames_fed_from_the_pictures_a_worker_cut_out_are_decords(monkeypatch: 
     from embedjob.decode.types import DeferredVideo
 
     monkeypatch.setattr(video, "PACKETS_IN_WORKERS", True)
+    monkeypatch.setattr(nvdec, "COPIES_ON_FEED_STREAM", on_feed_stream)
     monkeypatch.setattr(nvdec, "FEED_SAMPLED", False)  # what the feed cannot take fails here, not on the rank's demuxer
     monkeypatch.setattr(nvdec, "_pool", None)
     thread = nvdec._threads(1)

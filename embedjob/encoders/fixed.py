@@ -84,10 +84,10 @@ PATCH_PRODUCTS = True
 MLP_MULTIPLE = 128
 """On CUDA, the blocks' MLP hidden width is padded with zero channels to a multiple of this
 (`base.pad_mlp`: the same function), so the products' tiles divide it: SigLIP-so400m's 4,304
-columns are 33.6 tiles of 128. Padded to 4,352, its FP8 tower ran 1.31x bf16 instead of
-1.25x (its products one cuBLAS kernel, 125 ms of a 256-image batch) and bf16 1.01x its
-unpadded rate, the vectors the same (an H100, benchmarks/RESULTS.md section 6). 1: as the
-checkpoint has it. Read when an adapter is built."""
+columns are 33.6 tiles of 128. Padded to 4,352, its FP8 tower ran 935.8 images/s against
+890.7 (its products one cuBLAS kernel, 125 ms of a 256-image batch), 1.30x the padded bf16
+tower, which ran 717.9 against 712.6; the vectors the same (an H100, benchmarks/RESULTS.md
+section 6). 1: as the checkpoint has it. Read when an adapter is built."""
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # PIL resample codes as saved in preprocessor configs -> the torchvision modes transformers

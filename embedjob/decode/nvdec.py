@@ -396,8 +396,9 @@ def _feed(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: tuple[
     ((T, 3, H, W) uint8): `packets` (ending with the empty one that ends the stream) fed
     to this thread's decoder of `kind`. The decoder makes its frames on the thread's
     stream and reuses their memory, so whatever it does after they are copied out (in
-    this video or the next) waits for the copies, queued on the caller's stream. A decoder
-    that fails is dropped: it is not trusted with the next video."""
+    this video or the next) waits for the copies: queued on that stream after its writes
+    (`COPIES_ON_FEED_STREAM`), else on the caller's, which the two streams wait for in
+    turn. A decoder that fails is dropped: it is not trusted with the next video."""
     try:
         return _fed_frames(nvc, packets, wanted, kind, device, colour, coded)
     except Exception:
@@ -451,8 +452,10 @@ COPIES_ON_FEED_STREAM = True
 thread's feed stream: after the decoder's writes and before its next, by stream order)
 instead of on the caller's, which the decode threads share and which also holds the
 clips' conversions and resizes. Those wait for the SMs behind the encoder's products, and
-the decoder, reusing a surface, waited for its copy behind them: in `video.decoder: auto`
-NVDEC read 25 clips a second where alone it read 72 (benchmarks/RESULTS.md section 11)."""
+a decoder reusing a surface whose copy was queued behind them waits too: in `video.decoder:
+auto` NVDEC read 25 clips a second where alone it read 72 (benchmarks/RESULTS.md section
+11, copies on the caller's stream; on its own stream not yet timed in a job). Off: the
+caller's stream, `benchmarks/nvdec_scaling.py`'s `cut-caller-copies`."""
 
 
 BATCH_RGB = 8

@@ -447,15 +447,16 @@ def _copied_out(frame: Any, batch: torch.Tensor | None, wanted: dict[int, int], 
     return batch
 
 
-COPIES_ON_FEED_STREAM = True
+COPIES_ON_FEED_STREAM = False
 """Whether a fed decoder's wanted surfaces are copied out on the decoder's own stream (the
 thread's feed stream: after the decoder's writes and before its next, by stream order)
 instead of on the caller's, which the decode threads share and which also holds the
 clips' conversions and resizes. Those wait for the SMs behind the encoder's products, and
 a decoder reusing a surface whose copy was queued behind them waits too: in `video.decoder:
 auto` NVDEC read 25 clips a second where alone it read 72 (benchmarks/RESULTS.md section
-11, copies on the caller's stream; on its own stream not yet timed in a job). Off: the
-caller's stream, `benchmarks/nvdec_scaling.py`'s `cut-caller-copies`."""
+11, copies on the caller's stream). Off until it is timed on a GPU, in a job and beside
+bf16 products (`benchmarks/nvdec_scaling.py` `--variants cut cut-caller-copies --loads none
+gpu`); `tests/test_gpu.py` reads the feed's frames both ways."""
 
 
 BATCH_RGB = 8

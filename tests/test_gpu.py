@@ -1046,14 +1046,18 @@ def test_nvdec_sessions_on_streams_of_their_own_read_the_frames_of_the_shared_st
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
 @pytest.mark.parametrize("setting", ["nvdec", "auto"])
-def test_an_nvdec_job_gives_the_decord_jobs_rows(tmp_path: Path, cache_dir: str, setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("thread_streams", [False, True])
+def test_an_nvdec_job_gives_the_decord_jobs_rows(
+    tmp_path: Path, cache_dir: str, setting: str, thread_streams: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`video.decoder` nvdec, or auto, which leaves every other clip to the GPU from the
     first row on (`decode_split.FIRST_SHARE`: the 9 rows are all submitted before auto
     measures; the first, a 568 x 320 H.264 clip, is one the GPU reads) and here holds
     that share (windows then mix clips the workers decoded with clips the GPU decoded):
     each row is the decord job's, in order, up to the decoders' rounding. The 8-bit H.264
     and HEVC clips the GPU reads go through the packet feed (`nvdec._feed`), not a decoder
-    session: the plan a worker sends carries what the feed needs."""
+    session: the plan a worker sends carries what the feed needs. The decode threads queue
+    their work on the caller's stream or on their own (`nvdec.THREAD_STREAMS`)."""
     from embedjob import pipeline
     from embedjob.config import load_job
     from embedjob.decode import nvdec
@@ -1068,6 +1072,7 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(tmp_path: Path, cache_dir: str,
         return frames
 
     monkeypatch.setattr(nvdec, "_feed", counted)
+    monkeypatch.setattr(nvdec, "THREAD_STREAMS", thread_streams)
     monkeypatch.setattr(pipeline, "AUTO_ROWS", 1)
     monkeypatch.setattr(pipeline, "gpu_share", lambda *rates: 0.5)
     outputs, stats = {}, {}

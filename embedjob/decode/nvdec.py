@@ -95,19 +95,45 @@ def decode_videos(
 ) -> list[tuple[torch.Tensor, DeferredVideo] | Exception]:
     """Each video's frames and plan (`decode_frames`), or the exception that stopped it,
     decoded `options.nvdec_sessions` at a time on threads that keep their decoder
-    sessions between calls. Their copies and resizes queue on the caller's current stream."""
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    sessions between calls. Their copies and resizes queue on the caller's current
+    stream, or with `THREAD_STREAMS` on a stream of each thread's own that the caller's
+    waits for, the frames recorded as used on the caller's."""
+    caller = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def one(video: DeferredVideo) -> tuple[torch.Tensor, DeferredVideo] | Exception:
+        stream = _work_stream(device) if THREAD_STREAMS and caller is not None else caller
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             try:
-                return decode_frames(video, device, options)
+                frames, plan = decode_frames(video, device, options)
             except Exception as exc:  # the caller decides: an error row or the CPU path
                 return exc
+        if stream is not caller:
+            caller.wait_stream(stream)
+            frames.record_stream(caller)
+        return frames, plan
 
     if len(videos) <= 1:
         return [one(video) for video in videos]
     return list(_threads(options.nvdec_sessions).map(one, videos))
+
+
+THREAD_STREAMS = False
+"""Whether each decode thread queues its videos' copies, conversions and resizes on a CUDA
+stream of its own instead of the caller's, which all of them share. One stream runs its
+kernels one after another, and beside the encoder each of them waits for the SMs: NVDEC
+alone (`benchmarks/nvdec_scaling.py`, whose threads each have a stream) read 72 clips a
+second, the `video.decoder: auto` job's threads on one stream 25 (benchmarks/RESULTS.md
+section 11). Off until a GPU has timed it in a job (`benchmarks/video_decode.py
+--variants auto:embedjob.decode.nvdec.THREAD_STREAMS=True`); `tests/test_gpu.py` runs
+the nvdec and auto jobs both ways."""
+
+
+def _work_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's stream on `device` for `THREAD_STREAMS` (made on its first video there)."""
+    held = getattr(_sessions, "work_stream", None)
+    if held is None or held.device != device:
+        held = _sessions.work_stream = torch.cuda.Stream(device)
+    return held
 
 
 def _threads(sessions: int) -> concurrent.futures.ThreadPoolExecutor:

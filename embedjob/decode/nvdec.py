@@ -131,9 +131,9 @@ the nvdec and auto jobs both ways."""
 def _work_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's stream on `device` for `THREAD_STREAMS` (made on its first video there)."""
     held = getattr(_sessions, "work_stream", None)
-    if held is None or held.device != device:
-        held = _sessions.work_stream = torch.cuda.Stream(device)
-    return held
+    if held is None or held[0] != device:
+        held = _sessions.work_stream = (device, torch.cuda.Stream(device))
+    return held[1]
 
 
 def _threads(sessions: int) -> concurrent.futures.ThreadPoolExecutor:

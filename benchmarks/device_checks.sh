@@ -52,7 +52,7 @@
 # distinct clips made on the device by the FFmpeg prep puts in .ffmpeg, 1080p ones CLIP_SECONDS (7) long, 720p ones
 # three quarters of it; carry [".ffmpeg", "bench-data"]; topped
 # up by each call; clips-bg leaves a maker running in the background, through later calls on the warm machine,
-# while the GPU stages run; `clips` waits for it), then at once video NAME... (benchmarks/video_decode.py on them:
+# while the GPU stages run; `clips` waits for it, `clips-stop` stops it where it is), then at once video NAME... (benchmarks/video_decode.py on them:
 # decord, nvdec and auto, tower qwen, siglip or clip; VIDEO_DECODERS picks settings, NVDEC_SESSIONS="4 7 14" the
 # GPU decoder's session counts, an nvdec run each and auto at the fastest's, 7 by default; VIDEO_VARIANTS=
 # "auto:embedjob.decode.video.PACKETS_IN_WORKERS=False" adds runs on a copy of the tree with those constants
@@ -235,6 +235,18 @@ clips_bg() {
   summary+=("clips-bg: a maker runs on in the background (pid $!, log $work/clips.log)")
 }
 
+clips_stop() {
+  # Stops a maker that clips-bg left running, and its FFmpegs, so the stages after it measure on the clips made so far
+  # (the maker renames a clip when it is whole, so none is left half written). The patterns are bracketed so that
+  # they do not match this script's own command line.
+  if clips_running; then
+    pkill -f "video_decode.py [-]-make-clips"
+    pkill -f "[/]tmp/ffmpeg "
+    for _ in 1 2 3 4 5 6 7 8 9 10; do clips_running && sleep 1; done
+  fi
+  clips_said
+}
+
 clips_maker=(python3 benchmarks/video_decode.py --make-clips "$work/clips" --photos bench-data --count "${CLIPS:-1152}" --kinds mixed
   --seconds "${CLIP_SECONDS:-7}")
 
@@ -314,16 +326,17 @@ while [ $# -gt 0 ]; do
     prep | tests | decode | attention | naflex | bench | families | clips | quantize | report) "$stage" ;;
     nvdec-scaling) nvdec_scaling ;;
     clips-bg) clips_bg ;;
+    clips-stop) clips_stop ;;
     mixes | kernels | captions | video | fp8-layers)
       names=()
-      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench families clips clips-bg nvdec-scaling quantize report mixes kernels captions video fp8-layers " != *" $1 "* ]]; do
+      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench families clips clips-bg clips-stop nvdec-scaling quantize report mixes kernels captions video fp8-layers " != *" $1 "* ]]; do
         names+=("$1")
         shift
       done
       [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: '$stage' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
       "${stage//-/_}" "${names[@]}"
       ;;
-    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, families, clips, clips-bg, nvdec-scaling, quantize, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., fp8-layers NAME..., report)" >&2; exit 2 ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, families, clips, clips-bg, clips-stop, nvdec-scaling, quantize, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., fp8-layers NAME..., report)" >&2; exit 2 ;;
   esac
 done
 clips_running && clips_said

@@ -33,7 +33,8 @@ from transformers import (
 from embedjob.cli import main
 from embedjob.config import JobError
 from embedjob.encoders import load_adapter
-from embedjob.encoders.fixed import BUILTIN_VISION, FAMILIES, GLOBAL_KEY, PatchProduct, builtin_dir, pad_mlps
+from embedjob.encoders.base import pad_mlps
+from embedjob.encoders.fixed import BUILTIN_VISION, FAMILIES, GLOBAL_KEY, PatchProduct, blocks_at, builtin_dir
 from embedjob.engine.encode import build_encoder
 from embedjob.engine.graphs import GraphManager
 from embedjob.engine.packer import BudgetPlan
@@ -382,7 +383,7 @@ def test_mlps_padded_to_whole_tiles_embed_as_the_checkpoint_does(adapters, famil
     adapter = copy.deepcopy(adapters[family])
     blocks = adapter.compile_units()
     widths = [block.mlp.fc1.out_features for block in blocks if hasattr(block.mlp, "fc1")]
-    pad_mlps(adapter.tower, FAMILIES[family].layers, 48)  # the tiny towers' 128 is a whole number of 128-wide tiles
+    pad_mlps(blocks_at(adapter.tower, FAMILIES[family].layers), 48)  # the tiny towers' 128 is a whole number of 128-wide tiles
     grown = [block.mlp.fc1.out_features for block in adapter.compile_units() if hasattr(block.mlp, "fc1")]
     assert all(width % 48 == 0 and width > old for width, old in zip(grown, widths))
     if family != "dinov3":  # its MLP is up_proj, down_proj: no layout of base.MLP_LAYOUTS, left as it is

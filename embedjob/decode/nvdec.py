@@ -193,12 +193,11 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     return _in_sample_order(frames, unique, video), video
 
 
-def _in_sample_order(frames: list[torch.Tensor] | torch.Tensor, unique: list[int], video: DeferredVideo) -> torch.Tensor:
-    """The frames at the ascending indices `unique` (a list, or stacked) as `video.indices`
-    orders (and repeats) them, as shown."""
+def _in_sample_order(frames: torch.Tensor, unique: list[int], video: DeferredVideo) -> torch.Tensor:
+    """The (T, 3, H, W) frames at the ascending indices `unique` as `video.indices` orders
+    (and repeats) them, as shown."""
     position = {index: k for k, index in enumerate(unique)}
-    stack = frames if isinstance(frames, torch.Tensor) else torch.stack(frames)
-    return frames_as_decoded(stack[[position[i] for i in video.indices]], video)
+    return frames_as_decoded(frames[[position[i] for i in video.indices]], video)
 
 
 def refusal(exc: Exception) -> str:
@@ -214,8 +213,8 @@ def refusal(exc: Exception) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def _frames(decoder: Any, unique: list[int], coded: tuple[int, int], device: torch.device, colour: Colour | None) -> list[torch.Tensor]:
-    """The frames at `unique` as (3, H, W) uint8 RGB on `device`: the decoder's RGB, or,
+def _frames(decoder: Any, unique: list[int], coded: tuple[int, int], device: torch.device, colour: Colour | None) -> torch.Tensor:
+    """The frames at `unique` as (T, 3, H, W) uint8 RGB on `device`: the decoder's RGB, or,
     from a session that hands NV12 (`colour` given), turned here (`nv12_to_rgb`)."""
     decoded = decoder.get_batch_frames_by_index(unique)
     stream = getattr(_sessions, "stream", None)
@@ -228,7 +227,7 @@ def _frames(decoder: Any, unique: list[int], coded: tuple[int, int], device: tor
         frames = [_chw(torch.from_dlpack(frame), coded, device) for frame in decoded]
     if len(frames) != len(unique):
         raise RuntimeError(f"the video decoder returned {len(frames)} of {len(unique)} frames")
-    return frames
+    return torch.stack(frames)
 
 
 SESSIONS_PER_THREAD = 4
@@ -440,14 +439,15 @@ def _fed_frames(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: 
     end, `BATCH_RGB` frames a call, on the caller's stream."""
     decoder, own = _fed_session(nvc, kind, device)
     current = torch.cuda.current_stream(device) if own is not None else None
-    apart = own is not None and not COPIES_ON_FEED_STREAM
+    on_own = own is not None and COPIES_ON_FEED_STREAM
+    apart = own is not None and not on_own
     batch: torch.Tensor | None = None
     copied: set[int] = set()
     for packet in packets:
         decoded = [frame for frame in decoder.Decode(packet) if frame.getPTS() in wanted and frame.getPTS() not in copied]
         if decoded and apart:
             current.wait_stream(own)
-        with torch.cuda.stream(own) if own is not None and not apart else contextlib.nullcontext():
+        with torch.cuda.stream(own) if on_own else contextlib.nullcontext():
             for frame in decoded:
                 batch = _copied_out(frame, batch, wanted, device)
                 copied.add(frame.getPTS())
@@ -455,7 +455,7 @@ def _fed_frames(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: 
             own.wait_stream(current)
     if batch is None or len(copied) != len(wanted):
         raise RuntimeError(f"the video decoder returned {len(copied)} of {len(wanted)} frames")
-    if own is not None and not apart:
+    if on_own:
         current.wait_stream(own)
         batch.record_stream(current)
     return torch.cat([nv12_to_rgb(chunk, coded, colour) for chunk in batch.split(BATCH_RGB)])

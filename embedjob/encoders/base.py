@@ -30,7 +30,7 @@ import os
 import pickle
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -476,6 +476,13 @@ def pad_mlp(mlp: torch.nn.Module, multiple: int) -> None:
         layer = getattr(mlp, name)
         setattr(mlp, name, _resized_linear(layer, layer.in_features, width + extra))
     setattr(mlp, output, _resized_linear(getattr(mlp, output), width + extra, getattr(mlp, output).out_features))
+
+
+def pad_mlps(blocks: Iterable[torch.nn.Module], multiple: int) -> None:
+    """`pad_mlp` of each block's `mlp`, in place."""
+    with torch.no_grad():
+        for block in blocks:
+            pad_mlp(block.mlp, multiple)
 
 
 def _resized_linear(layer: torch.nn.Linear, in_features: int, out_features: int) -> torch.nn.Linear:

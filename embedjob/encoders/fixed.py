@@ -61,7 +61,7 @@ from embedjob.encoders.base import (
     PathSpec,
     Placement,
     StaticInputs,
-    pad_mlp,
+    pad_mlps,
 )
 from embedjob.encoders.loading import (
     AdapterOptions,
@@ -83,7 +83,7 @@ PATCH_PRODUCTS = True
 (`PatchProduct`). Read when an adapter is built; benchmarks switch it off to time cuDNN's."""
 MLP_MULTIPLE = 128
 """On CUDA, the blocks' MLP hidden width is padded with zero channels to a multiple of this
-(`base.pad_mlp`: the same function), so the products' tiles divide it: SigLIP-so400m's 4,304
+(`base.pad_mlps`: the same function), so the products' tiles divide it: SigLIP-so400m's 4,304
 columns are 33.6 tiles of 128. Padded to 4,352, its FP8 tower ran 935.8 images/s against
 890.7 (its products one cuBLAS kernel, 125 ms of a 256-image batch), 1.30x the padded bf16
 tower, which ran 717.9 against 712.6; the vectors the same (an H100, benchmarks/RESULTS.md
@@ -398,7 +398,7 @@ class FixedResAdapter(EncoderAdapter):
         return self.processing
 
     def compile_units(self) -> list[torch.nn.Module]:
-        return list(functools.reduce(getattr, self.spec.layers.split("."), self.tower))
+        return blocks_at(self.tower, self.spec.layers)
 
     def compile(self, dynamic: bool) -> None:
         """The blocks as every adapter compiles them, and `pixels`: run eagerly, the views'
@@ -741,12 +741,9 @@ def patch_products(module: torch.nn.Module) -> int:
     return replaced
 
 
-def pad_mlps(tower: torch.nn.Module, layers: str, multiple: int) -> None:
-    """Pads the MLP of every block at attribute path `layers` of `tower` (`base.pad_mlp`)."""
-    if multiple > 1:
-        with torch.no_grad():
-            for block in functools.reduce(getattr, layers.split("."), tower):
-                pad_mlp(block.mlp, multiple)
+def blocks_at(tower: torch.nn.Module, layers: str) -> list[torch.nn.Module]:
+    """The blocks of `tower` at attribute path `layers` (`FixedFamily.layers`)."""
+    return list(functools.reduce(getattr, layers.split("."), tower))
 
 
 def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: AdapterOptions) -> FixedResAdapter:
@@ -759,7 +756,7 @@ def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.devi
     tower = tower.to(device).eval().requires_grad_(False)
     patch_products(tower.embeddings)
     if device.type == "cuda":
-        pad_mlps(tower, spec.layers, MLP_MULTIPLE)
+        pad_mlps(blocks_at(tower, spec.layers), MLP_MULTIPLE)
     if projection is not None:
         projection = projection.to(device).eval().requires_grad_(False)
     pool = "patch_mean" if options.pool == "patch_mean" else "pooler"

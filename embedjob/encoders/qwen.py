@@ -45,7 +45,7 @@ from embedjob.encoders.base import (
     PackedAdapter,
     Placement,
     StaticInputs,
-    pad_mlp,
+    pad_mlps,
 )
 from embedjob.encoders.loading import AdapterOptions, builtin_model, download_snapshot, resolve_checkpoint
 
@@ -763,8 +763,7 @@ def tune_for_cuda(model: torch.nn.Module) -> None:
     with torch.no_grad():
         model.patch_embed.proj = LinearPatchEmbed(model.patch_embed.proj)
         model.patch_embed.forward = model.patch_embed.proj.forward
-        for block in model.blocks:
-            pad_mlp(block.mlp, 64)
+        pad_mlps(model.blocks, 64)
 
 
 def build_adapter(family: str, path: str, dtype: torch.dtype, device: torch.device, options: AdapterOptions) -> QwenAdapter:

@@ -565,6 +565,32 @@ def test_the_gpu_decodes_as_many_videos_at_once_as_video_nvdec_sessions_says(
     assert len(threads) == Counted.made == sessions
 
 
+def test_a_decoded_video_is_handed_on_while_the_threads_decode_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nvdec.decode_videos` yields a window's first video as soon as it is decoded: the
+    rank finishes it while the decode threads read the rest, not after the whole window
+    (a window of 128 clips kept 7 threads idle through its finishing). The last video's
+    decode here waits until the caller holds the first, so a list of them all would hang."""
+    from embedjob.decode import nvdec
+    from embedjob.decode.types import DeferredVideo
+
+    first_taken = threading.Event()
+
+    def decoded(video: DeferredVideo, device: torch.device, options: object) -> tuple[torch.Tensor, DeferredVideo]:
+        if video.data == b"last" and not first_taken.wait(timeout=30):
+            raise TimeoutError("the caller never got the first video while this one was decoding")
+        return torch.zeros(1), video
+
+    monkeypatch.setattr(nvdec, "decode_frames", decoded)
+    monkeypatch.setattr(nvdec, "_pool", None)
+    videos = [DeferredVideo.unplanned(data) for data in (b"first", b"middle", b"last")]
+    results = nvdec.decode_videos(videos, torch.device("cpu"), dataclasses.replace(VIDEO_OPTIONS, nvdec_sessions=3))
+    first = next(results)
+    first_taken.set()
+    rest = list(results)
+    nvdec._pool[1].shutdown(wait=True)
+    assert [result[1].data for result in [first, *rest]] == [b"first", b"middle", b"last"]
+
+
 def test_a_video_jobs_auto_split_starts_even_and_a_jpeg_jobs_on_the_workers() -> None:
     """Before auto has measured a rate (two windows of rows are submitted by then), a
     video job already leaves every other clip to the GPU's decoder, from the first clip

@@ -1035,7 +1035,7 @@ def test_nvdec_sessions_on_streams_of_their_own_read_the_frames_of_the_shared_st
     for own in (False, True):
         monkeypatch.setattr(nvdec, "OWN_STREAMS", own)
         monkeypatch.setattr(nvdec, "_pool", None)  # new threads: new sessions, made under this setting
-        read[own] = nvdec.decode_videos(videos, torch.device("cuda"), dataclasses.replace(NVDEC_OPTIONS, nvdec_sessions=3))
+        read[own] = list(nvdec.decode_videos(videos, torch.device("cuda"), dataclasses.replace(NVDEC_OPTIONS, nvdec_sessions=3)))
         torch.cuda.synchronize()
         nvdec._pool[1].shutdown(wait=True)
     for name, shared, own in zip(names, read[False], read[True], strict=True):

@@ -92,10 +92,13 @@ _pool_lock = threading.Lock()
 
 def decode_videos(
     videos: list[DeferredVideo], device: torch.device, options: DecodeOptions
-) -> list[tuple[torch.Tensor, DeferredVideo] | Exception]:
+) -> Iterator[tuple[torch.Tensor, DeferredVideo] | Exception]:
     """Each video's frames and plan (`decode_frames`), or the exception that stopped it,
-    decoded `options.nvdec_sessions` at a time on threads that keep their decoder
-    sessions between calls. Their copies and resizes queue on the caller's current
+    in the order of `videos`, decoded `options.nvdec_sessions` at a time on threads that
+    keep their decoder sessions between calls. All are handed to the threads at once and
+    each is yielded as soon as it and those before it are done, so the caller finishes a
+    video while the threads decode the next ones (a list would leave them idle through
+    the window's finishing). Their copies and resizes queue on the caller's current
     stream, or with `THREAD_STREAMS` on a stream of each thread's own that the caller's
     waits for, the frames recorded as used on the caller's."""
     caller = torch.cuda.current_stream(device) if device.type == "cuda" else None
@@ -113,8 +116,8 @@ def decode_videos(
         return frames, plan
 
     if len(videos) <= 1:
-        return [one(video) for video in videos]
-    return list(_threads(options.nvdec_sessions).map(one, videos))
+        return iter([one(video) for video in videos])
+    return _threads(options.nvdec_sessions).map(one, videos)
 
 
 THREAD_STREAMS = False

@@ -18,7 +18,8 @@ of their own (`own-streams`: `nvdec.OWN_STREAMS`), fed only the packets the samp
 (`fed`: `nvdec.FEED_SAMPLED`, what a job runs), and fed the pictures a worker cut out
 (`cut`: `video.PACKETS_IN_WORKERS`, no demuxer on the rank), and so with the surfaces
 copied out on the caller's stream, which the threads share (`cut-caller-copies`:
-`nvdec.COPIES_ON_FEED_STREAM` off), as `--variants` says. The
+`nvdec.COPIES_ON_FEED_STREAM` off), and so with the NV12 turned to RGB by one Triton kernel
+(`cut-fused`: `nvdec.FUSED_RGB`), as `--variants` says. The
 clips are planned first, as the decode workers plan them (`video.decode_video` with
 `defer_video`; the cut, too, is made then, untimed).
 
@@ -80,16 +81,18 @@ IMAGE_PIXELS = 1 << 24
 PROCESS_SECONDS = 600
 """The longest a process may take to report (a crashed one never does)."""
 
+_CUT = {"OWN_STREAMS": False, "FEED_SAMPLED": True, "COPIES_ON_FEED_STREAM": True, "FUSED_RGB": False, "PACKETS_IN_WORKERS": True}
 VARIANTS = {
-    "shared-stream": {"OWN_STREAMS": False, "FEED_SAMPLED": False, "COPIES_ON_FEED_STREAM": True},
-    "own-streams": {"OWN_STREAMS": True, "FEED_SAMPLED": False, "COPIES_ON_FEED_STREAM": True},
-    "fed": {"OWN_STREAMS": False, "FEED_SAMPLED": True, "COPIES_ON_FEED_STREAM": True},
-    "cut": {"OWN_STREAMS": False, "FEED_SAMPLED": True, "COPIES_ON_FEED_STREAM": True, "PACKETS_IN_WORKERS": True},
-    "cut-caller-copies": {"OWN_STREAMS": False, "FEED_SAMPLED": True, "COPIES_ON_FEED_STREAM": False, "PACKETS_IN_WORKERS": True},
+    "shared-stream": {"OWN_STREAMS": False, "FEED_SAMPLED": False, "COPIES_ON_FEED_STREAM": True, "FUSED_RGB": False},
+    "own-streams": {"OWN_STREAMS": True, "FEED_SAMPLED": False, "COPIES_ON_FEED_STREAM": True, "FUSED_RGB": False},
+    "fed": {"OWN_STREAMS": False, "FEED_SAMPLED": True, "COPIES_ON_FEED_STREAM": True, "FUSED_RGB": False},
+    "cut": _CUT,
+    "cut-caller-copies": {**_CUT, "COPIES_ON_FEED_STREAM": False},
+    "cut-fused": {**_CUT, "FUSED_RGB": True},
 }
 """`--variants`: the `nvdec` settings each runs with, and `video.PACKETS_IN_WORKERS` for the plans."""
 
-NVDEC_SETTINGS = ("OWN_STREAMS", "FEED_SAMPLED", "COPIES_ON_FEED_STREAM")
+NVDEC_SETTINGS = ("OWN_STREAMS", "FEED_SAMPLED", "COPIES_ON_FEED_STREAM", "FUSED_RGB")
 
 
 @dataclass

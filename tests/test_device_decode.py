@@ -12,7 +12,9 @@ import ctypes
 import dataclasses
 import io
 import json
+import os
 import pickle
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -877,6 +879,39 @@ def test_nv12_turned_to_rgb_here_is_decords_frame_within_a_level_or_two(clip: st
     other = Colour("bt709" if colour.matrix == "bt601" and not colour.full else "bt601", full=False)
     wrong = nv12_to_rgb(nv12, shape, other)
     assert float((wrong.to(torch.int16) - want.to(torch.int16)).abs().float().max()) >= 10
+
+
+FUSED_CHECK = """
+import sys, torch
+from embedjob.decode import nv12_kernel, nvdec
+from embedjob.decode.nvdec import Colour, nv12_to_rgb
+raw, rows, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+frame = torch.frombuffer(bytearray(open(raw, "rb").read()), dtype=torch.uint8).reshape(rows * 3 // 2, width)
+padded = torch.cat([frame[:rows], torch.full((8, width), 77, dtype=torch.uint8), frame[rows:],
+                    torch.full((4, width), 200, dtype=torch.uint8)])  # a surface 8 rows taller than the stream
+batch = torch.stack([frame, frame.flip(-1)])
+for colour in (Colour("bt601"), Colour("bt709"), Colour("bt601", full=True), Colour("bt709", full=True)):
+    scale = 224 / 255 if colour.full else 1.0
+    coefficients = tuple(c / 65536 * scale for c in nvdec.COEFFICIENTS[colour.matrix])
+    want = nv12_to_rgb(batch, (rows, width), colour)
+    assert torch.equal(nv12_kernel.nv12_to_rgb(batch, rows, width, rows, coefficients, colour.full), want), colour
+    got = nv12_kernel.nv12_to_rgb(padded.unsqueeze(0), rows, width, rows + 8, coefficients, colour.full)[0]
+    assert torch.equal(got, nv12_to_rgb(padded, (rows, width), colour)) and torch.equal(got, want[0]), colour
+print("same")
+"""
+
+
+@pytest.mark.parametrize("raw, shape", [(raw, shape) for _, raw, _, shape in NV12_FIXTURES])
+def test_the_fused_nv12_kernel_makes_the_torch_paths_pixels(raw: str, shape: tuple[int, int]) -> None:
+    """`nvdec.FUSED_RGB`'s Triton kernel (`nv12_kernel`), run by Triton's interpreter on
+    the CPU (the arithmetic in order, no fused multiply-add), gives the torch path's RGB
+    of the fixtures' real NV12, pixel for pixel, in both ranges and matrices, for a batch,
+    and for a surface taller than its stream (luma rows padded as decoders pad them)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", FUSED_CHECK, str(DATA / raw), str(shape[0]), str(shape[1])],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("name, colour", [

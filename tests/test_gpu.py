@@ -947,14 +947,37 @@ def test_frames_read_by_the_packet_feed_are_decords_from_fewer_pictures(monkeypa
     thread.shutdown(wait=True)
 
 
+@pytest.mark.parametrize("matrix, full", [("bt601", False), ("bt709", False), ("bt601", True)])
+def test_the_fused_nv12_kernel_gives_the_torch_paths_rgb_on_the_gpu(monkeypatch: pytest.MonkeyPatch, matrix: str, full: bool) -> None:
+    """`nvdec.FUSED_RGB`: 1080p NV12 surfaces padded to 1,088 rows, as the decoder hands
+    them, turned to RGB by the one Triton kernel and by the torch path: the same pixels
+    but where the GPU's fused multiply-add rounds a value at a whole level the other way
+    (one level, a rare pixel), for one frame and a batch."""
+    from embedjob.decode import nvdec
+
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    surfaces = torch.randint(0, 256, (5, 1088 * 3 // 2, 1920), dtype=torch.uint8, device="cuda", generator=generator)
+    colour = nvdec.Colour(matrix, full)
+    made = {}
+    for fused in (False, True):
+        monkeypatch.setattr(nvdec, "FUSED_RGB", fused)
+        made[fused] = (nvdec.nv12_to_rgb(surfaces, (1080, 1920), colour), nvdec.nv12_to_rgb(surfaces[2], (1080, 1920), colour))
+    for torch_path, fused in zip(made[False], made[True], strict=True):
+        assert fused.shape == torch_path.shape and fused.dtype == torch.uint8
+        diff = (fused.to(torch.int16) - torch_path.to(torch.int16)).abs()
+        assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3, (int(diff.max()), float((diff > 0).float().mean()))
+    assert torch.equal(made[True][1], made[True][0][2])
+
+
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
-@pytest.mark.parametrize("on_feed_stream", [True, False])
-def test_frames_fed_from_the_pictures_a_worker_cut_out_are_decords(monkeypatch: pytest.MonkeyPatch, on_feed_stream: bool) -> None:
+@pytest.mark.parametrize("on_feed_stream, fused", [(True, False), (False, False), (False, True)], ids=["on_feed_stream", "caller", "fused_rgb"])
+def test_frames_fed_from_the_pictures_a_worker_cut_out_are_decords(monkeypatch: pytest.MonkeyPatch, on_feed_stream: bool, fused: bool) -> None:
     """`video.PACKETS_IN_WORKERS`: the pictures a worker cuts out of a clip's samples
     (`gop.packet_feed`), handed to the decoder as packets made here with no demuxer on the
     rank, give decord's frames of a decode from the first frame to the last, within a level
     on average, for the plans of the test above and the worker's own (2 frames a second),
-    whichever stream copies the surfaces out (`nvdec.COPIES_ON_FEED_STREAM`)."""
+    whichever stream copies the surfaces out (`nvdec.COPIES_ON_FEED_STREAM`), and with
+    the NV12 turned to RGB by the fused kernel (`nvdec.FUSED_RGB`)."""
     import decord
 
     from embedjob.decode import nvdec, video
@@ -963,6 +986,7 @@ def test_frames_fed_from_the_pictures_a_worker_cut_out_are_decords(monkeypatch: 
 
     monkeypatch.setattr(video, "PACKETS_IN_WORKERS", True)
     monkeypatch.setattr(nvdec, "COPIES_ON_FEED_STREAM", on_feed_stream)
+    monkeypatch.setattr(nvdec, "FUSED_RGB", fused)
     monkeypatch.setattr(nvdec, "FEED_SAMPLED", False)  # what the feed cannot take fails here, not on the rank's demuxer
     monkeypatch.setattr(nvdec, "_pool", None)
     thread = nvdec._threads(1)
@@ -1046,9 +1070,9 @@ def test_nvdec_sessions_on_streams_of_their_own_read_the_frames_of_the_shared_st
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
 @pytest.mark.parametrize("setting", ["nvdec", "auto"])
-@pytest.mark.parametrize("thread_streams", [False, True])
+@pytest.mark.parametrize("thread_streams, fused", [(False, False), (True, False), (True, True)], ids=["caller_stream", "thread_streams", "fused_rgb"])
 def test_an_nvdec_job_gives_the_decord_jobs_rows(
-    tmp_path: Path, cache_dir: str, setting: str, thread_streams: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, cache_dir: str, setting: str, thread_streams: bool, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`video.decoder` nvdec, or auto, which leaves every other clip to the GPU from the
     first row on (`decode_split.FIRST_SHARE`: the 9 rows are all submitted before auto
@@ -1057,7 +1081,8 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
     each row is the decord job's, in order, up to the decoders' rounding. The 8-bit H.264
     and HEVC clips the GPU reads go through the packet feed (`nvdec._feed`), not a decoder
     session: the plan a worker sends carries what the feed needs. The decode threads queue
-    their work on the caller's stream or on their own (`nvdec.THREAD_STREAMS`)."""
+    their work on the caller's stream or on their own (`nvdec.THREAD_STREAMS`), and so
+    with the NV12 turned to RGB by the fused kernel (`nvdec.FUSED_RGB`)."""
     from embedjob import pipeline
     from embedjob.config import load_job
     from embedjob.decode import nvdec
@@ -1073,6 +1098,7 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
 
     monkeypatch.setattr(nvdec, "_feed", counted)
     monkeypatch.setattr(nvdec, "THREAD_STREAMS", thread_streams)
+    monkeypatch.setattr(nvdec, "FUSED_RGB", fused)
     monkeypatch.setattr(pipeline, "AUTO_ROWS", 1)
     monkeypatch.setattr(pipeline, "gpu_share", lambda *rates: 0.5)
     outputs, stats = {}, {}

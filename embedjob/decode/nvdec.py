@@ -488,6 +488,14 @@ bf16 products (`benchmarks/nvdec_scaling.py` `--variants cut cut-caller-copies -
 gpu`); `tests/test_gpu.py` reads the feed's frames both ways."""
 
 
+FUSED_RGB = False
+"""Whether `nv12_to_rgb` runs on CUDA as one Triton kernel (`nv12_kernel`: the NV12 read
+once, the RGB written once) rather than some twenty torch kernels over float32 frames,
+each of which, beside the encoder, waits for SMs on the decode thread's stream. The same
+arithmetic: the same pixels to the level (`tests/test_gpu.py`). Off until a GPU has timed
+it in a job (`benchmarks/video_decode.py --variants auto:embedjob.decode.nvdec.FUSED_RGB=True`)."""
+
+
 BATCH_RGB = 8
 """Frames of a video turned from NV12 to RGB by one `nv12_to_rgb` call. The conversion is
 some twenty tensor operations whatever the batch, each a kernel launch by the decode
@@ -605,15 +613,21 @@ def nv12_to_rgb(nv12: torch.Tensor, coded: tuple[int, int], colour: Colour) -> t
             or nv12.shape[-1] != width or height % 2 or width % 2):
         raise RuntimeError(f"the video decoder returned an NV12 frame of shape {tuple(nv12.shape)} and type {nv12.dtype} "
                            f"for a {width} x {height} stream")
+    red_v, blue_u, green_u, green_v = (c / 65536 for c in COEFFICIENTS[colour.matrix])
+    if colour.full:
+        red_v, blue_u, green_u, green_v = (c * 224 / 255 for c in (red_v, blue_u, green_u, green_v))
+    if nv12.is_cuda and FUSED_RGB:
+        from embedjob.decode import nv12_kernel
+
+        frames = nv12_kernel.nv12_to_rgb(nv12.reshape(-1, *nv12.shape[-2:]), height, width, rows,
+                                         (red_v, blue_u, green_u, green_v), colour.full)
+        return frames.reshape(*nv12.shape[:-2], *frames.shape[1:])
     batch = nv12.shape[:-2]
     luma = nv12[..., :height, :].float()
     chroma = nv12[..., rows : rows + height // 2, :].reshape(*batch, height // 2, width // 2, 2).float() - 128.0
     chroma = chroma.repeat_interleave(2, dim=-3).repeat_interleave(2, dim=-2)
     u, v = chroma[..., 0], chroma[..., 1]
-    red_v, blue_u, green_u, green_v = (c / 65536 for c in COEFFICIENTS[colour.matrix])
-    if colour.full:
-        red_v, blue_u, green_u, green_v = (c * 224 / 255 for c in (red_v, blue_u, green_u, green_v))
-    else:
+    if not colour.full:
         luma = (luma - 16.0) * (255 / 219)
     rgb = torch.stack([luma + red_v * v, luma - green_u * u - green_v * v, luma + blue_u * u], dim=-3)
     # floor, not round: FFmpeg's code lands half a level lower than exact arithmetic on average.

@@ -50,8 +50,7 @@ def _nv12_rows(nv12, rgb, frame_stride, row_stride, rows, height, width, red_v, 
     tl.store(target + 2 * plane, blue.to(tl.uint8), mask=inside)
 
 
-_first = threading.Lock()
-_compiled: set[bool] = set()
+_launching = threading.Lock()
 
 
 def nv12_to_rgb(nv12: torch.Tensor, height: int, width: int, rows: int, coefficients: tuple[float, float, float, float],
@@ -59,8 +58,9 @@ def nv12_to_rgb(nv12: torch.Tensor, height: int, width: int, rows: int, coeffici
     """(T, 3, `height`, `width`) uint8 RGB of the (T, S, `width`) uint8 NV12 frames whose
     luma takes the first `rows` rows (`height` of them shown), by the float `coefficients`
     (V to red, U to blue, U and V off green, already scaled for `full` range), queued on
-    the current stream. The first launch of each range compiles under a lock, so decode
-    threads starting together compile it once."""
+    the current stream. Launched under a lock: Triton compiles a kernel for each new
+    specialisation (range, alignments) on the thread that first launches it, and decode
+    threads starting together would each compile it; a launch holds the GIL anyway."""
     if nv12.stride(-1) != 1:
         nv12 = nv12.contiguous()
     frames = nv12.shape[0]
@@ -68,11 +68,6 @@ def nv12_to_rgb(nv12: torch.Tensor, height: int, width: int, rows: int, coeffici
     if frames == 0:
         return rgb
     grid = (frames * height, triton.cdiv(width, BLOCK))
-    args = (nv12, rgb, nv12.stride(0), nv12.stride(1), rows, height, width, *coefficients)
-    if full in _compiled:
-        _nv12_rows[grid](*args, FULL=full, BLOCK=BLOCK)
-        return rgb
-    with _first:
-        _nv12_rows[grid](*args, FULL=full, BLOCK=BLOCK)
-        _compiled.add(full)
+    with _launching:
+        _nv12_rows[grid](nv12, rgb, nv12.stride(0), nv12.stride(1), rows, height, width, *coefficients, FULL=full, BLOCK=BLOCK)
     return rgb

@@ -26,12 +26,13 @@
 #     CLIPS=1152 CLIP_SECONDS=5.25 bash benchmarks/device_checks.sh clips-bg kernels siglip quantize
 #     bash benchmarks/device_checks.sh tests nvdec-scaling    (on the clips made so far)
 #     NVDEC_SESSIONS="4 7" bash benchmarks/device_checks.sh clips video siglip
-# The decode threads' streams in the job (nvdec.THREAD_STREAMS, COPIES_ON_FEED_STREAM, both off until timed), the
-# second call after a clips-bg one, then NVDEC beside bf16 products each way:
+# The decode threads' streams and the fused NV12 kernel in the job (nvdec.THREAD_STREAMS, COPIES_ON_FEED_STREAM,
+# FUSED_RGB: off, 377 clips were too few to settle them), the second call after a clips-bg one, then NVDEC beside
+# bf16 products each way:
 #     VIDEO_DECODERS="decord auto" VIDEO_VARIANTS="auto:embedjob.decode.nvdec.THREAD_STREAMS=True
-#       auto:embedjob.decode.nvdec.THREAD_STREAMS=True,embedjob.decode.nvdec.COPIES_ON_FEED_STREAM=True"
+#       auto:embedjob.decode.nvdec.FUSED_RGB=True auto:embedjob.decode.nvdec.COPIES_ON_FEED_STREAM=True"
 #       bash benchmarks/device_checks.sh clips video siglip
-#     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut cut-caller-copies --loads none gpu"
+#     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut cut-caller-copies cut-fused --loads none gpu"
 #       TESTS="nvdec or worker_cut" bash benchmarks/device_checks.sh nvdec-scaling tests
 # `clips` tops the clips up to CLIPS (1,152 unless given): pass the CLIPS the maker was started
 # with, or leave `clips` out to run on the clips made so far. NVDEC_SCALING_FLAGS="--variants

@@ -126,7 +126,9 @@ stream of its own instead of the caller's, which all of them share. One stream r
 kernels one after another, and beside the encoder each of them waits for the SMs: NVDEC
 alone (`benchmarks/nvdec_scaling.py`, whose threads each have a stream) read 72 clips a
 second, the `video.decoder: auto` job's threads on one stream 25 (benchmarks/RESULTS.md
-section 11). Off until a GPU has timed it in a job (`benchmarks/video_decode.py
+section 11). Timed once in a job, with `FUSED_RGB` (377 clips, SigLIP-so400m, an H100):
+0.576 of the encoder alone against 0.580 without either, the GPU's decoder 31 clips a
+second both ways, so off; too few clips to settle it (`benchmarks/video_decode.py
 --variants auto:embedjob.decode.nvdec.THREAD_STREAMS=True`); `tests/test_gpu.py` runs
 the nvdec and auto jobs both ways."""
 
@@ -492,8 +494,12 @@ FUSED_RGB = False
 """Whether `nv12_to_rgb` runs on CUDA as one Triton kernel (`nv12_kernel`: the NV12 read
 once, the RGB written once) rather than some twenty torch kernels over float32 frames,
 each of which, beside the encoder, waits for SMs on the decode thread's stream. The same
-arithmetic: the same pixels to the level (`tests/test_gpu.py`). Off until a GPU has timed
-it in a job (`benchmarks/video_decode.py --variants auto:embedjob.decode.nvdec.FUSED_RGB=True`)."""
+arithmetic: the same pixels to the level (`tests/test_gpu.py`). NVDEC alone read 1.06x
+as many clips with it, 1.07x beside bf16 products (`benchmarks/nvdec_scaling.py
+--variants cut cut-fused`, 128 clips, an H100), but in a `video.decoder: auto` job on 377
+clips it ran 0.518 of the encoder alone against 0.580 (one run each; benchmarks/RESULTS.md
+section 11), so it stays off until a run on 1,152 clips or more settles it
+(`benchmarks/video_decode.py --variants auto:embedjob.decode.nvdec.FUSED_RGB=True`)."""
 
 
 BATCH_RGB = 8

@@ -36,7 +36,10 @@ seconds the clips took, summed over sessions, over the wall time: N when N sessi
 wait for each other, 1 when they take turns) and, for threads, the share of the time a
 Python probe thread woke when it asked to (the GIL free: near 1 when the decoder's calls release
 it, near 0 when they hold it while the GPU decodes), and how busy NVML saw the NVDEC engines
-(`common.DecoderBusy`: near 100 % where they bound the rate). A first pass over as many clips as
+(`common.DecoderBusy`: near 100 % where they bound the rate), and, for threads on the packet
+feed, the milliseconds a clip's threads spent in the decoder's `Decode` calls, the surface
+copies and the NV12 conversion (`FeedTimes`; the rest of a clip's thread time, its
+parallelism over its clips a second, is Python and the GIL). A first pass over as many clips as
 sessions, not timed, opens the sessions (each process opens its own on its first clip).
 
     PYTHONPATH=. python3 benchmarks/nvdec_scaling.py --clips DIR [--sessions 1 4 7 14] [--clips-limit 128]
@@ -59,6 +62,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -114,6 +118,8 @@ class Run:
     """Clips a second the `cpu` load's decord processes read meanwhile."""
     error: str | None = None
     """Why the run stopped (its row says so; the runs after it go on)."""
+    feed: list[str] | None = None
+    """`FeedTimes.per_clip` of a `threads` run (None: not counted, as for processes)."""
 
 
 def options() -> DecodeOptions:
@@ -165,6 +171,78 @@ def read_nvdec(video: DeferredVideo, device: torch.device) -> tuple[float, float
         _, plan = decode_frames(video, device, options())
     _streams.stream.synchronize()
     return time.perf_counter() - since, plan.source_frames / plan.source_fps if plan.source_fps > 0 else 0.0
+
+
+class FeedTimes:
+    """Seconds the `threads` runs' decode threads spend, summed over them, in three parts of
+    the packet feed, each call wrapped for the run: the decoder's `Decode` calls (parse,
+    decode and map a picture), copying the wanted surfaces out (`nvdec._copied_out`) and
+    turning NV12 to RGB (`nvdec.nv12_to_rgb`); what a clip's thread time holds beyond them is
+    Python and the wait for the GIL. A run that never reaches the feed (`--smoke`) counts none."""
+
+    PARTS = ("Decode", "copy", "RGB")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.calls = 0
+        self._lock = threading.Lock()
+        self._patches = contextlib.ExitStack()
+
+    def timed(self, part: str, call: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            since = time.perf_counter()
+            try:
+                result = call(*args, **kwargs)
+                return list(result) if part == "Decode" else result
+            finally:
+                with self._lock:
+                    self.seconds[part] += time.perf_counter() - since
+                    self.calls += 1
+
+        return wrapped
+
+    def per_clip(self, clips: int) -> list[str]:
+        """Each part's milliseconds a clip, or "-" where nothing was counted."""
+        if not self.calls or not clips:
+            return ["-"] * len(self.PARTS)
+        return [f"{1000 * self.seconds[part] / clips:.1f}" for part in self.PARTS]
+
+    def __enter__(self) -> FeedTimes:
+        from embedjob.decode import nvdec
+
+        session = nvdec._fed_session
+
+        def timed_session(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            decoder, own = session(*args, **kwargs)
+            return _TimedDecoder(decoder, self.timed("Decode", decoder.Decode)), own
+
+        for name, replacement in (("_fed_session", timed_session), ("_copied_out", self.timed("copy", nvdec._copied_out)),
+                                  ("nv12_to_rgb", self.timed("RGB", nvdec.nv12_to_rgb))):
+            self._patches.enter_context(_patched(nvdec, name, replacement))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._patches.close()
+
+
+class _TimedDecoder:
+    """A decoder whose `Decode` is `decode` (timed); everything else is the decoder's."""
+
+    def __init__(self, decoder: Any, decode: Any) -> None:
+        self._decoder, self.Decode = decoder, decode
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._decoder, name)
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
 
 
 class GilProbe:
@@ -264,13 +342,13 @@ def threads_run(clips: list[DeferredVideo], sessions: int, window: int, device: 
     New threads, so new sessions, made under the variant's settings."""
     with concurrent.futures.ThreadPoolExecutor(sessions, thread_name_prefix="nvdec-scaling") as pool:
         list(pool.map(lambda data: read_one(data, device), clips[:sessions]))
-        with GilProbe() as probe:
+        with GilProbe() as probe, FeedTimes() as feed:
             alone = probe.rate(0.5)
             turns, since = probe.turns, time.perf_counter()
             done = [r for start in range(0, len(clips), window) for r in pool.map(lambda data: read_one(data, device), clips[start : start + window])]
             wall = time.perf_counter() - since
             free = (probe.turns - turns) / wall / alone if alone else None
-    return Run("threads", sessions, len(done), sum(v for _, v in done), wall, sum(s for s, _ in done), free)
+    return Run("threads", sessions, len(done), sum(v for _, v in done), wall, sum(s for s, _ in done), free, feed=feed.per_clip(len(done)))
 
 
 def _process_main(paths: list[str], device: torch.device, variant: dict[str, bool], ready: multiprocessing.Barrier, out: multiprocessing.Queue) -> None:
@@ -323,7 +401,7 @@ def processes_run(paths: list[Path], sessions: int, device: torch.device, varian
 def render(runs: list[Run], device: str) -> str:
     """The table of the runs so far."""
     head = ["mode", "sessions", "clips", "video s", "seconds", "clips/s", "video s / s", "vs 1 session", "parallelism", "GIL free",
-            "NVDEC busy", "CPU load clips/s"]
+            "NVDEC busy", "CPU load clips/s", *(f"{part} ms / clip" for part in FeedTimes.PARTS)]
     # Each mode's (threads or processes, the variant and the load) own 1-session row is its reference.
     single = {r.mode: r.video_seconds / r.wall for r in runs if r.sessions == 1 and r.wall}
     rows = []
@@ -334,7 +412,8 @@ def render(runs: list[Run], device: str) -> str:
         rate = r.video_seconds / r.wall
         scaling = f"{rate / single[r.mode]:.2f}x" if r.mode in single else "-"
         rows.append([r.mode, r.sessions, r.clips, f"{r.video_seconds:.1f}", f"{r.wall:.2f}", f"{r.clips / r.wall:.2f}",
-                     f"{rate:.1f}", scaling, f"{r.busy / r.wall:.2f}", fmt(r.gil_free, ".2f"), r.decoders, fmt(r.load_rate, ".1f")])
+                     f"{rate:.1f}", scaling, f"{r.busy / r.wall:.2f}", fmt(r.gil_free, ".2f"), r.decoders, fmt(r.load_rate, ".1f"),
+                     *(r.feed or ["-"] * len(FeedTimes.PARTS))])
     lines = [f"# NVDEC alone, by sessions ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"device: {device}; torch {torch.__version__}; command: {' '.join(sys.argv)}", ""]
     return "\n".join(lines + table(head, rows))

@@ -176,3 +176,32 @@ def test_a_decode_bound_jobs_rate_past_the_head_start_leaves_out_the_rows_decode
     assert past_head_start(stats) == (30, 6.0)
     assert past_head_start(stats, least_seconds=7.0) is None
     assert past_head_start({"job": {"batching": {"window": 4}}, "ranks": [{"timeline": {"width": 1.0, "end": 3.0, "series": {"rows": [0, 0, 7]}}}]}) is None
+
+
+def test_nvdec_scaling_times_the_feeds_parts_and_puts_the_calls_back() -> None:
+    """`nvdec_scaling.FeedTimes` counts, per clip, the seconds a run's threads spend in the
+    decoder's `Decode` calls, the surface copies and the NV12 conversion (the split that
+    names what holds the GPU's decoder), and leaves the feed's functions as they were."""
+    import threading
+
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.nvdec_scaling import FeedTimes
+    from embedjob.decode import nvdec
+
+    class Decoder:
+        def Decode(self, packet: object) -> list[str]:  # noqa: N802 - PyNvVideoCodec's name
+            threading.Event().wait(0.02)
+            return ["picture"]
+
+    nvc = type("Nvc", (), {"CreateDecoder": staticmethod(lambda **kwargs: Decoder())})()
+    originals = (nvdec._fed_session, nvdec._copied_out, nvdec.nv12_to_rgb)
+    with FeedTimes() as feed:
+        decoder, _ = nvdec._fed_session(nvc, (("h264", 64, 64), 4), torch.device("cpu"))
+        assert decoder.Decode(b"packet") == ["picture"] and decoder.Decode(b"packet") == ["picture"]
+        nvdec.nv12_to_rgb(torch.full((96, 64), 128, dtype=torch.uint8), (64, 64), nvdec.Colour())
+    assert (nvdec._fed_session, nvdec._copied_out, nvdec.nv12_to_rgb) == originals
+    decode, copy, rgb = (float(ms) for ms in feed.per_clip(2))
+    assert decode >= 20.0 and copy == 0.0 and rgb > 0.0
+    assert FeedTimes().per_clip(2) == ["-", "-", "-"]

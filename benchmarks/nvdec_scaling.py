@@ -72,6 +72,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import DecoderBusy, GemmLoad, fmt, log, skipped, table  # noqa: E402
+from benchmarks.encoder_only import module_settings  # noqa: E402
 from embedjob.decode.types import DecodeOptions, DeferredVideo  # noqa: E402
 from embedjob.workers.pool import WORKER_NICE  # noqa: E402
 
@@ -184,30 +185,29 @@ class FeedTimes:
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(self.PARTS, 0.0)
-        self.calls = 0
         self._lock = threading.Lock()
-        self._patches = contextlib.ExitStack()
 
     def timed(self, part: str, call: Any) -> Any:
+        """`call`, its seconds added to `part`'s (PyNvVideoCodec's `Decode` returns a list, so
+        its work is all inside the call)."""
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             since = time.perf_counter()
             try:
-                result = call(*args, **kwargs)
-                return list(result) if part == "Decode" else result
+                return call(*args, **kwargs)
             finally:
                 with self._lock:
                     self.seconds[part] += time.perf_counter() - since
-                    self.calls += 1
 
         return wrapped
 
     def per_clip(self, clips: int) -> list[str]:
         """Each part's milliseconds a clip, or "-" where nothing was counted."""
-        if not self.calls or not clips:
+        if not any(self.seconds.values()) or not clips:
             return ["-"] * len(self.PARTS)
         return [f"{1000 * self.seconds[part] / clips:.1f}" for part in self.PARTS]
 
-    def __enter__(self) -> FeedTimes:
+    def timing(self) -> contextlib.AbstractContextManager[None]:
+        """The feed's three calls timed into this while inside (`encoder_only.module_settings`)."""
         from embedjob.decode import nvdec
 
         session = nvdec._fed_session
@@ -216,13 +216,9 @@ class FeedTimes:
             decoder, own = session(*args, **kwargs)
             return _TimedDecoder(decoder, self.timed("Decode", decoder.Decode)), own
 
-        for name, replacement in (("_fed_session", timed_session), ("_copied_out", self.timed("copy", nvdec._copied_out)),
-                                  ("nv12_to_rgb", self.timed("RGB", nvdec.nv12_to_rgb))):
-            self._patches.enter_context(_patched(nvdec, name, replacement))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._patches.close()
+        return module_settings({(nvdec, "_fed_session"): timed_session,
+                                (nvdec, "_copied_out"): self.timed("copy", nvdec._copied_out),
+                                (nvdec, "nv12_to_rgb"): self.timed("RGB", nvdec.nv12_to_rgb)})
 
 
 class _TimedDecoder:
@@ -233,16 +229,6 @@ class _TimedDecoder:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._decoder, name)
-
-
-@contextlib.contextmanager
-def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
 
 
 class GilProbe:
@@ -342,7 +328,8 @@ def threads_run(clips: list[DeferredVideo], sessions: int, window: int, device: 
     New threads, so new sessions, made under the variant's settings."""
     with concurrent.futures.ThreadPoolExecutor(sessions, thread_name_prefix="nvdec-scaling") as pool:
         list(pool.map(lambda data: read_one(data, device), clips[:sessions]))
-        with GilProbe() as probe, FeedTimes() as feed:
+        feed = FeedTimes()
+        with GilProbe() as probe, feed.timing():
             alone = probe.rate(0.5)
             turns, since = probe.turns, time.perf_counter()
             done = [r for start in range(0, len(clips), window) for r in pool.map(lambda data: read_one(data, device), clips[start : start + window])]

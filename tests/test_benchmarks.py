@@ -197,7 +197,8 @@ def test_nvdec_scaling_times_the_feeds_parts_and_puts_the_calls_back() -> None:
 
     nvc = type("Nvc", (), {"CreateDecoder": staticmethod(lambda **kwargs: Decoder())})()
     originals = (nvdec._fed_session, nvdec._copied_out, nvdec.nv12_to_rgb)
-    with FeedTimes() as feed:
+    feed = FeedTimes()
+    with feed.timing():
         decoder, _ = nvdec._fed_session(nvc, (("h264", 64, 64), 4), torch.device("cpu"))
         assert decoder.Decode(b"packet") == ["picture"] and decoder.Decode(b"packet") == ["picture"]
         nvdec.nv12_to_rgb(torch.full((96, 64), 128, dtype=torch.uint8), (64, 64), nvdec.Colour())

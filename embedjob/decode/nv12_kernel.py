@@ -65,8 +65,6 @@ def nv12_to_rgb(nv12: torch.Tensor, height: int, width: int, rows: int, coeffici
         nv12 = nv12.contiguous()
     frames = nv12.shape[0]
     rgb = torch.empty((frames, 3, height, width), dtype=torch.uint8, device=nv12.device)
-    if frames == 0:
-        return rgb
     grid = (frames * height, triton.cdiv(width, BLOCK))
     with _launching:
         _nv12_rows[grid](nv12, rgb, nv12.stride(0), nv12.stride(1), rows, height, width, *coefficients, FULL=full, BLOCK=BLOCK)

@@ -26,14 +26,15 @@
 #     CLIPS=1152 CLIP_SECONDS=5.25 bash benchmarks/device_checks.sh clips-bg kernels siglip quantize
 #     bash benchmarks/device_checks.sh tests nvdec-scaling    (on the clips made so far)
 #     NVDEC_SESSIONS="4 7" bash benchmarks/device_checks.sh clips video siglip
-# The decode threads' streams and the fused NV12 kernel in the job (nvdec.THREAD_STREAMS, COPIES_ON_FEED_STREAM,
-# FUSED_RGB: off, 377 clips were too few to settle them), the second call after a clips-bg one, then NVDEC beside
-# bf16 products each way:
-#     VIDEO_DECODERS="decord auto" VIDEO_VARIANTS="auto:embedjob.decode.nvdec.THREAD_STREAMS=True
-#       auto:embedjob.decode.nvdec.FUSED_RGB=True auto:embedjob.decode.nvdec.COPIES_ON_FEED_STREAM=True"
-#       bash benchmarks/device_checks.sh clips video siglip
-#     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut cut-caller-copies cut-fused --loads none gpu"
+# What takes the GPU's decoder from 72 clips a second alone to 25-31 in an auto job: the threads' seconds by part
+# (clip, Decode, copy, RGB: the jobs' `device_decode_parts` beside nvdec_scaling's, alone and beside bf16 products),
+# with Python's switch interval shortened while the GPU decodes, and the streams and fused kernel knobs, the
+# second and third calls after a clips-bg one:
+#     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut --loads none gpu"
 #       TESTS="nvdec or worker_cut" bash benchmarks/device_checks.sh nvdec-scaling tests
+#     VIDEO_DECODERS="decord auto" VIDEO_VARIANTS="auto:embedjob.pipeline.GPU_DECODE_SWITCH_INTERVAL=0.0005
+#       auto:embedjob.decode.nvdec.COPIES_ON_FEED_STREAM=True auto:embedjob.decode.nvdec.THREAD_STREAMS=True,embedjob.decode.nvdec.FUSED_RGB=True"
+#       bash benchmarks/device_checks.sh clips video siglip
 # `clips` tops the clips up to CLIPS (1,152 unless given): pass the CLIPS the maker was started
 # with, or leave `clips` out to run on the clips made so far. NVDEC_SCALING_FLAGS="--variants
 # shared-stream fed cut" compares the rank's packet feed with the pictures cut in the workers.

@@ -37,9 +37,9 @@ wait for each other, 1 when they take turns) and, for threads, the share of the 
 Python probe thread woke when it asked to (the GIL free: near 1 when the decoder's calls release
 it, near 0 when they hold it while the GPU decodes), and how busy NVML saw the NVDEC engines
 (`common.DecoderBusy`: near 100 % where they bound the rate), and, for threads on the packet
-feed, the milliseconds a clip's threads spent in the decoder's `Decode` calls, the surface
-copies and the NV12 conversion (`FeedTimes`; the rest of a clip's thread time, its
-parallelism over its clips a second, is Python and the GIL). A first pass over as many clips as
+feed, the milliseconds a clip's threads spent in the whole clip, the decoder's `Decode` calls,
+the surface copies and the NV12 conversion (`nvdec.CLOCK`, which a job reports too: a clip's
+time beyond the three is Python and the wait for the GIL). A first pass over as many clips as
 sessions, not timed, opens the sessions (each process opens its own on its first clip).
 
     PYTHONPATH=. python3 benchmarks/nvdec_scaling.py --clips DIR [--sessions 1 4 7 14] [--clips-limit 128]
@@ -72,7 +72,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import DecoderBusy, GemmLoad, fmt, log, skipped, table  # noqa: E402
-from benchmarks.encoder_only import module_settings  # noqa: E402
+from embedjob.decode import nvdec  # noqa: E402
 from embedjob.decode.types import DecodeOptions, DeferredVideo  # noqa: E402
 from embedjob.workers.pool import WORKER_NICE  # noqa: E402
 
@@ -120,7 +120,7 @@ class Run:
     error: str | None = None
     """Why the run stopped (its row says so; the runs after it go on)."""
     feed: list[str] | None = None
-    """`FeedTimes.per_clip` of a `threads` run (None: not counted, as for processes)."""
+    """`feed_per_clip` of a `threads` run (None: not counted, as for processes)."""
 
 
 def options() -> DecodeOptions:
@@ -174,61 +174,16 @@ def read_nvdec(video: DeferredVideo, device: torch.device) -> tuple[float, float
     return time.perf_counter() - since, plan.source_frames / plan.source_fps if plan.source_fps > 0 else 0.0
 
 
-class FeedTimes:
-    """Seconds the `threads` runs' decode threads spend, summed over them, in three parts of
-    the packet feed, each call wrapped for the run: the decoder's `Decode` calls (parse,
-    decode and map a picture), copying the wanted surfaces out (`nvdec._copied_out`) and
-    turning NV12 to RGB (`nvdec.nv12_to_rgb`); what a clip's thread time holds beyond them is
-    Python and the wait for the GIL. A run that never reaches the feed (`--smoke`) counts none."""
-
-    PARTS = ("Decode", "copy", "RGB")
-
-    def __init__(self) -> None:
-        self.seconds = dict.fromkeys(self.PARTS, 0.0)
-        self._lock = threading.Lock()
-
-    def timed(self, part: str, call: Any) -> Any:
-        """`call`, its seconds added to `part`'s (PyNvVideoCodec's `Decode` returns a list, so
-        its work is all inside the call)."""
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            since = time.perf_counter()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                with self._lock:
-                    self.seconds[part] += time.perf_counter() - since
-
-        return wrapped
-
-    def per_clip(self, clips: int) -> list[str]:
-        """Each part's milliseconds a clip, or "-" where nothing was counted."""
-        if not any(self.seconds.values()) or not clips:
-            return ["-"] * len(self.PARTS)
-        return [f"{1000 * self.seconds[part] / clips:.1f}" for part in self.PARTS]
-
-    def timing(self) -> contextlib.AbstractContextManager[None]:
-        """The feed's three calls timed into this while inside (`encoder_only.module_settings`)."""
-        from embedjob.decode import nvdec
-
-        session = nvdec._fed_session
-
-        def timed_session(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-            decoder, own = session(*args, **kwargs)
-            return _TimedDecoder(decoder, self.timed("Decode", decoder.Decode)), own
-
-        return module_settings({(nvdec, "_fed_session"): timed_session,
-                                (nvdec, "_copied_out"): self.timed("copy", nvdec._copied_out),
-                                (nvdec, "nv12_to_rgb"): self.timed("RGB", nvdec.nv12_to_rgb)})
+FEED_PARTS = nvdec.DecoderClock.PARTS
 
 
-class _TimedDecoder:
-    """A decoder whose `Decode` is `decode` (timed); everything else is the decoder's."""
-
-    def __init__(self, decoder: Any, decode: Any) -> None:
-        self._decoder, self.Decode = decoder, decode
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._decoder, name)
+def feed_per_clip(parts: dict[str, float], clips: int) -> list[str] | None:
+    """Each of the GPU decoder's parts over a run (`nvdec.CLOCK.since`: whole clips, `Decode`
+    calls, surface copies, NV12 conversion, summed over the threads) in milliseconds a clip;
+    None where nothing was counted (`--smoke`'s decord stand-in never reaches the feed)."""
+    if not parts.get("Decode") or not clips:
+        return None
+    return [f"{1000 * parts[part] / clips:.1f}" for part in FEED_PARTS]
 
 
 class GilProbe:
@@ -328,14 +283,15 @@ def threads_run(clips: list[DeferredVideo], sessions: int, window: int, device: 
     New threads, so new sessions, made under the variant's settings."""
     with concurrent.futures.ThreadPoolExecutor(sessions, thread_name_prefix="nvdec-scaling") as pool:
         list(pool.map(lambda data: read_one(data, device), clips[:sessions]))
-        feed = FeedTimes()
-        with GilProbe() as probe, feed.timing():
+        before = nvdec.CLOCK.seconds()
+        with GilProbe() as probe:
             alone = probe.rate(0.5)
             turns, since = probe.turns, time.perf_counter()
             done = [r for start in range(0, len(clips), window) for r in pool.map(lambda data: read_one(data, device), clips[start : start + window])]
             wall = time.perf_counter() - since
             free = (probe.turns - turns) / wall / alone if alone else None
-    return Run("threads", sessions, len(done), sum(v for _, v in done), wall, sum(s for s, _ in done), free, feed=feed.per_clip(len(done)))
+    feed = feed_per_clip(nvdec.CLOCK.since(before), len(done))
+    return Run("threads", sessions, len(done), sum(v for _, v in done), wall, sum(s for s, _ in done), free, feed=feed)
 
 
 def _process_main(paths: list[str], device: torch.device, variant: dict[str, bool], ready: multiprocessing.Barrier, out: multiprocessing.Queue) -> None:
@@ -351,8 +307,6 @@ def _process_main(paths: list[str], device: torch.device, variant: dict[str, boo
 def _process_reads(paths: list[str], device: torch.device, variant: dict[str, bool], ready: multiprocessing.Barrier) -> tuple[float, float, float, float, int]:
     """(start, end, seconds the clips took, seconds of video, clips) of this process's share,
     read after its first clip (its session made) and the barrier."""
-    from embedjob.decode import nvdec
-
     for name in NVDEC_SETTINGS:
         setattr(nvdec, name, variant[name])
     if device.type == "cuda":
@@ -388,7 +342,7 @@ def processes_run(paths: list[Path], sessions: int, device: torch.device, varian
 def render(runs: list[Run], device: str) -> str:
     """The table of the runs so far."""
     head = ["mode", "sessions", "clips", "video s", "seconds", "clips/s", "video s / s", "vs 1 session", "parallelism", "GIL free",
-            "NVDEC busy", "CPU load clips/s", *(f"{part} ms / clip" for part in FeedTimes.PARTS)]
+            "NVDEC busy", "CPU load clips/s", *(f"{part} ms / clip" for part in FEED_PARTS)]
     # Each mode's (threads or processes, the variant and the load) own 1-session row is its reference.
     single = {r.mode: r.video_seconds / r.wall for r in runs if r.sessions == 1 and r.wall}
     rows = []
@@ -400,7 +354,7 @@ def render(runs: list[Run], device: str) -> str:
         scaling = f"{rate / single[r.mode]:.2f}x" if r.mode in single else "-"
         rows.append([r.mode, r.sessions, r.clips, f"{r.video_seconds:.1f}", f"{r.wall:.2f}", f"{r.clips / r.wall:.2f}",
                      f"{rate:.1f}", scaling, f"{r.busy / r.wall:.2f}", fmt(r.gil_free, ".2f"), r.decoders, fmt(r.load_rate, ".1f"),
-                     *(r.feed or ["-"] * len(FeedTimes.PARTS))])
+                     *(r.feed or ["-"] * len(FEED_PARTS))])
     lines = [f"# NVDEC alone, by sessions ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"device: {device}; torch {torch.__version__}; command: {' '.join(sys.argv)}", ""]
     return "\n".join(lines + table(head, rows))
@@ -434,8 +388,6 @@ def main() -> int:
     # Planned once: a plan with the cut is the plan without it, and the cut (tests/test_device_decode.py).
     cut = [planned(data, any(VARIANTS[v].get("PACKETS_IN_WORKERS", False) for v in args.variants)) for data in datas]
     plans = {True: cut, False: [replace(video, feed=None) for video in cut]}
-    from embedjob.decode import nvdec
-
     runs = []
     for variant in args.variants:
         for setting in NVDEC_SETTINGS:

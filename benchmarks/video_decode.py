@@ -29,7 +29,9 @@ the first two windows, which the workers may have decoded while the rank set up:
 `common.past_head_start`; the figure for a job bound by decoding, on 1,000 clips or more), the clips the GPU decoded, the workers' and
 the GPU-decode thread's seconds, the per-clip cosine of each other run's embeddings to
 the decord run's (min and median), how busy NVML saw the NVDEC engines
-(`common.DecoderBusy`), and what the rank's main thread waited for (its
+(`common.DecoderBusy`), the GPU decoder threads' milliseconds per clip by part (whole
+clip, `Decode` calls, copies, NV12 conversion: `nvdec.CLOCK`, as `nvdec_scaling.py` shows
+them alone), and what the rank's main thread waited for (its
 `waits`, in seconds), then each GPU setting's four clips furthest from decord's vectors
 (clip names say codec, height and keyframe interval). The table is written to
 `<workdir>/video_decode.md` and printed. `--profile auto` (or nvdec, decord) runs those
@@ -400,7 +402,7 @@ def render(
 ) -> str:
     head = ["decoder", "workers", "clips", "video s", "pipeline s", "video s / s", "clips/s", "/ enc.-only",
             "past the head start: / enc.-only", "GPU-decoded", "worker decode s", "GPU-decode thread s", "cos min", "cos median", "rows identical",
-            "NVDEC busy", "main thread's waits s"]
+            "NVDEC busy", "GPU decoder ms / clip: clip, Decode, copy, RGB", "main thread's waits s"]
     lines = [
         f"# video.decoder: {', '.join(args.decoders)} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
@@ -436,7 +438,7 @@ def render(
             fmt(first.get("decode_seconds"), ".1f"), fmt(first.get("device_decode_seconds"), ".2f"),
             fmt(cos.min() if cos is not None else None, ".5f"), fmt(float(np.median(cos)) if cos is not None else None, ".5f"),
             "-" if compared is None else ("yes" if compared[0] else "NO"),
-            plan.decoders, _waits(first),
+            plan.decoders, _decoder_parts(first), _waits(first),
         ]))
     return "\n".join(lines)
 
@@ -470,6 +472,16 @@ def _past_head_start(stats: dict[str, Any], encoder: EncoderOnly) -> str:
         return "- (too few clips)"
     rows, seconds = past
     return f"{rows / seconds / encoder.rate:.3f} ({rows} clips)"
+
+
+def _decoder_parts(rank: dict[str, Any]) -> str:
+    """The GPU decoder threads' milliseconds per clip they decoded, summed over the threads,
+    by part (`nvdec.DecoderClock`): set beside `nvdec_scaling.py`'s alone, a part that grew in
+    the job names what the job takes from the decoder; "-" where the GPU decoded nothing."""
+    parts, clips = rank.get("device_decode_parts") or {}, rank.get("device_decoded") or 0
+    if not clips or not parts.get("clip"):
+        return "-"
+    return ", ".join(f"{1000 * parts.get(part, 0.0) / clips:.1f}" for part in ("clip", "Decode", "copy", "RGB"))
 
 
 def _waits(rank: dict[str, Any]) -> str:

@@ -35,6 +35,7 @@ import functools
 import gc
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,7 +50,7 @@ from embedjob import stopping
 from embedjob.calibration import calibration_for
 from embedjob.captions import CaptionEncoder, PendingCaptions, caption_encoder, caption_task
 from embedjob.config import Job, JobError
-from embedjob.decode import DecodeOptions, MediaError
+from embedjob.decode import DecodeOptions, MediaError, nvdec
 from embedjob.decode.device import nvjpeg_problem
 from embedjob.decode.nvdec import nvdec_problem
 from embedjob.encoders import EncoderAdapter, load_adapter
@@ -103,6 +104,14 @@ STOP_POLL = 0.1
 FIRST_WINDOW = 32
 """The smallest first window that ramps up (see `window_sizes`)."""
 
+
+GPU_DECODE_SWITCH_INTERVAL: float | None = None
+"""Python's thread switch interval (`sys.setswitchinterval`, seconds) while this rank's GPU
+decodes videos, or None for Python's own (5 ms). The decode threads take the GIL back after
+each decoder call; a thread that asks for it while the main thread runs Python waits up to
+an interval for it, once per call. Alone NVDEC read 72 clips a second, in an `auto` job
+25-31 (benchmarks/RESULTS.md section 11): timed as a job's variant
+(`benchmarks/video_decode.py --variants auto:embedjob.pipeline.GPU_DECODE_SWITCH_INTERVAL=0.0005`)."""
 
 AUTO_ROWS = 64
 """Items a rank encodes before `preprocess.decoder: auto` first compares decode and device rates."""
@@ -677,7 +686,10 @@ class RankPipeline:
             yield from windows
             return
         stream = torch.cuda.Stream(self.device)
+        videos = self.video != "decord"
         with (
+            _switch_interval(GPU_DECODE_SWITCH_INTERVAL if videos else None),
+            _counted_into(self.stats.device_decode_parts) if videos else contextlib.nullcontext(),
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-gpu-decode") as thread,
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-nvjpeg") as nvjpeg,
         ):
@@ -874,6 +886,29 @@ class RankPipeline:
         if self.captions is not None and self.captions.text is not None:
             self.stats.plan["text"] = self.captions.stats()
         self._sample()
+
+
+@contextlib.contextmanager
+def _switch_interval(seconds: float | None) -> Iterator[None]:
+    """Python's thread switch interval at `seconds` inside (as it was where None)."""
+    before = sys.getswitchinterval()
+    if seconds is not None:
+        sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+@contextlib.contextmanager
+def _counted_into(parts: dict[str, float]) -> Iterator[None]:
+    """On leaving, `parts` holds the seconds the GPU decoder's parts (`nvdec.CLOCK`) took
+    inside: this rank's, as its process decodes for it alone."""
+    before = nvdec.CLOCK.seconds()
+    try:
+        yield
+    finally:
+        parts.update(nvdec.CLOCK.since(before))
 
 
 @contextlib.contextmanager

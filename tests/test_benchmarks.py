@@ -26,6 +26,7 @@ SCRIPTS = [
     "family_checks",
     "nvdec_scaling",
     "quantize_rows",
+    "gemm_epilogue",
 ]
 SMOKE_SECONDS = 600
 
@@ -87,6 +88,10 @@ SMOKES = {
                        "| threads, cut, beside 2 decord processes at nice 10 | 2 |"]),
     "quantize_rows": (["--smoke"], ["| input (tower: the layers reading it) | blocks (lanes) | warps |", "| 4,096 + 128 + 128 |", "SigLIP-so400m: fc2, 4,304 wide after gelu_tanh", "torch path standing in"]),
     "family_checks": (["--smoke"], ["| check | result |", "DINOv3: embedjob float32, graphs of the uncompiled blocks", "Qwen3.5: all batches", "an image job's graph offsets"]),
+    # Triton's interpreter runs every kernel on a 100 x 64 x 128 product; a wrong or failed row exits 1.
+    "gemm_epilogue": (["--smoke"], ["| shape | variant | ms | TFLOP/s |", "timings not meaningful",
+                                    "| tiny 100x64x128 | persistent, pointers, 32x32x16 w4 s2 g2 |",
+                                    "| tiny 100x64x128 | tiles, pointers, 32x32x16 w4 s2 g2 |"]),
 }
 WORKDIRS = {"family_checks", "encoder_only", "gpu_decode", "precision", "scaling", "video_decode", "captions", "wds_index", "fp8_layers"}
 
@@ -178,31 +183,36 @@ def test_a_decode_bound_jobs_rate_past_the_head_start_leaves_out_the_rows_decode
     assert past_head_start({"job": {"batching": {"window": 4}}, "ranks": [{"timeline": {"width": 1.0, "end": 3.0, "series": {"rows": [0, 0, 7]}}}]}) is None
 
 
-def test_nvdec_scaling_times_the_feeds_parts_and_puts_the_calls_back() -> None:
-    """`nvdec_scaling.FeedTimes` counts, per clip, the seconds a run's threads spend in the
-    decoder's `Decode` calls, the surface copies and the NV12 conversion (the split that
-    names what holds the GPU's decoder), and leaves the feed's functions as they were."""
-    import threading
+def test_nvdec_scaling_shows_the_feeds_parts_per_clip_only_where_the_feed_ran() -> None:
+    """`nvdec_scaling.feed_per_clip` turns the decoder clock's seconds over a run into
+    milliseconds a clip in the table's order (clip, Decode, copy, RGB), and shows none for
+    a run that never reached the packet feed (decord's stand-in)."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.nvdec_scaling import FEED_PARTS, feed_per_clip
 
+    assert FEED_PARTS == ("clip", "Decode", "copy", "RGB")
+    assert feed_per_clip({"clip": 2.0, "Decode": 1.0, "copy": 0.25, "RGB": 0.5}, 10) == ["200.0", "100.0", "25.0", "50.0"]
+    assert feed_per_clip({"clip": 2.0, "Decode": 0.0, "copy": 0.0, "RGB": 0.0}, 10) is None
+
+
+def test_gemm_epilogue_calls_an_output_wrong_that_misses_the_bias_the_activation_or_rows() -> None:
+    """The check behind `gemm_epilogue.py`'s exit status: a kernel output is "ok" only within
+    a row cosine of 0.9999 of float32 quick_gelu(x @ w.T + b) on every row."""
     import torch
 
     sys.path.insert(0, str(REPO))
-    from benchmarks.nvdec_scaling import FeedTimes
-    from embedjob.decode import nvdec
+    from benchmarks.gemm_epilogue import SMOKE_SHAPE, Row, check, inputs, quick_gelu
 
-    class Decoder:
-        def Decode(self, packet: object) -> list[str]:  # noqa: N802 - PyNvVideoCodec's name
-            threading.Event().wait(0.02)
-            return ["picture"]
+    x, w, b = inputs(SMOKE_SHAPE, torch.device("cpu"))
+    product = x.float() @ w.float().T
+    reference = quick_gelu(product + b.float())
 
-    nvc = type("Nvc", (), {"CreateDecoder": staticmethod(lambda **kwargs: Decoder())})()
-    originals = (nvdec._fed_session, nvdec._copied_out, nvdec.nv12_to_rgb)
-    feed = FeedTimes()
-    with feed.timing():
-        decoder, _ = nvdec._fed_session(nvc, (("h264", 64, 64), 4), torch.device("cpu"))
-        assert decoder.Decode(b"packet") == ["picture"] and decoder.Decode(b"packet") == ["picture"]
-        nvdec.nv12_to_rgb(torch.full((96, 64), 128, dtype=torch.uint8), (64, 64), nvdec.Colour())
-    assert (nvdec._fed_session, nvdec._copied_out, nvdec.nv12_to_rgb) == originals
-    decode, copy, rgb = (float(ms) for ms in feed.per_clip(2))
-    assert decode >= 20.0 and copy == 0.0 and rgb > 0.0
-    assert FeedTimes().per_clip(2) == ["-", "-", "-"]
+    def verdict(out: torch.Tensor) -> str:
+        return check(Row(SMOKE_SHAPE, "case"), out.to(torch.bfloat16), reference, None).check
+
+    unwritten = reference.clone()
+    unwritten[-4:] = float("nan")
+    assert verdict(reference) == "ok"
+    assert verdict(quick_gelu(product)).startswith("WRONG")
+    assert verdict(product + b.float()).startswith("WRONG")
+    assert verdict(unwritten).startswith("WRONG")

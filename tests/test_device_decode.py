@@ -1224,6 +1224,36 @@ def test_the_packet_feed_keeps_a_decoder_per_kind_drops_one_that_failed_and_leav
         nvdec._fed(video_decoder_bytes(first), planned(first, [0, 15], 91), cpu, nvdec.Colour())
 
 
+class SlowFedDecoder(FedDecoder):
+    """A `FedDecoder` whose every `Decode` call takes `pause` seconds, as NVDEC's do."""
+
+    pause = 0.004
+
+    def Decode(self, packet: FedPacket) -> list[GreyFrame]:  # noqa: N802
+        threading.Event().wait(self.pause)
+        return super().Decode(packet)
+
+
+def test_the_decoder_clock_splits_a_clips_time_into_its_decode_calls_copies_and_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nvdec.CLOCK` counts what the job reports as `device_decode_parts`: the decoder's calls
+    at least the time they took, the copies and the conversion above nothing, and the clip's
+    whole time no less than its parts; a run's share is what it added (`since`)."""
+    from embedjob.decode import nvdec
+
+    data = (DATA / "torchcodec_nasa_13013.mp4").read_bytes()
+    fed_stand_in(monkeypatch, {data: pyramid_stream(90, 30)})
+    monkeypatch.setitem(sys.modules["PyNvVideoCodec"].__dict__, "CreateDecoder", SlowFedDecoder)
+    before = nvdec.CLOCK.seconds()
+    nvdec.decode_frames(planned(data, [0, 15, 30, 45], 90), torch.device("cpu"), VIDEO_OPTIONS)
+    parts = nvdec.CLOCK.since(before)
+    (decoder,) = FedDecoder.made
+    calls = len(decoder.fed) + 1  # and the empty packet that ends the stream
+    assert parts["Decode"] >= calls * SlowFedDecoder.pause
+    assert parts["copy"] > 0 and parts["RGB"] > 0
+    assert parts["clip"] >= parts["Decode"] + parts["copy"] + parts["RGB"]
+    assert nvdec.CLOCK.since(nvdec.CLOCK.seconds())["clip"] < parts["clip"]
+
+
 class CutPacket:
     """PyNvVideoCodec.PacketData: empty (the end of a stream) until the rank fills it in."""
 
@@ -1338,3 +1368,18 @@ def test_a_clip_left_for_the_gpu_by_a_worker_reaches_the_rank_fit_for_the_packet
     assert 0 < len(decoder.fed) < sent.source_frames
     assert decoder.fed == list(sent.feed.shown) if cut else all(pts % 512 == 0 for pts in decoder.fed)
     assert window[0].error is None and window[0].item.frames == len(sent.indices)
+
+
+def test_the_gpu_decodes_switch_interval_holds_inside_and_python_s_comes_back_after() -> None:
+    """`pipeline.GPU_DECODE_SWITCH_INTERVAL` (a variant the video benchmark times) is Python's
+    switch interval only while the rank's GPU decodes: after the run, even one that raised,
+    the process's own is back; None leaves it alone."""
+    from embedjob import pipeline
+
+    before = sys.getswitchinterval()
+    with pytest.raises(RuntimeError), pipeline._switch_interval(0.0005):
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        raise RuntimeError("a run that failed")
+    assert sys.getswitchinterval() == before
+    with pipeline._switch_interval(None):
+        assert sys.getswitchinterval() == before

@@ -1082,7 +1082,8 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
     and HEVC clips the GPU reads go through the packet feed (`nvdec._feed`), not a decoder
     session: the plan a worker sends carries what the feed needs. The decode threads queue
     their work on the caller's stream or on their own (`nvdec.THREAD_STREAMS`), and so
-    with the NV12 turned to RGB by the fused kernel (`nvdec.FUSED_RGB`)."""
+    with the NV12 turned to RGB by the fused kernel (`nvdec.FUSED_RGB`). The rank reports
+    the decoder threads' seconds by part (`device_decode_parts`), a decord job none."""
     from embedjob import pipeline
     from embedjob.config import load_job
     from embedjob.decode import nvdec
@@ -1109,6 +1110,9 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
         outputs[decoder] = pq.read_table(sorted((tmp_path / decoder).glob("part-*.parquet"))).to_pylist()
     assert stats["decord"]["device_decoded"] == 0 and stats[setting]["device_decoded"] > 0
     assert 0 < len(fed) <= stats[setting]["device_decoded"]
+    parts = stats[setting]["ranks"][0]["device_decode_parts"]
+    assert parts["clip"] >= parts["Decode"] > 0 and parts["RGB"] > 0
+    assert stats["decord"]["ranks"][0]["device_decode_parts"] == {}
     if setting == "auto":
         assert stats["auto"]["ranks"][0]["gpu_share"] == 0.5
     for cpu_row, gpu_row in zip(outputs["decord"], outputs[setting], strict=True):

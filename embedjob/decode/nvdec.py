@@ -23,6 +23,7 @@ import ctypes
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,39 @@ class Colour:
 _sessions = threading.local()
 _pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
+
+
+class DecoderClock:
+    """Seconds this process's decode threads spent, summed over them, in the GPU decoder's
+    parts: whole clips (`decode_frames`, "clip"), and on the packet feed the decoder's
+    `Decode` calls (parse, decode and map a picture), the wanted surfaces' copies out and
+    the NV12 conversion. A clip's time beyond its parts is Python and the wait for the GIL;
+    a `Decode` slower in a job than alone (`benchmarks/nvdec_scaling.py`) waits for the
+    device. The job reports what its run added (`RankStats.device_decode_parts`)."""
+
+    PARTS = ("clip", "Decode", "copy", "RGB")
+
+    def __init__(self) -> None:
+        self._seconds = dict.fromkeys(self.PARTS, 0.0)
+        self._lock = threading.Lock()
+
+    def add(self, part: str, since: float) -> None:
+        """Count the seconds from `since` (`time.perf_counter`) to now to `part`."""
+        elapsed = time.perf_counter() - since
+        with self._lock:
+            self._seconds[part] += elapsed
+
+    def seconds(self) -> dict[str, float]:
+        """Each part's seconds so far."""
+        with self._lock:
+            return dict(self._seconds)
+
+    def since(self, before: dict[str, float]) -> dict[str, float]:
+        """Each part's seconds since `before` (an earlier `seconds()`)."""
+        return {part: seconds - before.get(part, 0.0) for part, seconds in self.seconds().items()}
+
+
+CLOCK = DecoderClock()
 
 
 def decode_videos(
@@ -170,7 +204,17 @@ def decode_frames(video: DeferredVideo, device: torch.device, options: DecodeOpt
     or, for a video they could not plan, one made here (`video.plan_from_stream`).
     A planned 8-bit H.264 or HEVC stream read as NV12 is fed to the decoder packet by
     packet: the pictures its worker cut out (`DeferredVideo.feed`), else those read here
-    (`FEED_SAMPLED`); any other, through a session that reads a spilled file."""
+    (`FEED_SAMPLED`); any other, through a session that reads a spilled file. Its
+    seconds count to `CLOCK`'s "clip"."""
+    since = time.perf_counter()
+    try:
+        return _decoded_frames(video, device, options)
+    finally:
+        CLOCK.add("clip", since)
+
+
+def _decoded_frames(video: DeferredVideo, device: torch.device, options: DecodeOptions) -> tuple[torch.Tensor, DeferredVideo]:
+    """The body of `decode_frames`."""
     colour = media_colour(video.data) if YUV_HERE else None
     if video.feed is not None and colour is not None:
         try:
@@ -449,21 +493,31 @@ def _fed_frames(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: 
     batch: torch.Tensor | None = None
     copied: set[int] = set()
     for packet in packets:
-        decoded = [frame for frame in decoder.Decode(packet) if frame.getPTS() in wanted and frame.getPTS() not in copied]
-        if decoded and apart:
+        since = time.perf_counter()
+        out = decoder.Decode(packet)
+        CLOCK.add("Decode", since)
+        decoded = [frame for frame in out if frame.getPTS() in wanted and frame.getPTS() not in copied]
+        if not decoded:
+            continue
+        since = time.perf_counter()
+        if apart:
             current.wait_stream(own)
         with torch.cuda.stream(own) if on_own else contextlib.nullcontext():
             for frame in decoded:
                 batch = _copied_out(frame, batch, wanted, device)
                 copied.add(frame.getPTS())
-        if decoded and apart:
+        if apart:
             own.wait_stream(current)
+        CLOCK.add("copy", since)
     if batch is None or len(copied) != len(wanted):
         raise RuntimeError(f"the video decoder returned {len(copied)} of {len(wanted)} frames")
     if on_own:
         current.wait_stream(own)
         batch.record_stream(current)
-    return torch.cat([nv12_to_rgb(chunk, coded, colour) for chunk in batch.split(BATCH_RGB)])
+    since = time.perf_counter()
+    rgb = torch.cat([nv12_to_rgb(chunk, coded, colour) for chunk in batch.split(BATCH_RGB)])
+    CLOCK.add("RGB", since)
+    return rgb
 
 
 def _copied_out(frame: Any, batch: torch.Tensor | None, wanted: dict[int, int], device: torch.device) -> torch.Tensor:

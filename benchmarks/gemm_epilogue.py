@@ -9,8 +9,9 @@ quick GELU to the float32 accumulator before one bf16 write against, in the same
 row's speed is against it); cuBLASLt's tanh-GELU epilogue (`torch._addmm_activation`, another
 function: its time only); and a bf16 8192³ matmul, the GPU's reference rate.
 
-Triton rows: "persistent" (a program per SM walking the tiles, GROUP_M rows of tiles at a
-time) or "tiles" (a program a tile); "TMA" (host-side descriptors) or "pointers" (on a GPU one
+Triton rows: "persistent" (the library's kernel, `embedjob.encoders.gemm_kernel`: a program
+per SM walking the tiles, GROUP_M rows of tiles at a time) or "tiles" (a program a tile, made
+here of the library's tile code); "TMA" (host-side descriptors) or "pointers" (on a GPU one
 config, for TMA's gain; all where `triton.tools.tensor_descriptor` does not import); config
 BLOCK_MxBLOCK_NxBLOCK_K, wN warps, sN stages, gN GROUP_M, "ws" the tile loop's
 `tl.range(..., warp_specialize=True)`. A config that does not compile or launch is a row
@@ -28,8 +29,9 @@ float32 is WRONG and the script exits 1. The table is printed last.
 
 `--smoke` (no GPU) sets TRITON_INTERPRET=1 before triton is imported and runs every kernel in
 Triton's interpreter on a 100 x 64 x 128 product with small tiles (the dot's operands taken to
-float32 there: `INTERPRETED`), checked against torch on the CPU; timings mean nothing. The TMA
-kernels run where the interpreter takes descriptors (a probe says); any failed row exits 1.
+float32 there: `gemm_kernel.INTERPRETED`), checked against torch on the CPU; timings mean
+nothing. The TMA kernels run where the interpreter takes descriptors (a probe says); any
+failed row exits 1.
 Triton 3.6's interpreter cannot run them under numpy 2.5 (its `range` over a tensor bound
 fails: "only 0-dimensional arrays..."); 3.8's can. The GPU path runs on both.
 """
@@ -51,20 +53,20 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # an older triton: the pointer kernels only
-    TensorDescriptor = None
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import log, median_seconds, table  # noqa: E402
+from embedjob.encoders import gemm_kernel  # noqa: E402
+from embedjob.encoders.fp8 import ACTIVATIONS  # noqa: E402
+from embedjob.encoders.gemm_kernel import (  # noqa: E402
+    INTERPRETED, Config, TensorDescriptor, activated_tile, store_tile, tile_origin,
+)
 
 SCRIPT = "gemm_epilogue"
 MIN_COSINE = 0.9999
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-"""Triton's interpreter multiplies bf16 dot operands as their uint16 bits (3.8): its kernels take them to float32 first."""
+QUICK_GELU = tl.constexpr(ACTIVATIONS["quick_gelu"][0])
+"""The activation code the tile kernel applies (`fp8_kernel.activated`)."""
 
 
 @dataclass(frozen=True)
@@ -81,21 +83,6 @@ class Shape:
 SHAPES = {s.name: s for s in (Shape("clip-l", 256 * 577, 1024, 4096), Shape("clip-l-64", 64 * 577, 1024, 4096),
                               Shape("siglip", 256 * 729, 1152, 4352))}
 SMOKE_SHAPE = Shape("tiny", 100, 64, 128)
-
-
-@dataclass(frozen=True)
-class Config:
-    block_m: int
-    block_n: int
-    block_k: int
-    warps: int
-    stages: int
-    group_m: int = 8
-    warp_specialize: bool = False
-
-    def describe(self) -> str:
-        ws = " ws" if self.warp_specialize else ""
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.warps} s{self.stages} g{self.group_m}{ws}"
 
 
 CONFIGS = [Config(128, 128, 64, 4, 4), Config(128, 128, 64, 8, 3), Config(128, 256, 64, 8, 3), Config(128, 256, 64, 8, 4)]
@@ -120,80 +107,12 @@ class Row:
 
 
 @triton.jit
-def _tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """A tile's first row and column, tiles numbered down GROUP_M rows of tiles at a time
-    (so programs running together share A's rows and W's columns in L2)."""
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * tiles_n
-    first_m = (tile // in_group) * GROUP_M
-    rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-    at = tile % in_group
-    return (first_m + at % rows) * BLOCK_M, (at // rows) * BLOCK_N
-
-
-@triton.jit
-def _offsets(row, col, R, C, BR: tl.constexpr, BC: tl.constexpr):
-    """A [BR, BC] tile's element offsets in a row-major [R, C] matrix, and which lie inside it."""
-    rows = row + tl.arange(0, BR)
-    cols = col + tl.arange(0, BC)
-    return rows[:, None].to(tl.int64) * C + cols[None, :], (rows[:, None] < R) & (cols[None, :] < C)
-
-
-@triton.jit
-def _load(src, row, col, R, C, BR: tl.constexpr, BC: tl.constexpr, TMA: tl.constexpr):
-    """A tile of a descriptor's or a pointer's matrix (zeros past its edges)."""
-    if TMA:
-        tile = src.load([row, col])
-    else:
-        offsets, inside = _offsets(row, col, R, C, BR, BC)
-        tile = tl.load(src + offsets, mask=inside, other=0.0)
-    return tile
-
-
-@triton.jit
-def _store(dst, out, row, col, R, C, BR: tl.constexpr, BC: tl.constexpr, TMA: tl.constexpr):
-    if TMA:
-        dst.store([row, col], out)
-    else:
-        offsets, inside = _offsets(row, col, R, C, BR, BC)
-        tl.store(dst + offsets, out, mask=inside)
-
-
-@triton.jit
-def _gelu_tile(a, w, bias, off_m, off_n, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               STAGES: tl.constexpr, TMA: tl.constexpr, DOT_FP32: tl.constexpr):
-    """quick_gelu(a @ w.T + bias) on one output tile, in float32, rounded to bf16 once."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
-        x = _load(a, off_m, k * BLOCK_K, M, K, BLOCK_M, BLOCK_K, TMA)
-        wt = _load(w, off_n, k * BLOCK_K, N, K, BLOCK_N, BLOCK_K, TMA)
-        if DOT_FP32:
-            x, wt = x.to(tl.float32), wt.to(tl.float32)
-        acc = tl.dot(x, wt.T, acc)
-    cols = off_n + tl.arange(0, BLOCK_N)
-    acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    return (acc * tl.sigmoid(1.702 * acc)).to(tl.bfloat16)
-
-
-@triton.jit
 def tiles_kernel(a, w, bias, c, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One program an output tile."""
-    off_m, off_n = _tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    out = _gelu_tile(a, w, bias, off_m, off_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, TMA, DOT_FP32)
-    _store(c, out, off_m, off_n, M, N, BLOCK_M, BLOCK_N, TMA)
-
-
-@triton.jit
-def persistent_kernel(a, w, bias, c, M, N, K, PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-                      DOT_FP32: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """PROGRAMS programs (the SMs), each walking every PROGRAMS-th tile."""
-    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, warp_specialize=WARP_SPECIALIZE):
-        off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        out = _gelu_tile(a, w, bias, off_m, off_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, TMA, DOT_FP32)
-        _store(c, out, off_m, off_n, M, N, BLOCK_M, BLOCK_N, TMA)
+    """One program an output tile (the library's `persistent_kernel` walks them), of the library's tile code."""
+    off_m, off_n = tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    out = activated_tile(a, w, bias, off_m, off_n, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, TMA, DOT_FP32, QUICK_GELU)
+    store_tile(c, out, off_m, off_n, M, N, BLOCK_M, BLOCK_N, TMA)
 
 
 @triton.jit
@@ -220,18 +139,13 @@ def launcher(kind: str, tma: bool, cfg: Config, x: torch.Tensor, w: torch.Tensor
              programs: int) -> Callable[[], None]:
     """A call of one kernel on one config writing `out`; descriptors made once, outside the timed call."""
     (m, k), n = x.shape, w.shape[0]
-    a, wt, c = x, w, out
-    if tma:
-        a = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
-        wt = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-        c = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
-    meta = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
-            "STAGES": cfg.stages, "TMA": tma, "DOT_FP32": INTERPRETED, "num_warps": cfg.warps, "num_stages": cfg.stages}
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    a, wt, c = gemm_kernel.operands(x, w, out, cfg, tma)
     if kind == "persistent":
-        grid = min(programs, tiles)
-        return lambda: persistent_kernel[(grid,)](a, wt, b, c, m, n, k, grid, WARP_SPECIALIZE=cfg.warp_specialize, **meta)
-    return lambda: tiles_kernel[(tiles,)](a, wt, b, c, m, n, k, **meta)
+        return lambda: gemm_kernel.launch(a, wt, b, c, (m, k, n), "quick_gelu", cfg, programs, tma)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return lambda: tiles_kernel[(tiles,)](a, wt, b, c, m, n, k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                          GROUP_M=cfg.group_m, STAGES=cfg.stages, TMA=tma, DOT_FP32=INTERPRETED,
+                                          num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 # --- checks and timing ------------------------------------------------------------------------

@@ -1180,6 +1180,38 @@ def test_siglips_gelu_in_the_products_epilogue_is_the_tanh_gelu_of_the_product(c
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.999
 
 
+def test_clips_quick_gelu_in_the_triton_gemms_epilogue_keeps_the_towers_vectors(cache_dir: str, monkeypatch) -> None:
+    """With `epilogues.TRITON_EPILOGUES` on, CLIP's fc1 on CUDA in bf16 applies its quick
+    GELU in our Triton GEMM's epilogue: each layer equals the product then the quick GELU
+    in float32 up to bf16 rounding, and the tower, eager and then compiled
+    (batching.compile) and replayed from graphs in a NaN-filled pool, gives every item the
+    vector of the tower without it (cosine over 0.9999)."""
+    from embedjob.encoders import epilogues
+    from embedjob.encoders.epilogues import ActivationLinear
+
+    job = make_job(cache_dir, model={"family": "clip", "path": "builtin:tiny-clip", "dtype": "bfloat16"})
+    plain = load_adapter(job, torch.device("cuda"))
+    assert not any(isinstance(m, ActivationLinear) for m in plain.tower.modules())
+    monkeypatch.setattr(epilogues, "TRITON_EPILOGUES", True)
+    fused = load_adapter(job, torch.device("cuda"))
+    layers = [block.mlp.fc1 for block in fused.compile_units()]
+    assert layers and all(isinstance(layer, ActivationLinear) and layer.activation == "quick_gelu" for layer in layers)
+    x = torch.randn(300, layers[0].in_features, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        product = torch.nn.functional.linear(x.float(), layers[0].weight.float(), layers[0].bias.float())
+        torch.testing.assert_close(layers[0](x).float(), product * torch.sigmoid(1.702 * product), rtol=2e-2, atol=2e-2)
+    items = [fused.preprocessor()(m) for m in MEDIA if not hasattr(m, "frames")]
+    with torch.no_grad():
+        a = fused.forward(fused.eager_inputs(items)).float()
+        b = plain.forward(plain.eager_inputs(items)).float()
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.9999
+    fused.compile(dynamic=True)
+    plan = BudgetPlan(tuple(fused.budget_unit * 2**k for k in range(4)), max_items=8, max_frames=16)
+    for replayed, full in nan_pool_replays(fused, plain, plan, items):
+        cos = torch.nn.functional.cosine_similarity(replayed.float(), full.float(), dim=-1)
+        assert cos.min() > 0.9999, float(cos.min())
+
+
 # SigLIP 2 NaFlex (`model.family: siglip2`, encoders/siglip2.py): packed views, graphs per budget.
 
 SIGLIP2_MEDIA = [random_image(300, 500, 21), random_image(40, 60, 22), random_image(640, 480, 23), random_image(20, 900, 24),

@@ -325,8 +325,9 @@ class EncoderAdapter(abc.ABC):
 
     def use_epilogues(self) -> None:
         """Apply the blocks' MLP activations in the products' epilogues where cuBLASLt
-        can (`encoders.epilogues`: SigLIP's tanh GELU); on CUDA in half precision, where
-        the product is cuBLASLt's. Before `compile`, like `use_fp8`."""
+        can (`encoders.epilogues`: SigLIP's tanh GELU), and with `epilogues.TRITON_EPILOGUES`
+        the quick and exact GELUs through our Triton GEMM; on CUDA in half precision, where
+        those products run. Before `compile`, like `use_fp8`."""
         from embedjob.encoders.epilogues import fuse_gelu_epilogues
 
         fuse_gelu_epilogues(self.compile_units())

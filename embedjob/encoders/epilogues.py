@@ -1,4 +1,4 @@
-"""An MLP's tanh GELU applied by the product before it, in bf16 on CUDA (`model.precision: bf16`).
+"""An MLP's GELU applied by the product before it, in bf16 on CUDA (`model.precision: bf16`).
 
 In SigLIP's blocks the first MLP layer's output, the widest tensor of the block (4,304
 columns on SigLIP-so400m), is written by the product, read back by the compiler's GELU
@@ -11,10 +11,15 @@ MLPs whose activation computes `gelu(x, approximate="tanh")` are changed (SigLIP
 `gelu_pytorch_tanh`; CLIP's quick GELU, DINOv2's exact GELU and Qwen's gated SiLU are
 not), recognised by its values, not by its class name.
 
-Invariants: a fused layer computes `gelu_tanh(x @ W.T + b)` for any input row count, the
-activation in float32 on CUDA (rounded once, where the separate kernel rounded the
-product first); elsewhere it computes the same in two torch calls, so CPU tests check the
-conversion. It shares the linear layer's parameters (no copy). Only the blocks' MLPs that
+With `TRITON_EPILOGUES`, MLPs whose activation is the quick GELU (CLIP's, Qwen2-VL's) or
+the exact GELU (DINOv2's), `TRITON_ACTIVATIONS`, have theirs applied by our Triton GEMM
+(`ActivationLinear`, `gemm_kernel.linear_activation`), which cuBLASLt cannot; the tanh GELU
+stays cuBLASLt's.
+
+Invariants: a fused layer computes `act(x @ W.T + b)` (its recognised activation) for any
+input row count, the activation in float32 on CUDA (rounded once, where the separate kernel
+rounded the product first); elsewhere it computes the same in two torch calls, so CPU tests
+check the conversion. It shares the linear layer's parameters (no copy). Only the blocks' MLPs that
 feed their first layer to the activation alone (`EPILOGUE_GELUS`, transformers' modeling
 code: fc1, the activation, fc2 in turn) are changed; the FP8 path applies its own
 activations (`fp8.ACTIVATION_INTO`) and is left alone.
@@ -29,7 +34,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from embedjob.encoders.fp8 import recognised_activation
+from embedjob.encoders.fp8 import ACTIVATIONS, recognised_activation
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +44,18 @@ to that activation alone and the activation's output to the next layer alone."""
 EPILOGUES = True
 """Whether CUDA bf16 adapters fuse their MLPs' tanh GELUs into the products (benchmarks
 switch it off to measure the separate kernel). Read when an adapter is loaded."""
+TRITON_EPILOGUES = False
+"""Whether, with `EPILOGUES`, they also fuse quick and exact GELUs into their products through
+our Triton GEMM (`ActivationLinear`). Off until the whole tower is timed on a GPU
+(`benchmarks/precision.py --mixes clip --precisions bf16-triton-epilogues`, bf16 beside it):
+the kernel alone ran CLIP-L's fc1 1.13x faster than cuBLAS's product and the compiled quick
+GELU on an H100 (benchmarks/gemm_epilogue.py), but what a compiled, captured tower gains is
+not measured. Read when an adapter is loaded."""
+TRITON_ACTIVATIONS = ("quick_gelu", "gelu")
+"""The recognised activations (`fp8.ACTIVATIONS` names) that `TRITON_EPILOGUES` fuses through
+the Triton GEMM: those cuBLASLt has no epilogue for (the tanh GELU stays cuBLASLt's)."""
+EPILOGUE_NAMES = {"gelu_tanh": "tanh GELU", "quick_gelu": "quick GELU (Triton GEMM)", "gelu": "exact GELU (Triton GEMM)"}
+"""How the log names each fused activation."""
 
 
 class GeluLinear(torch.nn.Module):
@@ -66,31 +83,72 @@ class GeluLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, epilogue=gelu_tanh"
 
 
+class ActivationLinear(torch.nn.Module):
+    """`act(linear(x))` of an `nn.Linear` with a bias, `act` one of `TRITON_ACTIVATIONS`, as
+    one Triton GEMM with the activation in its epilogue on CUDA
+    (`torch.ops.embedjob.linear_activation`, `gemm_kernel.linear_activation`: registered as
+    the layer is made where CUDA is, never inside a compiled region)."""
+
+    def __init__(self, linear: torch.nn.Linear, activation: str) -> None:
+        super().__init__()
+        if linear.bias is None:
+            raise ValueError("an activation epilogue needs the layer's bias (the Triton GEMM adds one)")
+        if activation not in TRITON_ACTIVATIONS:
+            raise ValueError(f"the Triton GEMM applies {TRITON_ACTIVATIONS}, not {activation!r}")
+        if torch.cuda.is_available():
+            from embedjob.encoders import gemm_kernel  # noqa: F401 - registers the op (and imports Triton)
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.activation = activation
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.is_cuda:
+            out = torch.ops.embedjob.linear_activation(rows, self.weight, self.bias, self.activation)
+        else:
+            out = ACTIVATIONS[self.activation][1](F.linear(rows, self.weight, self.bias))
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, epilogue={self.activation}"
+
+
 def fuse_gelu_epilogues(blocks: Iterable[torch.nn.Module]) -> Counter[str]:
     """Replace, in place, each `EPILOGUE_GELUS` layer of the blocks' MLPs whose activation
-    is the tanh GELU (by its values) by a `GeluLinear`, and the activation by an identity;
-    how many of each layer (name relative to its block, e.g. `mlp.fc1`) were fused."""
+    is the tanh GELU (by its values) by a `GeluLinear`, and, with `TRITON_EPILOGUES`, each
+    whose activation is one of `TRITON_ACTIVATIONS` by an `ActivationLinear`; the activation
+    by an identity. How many of each layer (name relative to its block, e.g. `mlp.fc1`) were fused."""
     fused: Counter[str] = Counter()
+    applied: dict[str, str] = {}
     for block in blocks:
         for path, module in list(block.named_modules()):
-            layer_name = _fusable(module)
-            if layer_name is None:
+            found = _fusable(module)
+            if found is None:
                 continue
-            layer, activation_name = layer_name
-            setattr(module, layer, GeluLinear(getattr(module, layer)))
+            layer, activation_name, activation = found
+            linear = getattr(module, layer)
+            setattr(module, layer, GeluLinear(linear) if activation == "gelu_tanh" else ActivationLinear(linear, activation))
             setattr(module, activation_name, torch.nn.Identity())
-            fused[f"{path}.{layer}" if path else layer] += 1
+            name = f"{path}.{layer}" if path else layer
+            fused[name] += 1
+            applied[name] = activation
     for name, count in fused.items():
-        logger.info("model.precision bf16: %s applies its tanh GELU in its product's epilogue, in %d blocks", name, count)
+        logger.info("model.precision bf16: %s applies its %s in its product's epilogue, in %d blocks",
+                    name, EPILOGUE_NAMES[applied[name]], count)
     return fused
 
 
-def _fusable(module: torch.nn.Module) -> tuple[str, str] | None:
-    """The (layer, activation) names of `module` that `fuse_gelu_epilogues` fuses, or None."""
+def _fusable(module: torch.nn.Module) -> tuple[str, str, str] | None:
+    """The (layer, activation) names of `module` that `fuse_gelu_epilogues` fuses and the
+    activation it recognised, or None."""
+    fused = ("gelu_tanh", *TRITON_ACTIVATIONS) if TRITON_EPILOGUES else ("gelu_tanh",)
     for layer, activation in EPILOGUE_GELUS:
         linear, function = getattr(module, layer, None), getattr(module, activation, None)
         if type(linear) is not torch.nn.Linear or linear.bias is None or not isinstance(function, torch.nn.Module):
             continue
-        if recognised_activation(function) == "gelu_tanh":
-            return layer, activation
+        recognised = recognised_activation(function)
+        if recognised in fused:
+            return layer, activation, recognised
     return None

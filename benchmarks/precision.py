@@ -37,8 +37,8 @@ cosine to bf16 is over the other items only, and the float32 reference is always
 run the fixed-resolution towers' patch embedding as cuDNN's convolution, not one matrix product
 (`fixed.PATCH_PRODUCTS` off; SigLIP's hidden state then enters the blocks transposed); `bf16-gelu-apart` leaves SigLIP's tanh
 GELU a kernel of its own instead of the product's epilogue (`epilogues.EPILOGUES` off);
-`bf16-triton-epilogues` also applies CLIP's quick GELU (and exact GELUs) in fc1's epilogue,
-through our Triton GEMM (`epilogues.TRITON_EPILOGUES` on, `encoders.gemm_kernel`);
+`bf16-quick-gelu-apart` leaves CLIP's quick GELU a kernel of its own instead of our Triton
+GEMM's epilogue (`epilogues.TRITON_EPILOGUES` off, `encoders.gemm_kernel`);
 `bf16-mlp-unpadded` and `fp8-mlp-unpadded` leave the fixed towers' MLP widths as the
 checkpoint has them (`fixed.MLP_MULTIPLE` 1: SigLIP-so400m's 4,304, not 4,352);
 `bf16-looped-rows` and `fp8-looped-rows` leave torch's rule for reducing wide rows
@@ -88,7 +88,7 @@ VARIANTS = {
     "bf16-looped-rows": ("bf16", {(base, "WIDE_ROWS"): 0}),
     "bf16-mlp-unpadded": ("bf16", {(fixed, "MLP_MULTIPLE"): 1}),
     "bf16-gelu-apart": ("bf16", {(epilogues, "EPILOGUES"): False}),
-    "bf16-triton-epilogues": ("bf16", {(epilogues, "TRITON_EPILOGUES"): True}),
+    "bf16-quick-gelu-apart": ("bf16", {(epilogues, "TRITON_EPILOGUES"): False}),
     "bf16-varlen": ("bf16", {}, ["model.attention=varlen"]),
     "bf16-varlen-attn": ("bf16", {(attention, "SEGMENT_MAX_LENGTH"): 0}),
     "bf16-segments-all": ("bf16", {(attention, "SEGMENT_MAX_LENGTH"): 1 << 30}),

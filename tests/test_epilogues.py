@@ -68,20 +68,16 @@ def clip_vision(hidden_act: str) -> torch.nn.Module:
     return CLIPVisionModel(config).eval()
 
 
-@pytest.mark.parametrize("hidden_act", ["quick_gelu", "gelu"])
-def test_with_triton_epilogues_clips_fc1_takes_its_gelu_and_the_model_computes_what_it_did(
-    monkeypatch: pytest.MonkeyPatch, hidden_act: str
-) -> None:
-    """`TRITON_EPILOGUES` on: CLIP's quick GELU (and an exact GELU) move into fc1, a layer
-    that runs our Triton GEMM on CUDA; on the CPU the model's outputs stay what they were."""
-    monkeypatch.setattr(epilogues, "TRITON_EPILOGUES", True)
-    model = clip_vision(hidden_act)
+def test_where_the_triton_gemm_pays_clips_fc1_takes_its_quick_gelu_and_the_model_computes_what_it_did() -> None:
+    """Fused for the Triton GEMM (`triton_gemm_pays`): CLIP's quick GELU moves into fc1, a
+    layer that runs our Triton GEMM on CUDA; on the CPU the model's outputs stay what they were."""
+    model = clip_vision("quick_gelu")
     before = copy.deepcopy(model)
     blocks = model.encoder.layers
     linears = [block.mlp.fc1 for block in blocks]
-    assert fuse_gelu_epilogues(blocks) == {"mlp.fc1": len(blocks)}
+    assert fuse_gelu_epilogues(blocks, triton=True) == {"mlp.fc1": len(blocks)}
     for block, linear in zip(blocks, linears):
-        assert isinstance(block.mlp.fc1, ActivationLinear) and block.mlp.fc1.activation == hidden_act
+        assert isinstance(block.mlp.fc1, ActivationLinear) and block.mlp.fc1.activation == "quick_gelu"
         assert isinstance(block.mlp.activation_fn, torch.nn.Identity)
         assert block.mlp.fc1.weight is linear.weight and block.mlp.fc1.bias is linear.bias  # shared, not copied
     pixels = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(1))
@@ -91,14 +87,28 @@ def test_with_triton_epilogues_clips_fc1_takes_its_gelu_and_the_model_computes_w
     torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-6, atol=1e-6)
 
 
-def test_without_triton_epilogues_clips_mlps_stay_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`TRITON_EPILOGUES` off (the default until a GPU times it): CLIP's quick GELU stays a
-    module of its own after its fc1."""
-    monkeypatch.setattr(epilogues, "TRITON_EPILOGUES", False)
-    model = clip_vision("quick_gelu")
+@pytest.mark.parametrize("hidden_act, triton", [("quick_gelu", False), ("gelu", True)])
+def test_clips_mlps_stay_as_they_are_off_the_triton_gpus_or_with_an_untimed_gelu(hidden_act: str, triton: bool) -> None:
+    """Where the Triton GEMM does not pay, CLIP's quick GELU stays a module of its own after
+    its fc1; an exact GELU, which the kernel computes but no tower of which was timed, stays
+    so everywhere."""
+    model = clip_vision(hidden_act)
     modules = list(model.modules())
-    assert fuse_gelu_epilogues(model.encoder.layers) == {}
+    assert fuse_gelu_epilogues(model.encoder.layers, triton=triton) == {}
     assert list(model.modules()) == modules
+
+
+@pytest.mark.parametrize("setting, capability, pays", [(True, (9, 0), True), (True, (10, 0), True), (True, (8, 0), False),
+                                                       (False, (9, 0), False)])
+def test_the_triton_gemm_is_used_on_hopper_and_blackwell_gpus_while_the_setting_is_on(
+    monkeypatch: pytest.MonkeyPatch, setting: bool, capability: tuple[int, int], pays: bool
+) -> None:
+    """The quick GELU goes to the Triton GEMM only where it reads through TMA and was timed
+    (an A100 keeps cuBLAS's product and the GELU kernel), never on a CPU."""
+    monkeypatch.setattr(epilogues, "TRITON_EPILOGUES", setting)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert epilogues.triton_gemm_pays(torch.device("cuda", 0)) is pays
+    assert epilogues.triton_gemm_pays(CPU) is False
 
 
 def test_the_triton_gemm_takes_only_the_gelus_cublaslt_lacks_and_a_bias() -> None:

@@ -1181,15 +1181,18 @@ def test_siglips_gelu_in_the_products_epilogue_is_the_tanh_gelu_of_the_product(c
 
 
 def test_clips_quick_gelu_in_the_triton_gemms_epilogue_keeps_the_towers_vectors(cache_dir: str, monkeypatch) -> None:
-    """With `epilogues.TRITON_EPILOGUES` on, CLIP's fc1 on CUDA in bf16 applies its quick
-    GELU in our Triton GEMM's epilogue: each layer equals the product then the quick GELU
-    in float32 up to bf16 rounding, and the tower, eager and then compiled
+    """With `epilogues.TRITON_EPILOGUES` (on), CLIP's fc1 on a Hopper or Blackwell GPU in
+    bf16 applies its quick GELU in our Triton GEMM's epilogue: each layer equals the product
+    then the quick GELU in float32 up to bf16 rounding, and the tower, eager and then compiled
     (batching.compile) and replayed from graphs in a NaN-filled pool, gives every item the
     vector of the tower without it (cosine over 0.9999)."""
     from embedjob.encoders import epilogues
     from embedjob.encoders.epilogues import ActivationLinear
 
+    if not epilogues.triton_gemm_pays(torch.device("cuda")):
+        pytest.skip("the Triton GEMM runs on Hopper and datacenter Blackwell GPUs")
     job = make_job(cache_dir, model={"family": "clip", "path": "builtin:tiny-clip", "dtype": "bfloat16"})
+    monkeypatch.setattr(epilogues, "TRITON_EPILOGUES", False)
     plain = load_adapter(job, torch.device("cuda"))
     assert not any(isinstance(m, ActivationLinear) for m in plain.tower.modules())
     monkeypatch.setattr(epilogues, "TRITON_EPILOGUES", True)

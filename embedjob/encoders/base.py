@@ -325,12 +325,12 @@ class EncoderAdapter(abc.ABC):
 
     def use_epilogues(self) -> None:
         """Apply the blocks' MLP activations in the products' epilogues where cuBLASLt
-        can (`encoders.epilogues`: SigLIP's tanh GELU), and with `epilogues.TRITON_EPILOGUES`
-        the quick and exact GELUs through our Triton GEMM; on CUDA in half precision, where
-        those products run. Before `compile`, like `use_fp8`."""
-        from embedjob.encoders.epilogues import fuse_gelu_epilogues
+        can (`encoders.epilogues`: SigLIP's tanh GELU), and the quick GELU through our Triton
+        GEMM on the GPUs where it pays (`epilogues.triton_gemm_pays`); on CUDA in half
+        precision, where those products run. Before `compile`, like `use_fp8`."""
+        from embedjob.encoders.epilogues import fuse_gelu_epilogues, triton_gemm_pays
 
-        fuse_gelu_epilogues(self.compile_units())
+        fuse_gelu_epilogues(self.compile_units(), triton=triton_gemm_pays(self.device))
 
     def compile(self, dynamic: bool) -> None:
         """Compile `compile_units` in place with torch.compile (with `COMPILE_OPTIONS`).

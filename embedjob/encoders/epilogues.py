@@ -11,10 +11,10 @@ MLPs whose activation computes `gelu(x, approximate="tanh")` are changed (SigLIP
 `gelu_pytorch_tanh`; CLIP's quick GELU, DINOv2's exact GELU and Qwen's gated SiLU are
 not), recognised by its values, not by its class name.
 
-With `TRITON_EPILOGUES`, MLPs whose activation is the quick GELU (CLIP's, Qwen2-VL's) or
-the exact GELU (DINOv2's), `TRITON_ACTIVATIONS`, have theirs applied by our Triton GEMM
-(`ActivationLinear`, `gemm_kernel.linear_activation`), which cuBLASLt cannot; the tanh GELU
-stays cuBLASLt's.
+With `TRITON_EPILOGUES`, on Hopper and datacenter Blackwell GPUs, MLPs whose activation is
+the quick GELU (CLIP's, Qwen2-VL's), `TRITON_ACTIVATIONS`, have it applied by our Triton
+GEMM (`ActivationLinear`, `gemm_kernel.linear_activation`), which cuBLASLt cannot; the tanh
+GELU stays cuBLASLt's.
 
 Invariants: a fused layer computes `act(x @ W.T + b)` (its recognised activation) for any
 input row count, the activation in float32 on CUDA (rounded once, where the separate kernel
@@ -44,18 +44,29 @@ to that activation alone and the activation's output to the next layer alone."""
 EPILOGUES = True
 """Whether CUDA bf16 adapters fuse their MLPs' tanh GELUs into the products (benchmarks
 switch it off to measure the separate kernel). Read when an adapter is loaded."""
-TRITON_EPILOGUES = False
-"""Whether, with `EPILOGUES`, they also fuse quick and exact GELUs into their products through
-our Triton GEMM (`ActivationLinear`). Off until the whole tower is timed on a GPU
-(`benchmarks/precision.py --mixes clip --precisions bf16-triton-epilogues`, bf16 beside it):
-the kernel alone ran CLIP-L's fc1 1.13x faster than cuBLAS's product and the compiled quick
-GELU on an H100 (benchmarks/gemm_epilogue.py), but what a compiled, captured tower gains is
-not measured. Read when an adapter is loaded."""
-TRITON_ACTIVATIONS = ("quick_gelu", "gelu")
+TRITON_EPILOGUES = True
+"""Whether, with `EPILOGUES`, they also fuse the quick GELU into its product through our
+Triton GEMM (`ActivationLinear`), on the GPUs where that GEMM reads through TMA and was timed
+(`triton_gemm_pays`). On an H100 it ran CLIP-L's fc1 1.13x cuBLAS's product and the compiled
+GELU (benchmarks/gemm_epilogue.py) and the CLIP-L/14-336 tower, compiled in graphs, 1.03x
+(1,271.7 images/s against 1,239.9, cosine 0.99996 to it; `benchmarks/precision.py --mixes
+clip --precisions bf16-quick-gelu-apart` times it off). Read when an adapter is loaded."""
+TRITON_ACTIVATIONS = ("quick_gelu",)
 """The recognised activations (`fp8.ACTIVATIONS` names) that `TRITON_EPILOGUES` fuses through
-the Triton GEMM: those cuBLASLt has no epilogue for (the tanh GELU stays cuBLASLt's)."""
-EPILOGUE_NAMES = {"gelu_tanh": "tanh GELU", "quick_gelu": "quick GELU (Triton GEMM)", "gelu": "exact GELU (Triton GEMM)"}
+the Triton GEMM: CLIP's (and Qwen2-VL's) quick GELU, which cuBLASLt has no epilogue for. The
+kernel computes the exact GELU too, but no tower of it was timed, so those stay a kernel of
+their own; the tanh GELU stays cuBLASLt's."""
+TRITON_CAPABILITIES = (9, 10)
+"""CUDA compute capability majors where the Triton GEMM pays: Hopper and datacenter Blackwell,
+where it reads its tiles through TMA (`gemm_kernel`); elsewhere cuBLAS's product stays."""
+EPILOGUE_NAMES = {"gelu_tanh": "tanh GELU", "quick_gelu": "quick GELU (Triton GEMM)"}
 """How the log names each fused activation."""
+
+
+def triton_gemm_pays(device: torch.device) -> bool:
+    """Whether an adapter on `device` fuses `TRITON_ACTIVATIONS` through the Triton GEMM:
+    `TRITON_EPILOGUES` is on and `device` is a GPU of `TRITON_CAPABILITIES`."""
+    return TRITON_EPILOGUES and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in TRITON_CAPABILITIES
 
 
 class GeluLinear(torch.nn.Module):
@@ -115,16 +126,16 @@ class ActivationLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, epilogue={self.activation}"
 
 
-def fuse_gelu_epilogues(blocks: Iterable[torch.nn.Module]) -> Counter[str]:
+def fuse_gelu_epilogues(blocks: Iterable[torch.nn.Module], triton: bool = False) -> Counter[str]:
     """Replace, in place, each `EPILOGUE_GELUS` layer of the blocks' MLPs whose activation
-    is the tanh GELU (by its values) by a `GeluLinear`, and, with `TRITON_EPILOGUES`, each
-    whose activation is one of `TRITON_ACTIVATIONS` by an `ActivationLinear`; the activation
+    is the tanh GELU (by its values) by a `GeluLinear`, and, with `triton` (`triton_gemm_pays`),
+    each whose activation is one of `TRITON_ACTIVATIONS` by an `ActivationLinear`; the activation
     by an identity. How many of each layer (name relative to its block, e.g. `mlp.fc1`) were fused."""
     fused: Counter[str] = Counter()
     applied: dict[str, str] = {}
     for block in blocks:
         for path, module in list(block.named_modules()):
-            found = _fusable(module)
+            found = _fusable(module, triton)
             if found is None:
                 continue
             layer, activation_name, activation = found
@@ -140,10 +151,10 @@ def fuse_gelu_epilogues(blocks: Iterable[torch.nn.Module]) -> Counter[str]:
     return fused
 
 
-def _fusable(module: torch.nn.Module) -> tuple[str, str, str] | None:
+def _fusable(module: torch.nn.Module, triton: bool) -> tuple[str, str, str] | None:
     """The (layer, activation) names of `module` that `fuse_gelu_epilogues` fuses and the
     activation it recognised, or None."""
-    fused = ("gelu_tanh", *TRITON_ACTIVATIONS) if TRITON_EPILOGUES else ("gelu_tanh",)
+    fused = ("gelu_tanh", *TRITON_ACTIVATIONS) if triton else ("gelu_tanh",)
     for layer, activation in EPILOGUE_GELUS:
         linear, function = getattr(module, layer, None), getattr(module, activation, None)
         if type(linear) is not torch.nn.Linear or linear.bias is None or not isinstance(function, torch.nn.Module):

@@ -30,8 +30,10 @@
 # (clip, Decode, copy, RGB: the jobs' `device_decode_parts` beside nvdec_scaling's, alone and beside bf16 products),
 # with Python's switch interval shortened while the GPU decodes, and the streams and fused kernel knobs, the
 # second and third calls after a clips-bg one:
-#     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut --loads none gpu"
+#     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut --loads none gpu python"
 #       TESTS="nvdec or worker_cut" bash benchmarks/device_checks.sh nvdec-scaling tests
+# (the python load: a thread holding the GIL half the time, as the rank's main thread; again with
+# "--switch-interval 0.0005" in the flags, it says on 128 clips whether the GIL's hand-over bounds the decoder)
 #     VIDEO_DECODERS="decord auto" VIDEO_VARIANTS="auto:embedjob.pipeline.GPU_DECODE_SWITCH_INTERVAL=0.0005
 #       auto:embedjob.decode.nvdec.COPIES_ON_FEED_STREAM=True auto:embedjob.decode.nvdec.THREAD_STREAMS=True,embedjob.decode.nvdec.FUSED_RGB=True"
 #       bash benchmarks/device_checks.sh clips video siglip

@@ -28,7 +28,9 @@ With `--loads`, each run is repeated beside what a job runs next to the GPU's de
 workers do (their clips a second are in the row), at each `--load-nice` niceness (the
 job's workers run at `workers.pool.WORKER_NICE`, so the rank's threads win a core); `gpu`, a thread of this process replaying
 a CUDA graph of bf16 products back to back on a stream of its own (`common.GemmLoad`), as
-the encoder's graphs keep the device busy; `both`. In `video.decoder: auto` the GPU's decoder read about half what it reads alone
+the encoder's graphs keep the device busy; `both`; `python`, a thread of this process running
+Python `--python-busy` of the time (`PythonLoad`), as the rank's main thread holds the GIL
+between its waits, under `--switch-interval` (Python's thread switch interval). In `video.decoder: auto` the GPU's decoder read about half what it reads alone
 (RESULTS.md section 11): these rows say which neighbour takes it.
 
 Per row: clips per second, seconds of video per second, the sessions' parallelism (the
@@ -216,9 +218,9 @@ class GilProbe:
         self._thread.join()
 
 
-LOADS = ("none", "cpu", "gpu", "both")
+LOADS = ("none", "cpu", "gpu", "both", "python")
 LOAD_NAMES = {"cpu": "beside {workers} decord processes at nice {nice}", "gpu": "beside bf16 products",
-              "both": "beside both (nice {nice})"}
+              "both": "beside both (nice {nice})", "python": "beside a thread running Python {busy:.0%} of the time"}
 """How a run's row names its load."""
 
 
@@ -264,17 +266,49 @@ class CpuLoad:
             worker.join(PROCESS_SECONDS)
 
 
+class PythonLoad:
+    """A thread of this process that runs Python, which holds the GIL, for `busy` of every
+    `PYTHON_PERIOD` seconds and sleeps the rest, as a rank's main thread runs its Python
+    between its waits for the device: a decode thread coming back from a decoder call waits
+    for the GIL up to Python's switch interval (`--switch-interval`) each time."""
+
+    def __init__(self, busy: float) -> None:
+        self.busy = busy
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            until = time.perf_counter() + self.busy * PYTHON_PERIOD
+            while time.perf_counter() < until:
+                pass
+            time.sleep((1 - self.busy) * PYTHON_PERIOD)
+
+    def __enter__(self) -> PythonLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+PYTHON_PERIOD = 0.01
+"""Seconds of the `python` load's cycle of Python and sleep."""
+
 LOAD_SETTLE_SECONDS = 3.0
 """Seconds the load processes get to import and start reading before a run is timed."""
 
 
 @contextlib.contextmanager
-def loaded(load: str, paths: list[Path], workers: int, nice: int, device: torch.device) -> Iterator[CpuLoad | None]:
-    """The `load` (`LOADS`) running while the block runs (its decord processes at `nice`);
-    the CPU load, whose rate is read after."""
+def loaded(load: str, paths: list[Path], workers: int, nice: int, device: torch.device, busy: float) -> Iterator[CpuLoad | None]:
+    """The `load` (`LOADS`) running while the block runs (its decord processes at `nice`, its
+    Python thread `busy`); the CPU load, whose rate is read after."""
     with contextlib.ExitStack() as stack:
         if load in ("gpu", "both"):
             stack.enter_context(GemmLoad(device))
+        if load == "python":
+            stack.enter_context(PythonLoad(busy))
         yield stack.enter_context(CpuLoad(paths, workers, nice)) if load in ("cpu", "both") else None
 
 
@@ -356,7 +390,8 @@ def render(runs: list[Run], device: str) -> str:
                      f"{rate:.1f}", scaling, f"{r.busy / r.wall:.2f}", fmt(r.gil_free, ".2f"), r.decoders, fmt(r.load_rate, ".1f"),
                      *(r.feed or ["-"] * len(FEED_PARTS))])
     lines = [f"# NVDEC alone, by sessions ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
-             f"device: {device}; torch {torch.__version__}; command: {' '.join(sys.argv)}", ""]
+             f"device: {device}; torch {torch.__version__}; Python's switch interval {1000 * sys.getswitchinterval():g} ms; "
+             f"command: {' '.join(sys.argv)}", ""]
     return "\n".join(lines + table(head, rows))
 
 
@@ -372,6 +407,8 @@ def clip_paths(args: argparse.Namespace) -> list[Path]:
 
 def main() -> int:
     args = parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     paths = clip_paths(args)
     log(SCRIPT, f"{len(paths)} clips from {paths[0].parent}")
     if args.smoke:
@@ -393,17 +430,19 @@ def main() -> int:
         for setting in NVDEC_SETTINGS:
             setattr(nvdec, setting, VARIANTS[variant][setting])
         clips = plans[VARIANTS[variant].get("PACKETS_IN_WORKERS", False)]
+        # The python load holds this process's GIL, which only the threads share.
         runs_wanted = [(m, n, load, nice) for load in args.loads for nice in (args.load_nice if load in ("cpu", "both") else [0])
-                       for m in args.modes for n in args.sessions]
+                       for m in args.modes for n in args.sessions if not (load == "python" and m == "processes")]
         for mode, sessions, load, nice in runs_wanted:
             try:
-                with loaded(load, paths, args.load_workers, nice, device) as cpu, DecoderBusy() as busy:
+                with loaded(load, paths, args.load_workers, nice, device, args.python_busy) as cpu, DecoderBusy() as busy:
                     run = threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device, VARIANTS[variant])
                 run.decoders = busy.describe()
                 run.load_rate = cpu.rate if cpu is not None else None
             except Exception as exc:  # a variant the decoder refuses is a row, and the others still run
                 run = Run(mode, sessions, error=repr(exc))
-            run.mode = f"{mode}, {variant}" + (f", {LOAD_NAMES[load].format(workers=args.load_workers, nice=nice)}" if load != "none" else "")
+            said = LOAD_NAMES[load].format(workers=args.load_workers, nice=nice, busy=args.python_busy) if load != "none" else ""
+            run.mode = f"{mode}, {variant}" + (f", {said}" if said else "")
             runs.append(run)
             log(SCRIPT, f"{run.mode} x {sessions}: {run.error or f'{run.clips / run.wall:.2f} clips/s'}")
             # Printed after every run, so a call cut off by its limit keeps the rows before it.
@@ -425,10 +464,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load-workers", type=int, default=16, help="decord processes of the cpu load (a job's runtime.workers)")
     parser.add_argument("--load-nice", type=int, nargs="+", default=[WORKER_NICE],
                         help="niceness the cpu load's processes add to their own, one run each (a job's workers: WORKER_NICE)")
+    parser.add_argument("--python-busy", type=float, default=0.5,
+                        help="share of the time the python load's thread runs Python (the rest it sleeps)")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="Python's thread switch interval for the runs, seconds (default: Python's 0.005), "
+                             "as the job's pipeline.GPU_DECODE_SWITCH_INTERVAL sets it")
     parser.add_argument("--smoke", action="store_true", help="CPU only: the test clips, read by decord instead of NVDEC")
     args = parser.parse_args()
     if args.smoke and {"gpu", "both"} & set(args.loads):
         parser.error("--loads gpu and both need a GPU; --smoke runs on a CPU")
+    if not 0 < args.python_busy < 1:
+        parser.error("--python-busy is a share of the time: between 0 and 1")
     return args
 
 

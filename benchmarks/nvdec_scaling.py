@@ -188,34 +188,48 @@ def feed_per_clip(parts: dict[str, float], clips: int) -> list[str] | None:
     return [f"{1000 * parts[part] / clips:.1f}" for part in FEED_PARTS]
 
 
-class GilProbe:
-    """A thread waking every millisecond: its wake-ups while the decoders run over its
-    wake-ups alone are the share of the time the GIL was free to it (each wake-up needs
-    the GIL; a C call that holds it while the GPU decodes holds the probe off, while a
-    spinning probe would itself hold the decoders' Python steps off)."""
+class Beside:
+    """A daemon thread of this process running `step` over and over while the block runs."""
 
     def __init__(self) -> None:
-        self.turns = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _spin(self) -> None:
+    def _run(self) -> None:
         while not self._stop.is_set():
-            time.sleep(0.001)
-            self.turns += 1
+            self.step()
 
-    def rate(self, seconds: float) -> float:
-        before, since = self.turns, time.perf_counter()
-        time.sleep(seconds)
-        return (self.turns - before) / (time.perf_counter() - since)
+    def step(self) -> None:
+        """One turn of the thread's work (each subclass's own)."""
+        raise NotImplementedError
 
-    def __enter__(self) -> GilProbe:
+    def __enter__(self) -> Beside:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class GilProbe(Beside):
+    """A thread waking every millisecond: its wake-ups while the decoders run over its
+    wake-ups alone are the share of the time the GIL was free to it (each wake-up needs
+    the GIL; a C call that holds it while the GPU decodes holds the probe off, while a
+    spinning probe would itself hold the decoders' Python steps off)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.turns = 0
+
+    def step(self) -> None:
+        time.sleep(0.001)
+        self.turns += 1
+
+    def rate(self, seconds: float) -> float:
+        before, since = self.turns, time.perf_counter()
+        time.sleep(seconds)
+        return (self.turns - before) / (time.perf_counter() - since)
 
 
 LOADS = ("none", "cpu", "gpu", "both", "python")
@@ -266,31 +280,21 @@ class CpuLoad:
             worker.join(PROCESS_SECONDS)
 
 
-class PythonLoad:
+class PythonLoad(Beside):
     """A thread of this process that runs Python, which holds the GIL, for `busy` of every
     `PYTHON_PERIOD` seconds and sleeps the rest, as a rank's main thread runs its Python
     between its waits for the device: a decode thread coming back from a decoder call waits
     for the GIL up to Python's switch interval (`--switch-interval`) each time."""
 
     def __init__(self, busy: float) -> None:
+        super().__init__()
         self.busy = busy
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            until = time.perf_counter() + self.busy * PYTHON_PERIOD
-            while time.perf_counter() < until:
-                pass
-            time.sleep((1 - self.busy) * PYTHON_PERIOD)
-
-    def __enter__(self) -> PythonLoad:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def step(self) -> None:
+        until = time.perf_counter() + self.busy * PYTHON_PERIOD
+        while time.perf_counter() < until:
+            pass
+        time.sleep((1 - self.busy) * PYTHON_PERIOD)
 
 
 PYTHON_PERIOD = 0.01

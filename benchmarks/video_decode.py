@@ -74,6 +74,7 @@ from benchmarks.encoder_only import EncoderOnly, measure  # noqa: E402
 from benchmarks.gpu_decode import compare  # noqa: E402
 from benchmarks.mixes import TOWERS, save_tower  # noqa: E402
 from embedjob.config import DEFAULT_NVDEC_SESSIONS, load_job  # noqa: E402
+from embedjob.decode.nvdec import DecoderClock  # noqa: E402
 
 FPS = 30
 SIZE = (1920, 1080)
@@ -402,7 +403,7 @@ def render(
 ) -> str:
     head = ["decoder", "workers", "clips", "video s", "pipeline s", "video s / s", "clips/s", "/ enc.-only",
             "past the head start: / enc.-only", "GPU-decoded", "worker decode s", "GPU-decode thread s", "cos min", "cos median", "rows identical",
-            "NVDEC busy", "GPU decoder ms / clip: clip, Decode, copy, RGB", "main thread's waits s"]
+            "NVDEC busy", f"GPU decoder ms / clip: {', '.join(DecoderClock.PARTS)}", "main thread's waits s"]
     lines = [
         f"# video.decoder: {', '.join(args.decoders)} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
@@ -481,7 +482,7 @@ def _decoder_parts(rank: dict[str, Any]) -> str:
     parts, clips = rank.get("device_decode_parts") or {}, rank.get("device_decoded") or 0
     if not clips or not parts.get("clip"):
         return "-"
-    return ", ".join(f"{1000 * parts.get(part, 0.0) / clips:.1f}" for part in ("clip", "Decode", "copy", "RGB"))
+    return ", ".join(f"{1000 * parts.get(part, 0.0) / clips:.1f}" for part in DecoderClock.PARTS)
 
 
 def _waits(rank: dict[str, Any]) -> str:

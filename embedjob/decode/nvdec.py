@@ -97,24 +97,33 @@ class DecoderClock:
     `Decode` calls (parse, decode and map a picture), the wanted surfaces' copies out and
     the NV12 conversion. A clip's time beyond its parts is Python and the wait for the GIL;
     a `Decode` slower in a job than alone (`benchmarks/nvdec_scaling.py`) waits for the
-    device. The job reports what its run added (`RankStats.device_decode_parts`)."""
+    device. The job reports what its run added (`RankStats.device_decode_parts`).
+
+    Each thread adds to counts of its own (a lock only when a thread first counts), so the
+    feed's per-packet calls share no lock; a reading sums them."""
 
     PARTS = ("clip", "Decode", "copy", "RGB")
 
     def __init__(self) -> None:
-        self._seconds = dict.fromkeys(self.PARTS, 0.0)
+        self._threads: list[dict[str, float]] = []
+        self._own = threading.local()
         self._lock = threading.Lock()
 
     def add(self, part: str, since: float) -> None:
         """Count the seconds from `since` (`time.perf_counter`) to now to `part`."""
         elapsed = time.perf_counter() - since
-        with self._lock:
-            self._seconds[part] += elapsed
+        counts = getattr(self._own, "counts", None)
+        if counts is None:
+            counts = self._own.counts = dict.fromkeys(self.PARTS, 0.0)
+            with self._lock:
+                self._threads.append(counts)
+        counts[part] += elapsed
 
     def seconds(self) -> dict[str, float]:
-        """Each part's seconds so far."""
+        """Each part's seconds so far, summed over the threads."""
         with self._lock:
-            return dict(self._seconds)
+            threads = list(self._threads)
+        return {part: sum(counts[part] for counts in threads) for part in self.PARTS}
 
     def since(self, before: dict[str, float]) -> dict[str, float]:
         """Each part's seconds since `before` (an earlier `seconds()`)."""

@@ -69,14 +69,18 @@ def triton_gemm_pays(device: torch.device) -> bool:
     return TRITON_EPILOGUES and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in TRITON_CAPABILITIES
 
 
-class GeluLinear(torch.nn.Module):
-    """`gelu(linear(x), approximate="tanh")` of an `nn.Linear` with a bias, as one product
-    with a GELU epilogue on CUDA."""
+class EpilogueLinear(torch.nn.Module):
+    """`act(linear(x))` of an `nn.Linear` with a bias, `act` the `activation` (an
+    `fp8.ACTIVATIONS` name) its product applies on CUDA (`on_cuda`, a subclass's); elsewhere
+    the layer and then the activation, as the model computed them. It shares the linear
+    layer's parameters."""
+
+    activation = ""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         if linear.bias is None:
-            raise ValueError("a GELU epilogue needs the layer's bias (torch._addmm_activation adds one)")
+            raise ValueError("an activation epilogue needs the layer's bias (the product adds one)")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
@@ -85,45 +89,44 @@ class GeluLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.is_cuda:
-            out = torch._addmm_activation(self.bias, rows, self.weight.t(), use_gelu=True)
-        else:  # torch's CPU kernel applies the exact GELU, not the tanh approximation
-            out = F.gelu(F.linear(rows, self.weight, self.bias), approximate="tanh")
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, epilogue=gelu_tanh"
-
-
-class ActivationLinear(torch.nn.Module):
-    """`act(linear(x))` of an `nn.Linear` with a bias, `act` one of `TRITON_ACTIVATIONS`, as
-    one Triton GEMM with the activation in its epilogue on CUDA
-    (`torch.ops.embedjob.linear_activation`, `gemm_kernel.linear_activation`: registered as
-    the layer is made where CUDA is, never inside a compiled region)."""
-
-    def __init__(self, linear: torch.nn.Linear, activation: str) -> None:
-        super().__init__()
-        if linear.bias is None:
-            raise ValueError("an activation epilogue needs the layer's bias (the Triton GEMM adds one)")
-        if activation not in TRITON_ACTIVATIONS:
-            raise ValueError(f"the Triton GEMM applies {TRITON_ACTIVATIONS}, not {activation!r}")
-        if torch.cuda.is_available():
-            from embedjob.encoders import gemm_kernel  # noqa: F401 - registers the op (and imports Triton)
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.activation = activation
-        self.weight = linear.weight
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.is_cuda:
-            out = torch.ops.embedjob.linear_activation(rows, self.weight, self.bias, self.activation)
+            out = self.on_cuda(rows)
         else:
             out = ACTIVATIONS[self.activation][1](F.linear(rows, self.weight, self.bias))
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def on_cuda(self, rows: torch.Tensor) -> torch.Tensor:
+        """`act(rows @ W.T + b)` as one product with its epilogue (each subclass's own)."""
+        raise NotImplementedError
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, epilogue={self.activation}"
+
+
+class GeluLinear(EpilogueLinear):
+    """`gelu(linear(x), approximate="tanh")` as one product with cuBLASLt's GELU epilogue on CUDA."""
+
+    activation = "gelu_tanh"
+
+    def on_cuda(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._addmm_activation(self.bias, rows, self.weight.t(), use_gelu=True)
+
+
+class ActivationLinear(EpilogueLinear):
+    """`act(linear(x))`, `act` one of `TRITON_ACTIVATIONS`, as one Triton GEMM with the
+    activation in its epilogue on CUDA (`torch.ops.embedjob.linear_activation`,
+    `gemm_kernel.linear_activation`: registered as the layer is made where CUDA is, never
+    inside a compiled region)."""
+
+    def __init__(self, linear: torch.nn.Linear, activation: str) -> None:
+        super().__init__(linear)
+        if activation not in TRITON_ACTIVATIONS:
+            raise ValueError(f"the Triton GEMM applies {TRITON_ACTIVATIONS}, not {activation!r}")
+        if torch.cuda.is_available():
+            from embedjob.encoders import gemm_kernel  # noqa: F401 - registers the op (and imports Triton)
+        self.activation = activation
+
+    def on_cuda(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.embedjob.linear_activation(rows, self.weight, self.bias, self.activation)
 
 
 def fuse_gelu_epilogues(blocks: Iterable[torch.nn.Module], triton: bool = False) -> Counter[str]:
@@ -131,8 +134,7 @@ def fuse_gelu_epilogues(blocks: Iterable[torch.nn.Module], triton: bool = False)
     is the tanh GELU (by its values) by a `GeluLinear`, and, with `triton` (`triton_gemm_pays`),
     each whose activation is one of `TRITON_ACTIVATIONS` by an `ActivationLinear`; the activation
     by an identity. How many of each layer (name relative to its block, e.g. `mlp.fc1`) were fused."""
-    fused: Counter[str] = Counter()
-    applied: dict[str, str] = {}
+    fused: Counter[tuple[str, str]] = Counter()
     for block in blocks:
         for path, module in list(block.named_modules()):
             found = _fusable(module, triton)
@@ -142,13 +144,14 @@ def fuse_gelu_epilogues(blocks: Iterable[torch.nn.Module], triton: bool = False)
             linear = getattr(module, layer)
             setattr(module, layer, GeluLinear(linear) if activation == "gelu_tanh" else ActivationLinear(linear, activation))
             setattr(module, activation_name, torch.nn.Identity())
-            name = f"{path}.{layer}" if path else layer
-            fused[name] += 1
-            applied[name] = activation
-    for name, count in fused.items():
+            fused[f"{path}.{layer}" if path else layer, activation] += 1
+    for (name, activation), count in fused.items():
         logger.info("model.precision bf16: %s applies its %s in its product's epilogue, in %d blocks",
-                    name, EPILOGUE_NAMES[applied[name]], count)
-    return fused
+                    name, EPILOGUE_NAMES[activation], count)
+    by_layer: Counter[str] = Counter()
+    for (name, _), count in fused.items():
+        by_layer[name] += count
+    return by_layer
 
 
 def _fusable(module: torch.nn.Module, triton: bool) -> tuple[str, str, str] | None:

@@ -685,8 +685,8 @@ class RankPipeline:
         if not self._gpu_decodes:
             yield from windows
             return
-        stream = torch.cuda.Stream(self.device)
         videos = self.video != "decord"
+        stream = nvdec.decode_stream(self.device) if videos else torch.cuda.Stream(self.device)
         with (
             _switch_interval(GPU_DECODE_SWITCH_INTERVAL if videos else None),
             _counted_into(self.stats.device_decode_parts) if videos else contextlib.nullcontext(),

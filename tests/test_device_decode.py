@@ -1254,6 +1254,15 @@ def test_the_decoder_clock_splits_a_clips_time_into_its_decode_calls_copies_and_
     assert nvdec.CLOCK.since(nvdec.CLOCK.seconds())["clip"] < parts["clip"]
 
 
+def test_a_decoder_part_under_a_millisecond_still_shows_in_the_ranks_statistics() -> None:
+    """A few clips' fused NV12 conversion takes tens of microseconds in all: the stats must
+    not round it away to nothing, or the part reads as never having run."""
+    from embedjob.stats import RankStats
+
+    shown = RankStats(rank=0, device="cuda:0", device_decode_parts={"RGB": 4.2e-05, "clip": 1.5}).to_dict()
+    assert shown["device_decode_parts"] == {"RGB": 4.2e-05, "clip": 1.5}
+
+
 class CutPacket:
     """PyNvVideoCodec.PacketData: empty (the end of a stream) until the rank fills it in."""
 

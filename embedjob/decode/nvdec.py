@@ -180,8 +180,31 @@ def _work_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's stream on `device` for `THREAD_STREAMS` (made on its first video there)."""
     held = getattr(_sessions, "work_stream", None)
     if held is None or held[0] != device:
-        held = _sessions.work_stream = (device, torch.cuda.Stream(device))
+        held = _sessions.work_stream = (device, decode_stream(device))
     return held[1]
+
+
+PRIORITY_STREAMS = False
+"""Whether the streams the GPU's video decoding queues on (the sessions' own, where the
+decoder maps each picture; the threads' with `THREAD_STREAMS`; the rank's GPU-decode
+stream, where the frames are copied, converted and resized) are made at a higher priority
+than the encoder's, so that their short kernels take the SMs as each block of the encoder's
+finishes rather than after its queued kernels. In a `video.decoder: nvdec` job a clip's
+`Decode` calls took 163 ms and its copies 36 where alone they took 117 and 4 (NVDEC 28.5
+clips a second against 54.8; beside bf16 products alone 43.8; 128 clips, SigLIP-so400m, an
+H100, benchmarks/RESULTS.md section 11): waits for the device, which a priority shortens.
+Off until timed (`benchmarks/nvdec_scaling.py --variants cut cut-priority --loads gpu`,
+`benchmarks/video_decode.py --variants nvdec:embedjob.decode.nvdec.PRIORITY_STREAMS=True`)."""
+
+DECODE_PRIORITY = -1
+"""The priority of those streams with `PRIORITY_STREAMS` (CUDA's lower numbers run first;
+torch's streams, the encoder's among them, default to 0)."""
+
+
+def decode_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new CUDA stream on `device` for video decoding: above the encoder's priority with
+    `PRIORITY_STREAMS`, else at torch's default."""
+    return torch.cuda.Stream(device, priority=DECODE_PRIORITY if PRIORITY_STREAMS else 0)
 
 
 def _threads(sessions: int) -> concurrent.futures.ThreadPoolExecutor:
@@ -579,7 +602,7 @@ def _fed_session(nvc: Any, kind: tuple[tuple, Any], device: torch.device) -> tup
     thread's own CUDA stream (none off a GPU), and that stream."""
     key, codec_id = kind
     if device.type == "cuda" and getattr(_sessions, "feed_stream", None) is None:
-        _sessions.feed_stream = torch.cuda.Stream(device)
+        _sessions.feed_stream = decode_stream(device)
     own = _sessions.feed_stream if device.type == "cuda" else None
     kept = _kept(nvc, device)
     held = kept.pop(key, None)
@@ -629,7 +652,7 @@ def _new_session(nvc: Any, path: str, device: torch.device, native: bool) -> Any
     """A decoder session on `device` handing RGB frames, or NV12 ones with `native`; on this
     thread's own CUDA stream with `OWN_STREAMS`."""
     if OWN_STREAMS and getattr(_sessions, "stream", None) is None:
-        _sessions.stream = torch.cuda.Stream(device)
+        _sessions.stream = decode_stream(device)
     stream = {"cuda_stream": _sessions.stream.cuda_stream} if OWN_STREAMS else {}
     output = nvc.OutputColorType.NATIVE if native else nvc.OutputColorType.RGB
     return nvc.SimpleDecoder(path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=output, **stream)

@@ -26,17 +26,13 @@
 #     CLIPS=1152 CLIP_SECONDS=5.25 bash benchmarks/device_checks.sh clips-bg kernels siglip quantize
 #     bash benchmarks/device_checks.sh tests nvdec-scaling    (on the clips made so far)
 #     NVDEC_SESSIONS="4 7" bash benchmarks/device_checks.sh clips video siglip
-# What takes the GPU's decoder from 72 clips a second alone to 25-31 in an auto job: the threads' seconds by part
-# (clip, Decode, copy, RGB: the jobs' `device_decode_parts` beside nvdec_scaling's, alone and beside bf16 products),
-# with Python's switch interval shortened while the GPU decodes, and the streams and fused kernel knobs, the
-# second and third calls after a clips-bg one:
-#     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut --loads none gpu python"
-#       TESTS="nvdec or worker_cut" bash benchmarks/device_checks.sh nvdec-scaling tests
-# (the python load: a thread holding the GIL half the time, as the rank's main thread; again with
-# "--switch-interval 0.0005" in the flags, it says on 128 clips whether the GIL's hand-over bounds the decoder)
-#     VIDEO_DECODERS="decord auto" VIDEO_VARIANTS="auto:embedjob.pipeline.GPU_DECODE_SWITCH_INTERVAL=0.0005
-#       auto:embedjob.decode.nvdec.COPIES_ON_FEED_STREAM=True auto:embedjob.decode.nvdec.THREAD_STREAMS=True,embedjob.decode.nvdec.FUSED_RGB=True"
-#       bash benchmarks/device_checks.sh clips video siglip
+# What takes the GPU's decoder from 55 clips a second alone to 28 in an nvdec job (RESULTS.md section 11: not the
+# GIL's hand-over, not the copies' stream): the job with the tower's tiny version, so nothing but the decoders on the
+# device (VIDEO_FLAGS=--tiny-tower), against the published size's; with clips-bg's 128 clips (CLIPS=128), one call:
+#     VIDEO_DECODERS=nvdec VIDEO_FLAGS=--tiny-tower bash benchmarks/device_checks.sh video siglip
+# (and `VIDEO_DECODERS=nvdec ... video siglip` in the same call for the encoder's side; VIDEO_PROFILE=nvdec names the
+# rank's hot calls; NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut --loads none gpu python" and
+# "--switch-interval 0.0005" time the decoder alone, beside bf16 products and beside Python holding the GIL)
 # `clips` tops the clips up to CLIPS (1,152 unless given): pass the CLIPS the maker was started
 # with, or leave `clips` out to run on the clips made so far. NVDEC_SCALING_FLAGS="--variants
 # shared-stream fed cut" compares the rank's packet feed with the pictures cut in the workers.
@@ -61,7 +57,8 @@
 # GPU decoder's session counts, an nvdec run each and auto at the fastest's, 7 by default; VIDEO_VARIANTS=
 # "auto:embedjob.decode.video.PACKETS_IN_WORKERS=False" adds runs on a copy of the tree with those constants
 # (or with job settings: "auto:runtime.workers=12"); VIDEO_PROFILE="auto" runs
-# those jobs under cProfile, its table in video-NAME.log), nvdec-scaling (benchmarks/
+# those jobs under cProfile, its table in video-NAME.log; VIDEO_FLAGS="--tiny-tower" embeds with the tower's tiny
+# version), nvdec-scaling (benchmarks/
 # nvdec_scaling.py on them: NVDEC alone, sessions as threads and as processes; NVDEC_SCALING_FLAGS="--sessions 1 7"
 # picks counts, "--loads none cpu gpu both" adds runs beside 16 decord processes and/or bf16 products on the GPU), fp8-layers NAME...
 # (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),
@@ -282,11 +279,11 @@ clips_said() {
 video() {
   # `video.decoder` decord, nvdec and auto on the clips `clips` made, one tower per name (qwen, siglip, clip).
   local tower
-  # shellcheck disable=SC2086  # VIDEO_DECODERS, NVDEC_SESSIONS, VIDEO_VARIANTS and VIDEO_PROFILE are lists
+  # shellcheck disable=SC2086  # VIDEO_DECODERS, NVDEC_SESSIONS, VIDEO_VARIANTS, VIDEO_PROFILE and VIDEO_FLAGS are lists
   for tower in "$@"; do
     timeout "$(budget 560)" python3 benchmarks/video_decode.py "${smoke[@]}" --clips "$work/clips" --tower "$tower" \
       --decoders ${VIDEO_DECODERS:-decord nvdec auto} --nvdec-sessions ${NVDEC_SESSIONS:-7} ${VIDEO_VARIANTS:+--variants $VIDEO_VARIANTS} \
-      ${VIDEO_PROFILE:+--profile $VIDEO_PROFILE} \
+      ${VIDEO_PROFILE:+--profile $VIDEO_PROFILE} ${VIDEO_FLAGS:-} \
       --workdir "$work/video-$tower" 2>&1 |
       tee "$out/video-$tower.log"
     # The jobs' own logs (auto's shares, the decoders' refusals) come back beside the table; the profiles stay

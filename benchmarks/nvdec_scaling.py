@@ -19,8 +19,7 @@ of their own (`own-streams`: `nvdec.OWN_STREAMS`), fed only the packets the samp
 (`cut`: `video.PACKETS_IN_WORKERS`, no demuxer on the rank), and so with the surfaces
 copied out on the caller's stream, which the threads share (`cut-caller-copies`:
 `nvdec.COPIES_ON_FEED_STREAM` off), and so with the NV12 turned to RGB by one Triton kernel
-(`cut-fused`: `nvdec.FUSED_RGB`), and so on streams above the default priority, which a
-`gpu` load's products run at (`cut-priority`: `nvdec.PRIORITY_STREAMS`), as `--variants` says. The
+(`cut-fused`: `nvdec.FUSED_RGB`), as `--variants` says. The
 clips are planned first, as the decode workers plan them (`video.decode_video` with
 `defer_video`; the cut, too, is made then, untimed).
 
@@ -89,7 +88,7 @@ IMAGE_PIXELS = 1 << 24
 PROCESS_SECONDS = 600
 """The longest a process may take to report (a crashed one never does)."""
 
-_BASE = {"OWN_STREAMS": False, "FEED_SAMPLED": True, "COPIES_ON_FEED_STREAM": True, "FUSED_RGB": False, "PRIORITY_STREAMS": False}
+_BASE = {"OWN_STREAMS": False, "FEED_SAMPLED": True, "COPIES_ON_FEED_STREAM": True, "FUSED_RGB": False}
 _CUT = {**_BASE, "PACKETS_IN_WORKERS": True}
 VARIANTS = {
     "shared-stream": {**_BASE, "FEED_SAMPLED": False},
@@ -98,7 +97,6 @@ VARIANTS = {
     "cut": _CUT,
     "cut-caller-copies": {**_CUT, "COPIES_ON_FEED_STREAM": False},
     "cut-fused": {**_CUT, "FUSED_RGB": True},
-    "cut-priority": {**_CUT, "PRIORITY_STREAMS": True},
 }
 """`--variants`: the `nvdec` settings each runs with, and `video.PACKETS_IN_WORKERS` for the plans."""
 
@@ -171,7 +169,7 @@ def read_nvdec(video: DeferredVideo, device: torch.device) -> tuple[float, float
     from embedjob.decode.nvdec import decode_frames
 
     if getattr(_streams, "stream", None) is None:
-        _streams.stream = nvdec.decode_stream(device)
+        _streams.stream = torch.cuda.Stream(device)
     since = time.perf_counter()
     with torch.cuda.stream(_streams.stream):
         _, plan = decode_frames(video, device, options())

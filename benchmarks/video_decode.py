@@ -36,7 +36,9 @@ them alone), and what the rank's main thread waited for (its
 (clip names say codec, height and keyframe interval). The table is written to
 `<workdir>/video_decode.md` and printed. `--profile auto` (or nvdec, decord) runs those
 jobs under cProfile (`common.PROFILED_CLI`) and logs where the process's time went, for a
-missed target's evidence: the rank's threads, not the decode workers.
+missed target's evidence: the rank's threads, not the decode workers. `--tiny-tower` embeds
+with the tower's tiny version on the GPU: the job's decoders then read with next to nothing
+else on the device, which says whether the encoder beside them is what slows NVDEC in a job.
 `--smoke` runs it on the CPU with the tiny tower on a few of the test clips when
 `--clips` has none, 2 workers, and skips the nvdec run (it needs a GPU), saying so
 (`auto` there decodes with decord, as on any machine without a video decoder).
@@ -93,7 +95,7 @@ def main() -> int:
     if args.smoke and not clips.is_dir():
         clips = smoke_clips(workdir / "clips")
     parquet, seconds = clips_parquet(clips, workdir)
-    job = write_job(workdir, parquet, args.smoke, args.tower)
+    job = write_job(workdir, parquet, args.smoke, args.tower, args.tiny_tower)
     device = torch.device("cpu" if args.smoke else "cuda")
     log(f"[video] encoder only on {parquet}")
     encoder = measure(load_job(job, []), device, len(os.sched_getaffinity(0)), 3)
@@ -377,10 +379,12 @@ def clips_parquet(directory: Path, workdir: Path) -> tuple[Path, float]:
     return parquet, seconds
 
 
-def write_job(workdir: Path, parquet: Path, smoke: bool, name: str = "qwen") -> Path:
+def write_job(workdir: Path, parquet: Path, smoke: bool, name: str = "qwen", tiny: bool = False) -> Path:
+    """The job every run starts from: `name`'s tower at its published size, or its tiny
+    version (`smoke` or `tiny`), on the GPU unless `smoke`."""
     import yaml
 
-    tower = save_tower(TOWERS[name], workdir / "towers", smoke)
+    tower = save_tower(TOWERS[name], workdir / "towers", smoke or tiny)
     job = {
         "input": {"path": str(parquet), "media_column": "video", "id_column": "id", "modality": "video"},
         "model": {"family": TOWERS[name].family, "path": str(tower), "dtype": "bfloat16"},
@@ -408,7 +412,7 @@ def render(
         f"# video.decoder: {', '.join(args.decoders)} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
         f"device: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}; torch {torch.__version__}; "
-        f"tower: {TOWERS[args.tower].describe(args.smoke)}; command: {' '.join(sys.argv)}",
+        f"tower: {TOWERS[args.tower].describe(args.smoke or args.tiny_tower)}; command: {' '.join(sys.argv)}",
         "",
         "| " + " | ".join(head) + " |",
         "| " + " | ".join(["---"] + ["---:"] * (len(head) - 1)) + " |",
@@ -507,6 +511,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nvdec-sessions", type=int, nargs="+", default=[DEFAULT_NVDEC_SESSIONS],
                         help="video.nvdec_sessions: an nvdec run at each count, auto at the fastest's")
     parser.add_argument("--tower", choices=sorted(TOWERS), default="qwen", help="the vision tower, at its published size (qwen: Qwen2.5-VL-7B)")
+    parser.add_argument("--tiny-tower", action="store_true",
+                        help="the tower's tiny version on the GPU: the decoders read in the job with next to nothing "
+                             "else on the device, against what they read beside the published size's encoder")
     parser.add_argument("--decoders", nargs="+", choices=DECODERS, default=list(DECODERS),
                         help="video.decoder settings to run, decord first (auto: decord and NVDEC in the shares the rank measures); "
                              "the cosines are to decord's run, so they need it")

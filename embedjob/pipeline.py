@@ -109,9 +109,10 @@ GPU_DECODE_SWITCH_INTERVAL: float | None = None
 """Python's thread switch interval (`sys.setswitchinterval`, seconds) while this rank's GPU
 decodes videos, or None for Python's own (5 ms). The decode threads take the GIL back after
 each decoder call; a thread that asks for it while the main thread runs Python waits up to
-an interval for it, once per call. Alone NVDEC read 72 clips a second, in an `auto` job
-25-31 (benchmarks/RESULTS.md section 11): timed as a job's variant
-(`benchmarks/video_decode.py --variants auto:embedjob.pipeline.GPU_DECODE_SWITCH_INTERVAL=0.0005`)."""
+an interval for it, once per call. Beside a thread running Python half the time, NVDEC alone
+read 45.1 clips a second at 5 ms and 54.8, its rate alone, at 0.5 ms; but an `auto` job on
+128 clips read 36.2 at 0.5 ms against 36.9 at Python's own (SigLIP-so400m, an H100,
+benchmarks/RESULTS.md section 11): in the job something else holds the decoder, so None."""
 
 AUTO_ROWS = 64
 """Items a rank encodes before `preprocess.decoder: auto` first compares decode and device rates."""
@@ -685,8 +686,8 @@ class RankPipeline:
         if not self._gpu_decodes:
             yield from windows
             return
+        stream = torch.cuda.Stream(self.device)
         videos = self.video != "decord"
-        stream = nvdec.decode_stream(self.device) if videos else torch.cuda.Stream(self.device)
         with (
             _switch_interval(GPU_DECODE_SWITCH_INTERVAL if videos else None),
             _counted_into(self.stats.device_decode_parts) if videos else contextlib.nullcontext(),

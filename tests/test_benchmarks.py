@@ -217,3 +217,19 @@ def test_gemm_epilogue_calls_an_output_wrong_that_misses_the_bias_the_activation
     assert verdict(quick_gelu(product)).startswith("WRONG")
     assert verdict(product + b.float()).startswith("WRONG")
     assert verdict(unwritten).startswith("WRONG")
+
+
+def test_video_decodes_tiny_tower_is_embedded_on_the_gpu(tmp_path: Path) -> None:
+    """`--tiny-tower`: the job the runs start from loads the tower's tiny checkpoint and still
+    runs compiled on the GPU (not on the CPU, as `--smoke` does), so its decoders read with
+    next to nothing else on the device."""
+    import yaml
+
+    from benchmarks.mixes import TOWERS
+    from benchmarks.video_decode import write_job
+
+    tiny = yaml.safe_load(write_job(tmp_path, tmp_path / "clips.parquet", False, "clip", tiny=True).read_text())
+    assert tiny["runtime"]["device"] == "cuda" and tiny["batching"]["compile"] is True
+    assert Path(tiny["model"]["path"]).name == TOWERS["clip"].key + "-tiny"
+    config = yaml.safe_load((Path(tiny["model"]["path"]) / "config.json").read_text())
+    assert config["hidden_size"] == TOWERS["clip"].tiny["hidden_size"] < TOWERS["clip"].full["hidden_size"]

@@ -1070,10 +1070,9 @@ def test_nvdec_sessions_on_streams_of_their_own_read_the_frames_of_the_shared_st
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
 @pytest.mark.parametrize("setting", ["nvdec", "auto"])
-@pytest.mark.parametrize("thread_streams, fused, priority", [(False, False, False), (True, False, False), (True, True, False), (False, False, True)],
-                         ids=["caller_stream", "thread_streams", "fused_rgb", "priority_streams"])
+@pytest.mark.parametrize("thread_streams, fused", [(False, False), (True, False), (True, True)], ids=["caller_stream", "thread_streams", "fused_rgb"])
 def test_an_nvdec_job_gives_the_decord_jobs_rows(
-    tmp_path: Path, cache_dir: str, setting: str, thread_streams: bool, fused: bool, priority: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, cache_dir: str, setting: str, thread_streams: bool, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`video.decoder` nvdec, or auto, which leaves every other clip to the GPU from the
     first row on (`decode_split.FIRST_SHARE`: the 9 rows are all submitted before auto
@@ -1083,9 +1082,8 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
     and HEVC clips the GPU reads go through the packet feed (`nvdec._feed`), not a decoder
     session: the plan a worker sends carries what the feed needs. The decode threads queue
     their work on the caller's stream or on their own (`nvdec.THREAD_STREAMS`), and so
-    with the NV12 turned to RGB by the fused kernel (`nvdec.FUSED_RGB`), or on streams above
-    the encoder's priority (`nvdec.PRIORITY_STREAMS`). The rank reports the decoder threads'
-    seconds by part (`device_decode_parts`), a decord job none."""
+    with the NV12 turned to RGB by the fused kernel (`nvdec.FUSED_RGB`). The rank reports
+    the decoder threads' seconds by part (`device_decode_parts`), a decord job none."""
     from embedjob import pipeline
     from embedjob.config import load_job
     from embedjob.decode import nvdec
@@ -1102,9 +1100,6 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
     monkeypatch.setattr(nvdec, "_feed", counted)
     monkeypatch.setattr(nvdec, "THREAD_STREAMS", thread_streams)
     monkeypatch.setattr(nvdec, "FUSED_RGB", fused)
-    monkeypatch.setattr(nvdec, "PRIORITY_STREAMS", priority)
-    monkeypatch.setattr(nvdec, "_pool", None)  # new threads: their sessions' streams made under these settings
-    assert (nvdec.decode_stream(torch.device("cuda")).priority < torch.cuda.Stream().priority) is priority
     monkeypatch.setattr(pipeline, "AUTO_ROWS", 1)
     monkeypatch.setattr(pipeline, "gpu_share", lambda *rates: 0.5)
     outputs, stats = {}, {}

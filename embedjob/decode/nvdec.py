@@ -171,40 +171,17 @@ alone (`benchmarks/nvdec_scaling.py`, whose threads each have a stream) read 72 
 second, the `video.decoder: auto` job's threads on one stream 25 (benchmarks/RESULTS.md
 section 11). Timed once in a job, with `FUSED_RGB` (377 clips, SigLIP-so400m, an H100):
 0.576 of the encoder alone against 0.580 without either, the GPU's decoder 31 clips a
-second both ways, so off; too few clips to settle it (`benchmarks/video_decode.py
---variants auto:embedjob.decode.nvdec.THREAD_STREAMS=True`); `tests/test_gpu.py` runs
-the nvdec and auto jobs both ways."""
+second both ways; in a `video.decoder: nvdec` job on 128 clips 23.4 against 28.5
+(benchmarks/RESULTS.md section 11): off. `tests/test_gpu.py` runs the nvdec and auto jobs
+both ways."""
 
 
 def _work_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's stream on `device` for `THREAD_STREAMS` (made on its first video there)."""
     held = getattr(_sessions, "work_stream", None)
     if held is None or held[0] != device:
-        held = _sessions.work_stream = (device, decode_stream(device))
+        held = _sessions.work_stream = (device, torch.cuda.Stream(device))
     return held[1]
-
-
-PRIORITY_STREAMS = False
-"""Whether the streams the GPU's video decoding queues on (the sessions' own, where the
-decoder maps each picture; the threads' with `THREAD_STREAMS`; the rank's GPU-decode
-stream, where the frames are copied, converted and resized) are made at a higher priority
-than the encoder's, so that their short kernels take the SMs as each block of the encoder's
-finishes rather than after its queued kernels. In a `video.decoder: nvdec` job a clip's
-`Decode` calls took 163 ms and its copies 36 where alone they took 117 and 4 (NVDEC 28.5
-clips a second against 54.8; beside bf16 products alone 43.8; 128 clips, SigLIP-so400m, an
-H100, benchmarks/RESULTS.md section 11): waits for the device, which a priority shortens.
-Off until timed (`benchmarks/nvdec_scaling.py --variants cut cut-priority --loads gpu`,
-`benchmarks/video_decode.py --variants nvdec:embedjob.decode.nvdec.PRIORITY_STREAMS=True`)."""
-
-DECODE_PRIORITY = -1
-"""The priority of those streams with `PRIORITY_STREAMS` (CUDA's lower numbers run first;
-torch's streams, the encoder's among them, default to 0)."""
-
-
-def decode_stream(device: torch.device) -> torch.cuda.Stream:
-    """A new CUDA stream on `device` for video decoding: above the encoder's priority with
-    `PRIORITY_STREAMS`, else at torch's default."""
-    return torch.cuda.Stream(device, priority=DECODE_PRIORITY if PRIORITY_STREAMS else 0)
 
 
 def _threads(sessions: int) -> concurrent.futures.ThreadPoolExecutor:
@@ -570,10 +547,10 @@ thread's feed stream: after the decoder's writes and before its next, by stream 
 instead of on the caller's, which the decode threads share and which also holds the
 clips' conversions and resizes. Those wait for the SMs behind the encoder's products, and
 a decoder reusing a surface whose copy was queued behind them waits too: in `video.decoder:
-auto` NVDEC read 25 clips a second where alone it read 72 (benchmarks/RESULTS.md section
-11, copies on the caller's stream). Off until it is timed on a GPU, in a job and beside
-bf16 products (`benchmarks/nvdec_scaling.py` `--variants cut cut-caller-copies --loads none
-gpu`); `tests/test_gpu.py` reads the feed's frames both ways."""
+auto` NVDEC read 25 clips a second where alone it read 72. Timed in a `video.decoder: nvdec`
+job (128 clips, SigLIP-so400m, an H100): the copies took 6 ms a clip instead of 36, but the
+decoder's calls as much longer, 28.6 clips a second against 28.5 (benchmarks/RESULTS.md
+section 11), so off; `tests/test_gpu.py` reads the feed's frames both ways."""
 
 
 FUSED_RGB = False
@@ -602,7 +579,7 @@ def _fed_session(nvc: Any, kind: tuple[tuple, Any], device: torch.device) -> tup
     thread's own CUDA stream (none off a GPU), and that stream."""
     key, codec_id = kind
     if device.type == "cuda" and getattr(_sessions, "feed_stream", None) is None:
-        _sessions.feed_stream = decode_stream(device)
+        _sessions.feed_stream = torch.cuda.Stream(device)
     own = _sessions.feed_stream if device.type == "cuda" else None
     kept = _kept(nvc, device)
     held = kept.pop(key, None)
@@ -652,7 +629,7 @@ def _new_session(nvc: Any, path: str, device: torch.device, native: bool) -> Any
     """A decoder session on `device` handing RGB frames, or NV12 ones with `native`; on this
     thread's own CUDA stream with `OWN_STREAMS`."""
     if OWN_STREAMS and getattr(_sessions, "stream", None) is None:
-        _sessions.stream = decode_stream(device)
+        _sessions.stream = torch.cuda.Stream(device)
     stream = {"cuda_stream": _sessions.stream.cuda_stream} if OWN_STREAMS else {}
     output = nvc.OutputColorType.NATIVE if native else nvc.OutputColorType.RGB
     return nvc.SimpleDecoder(path, gpu_id=device.index or 0, use_device_memory=True, output_color_type=output, **stream)

@@ -33,6 +33,9 @@
 # (and `VIDEO_DECODERS=nvdec ... video siglip` in the same call for the encoder's side; VIDEO_PROFILE=nvdec names the
 # rank's hot calls; NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut --loads none gpu python" and
 # "--switch-interval 0.0005" time the decoder alone, beside bf16 products and beside Python holding the GIL)
+# video.decoder auto leaves its GPU none of the clips the workers start while the rank sets up (decode_split.SETUP_SHARE);
+# against the even split from the first row it replaced, on 1,152 clips (whole run and past the head start):
+#     VIDEO_DECODERS="decord auto" VIDEO_VARIANTS="auto:embedjob.decode_split.SETUP_SHARE=0.5" ... clips video siglip
 # `clips` tops the clips up to CLIPS (1,152 unless given): pass the CLIPS the maker was started
 # with, or leave `clips` out to run on the clips made so far. NVDEC_SCALING_FLAGS="--variants
 # shared-stream fed cut" compares the rank's packet feed with the pictures cut in the workers.

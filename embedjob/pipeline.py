@@ -534,12 +534,15 @@ class RankPipeline:
     def _start_decoding_while_capturing(self, rows: Iterator[reader.InputRow]) -> tuple[DecodePool, Iterator[Any]]:
         """Start the decode workers (and their first rows) on a thread while this one
         compiles and captures the graphs: the two take seconds each and need nothing of
-        each other (the workers' thread makes no CUDA call, which capture forbids).
+        each other (the workers' thread makes no CUDA call, which capture forbids). With
+        the decoder set to auto the GPU's share starts once they are captured
+        (`DecodeSplit.ready`): until then the workers keep what they start.
 
         A JPEG left for the GPU needs only its header read, which the pool does on this
         process (`rows.jpeg_on_rank`) rather than send it to a worker and back, unless
         the row has a caption to tokenise: that is per-item work, for the workers."""
         local: Callable[[Any], Decoded | None] | None = None
+        assign: Callable[[Any], Any] | None = None
         captions = self.caption_task
         if self.splitting is not None:
             flag = "defer_jpeg" if self.splitting == "jpeg" else "defer_video"
@@ -549,7 +552,7 @@ class RankPipeline:
             )
             if captions is None and self.splitting == "jpeg":
                 local = functools.partial(task_on_rank, options=self.options, preprocess=self.preprocess)
-            rows = ((row, self.split.leave()) for row in rows)
+            rows, assign = self._split_tasks(rows)
         else:
             options = dataclasses.replace(self.options, defer_jpeg=self.defer)
             fn = functools.partial(decode_row, options=options, preprocess=self.preprocess, captions=captions)
@@ -560,7 +563,7 @@ class RankPipeline:
         def start() -> tuple[DecodePool, Iterator[Any]]:
             since = time.perf_counter()
             timeout = self.job.runtime.decode_timeout
-            pool = DecodePool(fn, self.workers, timeout, in_flight, WORKER_MODULES, error=MediaError, local=local)
+            pool = DecodePool(fn, self.workers, timeout, in_flight, WORKER_MODULES, error=MediaError, local=local, assign=assign)
             try:
                 stream = pool.imap(rows, idle=LINGER)
             except BaseException:
@@ -579,8 +582,18 @@ class RankPipeline:
             except BaseException:
                 starting.result()[0].close()
                 raise
+            self.split.ready()
             self._setup("capture", since)
             return starting.result()
+
+    def _split_tasks(self, rows: Iterator[reader.InputRow]) -> tuple[Iterator[Any], Callable[[Any], Any] | None]:
+        """The pool's tasks with the decoder set to auto, and its `assign`: a video's row is
+        given its (row, defer) as a worker starts it (`DecodeSplit.leave` then), so rows
+        the workers start while this rank sets up are theirs; a JPEG's as the pool takes
+        it, as the pool's own path for JPEGs left to the GPU must know."""
+        if self.splitting == "video":
+            return rows, lambda row: (row, self.split.leave())
+        return ((row, self.split.leave()) for row in rows), None
 
     def rows_done(self) -> int:
         """Rows whose outcome is known: those without an item (decode errors) in the

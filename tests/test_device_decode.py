@@ -593,14 +593,62 @@ def test_a_decoded_video_is_handed_on_while_the_threads_decode_the_next(monkeypa
     assert [result[1].data for result in [first, *rest]] == [b"first", b"middle", b"last"]
 
 
-def test_a_video_jobs_auto_split_starts_even_and_a_jpeg_jobs_on_the_workers() -> None:
-    """Before auto has measured a rate (two windows of rows are submitted by then), a
-    video job already leaves every other clip to the GPU's decoder, from the first clip
-    on, which would otherwise sit idle through tens of seconds of clips; a JPEG job
-    starts on its workers."""
+def test_a_video_jobs_auto_split_leaves_the_gpu_nothing_until_the_rank_is_ready_then_starts_even(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the rank sets up its GPU decodes nothing, so the clips the workers start
+    then are theirs (`SETUP_SHARE`); once it is ready, before auto has measured a rate
+    (two windows of rows are taken by then), a video job leaves every other clip to the
+    GPU's decoder, from the next clip on, which would otherwise sit idle through tens of
+    seconds of clips; a JPEG job stays on its workers."""
+    from embedjob import decode_split
+
     video, jpeg, neither = DecodeSplit.first("video"), DecodeSplit.first("jpeg"), DecodeSplit.first(None)
+    assert not any(video.leave() for _ in range(8))
+    for split in (video, jpeg, neither):
+        split.ready()
     assert [video.leave() for _ in range(8)] == [True, False] * 4
     assert not any(jpeg.leave() for _ in range(8)) and not any(neither.leave() for _ in range(8))
+    monkeypatch.setattr(decode_split, "SETUP_SHARE", 0.5)
+    early = DecodeSplit.first("video")
+    assert [early.leave() for _ in range(4)] == [True, False] * 2
+
+
+def test_a_video_jobs_rows_are_split_as_a_worker_starts_them_and_a_jpeg_jobs_as_they_are_taken() -> None:
+    """`video.decoder: auto` hands the pool its rows as they are and decides each as it
+    is sent to a worker (`assign`), by the share of that moment; `preprocess.decoder:
+    auto` decides as the pool takes a row, as its own path for left JPEGs needs."""
+    job = job_from_dict(spec(decoder="auto"))
+    rank = RankPipeline(job, torch.device("cpu"), 0, 4, lambda: None, lambda *a: None, lambda: None, lambda t: True)
+    rows = rows_of(["gray", "gray"])
+    rank.decoder, rank.video, rank.split = "cpu", "auto", DecodeSplit.first("video")
+    tasks, assign = rank._split_tasks(iter(rows))
+    taken = list(tasks)
+    assert taken == rows and assign is not None
+    assert assign(taken[0]) == (rows[0], False)
+    rank.split.ready()
+    assert assign(taken[1]) == (rows[1], True)
+    rank.decoder, rank.video, rank.split = "auto", "decord", DecodeSplit(share=1.0, credit=0.0)
+    tasks, assign = rank._split_tasks(iter(rows))
+    assert assign is None and list(tasks) == [(row, True) for row in rows]
+
+
+def test_the_gpus_share_of_the_videos_starts_once_the_graphs_are_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers start on the first rows while the rank captures its graphs; rows they
+    start meanwhile are theirs, and the GPU's share (`FIRST_SHARE`) starts only once
+    capture is done, as the rank's GPU decodes from then on."""
+    job = job_from_dict(spec(decoder="auto"))
+    rank = RankPipeline(job, torch.device("cpu"), 0, 0, lambda: None, lambda *a: None, lambda: None, lambda t: True)
+    rank.decoder, rank.video, rank.split = "cpu", "auto", DecodeSplit.first("video")
+    rank.options, rank.preprocess = VIDEO_OPTIONS, None
+    during: list[float] = []
+
+    class Capturing:
+        def capture(self) -> None:
+            during.append(rank.split.share)
+
+    rank.encoder = Capturing()
+    pool, _ = rank._start_decoding_while_capturing(iter(rows_of(["gray"])))
+    pool.close()
+    assert during == [0.0] and rank.split.share == 0.5
 
 
 def test_a_codec_decord_lacks_is_planned_on_the_rank_by_the_cpu_paths_rules(preprocess, monkeypatch: pytest.MonkeyPatch) -> None:

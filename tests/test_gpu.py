@@ -1074,17 +1074,18 @@ def test_nvdec_sessions_on_streams_of_their_own_read_the_frames_of_the_shared_st
 def test_an_nvdec_job_gives_the_decord_jobs_rows(
     tmp_path: Path, cache_dir: str, setting: str, thread_streams: bool, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`video.decoder` nvdec, or auto, which leaves every other clip to the GPU from the
-    first row on (`decode_split.FIRST_SHARE`: the 9 rows are all submitted before auto
-    measures; the first, a 568 x 320 H.264 clip, is one the GPU reads) and here holds
-    that share (windows then mix clips the workers decoded with clips the GPU decoded):
+    """`video.decoder` nvdec, or auto, here made to leave every other clip to the GPU from
+    the first row on, through setup too (`decode_split.SETUP_SHARE`, none in a job: the
+    two workers would decode the 9 clips before the tiny tower's graphs are captured; the
+    first, a 568 x 320 H.264 clip, is one the GPU reads), and to hold that share (windows
+    then mix clips the workers decoded with clips the GPU decoded):
     each row is the decord job's, in order, up to the decoders' rounding. The 8-bit H.264
     and HEVC clips the GPU reads go through the packet feed (`nvdec._feed`), not a decoder
     session: the plan a worker sends carries what the feed needs. The decode threads queue
     their work on the caller's stream or on their own (`nvdec.THREAD_STREAMS`), and so
     with the NV12 turned to RGB by the fused kernel (`nvdec.FUSED_RGB`). The rank reports
     the decoder threads' seconds by part (`device_decode_parts`), a decord job none."""
-    from embedjob import pipeline
+    from embedjob import decode_split, pipeline
     from embedjob.config import load_job
     from embedjob.decode import nvdec
     from embedjob.runner import run_job
@@ -1102,6 +1103,7 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
     monkeypatch.setattr(nvdec, "FUSED_RGB", fused)
     monkeypatch.setattr(pipeline, "AUTO_ROWS", 1)
     monkeypatch.setattr(pipeline, "gpu_share", lambda *rates: 0.5)
+    monkeypatch.setattr(decode_split, "SETUP_SHARE", 0.5)
     outputs, stats = {}, {}
     for decoder in ("decord", setting):
         overrides = [f"output.path={tmp_path / decoder}", "runtime.device=cuda", f"runtime.cache_dir={cache_dir}",

@@ -536,6 +536,22 @@ def test_tasks_the_local_path_takes_stay_in_this_process_and_in_order() -> None:
     assert [expected_outcome(r) for r in results] == [(here, 0), 9, 0.2, (here, 1), "internal_error", (here, 2), 16]
 
 
+def test_a_task_is_assigned_as_it_is_sent_to_a_worker_not_as_it_is_taken() -> None:
+    """`assign` runs when a worker is sent the task: all eight are taken at once (the
+    in-flight bound allows them), but one worker starts them one after another, so a
+    choice changed after the first result reaches every task sent from then on (the
+    second may already be on its way), in the workers and inline alike."""
+    for workers in (1, 0):
+        late = threading.Event()
+        with DecodePool(pool_task, workers=workers, timeout=5.0, max_in_flight=8,
+                        assign=lambda task: ("sleep", 0.2) if not late.is_set() else ("square", task), **POOL) as pool:
+            results = []
+            for result in pool.imap(range(2, 10)):
+                results.append(result)
+                late.set()
+        assert results[0] == 0.2 and results[2:] == [k * k for k in range(4, 10)], (workers, results)
+
+
 def test_a_pool_whose_every_task_is_local_never_waits_for_its_poll() -> None:
     """With nothing in a worker, no worker's result wakes the pool's thread; the
     consumer taking a result must, or each task past the in-flight bound would wait

@@ -355,6 +355,12 @@ class DecodePool(Generic[T, R]):
       needs only its header read: 0.01 ms here against 0.13 ms of the parent's time
       through a worker); it must be quick, never crash the process, and give what fn
       would. One that raises sends its task to a worker.
+    - `assign(task)`, where given, is what a worker is sent for a task: made on the
+      pool's service thread as the task is sent (inline: as it runs), for a choice best
+      made as late as possible. Which decoder takes a video is one: by the rank's share
+      when a worker starts the row, not when it was taken, up to `max_in_flight` rows
+      earlier (a rank still setting up leaves its GPU none). A task whose send fails is
+      assigned again when it is sent again.
     - workers=0 runs fn inline in the caller: same results, but no timeout and no
       crash isolation (a hang hangs the caller, a crash kills it: native decoders
       segfault on some corrupt files, so use workers for untrusted input).
@@ -372,6 +378,7 @@ class DecodePool(Generic[T, R]):
         *,
         error: type[Exception],
         local: Callable[[T], R | None] | None = None,
+        assign: Callable[[T], Any] | None = None,
     ):
         """`error` is the per-task error class: built as `error(code, message)` for a
         timeout, a crash, a bug in fn or a result that cannot cross to the parent, and
@@ -385,6 +392,7 @@ class DecodePool(Generic[T, R]):
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self._fn = fn
         self._local = local
+        self._assign = assign
         self._error = error
         self._timeout = timeout
         self._max_in_flight = max_in_flight or max(1, 2 * workers)
@@ -491,7 +499,7 @@ class DecodePool(Generic[T, R]):
                 elif isinstance(task, _Failed):
                     raise task.error
                 else:
-                    yield _run_task(self._fn, task, self._error)
+                    yield _run_task(self._fn, self._assigned(task), self._error)
         finally:
             self._end_imap()
 
@@ -555,6 +563,10 @@ class DecodePool(Generic[T, R]):
             logger.exception("the pool's local path failed; a worker takes the task")
             return None
 
+    def _assigned(self, task: T) -> Any:
+        """What a worker is given for `task`: `assign(task)`, or the task where there is none."""
+        return task if self._assign is None else self._assign(task)
+
     def _dispatch(self, waiting: collections.deque[tuple[int, T]]) -> None:
         for worker in self._workers:
             if not waiting:
@@ -563,7 +575,7 @@ class DecodePool(Generic[T, R]):
                 continue
             seq, task = waiting.popleft()
             try:
-                worker.conn.send((seq, task))
+                worker.conn.send((seq, self._assigned(task)))
             except OSError:
                 # The worker died while idle; the task goes back first in line.
                 waiting.appendleft((seq, task))

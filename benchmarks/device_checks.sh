@@ -28,11 +28,14 @@
 #     NVDEC_SESSIONS="4 7" bash benchmarks/device_checks.sh clips video siglip
 # What takes the GPU's decoder from 55 clips a second alone to 28 in an nvdec job (RESULTS.md section 11: not the
 # GIL's hand-over, not the copies' stream): the job with the tower's tiny version, so nothing but the decoders on the
-# device (VIDEO_FLAGS=--tiny-tower), against the published size's; with clips-bg's 128 clips (CLIPS=128), one call:
+# device (VIDEO_FLAGS=--tiny-tower), against the published size's with SMs left to the decoder's kernels; with
+# clips-bg's 128 clips (CLIPS=128), one call:
 #     VIDEO_DECODERS=nvdec VIDEO_FLAGS=--tiny-tower bash benchmarks/device_checks.sh video siglip
-# (and `VIDEO_DECODERS=nvdec ... video siglip` in the same call for the encoder's side; VIDEO_PROFILE=nvdec names the
-# rank's hot calls; NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut --loads none gpu python" and
-# "--switch-interval 0.0005" time the decoder alone, beside bf16 products and beside Python holding the GIL)
+#     VIDEO_DECODERS=nvdec VIDEO_VARIANTS="nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=8
+#       nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=16" bash benchmarks/device_checks.sh video siglip
+# (VIDEO_PROFILE=nvdec names the rank's hot calls; NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut
+# --loads none gpu python" and "--switch-interval 0.0005" time the decoder alone, beside bf16 products and beside
+# Python holding the GIL)
 # video.decoder auto leaves its GPU none of the clips the workers start while the rank sets up (decode_split.SETUP_SHARE);
 # against the even split from the first row it replaced, on 1,152 clips (whole run and past the head start):
 #     VIDEO_DECODERS="decord auto" VIDEO_VARIANTS="auto:embedjob.decode_split.SETUP_SHARE=0.5" ... clips video siglip

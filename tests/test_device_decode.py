@@ -1440,3 +1440,18 @@ def test_the_gpu_decodes_switch_interval_holds_inside_and_python_s_comes_back_af
     assert sys.getswitchinterval() == before
     with pipeline._switch_interval(None):
         assert sys.getswitchinterval() == before
+
+
+def test_the_sm_carveout_holds_through_the_run_and_the_process_gets_every_sm_back_after() -> None:
+    """`pipeline.GPU_DECODE_SM_CARVEOUT` (a variant the video benchmark times) leaves SMs to
+    the GPU's decoder only through the run that asked: after it, even one that raised, the
+    next job in the process gets cuBLAS and cuDNN on every SM; None leaves it alone."""
+    from embedjob import pipeline
+
+    before = torch._C._get_sm_carveout_experimental()
+    with pytest.raises(RuntimeError), pipeline._sm_carveout(8):
+        assert torch._C._get_sm_carveout_experimental() == 8
+        raise RuntimeError("a run that failed")
+    assert torch._C._get_sm_carveout_experimental() == before
+    with pipeline._sm_carveout(None):
+        assert torch._C._get_sm_carveout_experimental() == before

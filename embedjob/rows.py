@@ -135,8 +135,9 @@ def decode_task(
 ) -> Decoded:
     """`decode_row` of a (row, defer) task: with `preprocess.decoder: auto` or
     `video.decoder: auto` the rank decides as it goes whether the media of the rows it
-    submits are left for its GPU; those decode with `left`, `options` with `defer_jpeg`
-    or `defer_video` set (made once by the rank, not per row)."""
+    submits are left for its GPU (a video's as a worker is sent it, a JPEG's as the pool
+    takes it); those decode with `left`, `options` with `defer_jpeg` or `defer_video` set
+    (made once by the rank, not per row)."""
     row, defer = task
     return decode_row(row, left if defer else options, preprocess, captions)
 

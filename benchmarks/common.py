@@ -326,16 +326,19 @@ GEMMS_PER_GRAPH = 50
 
 class GemmLoad:
     """A stream replaying a graph of GEMMs back to back until stopped, as the encoder's
-    graphs keep the SMs busy."""
+    graphs keep the SMs busy; with `carveout`, its cuBLAS kernels captured leaving that
+    many SMs free, as a job's with `pipeline.GPU_DECODE_SM_CARVEOUT`."""
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: Any, carveout: int | None = None) -> None:
         import torch
+
+        from embedjob.pipeline import sm_carveout
 
         m, k, n = LOAD_SHAPE
         self.stream = torch.cuda.Stream(device)
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), sm_carveout(carveout):
             for _ in range(3):
                 a @ b
             self.graph = torch.cuda.CUDAGraph()

@@ -33,9 +33,10 @@
 #     VIDEO_DECODERS=nvdec VIDEO_FLAGS=--tiny-tower bash benchmarks/device_checks.sh video siglip
 #     VIDEO_DECODERS=nvdec VIDEO_VARIANTS="nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=8
 #       nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=16" bash benchmarks/device_checks.sh video siglip
-# (VIDEO_PROFILE=nvdec names the rank's hot calls; NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut
-# --loads none gpu python" and "--switch-interval 0.0005" time the decoder alone, beside bf16 products and beside
-# Python holding the GIL)
+#     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut --loads none gpu --load-carveout 0 8 16"
+#       bash benchmarks/device_checks.sh nvdec-scaling
+# (the decoder alone and beside bf16 products leaving 0, 8 and 16 SMs free; VIDEO_PROFILE=nvdec names the rank's hot
+# calls; "--loads python" and "--switch-interval 0.0005" time it beside Python holding the GIL)
 # video.decoder auto leaves its GPU none of the clips the workers start while the rank sets up (decode_split.SETUP_SHARE);
 # against the even split from the first row it replaced, on 1,152 clips (whole run and past the head start):
 #     VIDEO_DECODERS="decord auto" VIDEO_VARIANTS="auto:embedjob.decode_split.SETUP_SHARE=0.5" ... clips video siglip

@@ -30,7 +30,9 @@ job's workers run at `workers.pool.WORKER_NICE`, so the rank's threads win a cor
 a CUDA graph of bf16 products back to back on a stream of its own (`common.GemmLoad`), as
 the encoder's graphs keep the device busy; `both`; `python`, a thread of this process running
 Python `--python-busy` of the time (`PythonLoad`), as the rank's main thread holds the GIL
-between its waits, under `--switch-interval` (Python's thread switch interval). In `video.decoder: auto` the GPU's decoder read about half what it reads alone
+between its waits, under `--switch-interval` (Python's thread switch interval); the `gpu`
+load's products leave `--load-carveout` SMs free, one run each (the job's
+`pipeline.GPU_DECODE_SM_CARVEOUT`). In `video.decoder: auto` the GPU's decoder read about half what it reads alone
 (RESULTS.md section 11): these rows say which neighbour takes it.
 
 Per row: clips per second, seconds of video per second, the sessions' parallelism (the
@@ -306,12 +308,14 @@ LOAD_SETTLE_SECONDS = 3.0
 
 
 @contextlib.contextmanager
-def loaded(load: str, paths: list[Path], workers: int, nice: int, device: torch.device, busy: float) -> Iterator[CpuLoad | None]:
+def loaded(load: str, paths: list[Path], workers: int, nice: int, device: torch.device, busy: float,
+           carveout: int | None = None) -> Iterator[CpuLoad | None]:
     """The `load` (`LOADS`) running while the block runs (its decord processes at `nice`, its
-    Python thread `busy`); the CPU load, whose rate is read after."""
+    Python thread `busy`, its products leaving `carveout` SMs free); the CPU load, whose rate
+    is read after."""
     with contextlib.ExitStack() as stack:
         if load in ("gpu", "both"):
-            stack.enter_context(GemmLoad(device))
+            stack.enter_context(GemmLoad(device, carveout))
         if load == "python":
             stack.enter_context(PythonLoad(busy))
         yield stack.enter_context(CpuLoad(paths, workers, nice)) if load in ("cpu", "both") else None
@@ -436,17 +440,19 @@ def main() -> int:
             setattr(nvdec, setting, VARIANTS[variant][setting])
         clips = plans[VARIANTS[variant].get("PACKETS_IN_WORKERS", False)]
         # The python load holds this process's GIL, which only the threads share.
-        runs_wanted = [(m, n, load, nice) for load in args.loads for nice in (args.load_nice if load in ("cpu", "both") else [0])
+        runs_wanted = [(m, n, load, nice, sms) for load in args.loads for nice in (args.load_nice if load in ("cpu", "both") else [0])
+                       for sms in (args.load_carveout if load in ("gpu", "both") else [0])
                        for m in args.modes for n in args.sessions if not (load == "python" and m == "processes")]
-        for mode, sessions, load, nice in runs_wanted:
+        for mode, sessions, load, nice, sms in runs_wanted:
             try:
-                with loaded(load, paths, args.load_workers, nice, device, args.python_busy) as cpu, DecoderBusy() as busy:
+                with loaded(load, paths, args.load_workers, nice, device, args.python_busy, sms or None) as cpu, DecoderBusy() as busy:
                     run = threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device, VARIANTS[variant])
                 run.decoders = busy.describe()
                 run.load_rate = cpu.rate if cpu is not None else None
             except Exception as exc:  # a variant the decoder refuses is a row, and the others still run
                 run = Run(mode, sessions, error=repr(exc))
             said = LOAD_NAMES[load].format(workers=args.load_workers, nice=nice, busy=args.python_busy) if load != "none" else ""
+            said += f" leaving {sms} SMs free" if sms and load in ("gpu", "both") else ""
             run.mode = f"{mode}, {variant}" + (f", {said}" if said else "")
             runs.append(run)
             log(SCRIPT, f"{run.mode} x {sessions}: {run.error or f'{run.clips / run.wall:.2f} clips/s'}")
@@ -469,6 +475,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load-workers", type=int, default=16, help="decord processes of the cpu load (a job's runtime.workers)")
     parser.add_argument("--load-nice", type=int, nargs="+", default=[WORKER_NICE],
                         help="niceness the cpu load's processes add to their own, one run each (a job's workers: WORKER_NICE)")
+    parser.add_argument("--load-carveout", type=int, nargs="+", default=[0],
+                        help="SMs the gpu load's products leave free (torch's SM carveout), one run each "
+                             "(0: none; a job's pipeline.GPU_DECODE_SM_CARVEOUT)")
     parser.add_argument("--python-busy", type=float, default=0.5,
                         help="share of the time the python load's thread runs Python (the rest it sleeps)")
     parser.add_argument("--switch-interval", type=float, default=None,

@@ -523,7 +523,7 @@ class RankPipeline:
         taken: collections.deque[reader.Chunk] = collections.deque()
         submitted: collections.deque[reader.InputRow] = collections.deque()
         carveout = GPU_DECODE_SM_CARVEOUT if self.device.type == "cuda" and self.video != "decord" else None
-        with _sm_carveout(carveout):
+        with sm_carveout(carveout):
             with collector_paused():
                 pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
             since = time.perf_counter()
@@ -927,7 +927,7 @@ def _switch_interval(seconds: float | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sm_carveout(sms: int | None) -> Iterator[None]:
+def sm_carveout(sms: int | None) -> Iterator[None]:
     """torch's SM carveout for cuBLAS and cuDNN at `sms` inside (unchanged where None),
     as it was after: it is the process's, and a later job in it must get every SM."""
     if sms is None:

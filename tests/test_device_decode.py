@@ -1449,9 +1449,9 @@ def test_the_sm_carveout_holds_through_the_run_and_the_process_gets_every_sm_bac
     from embedjob import pipeline
 
     before = torch._C._get_sm_carveout_experimental()
-    with pytest.raises(RuntimeError), pipeline._sm_carveout(8):
+    with pytest.raises(RuntimeError), pipeline.sm_carveout(8):
         assert torch._C._get_sm_carveout_experimental() == 8
         raise RuntimeError("a run that failed")
     assert torch._C._get_sm_carveout_experimental() == before
-    with pipeline._sm_carveout(None):
+    with pipeline.sm_carveout(None):
         assert torch._C._get_sm_carveout_experimental() == before

@@ -1108,8 +1108,8 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
     monkeypatch.setattr(decode_split, "SETUP_SHARE", 0.5)
     monkeypatch.setattr(pipeline, "GPU_DECODE_SM_CARVEOUT", carveout)
     carveouts: list[int | None] = []
-    carved = pipeline._sm_carveout
-    monkeypatch.setattr(pipeline, "_sm_carveout", lambda sms: carveouts.append(sms) or carved(sms))
+    carved = pipeline.sm_carveout
+    monkeypatch.setattr(pipeline, "sm_carveout", lambda sms: carveouts.append(sms) or carved(sms))
     outputs, stats = {}, {}
     for decoder in ("decord", setting):
         overrides = [f"output.path={tmp_path / decoder}", "runtime.device=cuda", f"runtime.cache_dir={cache_dir}",

@@ -117,12 +117,12 @@ benchmarks/RESULTS.md section 11): in the job something else holds the decoder, 
 GPU_DECODE_SM_CARVEOUT: int | None = None
 """SMs the encoder's cuBLAS products and cuDNN kernels leave free while this rank's GPU
 decodes videos (torch's experimental SM carveout, set before its graphs are captured, which
-keep the kernels chosen then), or None for all of them. The decoder's own kernels (mapping a
-picture, the copies out) wait for SMs behind the encoder's: a clip's `Decode` calls took
-163 ms in a `video.decoder: nvdec` job against 117 alone, and decode streams at a higher
-priority lost (a kernel holding every SM until it ends is not preempted; benchmarks/RESULTS.md
-section 11). None until timed (`benchmarks/video_decode.py --variants
-nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=8`)."""
+keep the kernels chosen then), or None for all of them. The guess it tests: the decoder's
+own kernels (mapping a picture, the copies out) wait for SMs behind the encoder's, as a
+clip's `Decode` calls took 163 ms in a `video.decoder: nvdec` job against 117 alone, and
+decode streams at a higher priority lost (a kernel that holds every SM until it ends is not
+preempted by one; benchmarks/RESULTS.md section 11). None until timed
+(`benchmarks/video_decode.py --variants nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=8`)."""
 
 AUTO_ROWS = 64
 """Items a rank encodes before `preprocess.decoder: auto` first compares decode and device rates."""

@@ -324,6 +324,18 @@ LOAD_SHAPE = (16384, 1280, 5120)
 GEMMS_PER_GRAPH = 50
 
 
+def feed_per_clip(parts: dict[str, float], clips: int) -> list[str] | None:
+    """Each of the GPU decoder's parts over a run (`nvdec.CLOCK.since`, or a job's
+    `device_decode_parts`: whole clips, `Decode` calls, surface copies, NV12 conversion, summed
+    over the threads) in milliseconds a clip, in `DecoderClock.PARTS`' order; None where the
+    packet feed counted nothing (no clip fed: decord standing in for NVDEC, or none decoded)."""
+    from embedjob.decode.nvdec import DecoderClock
+
+    if not parts.get("Decode") or not clips:
+        return None
+    return [f"{1000 * parts.get(part, 0.0) / clips:.1f}" for part in DecoderClock.PARTS]
+
+
 class GemmLoad:
     """A stream replaying a graph of GEMMs back to back until stopped, as the encoder's
     graphs keep the SMs busy; with `carveout`, its cuBLAS kernels captured leaving that

@@ -75,7 +75,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import DecoderBusy, GemmLoad, fmt, log, skipped, table  # noqa: E402
+from benchmarks.common import DecoderBusy, GemmLoad, feed_per_clip, fmt, log, skipped, table  # noqa: E402
 from embedjob.decode import nvdec  # noqa: E402
 from embedjob.decode.types import DecodeOptions, DeferredVideo  # noqa: E402
 from embedjob.workers.pool import WORKER_NICE  # noqa: E402
@@ -180,15 +180,6 @@ def read_nvdec(video: DeferredVideo, device: torch.device) -> tuple[float, float
 
 
 FEED_PARTS = nvdec.DecoderClock.PARTS
-
-
-def feed_per_clip(parts: dict[str, float], clips: int) -> list[str] | None:
-    """Each of the GPU decoder's parts over a run (`nvdec.CLOCK.since`: whole clips, `Decode`
-    calls, surface copies, NV12 conversion, summed over the threads) in milliseconds a clip;
-    None where nothing was counted (`--smoke`'s decord stand-in never reaches the feed)."""
-    if not parts.get("Decode") or not clips:
-        return None
-    return [f"{1000 * parts[part] / clips:.1f}" for part in FEED_PARTS]
 
 
 class Beside:
@@ -452,7 +443,7 @@ def main() -> int:
             except Exception as exc:  # a variant the decoder refuses is a row, and the others still run
                 run = Run(mode, sessions, error=repr(exc))
             said = LOAD_NAMES[load].format(workers=args.load_workers, nice=nice, busy=args.python_busy) if load != "none" else ""
-            said += f" leaving {sms} SMs free" if sms and load in ("gpu", "both") else ""
+            said += f" leaving {sms} SMs free" if sms else ""
             run.mode = f"{mode}, {variant}" + (f", {said}" if said else "")
             runs.append(run)
             log(SCRIPT, f"{run.mode} x {sessions}: {run.error or f'{run.clips / run.wall:.2f} clips/s'}")

@@ -68,7 +68,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
-    NO_MULTICAST, DecoderBusy, collect_photos, cosine, fmt, past_head_start, profile_summary, rank0, run_cli, skipped,
+    NO_MULTICAST, DecoderBusy, collect_photos, cosine, feed_per_clip, fmt, past_head_start, profile_summary, rank0, run_cli, skipped,
     table_row,
 )
 from benchmarks.common import log as _log  # noqa: E402
@@ -480,13 +480,11 @@ def _past_head_start(stats: dict[str, Any], encoder: EncoderOnly) -> str:
 
 
 def _decoder_parts(rank: dict[str, Any]) -> str:
-    """The GPU decoder threads' milliseconds per clip they decoded, summed over the threads,
-    by part (`nvdec.DecoderClock`): set beside `nvdec_scaling.py`'s alone, a part that grew in
-    the job names what the job takes from the decoder; "-" where the GPU decoded nothing."""
-    parts, clips = rank.get("device_decode_parts") or {}, rank.get("device_decoded") or 0
-    if not clips or not parts.get("clip"):
-        return "-"
-    return ", ".join(f"{1000 * parts.get(part, 0.0) / clips:.1f}" for part in DecoderClock.PARTS)
+    """The GPU decoder threads' milliseconds per clip they decoded by part (`common.feed_per_clip`):
+    set beside `nvdec_scaling.py`'s alone, a part that grew in the job names what the job takes
+    from the decoder; "-" where the GPU fed it nothing."""
+    ms = feed_per_clip(rank.get("device_decode_parts") or {}, rank.get("device_decoded") or 0)
+    return ", ".join(ms) if ms else "-"
 
 
 def _waits(rank: dict[str, Any]) -> str:

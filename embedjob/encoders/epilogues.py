@@ -56,17 +56,20 @@ TRITON_ACTIVATIONS = ("quick_gelu",)
 the Triton GEMM: CLIP's (and Qwen2-VL's) quick GELU, which cuBLASLt has no epilogue for. The
 kernel computes the exact GELU too, but no tower of it was timed, so those stay a kernel of
 their own; the tanh GELU stays cuBLASLt's."""
-TRITON_CAPABILITIES = (9, 10)
-"""CUDA compute capability majors where the Triton GEMM pays: Hopper and datacenter Blackwell,
-where it reads its tiles through TMA (`gemm_kernel`); elsewhere cuBLAS's product stays."""
 EPILOGUE_NAMES = {"gelu_tanh": "tanh GELU", "quick_gelu": "quick GELU (Triton GEMM)"}
 """How the log names each fused activation."""
 
 
 def triton_gemm_pays(device: torch.device) -> bool:
     """Whether an adapter on `device` fuses `TRITON_ACTIVATIONS` through the Triton GEMM:
-    `TRITON_EPILOGUES` is on and `device` is a GPU of `TRITON_CAPABILITIES`."""
-    return TRITON_EPILOGUES and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in TRITON_CAPABILITIES
+    `TRITON_EPILOGUES` is on and `device` is a GPU where the GEMM reads its tiles through TMA
+    (`gemm_kernel.TMA_CAPABILITIES`: Hopper and datacenter Blackwell, where it was timed);
+    elsewhere cuBLAS's product stays."""
+    if not TRITON_EPILOGUES or device.type != "cuda":
+        return False
+    from embedjob.encoders.gemm_kernel import TMA_CAPABILITIES  # imports Triton: only where CUDA is
+
+    return torch.cuda.get_device_capability(device)[0] in TMA_CAPABILITIES
 
 
 class EpilogueLinear(torch.nn.Module):

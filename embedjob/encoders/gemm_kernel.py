@@ -57,6 +57,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Under Triton's interpreter (3.8) a bf16 `tl.dot` multiplies its operands' uint16 bits, so
 there the kernel takes them to float32 first (`DOT_FP32`); compiled kernels never do."""
 DTYPES = (torch.bfloat16, torch.float16)
+TMA_CAPABILITIES = (9, 10)
+"""CUDA compute capability majors whose GPUs read tiles through TMA with `CONFIG`'s shared
+memory: Hopper and datacenter Blackwell."""
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,7 @@ def _takes_descriptors(*matrices: torch.Tensor) -> bool:
     """Whether TMA reads these row-major matrices here: descriptors import, the GPU is
     Hopper or datacenter Blackwell (`CONFIG`'s shared memory), and each matrix starts and
     each of its rows starts on 16 bytes, as a descriptor must."""
-    return (TensorDescriptor is not None and torch.cuda.get_device_capability(matrices[0].device)[0] in (9, 10)
+    return (TensorDescriptor is not None and torch.cuda.get_device_capability(matrices[0].device)[0] in TMA_CAPABILITIES
             and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in matrices))
 
 

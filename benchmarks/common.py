@@ -7,6 +7,7 @@ imports from here.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,21 +100,26 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 class DecoderBusy:
     """How busy the GPU's video decoders (all its NVDEC engines together) were while the
     `with` block ran, from NVML's decoder utilisation as `nvidia-smi` samples it every
-    `period_ms`. Where nvidia-smi is missing (a machine without a GPU) it samples nothing
-    and `summary` is None.
+    `period_ms`, with the video and SM clocks and the board's power in the same samples:
+    where NVDEC reads fewer clips beside the encoder with SMs left free, a video clock held
+    down at the board's power limit is what would take them. Where nvidia-smi is missing
+    (a machine without a GPU) it samples nothing and `summary` is None.
 
-    NVML averages each sample over its own window of up to a second, so the figures are
-    for runs of several seconds: `summary` gives the mean over the samples from the
-    first to the last non-zero one (a job's setup, before its first clip, is left out)
-    and the share of those at 90 % or more (the engines full)."""
+    NVML averages each utilisation sample over its own window of up to a second, so the
+    figures are for runs of several seconds: `summary` gives the mean over the samples from
+    the first to the last with the decoders busy (a job's setup, before its first clip, is
+    left out), the share of those at 90 % or more (the engines full), and the medians of
+    the clocks and power over them."""
+
+    QUERY = ("utilization.decoder", "clocks.video", "clocks.sm", "power.draw")
 
     def __init__(self, period_ms: int = 200) -> None:
         self.period_ms = period_ms
-        self.samples: list[float] = []
+        self.samples: list[tuple[float, ...]] = []
         self._process: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> DecoderBusy:
-        command = ["nvidia-smi", "--query-gpu=utilization.decoder", "--format=csv,noheader,nounits", "-i", "0",
+        command = ["nvidia-smi", f"--query-gpu={','.join(self.QUERY)}", "--format=csv,noheader,nounits", "-i", "0",
                    f"--loop-ms={self.period_ms}"]
         try:
             self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -126,21 +132,40 @@ class DecoderBusy:
             return
         self._process.terminate()
         out, _ = self._process.communicate(timeout=10)
-        self.samples = [float(line) for line in out.split() if line.strip().replace(".", "", 1).isdigit()]
+        self.samples = parse_samples(out, len(self.QUERY))
 
-    def summary(self) -> tuple[float, float] | None:
-        """(mean busy %, share of samples at 90 % or more) over the samples from the first to the
-        last non-zero, or None where none was non-zero."""
-        busy = [k for k, value in enumerate(self.samples) if value > 0]
+    def summary(self) -> tuple[float, float, tuple[float, float, float]] | None:
+        """(mean busy %, share of samples at 90 % or more, median (video MHz, SM MHz, W)) over
+        the samples from the first to the last with the decoders busy, or None where none was."""
+        busy = [k for k, sample in enumerate(self.samples) if sample[0] > 0]
         if not busy:
             return None
         span = self.samples[busy[0] : busy[-1] + 1]
-        return sum(span) / len(span), sum(value >= 90 for value in span) / len(span)
+        medians = tuple(float(np.median([sample[k] for sample in span])) for k in (1, 2, 3))
+        return sum(s[0] for s in span) / len(span), sum(s[0] >= 90 for s in span) / len(span), medians
 
     def describe(self) -> str:
-        """`summary` for a table cell: "73 % (full 41 %)", or "-"."""
+        """`summary` for a table cell: "73 % (full 41 %); 1,635 / 1,980 MHz, 512 W", or "-"."""
         summary = self.summary()
-        return "-" if summary is None else f"{summary[0]:.0f} % (full {100 * summary[1]:.0f} %)"
+        if summary is None:
+            return "-"
+        mean, full, (video, sm, watts) = summary
+        return f"{mean:.0f} % (full {100 * full:.0f} %); {video:,.0f} / {sm:,.0f} MHz, {watts:.0f} W"
+
+
+def parse_samples(out: str, fields: int) -> list[tuple[float, ...]]:
+    """nvidia-smi's CSV lines of `fields` numbers each; a line with a field it could not
+    read ("[N/A]") or cut short by its end is left out."""
+    samples = []
+    for line in out.splitlines():
+        values = [value.strip() for value in line.split(",")]
+        try:
+            numbers = tuple(float(value) for value in values)
+        except ValueError:
+            continue
+        if len(numbers) == fields:
+            samples.append(numbers)
+    return samples
 
 
 # --- jobs through the command line ----------------------------------------------------------
@@ -336,15 +361,30 @@ def feed_per_clip(parts: dict[str, float], clips: int) -> list[str] | None:
     return [f"{1000 * parts.get(part, 0.0) / clips:.1f}" for part in DecoderClock.PARTS]
 
 
+@contextlib.contextmanager
+def sm_carveout(sms: int | None) -> Iterator[None]:
+    """torch's SM carveout for cuBLAS and cuDNN at `sms` inside (unchanged where None), as
+    it was after: it is the process's, and the runs after this one must get every SM."""
+    import torch
+
+    if sms is None:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
 class GemmLoad:
     """A stream replaying a graph of GEMMs back to back until stopped, as the encoder's
     graphs keep the SMs busy; with `carveout`, its cuBLAS kernels captured leaving that
-    many SMs free, as a job's with `pipeline.GPU_DECODE_SM_CARVEOUT`."""
+    many SMs free (`sm_carveout`)."""
 
     def __init__(self, device: Any, carveout: int | None = None) -> None:
         import torch
-
-        from embedjob.pipeline import sm_carveout
 
         m, k, n = LOAD_SHAPE
         self.stream = torch.cuda.Stream(device)

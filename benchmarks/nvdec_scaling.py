@@ -31,20 +31,21 @@ a CUDA graph of bf16 products back to back on a stream of its own (`common.GemmL
 the encoder's graphs keep the device busy; `both`; `python`, a thread of this process running
 Python `--python-busy` of the time (`PythonLoad`), as the rank's main thread holds the GIL
 between its waits, under `--switch-interval` (Python's thread switch interval); the `gpu`
-load's products leave `--load-carveout` SMs free, one run each (the job's
-`pipeline.GPU_DECODE_SM_CARVEOUT`). In `video.decoder: auto` the GPU's decoder read about half what it reads alone
+load's products leave `--load-carveout` SMs free, one run each (`common.sm_carveout`: 16 left
+NVDEC's rate beside them unchanged, RESULTS.md section 11). In `video.decoder: auto` the GPU's decoder read about half what it reads alone
 (RESULTS.md section 11): these rows say which neighbour takes it.
 
 Per row: clips per second, seconds of video per second, the sessions' parallelism (the
 seconds the clips took, summed over sessions, over the wall time: N when N sessions never
 wait for each other, 1 when they take turns) and, for threads, the share of the time a
 Python probe thread woke when it asked to (the GIL free: near 1 when the decoder's calls release
-it, near 0 when they hold it while the GPU decodes), and how busy NVML saw the NVDEC engines
-(`common.DecoderBusy`: near 100 % where they bound the rate), and, for threads on the packet
-feed, the milliseconds a clip's threads spent in the whole clip, the decoder's `Decode` calls,
-the surface copies and the NV12 conversion (`nvdec.CLOCK`, which a job reports too: a clip's
-time beyond the three is Python and the wait for the GIL). A first pass over as many clips as
-sessions, not timed, opens the sessions (each process opens its own on its first clip).
+it, near 0 when they hold it while the GPU decodes), how busy NVML saw the NVDEC engines
+(`common.DecoderBusy`: near 100 % where they bound the rate) with the video and SM clocks
+and the board's power meanwhile, and, for threads on the packet feed, the milliseconds a
+clip's threads spent in the whole clip, the decoder's `Decode` calls, the surfaces taken
+from it, their copies and the NV12 conversion (`nvdec.CLOCK`, which a job reports too: a
+clip's time beyond its parts is Python and the wait for the GIL). A first pass over as many
+clips as sessions, not timed, opens the sessions (each process opens its own on its first clip).
 
     PYTHONPATH=. python3 benchmarks/nvdec_scaling.py --clips DIR [--sessions 1 4 7 14] [--clips-limit 128]
         [--loads none cpu gpu both] [--load-workers 16] [--load-nice 0 10]
@@ -376,7 +377,7 @@ def processes_run(paths: list[Path], sessions: int, device: torch.device, varian
 def render(runs: list[Run], device: str) -> str:
     """The table of the runs so far."""
     head = ["mode", "sessions", "clips", "video s", "seconds", "clips/s", "video s / s", "vs 1 session", "parallelism", "GIL free",
-            "NVDEC busy", "CPU load clips/s", *(f"{part} ms / clip" for part in FEED_PARTS)]
+            "NVDEC busy; video / SM clock, power", "CPU load clips/s", *(f"{part} ms / clip" for part in FEED_PARTS)]
     # Each mode's (threads or processes, the variant and the load) own 1-session row is its reference.
     single = {r.mode: r.video_seconds / r.wall for r in runs if r.sessions == 1 and r.wall}
     rows = []
@@ -467,8 +468,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load-nice", type=int, nargs="+", default=[WORKER_NICE],
                         help="niceness the cpu load's processes add to their own, one run each (a job's workers: WORKER_NICE)")
     parser.add_argument("--load-carveout", type=int, nargs="+", default=[0],
-                        help="SMs the gpu load's products leave free (torch's SM carveout), one run each "
-                             "(0: none; a job's pipeline.GPU_DECODE_SM_CARVEOUT)")
+                        help="SMs the gpu load's products leave free (torch's SM carveout), one run each (0: none)")
     parser.add_argument("--python-busy", type=float, default=0.5,
                         help="share of the time the python load's thread runs Python (the rest it sleeps)")
     parser.add_argument("--switch-interval", type=float, default=None,

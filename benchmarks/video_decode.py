@@ -28,10 +28,11 @@ per second, that over the encoder-only rate, the same past the head start (the c
 the first two windows, which the workers may have decoded while the rank set up:
 `common.past_head_start`; the figure for a job bound by decoding, on 1,000 clips or more), the clips the GPU decoded, the workers' and
 the GPU-decode thread's seconds, the per-clip cosine of each other run's embeddings to
-the decord run's (min and median), how busy NVML saw the NVDEC engines
-(`common.DecoderBusy`), the GPU decoder threads' milliseconds per clip by part (whole
-clip, `Decode` calls, copies, NV12 conversion: `nvdec.CLOCK`, as `nvdec_scaling.py` shows
-them alone), and what the rank's main thread waited for (its
+the decord run's (min and median), how busy NVML saw the NVDEC engines, with the video
+and SM clocks and the board's power (`common.DecoderBusy`), the GPU decoder threads' milliseconds per clip by part (whole
+clip, `Decode` calls, surfaces taken, copies, NV12 conversion: `nvdec.CLOCK`, as
+`nvdec_scaling.py` shows them alone), the caching allocator's driver calls while the GPU
+decoded (`device_allocations`), and what the rank's main thread waited for (its
 `waits`, in seconds), then each GPU setting's four clips furthest from decord's vectors
 (clip names say codec, height and keyframe interval). The table is written to
 `<workdir>/video_decode.md` and printed. `--profile auto` (or nvdec, decord) runs those
@@ -77,6 +78,7 @@ from benchmarks.gpu_decode import compare  # noqa: E402
 from benchmarks.mixes import TOWERS, save_tower  # noqa: E402
 from embedjob.config import DEFAULT_NVDEC_SESSIONS, load_job  # noqa: E402
 from embedjob.decode.nvdec import DecoderClock  # noqa: E402
+from embedjob.pipeline import ALLOCATOR_COUNTS  # noqa: E402
 
 FPS = 30
 SIZE = (1920, 1080)
@@ -407,7 +409,8 @@ def render(
 ) -> str:
     head = ["decoder", "workers", "clips", "video s", "pipeline s", "video s / s", "clips/s", "/ enc.-only",
             "past the head start: / enc.-only", "GPU-decoded", "worker decode s", "GPU-decode thread s", "cos min", "cos median", "rows identical",
-            "NVDEC busy", f"GPU decoder ms / clip: {', '.join(DecoderClock.PARTS)}", "main thread's waits s"]
+            "NVDEC busy; video / SM clock, power", f"GPU decoder ms / clip: {', '.join(DecoderClock.PARTS)}",
+            f"allocator while the GPU decoded: {', '.join(ALLOCATOR_COUNTS.values())}", "main thread's waits s"]
     lines = [
         f"# video.decoder: {', '.join(args.decoders)} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
@@ -443,7 +446,7 @@ def render(
             fmt(first.get("decode_seconds"), ".1f"), fmt(first.get("device_decode_seconds"), ".2f"),
             fmt(cos.min() if cos is not None else None, ".5f"), fmt(float(np.median(cos)) if cos is not None else None, ".5f"),
             "-" if compared is None else ("yes" if compared[0] else "NO"),
-            plan.decoders, _decoder_parts(first), _waits(first),
+            plan.decoders, _decoder_parts(first), _allocations(first), _waits(first),
         ]))
     return "\n".join(lines)
 
@@ -485,6 +488,15 @@ def _decoder_parts(rank: dict[str, Any]) -> str:
     from the decoder; "-" where the GPU fed it nothing."""
     ms = feed_per_clip(rank.get("device_decode_parts") or {}, rank.get("device_decoded") or 0)
     return ", ".join(ms) if ms else "-"
+
+
+def _allocations(rank: dict[str, Any]) -> str:
+    """The caching allocator's driver calls while the rank's GPU decoded
+    (`device_allocations`, in `pipeline.ALLOCATOR_COUNTS`' order): allocations and frees
+    that stall the decode thread where the job takes more memory than its heap holds, and
+    the retries and syncs that stall the device; "-" where its GPU decoded nothing."""
+    counts = rank.get("device_allocations") or {}
+    return ", ".join(str(counts.get(name, 0)) for name in ALLOCATOR_COUNTS.values()) if counts else "-"
 
 
 def _waits(rank: dict[str, Any]) -> str:

@@ -114,16 +114,6 @@ read 45.1 clips a second at 5 ms and 54.8, its rate alone, at 0.5 ms; but an `au
 128 clips read 36.2 at 0.5 ms against 36.9 at Python's own (SigLIP-so400m, an H100,
 benchmarks/RESULTS.md section 11): in the job something else holds the decoder, so None."""
 
-GPU_DECODE_SM_CARVEOUT: int | None = None
-"""SMs the encoder's cuBLAS products and cuDNN kernels leave free while this rank's GPU
-decodes videos (torch's experimental SM carveout, set before its graphs are captured, which
-keep the kernels chosen then), or None for all of them. The guess it tests: the decoder's
-own kernels (mapping a picture, the copies out) wait for SMs behind the encoder's, as a
-clip's `Decode` calls took 163 ms in a `video.decoder: nvdec` job against 117 alone, and
-decode streams at a higher priority lost (a kernel that holds every SM until it ends is not
-preempted by one; benchmarks/RESULTS.md section 11). None until timed
-(`benchmarks/video_decode.py --variants nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=8`)."""
-
 AUTO_ROWS = 64
 """Items a rank encodes before `preprocess.decoder: auto` first compares decode and device rates."""
 AUTO_LOGGED_CHANGE = 0.1
@@ -522,21 +512,19 @@ class RankPipeline:
             self.prepare()
         taken: collections.deque[reader.Chunk] = collections.deque()
         submitted: collections.deque[reader.InputRow] = collections.deque()
-        carveout = GPU_DECODE_SM_CARVEOUT if self.device.type == "cuda" and self.video != "decord" else None
-        with sm_carveout(carveout):
-            with collector_paused():
-                pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
-            since = time.perf_counter()
-            with pool:
-                settle_heap()
-                self._setup("heap", since)
-                self.stats.ready_at = time.time()
-                self.stats.timeline.skip_to(self.stats.ready_at)
-                self.ready()
-                windows = WindowEncoder(self.encoder, self.job, self.device, self.captions)
-                decoded = self._decoded_on_device(self._gated(self._windows(stream, submitted)))
-                with self._encode_stream():
-                    self._pipeline(decoded, windows, ChunkAssembler(taken, self.deliver))
+        with collector_paused():
+            pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
+        since = time.perf_counter()
+        with pool:
+            settle_heap()
+            self._setup("heap", since)
+            self.stats.ready_at = time.time()
+            self.stats.timeline.skip_to(self.stats.ready_at)
+            self.ready()
+            windows = WindowEncoder(self.encoder, self.job, self.device, self.captions)
+            decoded = self._decoded_on_device(self._gated(self._windows(stream, submitted)))
+            with self._encode_stream():
+                self._pipeline(decoded, windows, ChunkAssembler(taken, self.deliver))
         self._finish()
         self.encoder.clear()
         if self.captions is not None:
@@ -716,6 +704,7 @@ class RankPipeline:
         with (
             _switch_interval(GPU_DECODE_SWITCH_INTERVAL if videos else None),
             _counted_into(self.stats.device_decode_parts) if videos else contextlib.nullcontext(),
+            _allocations_into(self.stats.device_allocations, self.device),
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-gpu-decode") as thread,
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="embedjob-nvjpeg") as nvjpeg,
         ):
@@ -927,21 +916,6 @@ def _switch_interval(seconds: float | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def sm_carveout(sms: int | None) -> Iterator[None]:
-    """torch's SM carveout for cuBLAS and cuDNN at `sms` inside (unchanged where None),
-    as it was after: it is the process's, and a later job in it must get every SM."""
-    if sms is None:
-        yield
-        return
-    before = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(sms)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(before)
-
-
-@contextlib.contextmanager
 def _counted_into(parts: dict[str, float]) -> Iterator[None]:
     """On leaving, `parts` holds the seconds the GPU decoder's parts (`nvdec.CLOCK`) took
     inside: this rank's, as its process decodes for it alone."""
@@ -950,6 +924,30 @@ def _counted_into(parts: dict[str, float]) -> Iterator[None]:
         yield
     finally:
         parts.update(nvdec.CLOCK.since(before))
+
+
+ALLOCATOR_COUNTS = {"num_device_alloc": "cudaMalloc", "num_device_free": "cudaFree",
+                    "num_alloc_retries": "retries", "num_sync_all_streams": "syncs"}
+"""The CUDA caching allocator's counters (`torch.cuda.memory_stats`) a rank reports, by the
+names it reports them under: calls to the driver's allocation and free, allocations retried
+after freeing its cache, and the frees of every stream's pending blocks; each stalls the
+thread that allocates, the last two the whole device."""
+
+
+@contextlib.contextmanager
+def _allocations_into(counts: dict[str, int], device: torch.device) -> Iterator[None]:
+    """On leaving, `counts` holds what the caching allocator's `ALLOCATOR_COUNTS` on `device`
+    added inside (the process's: this rank's, as its process serves it alone); nothing off
+    a GPU."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.cuda.memory_stats(device)
+    try:
+        yield
+    finally:
+        after = torch.cuda.memory_stats(device)
+        counts.update({name: after.get(key, 0) - before.get(key, 0) for key, name in ALLOCATOR_COUNTS.items()})
 
 
 @contextlib.contextmanager

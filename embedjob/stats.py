@@ -87,9 +87,13 @@ class RankStats:
     device_decoded: int = 0
     device_decode_seconds: float = 0.0
     # With `video.decoder` nvdec or auto: the seconds the GPU decoder's threads spent,
-    # summed over them, per part (`nvdec.DecoderClock`: clips, Decode calls, copies, RGB),
-    # reported to the microsecond: a few clips' fused NV12 conversion takes well under a millisecond.
+    # summed over them, per part (`nvdec.DecoderClock`: clips, Decode calls, surfaces taken,
+    # copies, RGB), reported to the microsecond: a few clips' fused NV12 conversion takes
+    # well under a millisecond.
     device_decode_parts: dict[str, float] = field(default_factory=dict)
+    # While its GPU decoded media: what the CUDA caching allocator's calls to the driver
+    # added (`pipeline.ALLOCATOR_COUNTS`), each a stall of the decode thread or the device.
+    device_allocations: dict[str, int] = field(default_factory=dict)
     setup: dict[str, float] = field(default_factory=dict)
     stages: dict[str, float] = field(default_factory=dict)
     waits: dict[str, float] = field(default_factory=dict)
@@ -123,6 +127,7 @@ class RankStats:
             "device_decoded": self.device_decoded,
             "device_decode_seconds": round(self.device_decode_seconds, 3),
             "device_decode_parts": {k: round(v, 6) for k, v in self.device_decode_parts.items()},
+            "device_allocations": dict(self.device_allocations),
             "host_seconds": round(self.stages.get("host", 0.0) - self.launch_seconds, 3),
             "launch_seconds": round(self.launch_seconds, 3),
             "host_cpu_seconds": round(self.stages.get("host cpu", 0.0), 3),

@@ -186,14 +186,33 @@ def test_a_decode_bound_jobs_rate_past_the_head_start_leaves_out_the_rows_decode
 
 def test_nvdec_scaling_shows_the_feeds_parts_per_clip_only_where_the_feed_ran() -> None:
     """`nvdec_scaling.feed_per_clip` turns the decoder clock's seconds over a run into
-    milliseconds a clip in the table's order (clip, Decode, copy, RGB), and shows none for
-    a run that never reached the packet feed (decord's stand-in)."""
+    milliseconds a clip in the table's order (clip, Decode, surface, copy, RGB), and shows
+    none for a run that never reached the packet feed (decord's stand-in)."""
     sys.path.insert(0, str(REPO))
     from benchmarks.nvdec_scaling import FEED_PARTS, feed_per_clip
 
-    assert FEED_PARTS == ("clip", "Decode", "copy", "RGB")
-    assert feed_per_clip({"clip": 2.0, "Decode": 1.0, "copy": 0.25, "RGB": 0.5}, 10) == ["200.0", "100.0", "25.0", "50.0"]
-    assert feed_per_clip({"clip": 2.0, "Decode": 0.0, "copy": 0.0, "RGB": 0.0}, 10) is None
+    assert FEED_PARTS == ("clip", "Decode", "surface", "copy", "RGB")
+    parts = {"clip": 2.0, "Decode": 1.0, "surface": 0.1, "copy": 0.25, "RGB": 0.5}
+    assert feed_per_clip(parts, 10) == ["200.0", "100.0", "10.0", "25.0", "50.0"]
+    assert feed_per_clip({"clip": 2.0, "Decode": 0.0, "surface": 0.0, "copy": 0.0, "RGB": 0.0}, 10) is None
+
+
+def test_the_gemm_loads_sm_carveout_holds_inside_and_gives_every_sm_back_after() -> None:
+    """`common.sm_carveout` (the `gpu` load's `--load-carveout` in nvdec_scaling.py) leaves
+    SMs free only inside: after it, even where the run raised, the process's next run gets
+    cuBLAS and cuDNN on every SM; None leaves the setting alone."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.common import sm_carveout
+
+    before = torch._C._get_sm_carveout_experimental()
+    with pytest.raises(RuntimeError), sm_carveout(8):
+        assert torch._C._get_sm_carveout_experimental() == 8
+        raise RuntimeError("a run that failed")
+    assert torch._C._get_sm_carveout_experimental() == before
+    with sm_carveout(None):
+        assert torch._C._get_sm_carveout_experimental() == before
 
 
 def test_gemm_epilogue_calls_an_output_wrong_that_misses_the_bias_the_activation_or_rows() -> None:
@@ -233,3 +252,22 @@ def test_video_decodes_tiny_tower_is_embedded_on_the_gpu(tmp_path: Path) -> None
     assert Path(tiny["model"]["path"]).name == TOWERS["clip"].key + "-tiny"
     config = yaml.safe_load((Path(tiny["model"]["path"]) / "config.json").read_text())
     assert config["hidden_size"] == TOWERS["clip"].tiny["hidden_size"] < TOWERS["clip"].full["hidden_size"]
+
+
+def test_the_decoder_sampler_reads_clocks_and_power_over_the_decoders_busy_span() -> None:
+    """`common.DecoderBusy` sums up nvidia-smi's samples from the first to the last with
+    the decoders busy: the mean busy share, the share full, and the medians of the video
+    and SM clocks and the power there (a clock held down beside the encoder shows); a line
+    nvidia-smi could not fill is left out, and no busy sample says "-"."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.common import DecoderBusy, parse_samples
+
+    out = "\n".join(["0, 1755, 1980, 120.5", "40, 1500, 1755, 690.0", "95, 1400, 1700, 700.0", "[N/A], 1400, 1700, 700.0",
+                     "60, 1600, 1800, 650.0", "0, 1755, 1980, 110.0", "12, 17"])
+    busy = DecoderBusy()
+    busy.samples = parse_samples(out, len(DecoderBusy.QUERY))
+    assert len(busy.samples) == 5
+    assert busy.summary() == (65.0, 1 / 3, (1500.0, 1755.0, 690.0))
+    assert busy.describe() == "65 % (full 33 %); 1,500 / 1,755 MHz, 690 W"
+    busy.samples = parse_samples("0, 1755, 1980, 120.5", len(DecoderBusy.QUERY))
+    assert busy.summary() is None and busy.describe() == "-"

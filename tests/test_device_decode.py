@@ -1272,20 +1272,33 @@ def test_the_packet_feed_keeps_a_decoder_per_kind_drops_one_that_failed_and_leav
         nvdec._fed(video_decoder_bytes(first), planned(first, [0, 15], 91), cpu, nvdec.Colour())
 
 
+class SlowHandedFrame(GreyFrame):
+    """A `GreyFrame` whose DLPack handshake takes `pause` seconds, as PyNvVideoCodec's may
+    where it waits for the stream that takes the frame."""
+
+    pause = 0.003
+
+    def __dlpack__(self, **kwargs):
+        threading.Event().wait(self.pause)
+        return super().__dlpack__(**kwargs)
+
+
 class SlowFedDecoder(FedDecoder):
-    """A `FedDecoder` whose every `Decode` call takes `pause` seconds, as NVDEC's do."""
+    """A `FedDecoder` whose every `Decode` call takes `pause` seconds, as NVDEC's do, and
+    whose frames are slow to hand over (`SlowHandedFrame`)."""
 
     pause = 0.004
 
     def Decode(self, packet: FedPacket) -> list[GreyFrame]:  # noqa: N802
         threading.Event().wait(self.pause)
-        return super().Decode(packet)
+        return [SlowHandedFrame(frame.pts, self.size, frame.pts // self.step) for frame in super().Decode(packet)]
 
 
 def test_the_decoder_clock_splits_a_clips_time_into_its_decode_calls_copies_and_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
     """`nvdec.CLOCK` counts what the job reports as `device_decode_parts`: the decoder's calls
-    at least the time they took, the copies and the conversion above nothing, and the clip's
-    whole time no less than its parts; a run's share is what it added (`since`)."""
+    at least the time they took, the frames' handshakes (`surface`) theirs and not in the
+    copies, the copies and the conversion above nothing, and the clip's whole time no less
+    than its parts; a run's share is what it added (`since`)."""
     from embedjob.decode import nvdec
 
     data = (DATA / "torchcodec_nasa_13013.mp4").read_bytes()
@@ -1297,8 +1310,8 @@ def test_the_decoder_clock_splits_a_clips_time_into_its_decode_calls_copies_and_
     (decoder,) = FedDecoder.made
     calls = len(decoder.fed) + 1  # and the empty packet that ends the stream
     assert parts["Decode"] >= calls * SlowFedDecoder.pause
-    assert parts["copy"] > 0 and parts["RGB"] > 0
-    assert parts["clip"] >= parts["Decode"] + parts["copy"] + parts["RGB"]
+    assert parts["surface"] >= 4 * SlowHandedFrame.pause > parts["copy"] > 0 and parts["RGB"] > 0
+    assert parts["clip"] >= parts["Decode"] + parts["surface"] + parts["copy"] + parts["RGB"]
     assert nvdec.CLOCK.since(nvdec.CLOCK.seconds())["clip"] < parts["clip"]
 
 
@@ -1442,16 +1455,21 @@ def test_the_gpu_decodes_switch_interval_holds_inside_and_python_s_comes_back_af
         assert sys.getswitchinterval() == before
 
 
-def test_the_sm_carveout_holds_through_the_run_and_the_process_gets_every_sm_back_after() -> None:
-    """`pipeline.GPU_DECODE_SM_CARVEOUT` (a variant the video benchmark times) leaves SMs to
-    the GPU's decoder only through the run that asked: after it, even one that raised, the
-    next job in the process gets cuBLAS and cuDNN on every SM; None leaves it alone."""
+def test_a_rank_reports_what_the_caching_allocator_added_while_its_gpu_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`device_allocations` holds what the allocator's counters added inside, under the
+    names a rank reports (`pipeline.ALLOCATOR_COUNTS`), also where the run raised; off a
+    GPU the allocator is not asked and nothing is reported."""
     from embedjob import pipeline
 
-    before = torch._C._get_sm_carveout_experimental()
-    with pytest.raises(RuntimeError), pipeline.sm_carveout(8):
-        assert torch._C._get_sm_carveout_experimental() == 8
+    readings = iter([{"num_device_alloc": 5, "num_device_free": 1, "num_alloc_retries": 0, "num_sync_all_streams": 2},
+                     {"num_device_alloc": 12, "num_device_free": 4, "num_alloc_retries": 3, "num_sync_all_streams": 5}])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: next(readings))
+    counts: dict[str, int] = {}
+    with pytest.raises(RuntimeError), pipeline._allocations_into(counts, torch.device("cuda", 0)):
         raise RuntimeError("a run that failed")
-    assert torch._C._get_sm_carveout_experimental() == before
-    with pipeline.sm_carveout(None):
-        assert torch._C._get_sm_carveout_experimental() == before
+    assert counts == {"cudaMalloc": 7, "cudaFree": 3, "retries": 3, "syncs": 3}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: pytest.fail("asked off a GPU"))
+    on_cpu: dict[str, int] = {}
+    with pipeline._allocations_into(on_cpu, torch.device("cpu")):
+        pass
+    assert on_cpu == {}

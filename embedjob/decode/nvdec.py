@@ -94,30 +94,34 @@ _pool_lock = threading.Lock()
 class DecoderClock:
     """Seconds this process's decode threads spent, summed over them, in the GPU decoder's
     parts: whole clips (`decode_frames`, "clip"), and on the packet feed the decoder's
-    `Decode` calls (parse, decode and map a picture), the wanted surfaces' copies out and
-    the NV12 conversion. A clip's time beyond its parts is Python and the wait for the GIL;
+    `Decode` calls (parse, decode and map a picture), taking its wanted surfaces
+    (`torch.from_dlpack`, "surface": the decoder's handshake with the taking stream), their
+    copies out (the streams' waits, the batch's allocation, the copies' launches) and the
+    NV12 conversion. A clip's time beyond its parts is Python and the wait for the GIL;
     a `Decode` slower in a job than alone (`benchmarks/nvdec_scaling.py`) waits for the
     device. The job reports what its run added (`RankStats.device_decode_parts`).
 
     Each thread adds to counts of its own (a lock only when a thread first counts), so the
     feed's per-packet calls share no lock; a reading sums them."""
 
-    PARTS = ("clip", "Decode", "copy", "RGB")
+    PARTS = ("clip", "Decode", "surface", "copy", "RGB")
 
     def __init__(self) -> None:
         self._threads: list[dict[str, float]] = []
         self._own = threading.local()
         self._lock = threading.Lock()
 
-    def add(self, part: str, since: float) -> None:
-        """Count the seconds from `since` (`time.perf_counter`) to now to `part`."""
-        elapsed = time.perf_counter() - since
+    def add(self, part: str, since: float) -> float:
+        """Count the seconds from `since` (`time.perf_counter`) to now to `part`; returns
+        now, from which the next part counts where parts follow each other."""
+        now = time.perf_counter()
         counts = getattr(self._own, "counts", None)
         if counts is None:
             counts = self._own.counts = dict.fromkeys(self.PARTS, 0.0)
             with self._lock:
                 self._threads.append(counts)
-        counts[part] += elapsed
+        counts[part] += now - since
+        return now
 
     def seconds(self) -> dict[str, float]:
         """Each part's seconds so far, summed over the threads."""
@@ -171,9 +175,9 @@ alone (`benchmarks/nvdec_scaling.py`, whose threads each have a stream) read 72 
 second, the `video.decoder: auto` job's threads on one stream 25 (benchmarks/RESULTS.md
 section 11). Timed once in a job, with `FUSED_RGB` (377 clips, SigLIP-so400m, an H100):
 0.576 of the encoder alone against 0.580 without either, the GPU's decoder 31 clips a
-second both ways; in a `video.decoder: nvdec` job on 128 clips 23.4 against 28.5
-(benchmarks/RESULTS.md section 11): off. `tests/test_gpu.py` runs the nvdec and auto jobs
-both ways."""
+second both ways; in a `video.decoder: nvdec` job on 128 clips 23.4 against 28.5 with
+`FUSED_RGB` too, 31.7 against 29.6 on its own (one run each; benchmarks/RESULTS.md section 11): off until a
+run on 1,152 clips says more. `tests/test_gpu.py` runs the nvdec and auto jobs both ways."""
 
 
 def _work_stream(device: torch.device) -> torch.cuda.Stream:
@@ -508,16 +512,19 @@ def _fed_frames(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: 
         decoded = [frame for frame in out if frame.getPTS() in wanted and frame.getPTS() not in copied]
         if not decoded:
             continue
-        since = time.perf_counter()
+        mark = time.perf_counter()
         if apart:
             current.wait_stream(own)
         with torch.cuda.stream(own) if on_own else contextlib.nullcontext():
             for frame in decoded:
-                batch = _copied_out(frame, batch, wanted, device)
+                mark = CLOCK.add("copy", mark)
+                surface = torch.from_dlpack(frame).to(device)
+                mark = CLOCK.add("surface", mark)
+                batch = _copied_out(frame.getPTS(), surface, batch, wanted)
                 copied.add(frame.getPTS())
         if apart:
             own.wait_stream(current)
-        CLOCK.add("copy", since)
+        CLOCK.add("copy", mark)
     if batch is None or len(copied) != len(wanted):
         raise RuntimeError(f"the video decoder returned {len(copied)} of {len(wanted)} frames")
     if on_own:
@@ -529,15 +536,15 @@ def _fed_frames(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: 
     return rgb
 
 
-def _copied_out(frame: Any, batch: torch.Tensor | None, wanted: dict[int, int], device: torch.device) -> torch.Tensor:
+def _copied_out(pts: int, surface: torch.Tensor, batch: torch.Tensor | None, wanted: dict[int, int]) -> torch.Tensor:
     """`batch` (made here for the first frame: one NV12 surface per wanted pts) with
-    `frame`'s surface copied into its place, queued on the current stream."""
-    surface = torch.from_dlpack(frame).to(device)
+    `surface`, the decoder's frame shown at `pts`, copied into its place, queued on the
+    current stream."""
     if batch is None:
         batch = surface.new_empty((len(wanted), *surface.shape))
     if surface.shape != batch.shape[1:]:
         raise RuntimeError(f"the video decoder returned NV12 frames of shapes {tuple(surface.shape)} and {tuple(batch.shape[1:])}")
-    batch[wanted[frame.getPTS()]].copy_(surface)
+    batch[wanted[pts]].copy_(surface)
     return batch
 
 

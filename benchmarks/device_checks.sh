@@ -26,17 +26,17 @@
 #     CLIPS=1152 CLIP_SECONDS=5.25 bash benchmarks/device_checks.sh clips-bg kernels siglip quantize
 #     bash benchmarks/device_checks.sh tests nvdec-scaling    (on the clips made so far)
 #     NVDEC_SESSIONS="4 7" bash benchmarks/device_checks.sh clips video siglip
-# What takes the GPU's decoder from 55 clips a second alone to 28 in an nvdec job (RESULTS.md section 11: not the
-# GIL's hand-over, not the copies' stream): the job with the tower's tiny version, so nothing but the decoders on the
-# device (VIDEO_FLAGS=--tiny-tower), against the published size's with SMs left to the decoder's kernels; with
-# clips-bg's 128 clips (CLIPS=128), one call:
+# What takes the GPU's decoder from 55 clips a second alone to 30 in an nvdec job (RESULTS.md section 11: the
+# encoder's work on the device, 45 with the tower's tiny version; not SMs as a carveout frees them): the tables'
+# video clock and power, the frames' hand-over (`surface`) and the allocator's driver calls, on clips-bg's 128 clips
+# (CLIPS=128), one call:
+#     VIDEO_DECODERS=nvdec bash benchmarks/device_checks.sh video siglip
 #     VIDEO_DECODERS=nvdec VIDEO_FLAGS=--tiny-tower bash benchmarks/device_checks.sh video siglip
-#     VIDEO_DECODERS=nvdec VIDEO_VARIANTS="nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=8
-#       nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=16" bash benchmarks/device_checks.sh video siglip
-#     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut --loads none gpu --load-carveout 0 8 16"
+#     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut --loads none gpu --load-carveout 0 16"
 #       bash benchmarks/device_checks.sh nvdec-scaling
-# (the decoder alone and beside bf16 products leaving 0, 8 and 16 SMs free; VIDEO_PROFILE=nvdec names the rank's hot
-# calls; "--loads python" and "--switch-interval 0.0005" time it beside Python holding the GIL)
+# (the decoder alone and beside bf16 products leaving 0 and 16 SMs free; VIDEO_PROFILE=nvdec names the rank's hot
+# calls; "--loads python" and "--switch-interval 0.0005" time it beside Python holding the GIL). Chained in one call,
+# give each its own OUT=$OUT/NAME and DEADLINE.
 # video.decoder auto leaves its GPU none of the clips the workers start while the rank sets up (decode_split.SETUP_SHARE);
 # against the even split from the first row it replaced, on 1,152 clips (whole run and past the head start):
 #     VIDEO_DECODERS="decord auto" VIDEO_VARIANTS="auto:embedjob.decode_split.SETUP_SHARE=0.5" ... clips video siglip

@@ -27,8 +27,9 @@
 #     bash benchmarks/device_checks.sh tests nvdec-scaling    (on the clips made so far)
 #     NVDEC_SESSIONS="4 7" bash benchmarks/device_checks.sh clips video siglip
 # What takes the GPU's decoder from 55 clips a second alone to 30 in an nvdec job (RESULTS.md section 11: the
-# encoder's work on the device, 45 with the tower's tiny version; not SMs as a carveout frees them): the tables'
-# video clock and power, the frames' hand-over (`surface`) and the allocator's driver calls, on clips-bg's 128 clips
+# encoder's work on the device, 45 with the tower's tiny version; a carveout told to free 16 SMs changed nothing, its
+# products' rate now beside it): the tables' video clock and power, the frames' hand-over (`surface`) and the
+# allocator's driver calls, on clips-bg's 128 clips
 # (CLIPS=128), one call:
 #     VIDEO_DECODERS=nvdec bash benchmarks/device_checks.sh video siglip
 #     VIDEO_DECODERS=nvdec VIDEO_FLAGS=--tiny-tower bash benchmarks/device_checks.sh video siglip

@@ -31,8 +31,9 @@ a CUDA graph of bf16 products back to back on a stream of its own (`common.GemmL
 the encoder's graphs keep the device busy; `both`; `python`, a thread of this process running
 Python `--python-busy` of the time (`PythonLoad`), as the rank's main thread holds the GIL
 between its waits, under `--switch-interval` (Python's thread switch interval); the `gpu`
-load's products leave `--load-carveout` SMs free, one run each (`common.sm_carveout`: 16 left
-NVDEC's rate beside them unchanged, RESULTS.md section 11). In `video.decoder: auto` the GPU's decoder read about half what it reads alone
+load's products leave `--load-carveout` SMs free, one run each (`common.sm_carveout`; the row
+names the products' rate alone, lower by the SMs' share where they left them: 16 asked for
+left NVDEC's rate unchanged, RESULTS.md section 11). In `video.decoder: auto` the GPU's decoder read about half what it reads alone
 (RESULTS.md section 11): these rows say which neighbour takes it.
 
 Per row: clips per second, seconds of video per second, the sessions' parallelism (the
@@ -299,18 +300,32 @@ LOAD_SETTLE_SECONDS = 3.0
 """Seconds the load processes get to import and start reading before a run is timed."""
 
 
+@dataclass
+class Loads:
+    """What runs beside the decoder: the CPU load, whose rate is read after, and the GPU
+    load's product rate alone (TFLOP/s, before the decoder starts): with a carveout it says
+    whether the products left the SMs free, as a rate that much lower."""
+
+    cpu: CpuLoad | None = None
+    gemm_tflops: float | None = None
+
+
 @contextlib.contextmanager
 def loaded(load: str, paths: list[Path], workers: int, nice: int, device: torch.device, busy: float,
-           carveout: int | None = None) -> Iterator[CpuLoad | None]:
+           carveout: int | None = None) -> Iterator[Loads]:
     """The `load` (`LOADS`) running while the block runs (its decord processes at `nice`, its
-    Python thread `busy`, its products leaving `carveout` SMs free); the CPU load, whose rate
-    is read after."""
+    Python thread `busy`, its products leaving `carveout` SMs free)."""
+    loads = Loads()
     with contextlib.ExitStack() as stack:
         if load in ("gpu", "both"):
-            stack.enter_context(GemmLoad(device, carveout))
+            gemms = GemmLoad(device, carveout)
+            loads.gemm_tflops = gemms.tflops()
+            stack.enter_context(gemms)
         if load == "python":
             stack.enter_context(PythonLoad(busy))
-        yield stack.enter_context(CpuLoad(paths, workers, nice)) if load in ("cpu", "both") else None
+        if load in ("cpu", "both"):
+            loads.cpu = stack.enter_context(CpuLoad(paths, workers, nice))
+        yield loads
 
 
 def threads_run(clips: list[DeferredVideo], sessions: int, window: int, device: torch.device) -> Run:
@@ -437,13 +452,14 @@ def main() -> int:
                        for m in args.modes for n in args.sessions if not (load == "python" and m == "processes")]
         for mode, sessions, load, nice, sms in runs_wanted:
             try:
-                with loaded(load, paths, args.load_workers, nice, device, args.python_busy, sms or None) as cpu, DecoderBusy() as busy:
+                with loaded(load, paths, args.load_workers, nice, device, args.python_busy, sms or None) as loads, DecoderBusy() as busy:
                     run = threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device, VARIANTS[variant])
                 run.decoders = busy.describe()
-                run.load_rate = cpu.rate if cpu is not None else None
+                run.load_rate = loads.cpu.rate if loads.cpu is not None else None
             except Exception as exc:  # a variant the decoder refuses is a row, and the others still run
-                run = Run(mode, sessions, error=repr(exc))
+                run, loads = Run(mode, sessions, error=repr(exc)), Loads()
             said = LOAD_NAMES[load].format(workers=args.load_workers, nice=nice, busy=args.python_busy) if load != "none" else ""
+            said += f" ({loads.gemm_tflops:.0f} TFLOP/s alone)" if loads.gemm_tflops is not None else ""
             said += f" leaving {sms} SMs free" if sms else ""
             run.mode = f"{mode}, {variant}" + (f", {said}" if said else "")
             runs.append(run)

@@ -7,7 +7,6 @@ imports from here.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -15,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -361,30 +360,15 @@ def feed_per_clip(parts: dict[str, float], clips: int) -> list[str] | None:
     return [f"{1000 * parts.get(part, 0.0) / clips:.1f}" for part in DecoderClock.PARTS]
 
 
-@contextlib.contextmanager
-def sm_carveout(sms: int | None) -> Iterator[None]:
-    """torch's SM carveout for cuBLAS and cuDNN at `sms` inside (unchanged where None), as
-    it was after: it is the process's, and the runs after this one must get every SM."""
-    import torch
-
-    if sms is None:
-        yield
-        return
-    before = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(sms)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(before)
-
-
 class GemmLoad:
     """A stream replaying a graph of GEMMs back to back until stopped, as the encoder's
     graphs keep the SMs busy; with `carveout`, its cuBLAS kernels captured leaving that
-    many SMs free (`sm_carveout`)."""
+    many SMs free, as a job's with `pipeline.GPU_DECODE_SM_CARVEOUT`."""
 
     def __init__(self, device: Any, carveout: int | None = None) -> None:
         import torch
+
+        from embedjob.pipeline import sm_carveout
 
         m, k, n = LOAD_SHAPE
         self.stream = torch.cuda.Stream(device)

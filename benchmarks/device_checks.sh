@@ -33,6 +33,8 @@
 # (CLIPS=128), one call:
 #     VIDEO_DECODERS=nvdec bash benchmarks/device_checks.sh video siglip
 #     VIDEO_DECODERS=nvdec VIDEO_FLAGS=--tiny-tower bash benchmarks/device_checks.sh video siglip
+#     VIDEO_DECODERS=nvdec VIDEO_VARIANTS="nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=16"
+#       bash benchmarks/device_checks.sh video clip      (CLIP's fc1 is the persistent Triton GEMM)
 #     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut --loads none gpu --load-carveout 0 16"
 #       bash benchmarks/device_checks.sh nvdec-scaling
 # (the decoder alone and beside bf16 products leaving 0 and 16 SMs free; VIDEO_PROFILE=nvdec names the rank's hot

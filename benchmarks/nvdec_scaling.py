@@ -31,9 +31,9 @@ a CUDA graph of bf16 products back to back on a stream of its own (`common.GemmL
 the encoder's graphs keep the device busy; `both`; `python`, a thread of this process running
 Python `--python-busy` of the time (`PythonLoad`), as the rank's main thread holds the GIL
 between its waits, under `--switch-interval` (Python's thread switch interval); the `gpu`
-load's products leave `--load-carveout` SMs free, one run each (`common.sm_carveout`; the row
-names the products' rate alone, lower by the SMs' share where they left them: 16 asked for
-left NVDEC's rate unchanged, RESULTS.md section 11). In `video.decoder: auto` the GPU's decoder read about half what it reads alone
+load's products leave `--load-carveout` SMs free, one run each (the job's
+`pipeline.GPU_DECODE_SM_CARVEOUT`; the row names the products' rate alone, lower by the SMs'
+share where they left them: 16 asked for left NVDEC's rate unchanged, RESULTS.md section 11). In `video.decoder: auto` the GPU's decoder read about half what it reads alone
 (RESULTS.md section 11): these rows say which neighbour takes it.
 
 Per row: clips per second, seconds of video per second, the sessions' parallelism (the
@@ -484,7 +484,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load-nice", type=int, nargs="+", default=[WORKER_NICE],
                         help="niceness the cpu load's processes add to their own, one run each (a job's workers: WORKER_NICE)")
     parser.add_argument("--load-carveout", type=int, nargs="+", default=[0],
-                        help="SMs the gpu load's products leave free (torch's SM carveout), one run each (0: none)")
+                        help="SMs the gpu load's products leave free (torch's SM carveout), one run each "
+                             "(0: none; a job's pipeline.GPU_DECODE_SM_CARVEOUT)")
     parser.add_argument("--python-busy", type=float, default=0.5,
                         help="share of the time the python load's thread runs Python (the rest it sleeps)")
     parser.add_argument("--switch-interval", type=float, default=None,

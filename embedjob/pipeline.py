@@ -114,6 +114,19 @@ read 45.1 clips a second at 5 ms and 54.8, its rate alone, at 0.5 ms; but an `au
 128 clips read 36.2 at 0.5 ms against 36.9 at Python's own (SigLIP-so400m, an H100,
 benchmarks/RESULTS.md section 11): in the job something else holds the decoder, so None."""
 
+GPU_DECODE_SM_CARVEOUT: int | None = None
+"""SMs the encoder's products leave free while this rank's GPU decodes videos (torch's
+experimental SM carveout, which cuBLAS and cuDNN take and `gemm_kernel`'s persistent GEMM
+too, set before the graphs are captured, which keep the kernels' grids chosen then), or
+None for all of them. The guess it tests: the decoder's work queued behind the encoder's
+(its frames' copies and conversion, and through their streams its own calls) waits for
+SMs, and a persistent GEMM holds every SM until its last tile, which no stream priority
+preempts (decode streams at a higher priority lost; benchmarks/RESULTS.md section 11). 16
+SMs took a `video.decoder: nvdec` job on SigLIP-so400m, whose products are all cuBLAS's,
+from 29.6 clips a second to 31.0 (one run each, 128 clips, an H100); None until a CLIP
+tower's (its fc1 is the Triton GEMM) and more clips are timed
+(`benchmarks/video_decode.py --tower clip --variants nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=16`)."""
+
 AUTO_ROWS = 64
 """Items a rank encodes before `preprocess.decoder: auto` first compares decode and device rates."""
 AUTO_LOGGED_CHANGE = 0.1
@@ -512,19 +525,21 @@ class RankPipeline:
             self.prepare()
         taken: collections.deque[reader.Chunk] = collections.deque()
         submitted: collections.deque[reader.InputRow] = collections.deque()
-        with collector_paused():
-            pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
-        since = time.perf_counter()
-        with pool:
-            settle_heap()
-            self._setup("heap", since)
-            self.stats.ready_at = time.time()
-            self.stats.timeline.skip_to(self.stats.ready_at)
-            self.ready()
-            windows = WindowEncoder(self.encoder, self.job, self.device, self.captions)
-            decoded = self._decoded_on_device(self._gated(self._windows(stream, submitted)))
-            with self._encode_stream():
-                self._pipeline(decoded, windows, ChunkAssembler(taken, self.deliver))
+        carveout = GPU_DECODE_SM_CARVEOUT if self.device.type == "cuda" and self.video != "decord" else None
+        with sm_carveout(carveout):
+            with collector_paused():
+                pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
+            since = time.perf_counter()
+            with pool:
+                settle_heap()
+                self._setup("heap", since)
+                self.stats.ready_at = time.time()
+                self.stats.timeline.skip_to(self.stats.ready_at)
+                self.ready()
+                windows = WindowEncoder(self.encoder, self.job, self.device, self.captions)
+                decoded = self._decoded_on_device(self._gated(self._windows(stream, submitted)))
+                with self._encode_stream():
+                    self._pipeline(decoded, windows, ChunkAssembler(taken, self.deliver))
         self._finish()
         self.encoder.clear()
         if self.captions is not None:
@@ -913,6 +928,21 @@ def _switch_interval(seconds: float | None) -> Iterator[None]:
         yield
     finally:
         sys.setswitchinterval(before)
+
+
+@contextlib.contextmanager
+def sm_carveout(sms: int | None) -> Iterator[None]:
+    """torch's SM carveout at `sms` inside (unchanged where None), as it was after: it is
+    the process's, and a later job in it must get every SM."""
+    if sms is None:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
 
 
 @contextlib.contextmanager

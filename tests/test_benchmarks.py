@@ -197,24 +197,6 @@ def test_nvdec_scaling_shows_the_feeds_parts_per_clip_only_where_the_feed_ran() 
     assert feed_per_clip({"clip": 2.0, "Decode": 0.0, "surface": 0.0, "copy": 0.0, "RGB": 0.0}, 10) is None
 
 
-def test_the_gemm_loads_sm_carveout_holds_inside_and_gives_every_sm_back_after() -> None:
-    """`common.sm_carveout` (the `gpu` load's `--load-carveout` in nvdec_scaling.py) leaves
-    SMs free only inside: after it, even where the run raised, the process's next run gets
-    cuBLAS and cuDNN on every SM; None leaves the setting alone."""
-    import torch
-
-    sys.path.insert(0, str(REPO))
-    from benchmarks.common import sm_carveout
-
-    before = torch._C._get_sm_carveout_experimental()
-    with pytest.raises(RuntimeError), sm_carveout(8):
-        assert torch._C._get_sm_carveout_experimental() == 8
-        raise RuntimeError("a run that failed")
-    assert torch._C._get_sm_carveout_experimental() == before
-    with sm_carveout(None):
-        assert torch._C._get_sm_carveout_experimental() == before
-
-
 def test_gemm_epilogue_calls_an_output_wrong_that_misses_the_bias_the_activation_or_rows() -> None:
     """The check behind `gemm_epilogue.py`'s exit status: a kernel output is "ok" only within
     a row cosine of 0.9999 of float32 quick_gelu(x @ w.T + b) on every row."""

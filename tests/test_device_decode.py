@@ -1473,3 +1473,18 @@ def test_a_rank_reports_what_the_caching_allocator_added_while_its_gpu_decoded(m
     with pipeline._allocations_into(on_cpu, torch.device("cpu")):
         pass
     assert on_cpu == {}
+
+
+def test_the_sm_carveout_holds_through_the_run_and_the_process_gets_every_sm_back_after() -> None:
+    """`pipeline.GPU_DECODE_SM_CARVEOUT` (a variant the video benchmark times) leaves SMs to
+    the GPU's decoder only through the run that asked: after it, even one that raised, the
+    next job in the process gets every SM; None leaves it alone."""
+    from embedjob import pipeline
+
+    before = torch._C._get_sm_carveout_experimental()
+    with pytest.raises(RuntimeError), pipeline.sm_carveout(8):
+        assert torch._C._get_sm_carveout_experimental() == 8
+        raise RuntimeError("a run that failed")
+    assert torch._C._get_sm_carveout_experimental() == before
+    with pipeline.sm_carveout(None):
+        assert torch._C._get_sm_carveout_experimental() == before

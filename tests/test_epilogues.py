@@ -137,6 +137,27 @@ def test_the_gemm_op_refuses_cpu_tensors_and_gives_the_compiler_its_output_shape
             torch.ops.embedjob.linear_activation(x, w, b, "silu")
 
 
+def test_the_persistent_gemm_leaves_the_sms_torchs_carveout_asks_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A persistent GEMM holds every SM it runs on, so under torch's SM carveout (a GPU
+    decoding videos beside the encoder: `pipeline.GPU_DECODE_SM_CARVEOUT`) it runs that many
+    programs fewer, never none; without one, a program per SM."""
+    pytest.importorskip("triton")
+    from embedjob.encoders import gemm_kernel
+
+    monkeypatch.setattr(gemm_kernel, "_multiprocessors", lambda device: 132)
+    gpu = torch.device("cuda", 0)
+    before = torch._C._get_sm_carveout_experimental()
+    try:
+        torch._C._set_sm_carveout_experimental(None)
+        assert gemm_kernel.programs(gpu) == 132
+        torch._C._set_sm_carveout_experimental(16)
+        assert gemm_kernel.programs(gpu) == 116
+        torch._C._set_sm_carveout_experimental(200)
+        assert gemm_kernel.programs(gpu) == 1
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
 KERNEL_CHECK = """
 import torch
 from embedjob.encoders import gemm_kernel

@@ -1070,10 +1070,10 @@ def test_nvdec_sessions_on_streams_of_their_own_read_the_frames_of_the_shared_st
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
 @pytest.mark.parametrize("setting", ["nvdec", "auto"])
-@pytest.mark.parametrize("thread_streams, fused", [(False, False), (True, False), (True, True)],
-                         ids=["caller_stream", "thread_streams", "fused_rgb"])
+@pytest.mark.parametrize("thread_streams, fused, carveout", [(False, False, None), (True, False, None), (True, True, None), (False, False, 8)],
+                         ids=["caller_stream", "thread_streams", "fused_rgb", "sm_carveout"])
 def test_an_nvdec_job_gives_the_decord_jobs_rows(
-    tmp_path: Path, cache_dir: str, setting: str, thread_streams: bool, fused: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, cache_dir: str, setting: str, thread_streams: bool, fused: bool, carveout: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`video.decoder` nvdec, or auto, here made to leave every other clip to the GPU from
     the first row on, through setup too (`decode_split.SETUP_SHARE`, none in a job: the
@@ -1084,7 +1084,8 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
     and HEVC clips the GPU reads go through the packet feed (`nvdec._feed`), not a decoder
     session: the plan a worker sends carries what the feed needs. The decode threads queue
     their work on the caller's stream or on their own (`nvdec.THREAD_STREAMS`), and so
-    with the NV12 turned to RGB by the fused kernel (`nvdec.FUSED_RGB`). The
+    with the NV12 turned to RGB by the fused kernel (`nvdec.FUSED_RGB`), or the encoder
+    leaves SMs to the decoder (`pipeline.GPU_DECODE_SM_CARVEOUT`, the decord job none). The
     rank reports the decoder threads' seconds by part (`device_decode_parts`) and the caching
     allocator's calls while they ran (`device_allocations`), a decord job neither."""
     from embedjob import decode_split, pipeline
@@ -1106,6 +1107,10 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
     monkeypatch.setattr(pipeline, "AUTO_ROWS", 1)
     monkeypatch.setattr(pipeline, "gpu_share", lambda *rates: 0.5)
     monkeypatch.setattr(decode_split, "SETUP_SHARE", 0.5)
+    monkeypatch.setattr(pipeline, "GPU_DECODE_SM_CARVEOUT", carveout)
+    carveouts: list[int | None] = []
+    carved = pipeline.sm_carveout
+    monkeypatch.setattr(pipeline, "sm_carveout", lambda sms: carveouts.append(sms) or carved(sms))
     outputs, stats = {}, {}
     for decoder in ("decord", setting):
         overrides = [f"output.path={tmp_path / decoder}", "runtime.device=cuda", f"runtime.cache_dir={cache_dir}",
@@ -1113,6 +1118,7 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
         stats[decoder] = run_job(load_job(REPO / "jobs" / "demo-video.yaml", overrides))
         outputs[decoder] = pq.read_table(sorted((tmp_path / decoder).glob("part-*.parquet"))).to_pylist()
     assert stats["decord"]["device_decoded"] == 0 and stats[setting]["device_decoded"] > 0
+    assert carveouts == [None, carveout] and torch._C._get_sm_carveout_experimental() is None
     assert 0 < len(fed) <= stats[setting]["device_decoded"]
     parts = stats[setting]["ranks"][0]["device_decode_parts"]
     assert parts["clip"] >= parts["Decode"] > 0 and parts["RGB"] > 0

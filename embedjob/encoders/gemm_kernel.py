@@ -203,6 +203,15 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def programs(device: torch.device) -> int:
+    """The persistent GEMM's programs on `device`: one per SM that torch's SM carveout (the
+    process's, which cuBLAS and cuDNN honour too) leaves, at least one. A persistent kernel
+    holds every SM it runs on until its last tile, so the carveout is the only way work on
+    other streams (a GPU decoder's copies and conversions) gets SMs while it runs; read at
+    each launch, so a graph captured under a carveout keeps it."""
+    return max(1, _multiprocessors(device) - (torch._C._get_sm_carveout_experimental() or 0))
+
+
 def _takes_descriptors(*matrices: torch.Tensor) -> bool:
     """Whether TMA reads these row-major matrices here: descriptors import, the GPU is
     Hopper or datacenter Blackwell (`CONFIG`'s shared memory), and each matrix starts and
@@ -221,8 +230,7 @@ def linear_activation(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     tma = _takes_descriptors(x2d, weight, out)
     config = CONFIG if tma else POINTER_CONFIG
     a, w, c = operands(x2d, weight, out, config, tma)
-    launch(a, w, bias, c, (x2d.shape[0], x2d.shape[1], weight.shape[0]), activation, config,
-           _multiprocessors(x2d.device), tma)
+    launch(a, w, bias, c, (x2d.shape[0], x2d.shape[1], weight.shape[0]), activation, config, programs(x2d.device), tma)
     return out
 
 

@@ -176,8 +176,9 @@ second, the `video.decoder: auto` job's threads on one stream 25 (benchmarks/RES
 section 11). Timed once in a job, with `FUSED_RGB` (377 clips, SigLIP-so400m, an H100):
 0.576 of the encoder alone against 0.580 without either, the GPU's decoder 31 clips a
 second both ways; in a `video.decoder: nvdec` job on 128 clips 23.4 against 28.5 with
-`FUSED_RGB` too, 31.7 against 29.6 on its own (one run each; benchmarks/RESULTS.md section 11): off until a
-run on 1,152 clips says more. `tests/test_gpu.py` runs the nvdec and auto jobs both ways."""
+`FUSED_RGB` too, 31.7 against 29.6 on its own (one run each; benchmarks/RESULTS.md section
+11): off until a run on 1,152 clips says more. `tests/test_gpu.py` runs the nvdec and auto
+jobs both ways."""
 
 
 def _work_stream(device: torch.device) -> torch.cuda.Stream:

@@ -33,8 +33,9 @@ Python `--python-busy` of the time (`PythonLoad`), as the rank's main thread hol
 between its waits, under `--switch-interval` (Python's thread switch interval); the `gpu`
 load's products leave `--load-carveout` SMs free, one run each (the job's
 `pipeline.GPU_DECODE_SM_CARVEOUT`; the row names the products' rate alone, lower by the SMs'
-share where they left them: 16 asked for left NVDEC's rate unchanged, RESULTS.md section 11). In `video.decoder: auto` the GPU's decoder read about half what it reads alone
-(RESULTS.md section 11): these rows say which neighbour takes it.
+share where they left them: 16 asked for left NVDEC's rate unchanged, RESULTS.md section 11).
+In `video.decoder: auto` the GPU's decoder read about half what it reads alone (RESULTS.md
+section 11): these rows say which neighbour takes it.
 
 Per row: clips per second, seconds of video per second, the sessions' parallelism (the
 seconds the clips took, summed over sessions, over the wall time: N when N sessions never

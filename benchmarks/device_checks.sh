@@ -30,7 +30,7 @@
 # encoder's work on the device, 45 with the tower's tiny version; a carveout told to free 16 SMs changed nothing, its
 # products' rate now beside it): the tables' video clock and power, the frames' hand-over (`surface`) and the
 # allocator's driver calls, on clips-bg's 128 clips
-# (CLIPS=128), one call:
+# (CLIPS=128), one call, VIDEO_REPEATS=3 (one run says little: two of one tree read 29.6 and 30.2):
 #     VIDEO_DECODERS=nvdec bash benchmarks/device_checks.sh video siglip
 #     VIDEO_DECODERS=nvdec VIDEO_FLAGS=--tiny-tower bash benchmarks/device_checks.sh video siglip
 #     VIDEO_DECODERS=nvdec VIDEO_VARIANTS="nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=16"
@@ -67,8 +67,8 @@
 # GPU decoder's session counts, an nvdec run each and auto at the fastest's, 7 by default; VIDEO_VARIANTS=
 # "auto:embedjob.decode.video.PACKETS_IN_WORKERS=False" adds runs on a copy of the tree with those constants
 # (or with job settings: "auto:runtime.workers=12"); VIDEO_PROFILE="auto" runs
-# those jobs under cProfile, its table in video-NAME.log; VIDEO_FLAGS="--tiny-tower" embeds with the tower's tiny
-# version), nvdec-scaling (benchmarks/
+# those jobs under cProfile, its table in video-NAME.log; VIDEO_REPEATS=3 runs each job three times, the median run's row
+# shown; VIDEO_FLAGS="--tiny-tower" embeds with the tower's tiny version), nvdec-scaling (benchmarks/
 # nvdec_scaling.py on them: NVDEC alone, sessions as threads and as processes; NVDEC_SCALING_FLAGS="--sessions 1 7"
 # picks counts, "--loads none cpu gpu both" adds runs beside 16 decord processes and/or bf16 products on the GPU), fp8-layers NAME...
 # (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),
@@ -293,7 +293,7 @@ video() {
   for tower in "$@"; do
     timeout "$(budget 560)" python3 benchmarks/video_decode.py "${smoke[@]}" --clips "$work/clips" --tower "$tower" \
       --decoders ${VIDEO_DECODERS:-decord nvdec auto} --nvdec-sessions ${NVDEC_SESSIONS:-7} ${VIDEO_VARIANTS:+--variants $VIDEO_VARIANTS} \
-      ${VIDEO_PROFILE:+--profile $VIDEO_PROFILE} ${VIDEO_FLAGS:-} \
+      ${VIDEO_PROFILE:+--profile $VIDEO_PROFILE} ${VIDEO_REPEATS:+--repeats $VIDEO_REPEATS} ${VIDEO_FLAGS:-} \
       --workdir "$work/video-$tower" 2>&1 |
       tee "$out/video-$tower.log"
     # The jobs' own logs (auto's shares, the decoders' refusals) come back beside the table; the profiles stay

@@ -16,7 +16,7 @@ It writes the clips into a Parquet file, measures the encoder-only rate of their
 (`benchmarks/encoder_only.py`: `--tower`, the scaling benchmark's Qwen2.5-VL-7B-,
 SigLIP-so400m-384- or CLIP-L/14-336-size tower, bf16, compiled, graphs; 2 frames per
 second, at most 32 frames), then runs `embedjob run --gpus 1` on them once per
-`--decoders` setting (decord first): `decord` and `auto` with `--workers` decode
+`--decoders` setting (decord first; `--repeats` times each, the median run's row shown): `decord` and `auto` with `--workers` decode
 processes, `nvdec` with `--nvdec-workers`, once per `--nvdec-sessions` count of decoder
 sessions, `auto` at the count whose nvdec run was fastest; then each `--variants` run, on a copy of
 the package with module constants rewritten, e.g. `auto:embedjob.decode.nvdec.FEED_SAMPLED=False`,
@@ -55,8 +55,8 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +117,9 @@ def main() -> int:
         overrides = [f"{key}={value}" for key, value in _settings(args, plan).items()]
         tree = patched_tree(plan.constants, workdir / f"tree-{len(plans)}") if plan.constants else REPO
         profile = workdir / "logs" / f"run-{len(plans)}.prof" if plan.decoder in args.profile else None
-        with DecoderBusy() as busy:
-            runs[label] = run_cli(job, output, 1, overrides, workdir / "logs" / f"run-{len(plans)}.log", tree, profile)
-        plan.decoders = busy.describe()
+        runs[label] = repeated(plan, args.repeats, lambda repeat: run_cli(
+            job, output, 1, overrides, workdir / "logs" / f"run-{len(plans)}{'' if repeat == 0 else f'-{repeat + 1}'}.log", tree,
+            profile if repeat == 0 else None))
         if profile is not None and profile.is_file():
             log(f"[video] {label}: cProfile of the job's process (run under it, so slower than the table's other runs):\n"
                 f"{profile_summary(profile)}")
@@ -137,16 +137,37 @@ def main() -> int:
     return 0
 
 
+def repeated(plan: Planned, repeats: int, run: Callable[[int], dict[str, Any] | None]) -> dict[str, Any] | None:
+    """`run` (its argument the repeat, from 0) `repeats` times, the plan's job each time:
+    the statistics of the run with the median pipeline seconds (the lower middle of an even
+    count), or None if any failed; `plan` keeps every run's pipeline seconds and NVML's
+    view of the decoders in the median one. One run of a variant says little: two nvdec
+    runs of one tree on 128 clips read 29.6 and 30.2 clips a second."""
+    done = []
+    for repeat in range(repeats):
+        with DecoderBusy() as busy:
+            stats = run(repeat)
+        if stats is None:
+            plan.seconds = []
+            return None
+        done.append((stats["pipeline_seconds"], repeat, stats, busy.describe()))
+    plan.seconds = [seconds for seconds, *_ in done]
+    _, _, stats, plan.decoders = sorted(done)[(len(done) - 1) // 2]
+    return stats
+
+
 @dataclass
 class Planned:
     """One run of the job: its decoder, its NVDEC sessions, the module constants its copy of
-    the tree has rewritten (`--variants`), and how busy NVML saw the NVDEC engines in it."""
+    the tree has rewritten (`--variants`), and, from `repeated`, how busy NVML saw the NVDEC
+    engines in the median run and each run's pipeline seconds."""
 
     decoder: str
     sessions: int
     patches: tuple[tuple[str, str], ...] = ()
     """(module.NAME, value) pairs of `embedjob` constants, and (section.key, value) job settings."""
     decoders: str = "-"
+    seconds: list[float] = field(default_factory=list)
 
     @property
     def constants(self) -> tuple[tuple[str, str], ...]:
@@ -440,7 +461,8 @@ def render(
             name = f"auto ({sessions} sessions, last GPU share {first['gpu_share']:.2f})"
         name += "".join(f", {patch}={value}" for patch, value in plan.patches)
         lines.append(table_row([
-            name, workers, stats["rows"], f"{seconds:.1f}", fmt(pipeline, ".2f"), fmt(seconds / pipeline if pipeline else None, ".1f"),
+            name, workers, stats["rows"], f"{seconds:.1f}", _pipeline_seconds(pipeline, plan.seconds),
+            fmt(seconds / pipeline if pipeline else None, ".1f"),
             fmt(rate, ".2f"), fmt(rate / encoder.rate if rate else None, ".3f"), _past_head_start(stats, encoder),
             stats.get("device_decoded", "-"),
             fmt(first.get("decode_seconds"), ".1f"), fmt(first.get("device_decode_seconds"), ".2f"),
@@ -470,6 +492,14 @@ def _settings(args: argparse.Namespace, plan: Planned) -> dict[str, str]:
     workers = args.nvdec_workers if plan.decoder == "nvdec" else args.workers
     own = {"runtime.workers": str(workers), "video.decoder": plan.decoder, "video.nvdec_sessions": str(plan.sessions)}
     return {**own, **dict(plan.settings)}
+
+
+def _pipeline_seconds(median: float | None, each: list[float]) -> str:
+    """The median run's pipeline seconds, with the spread of all where there were several:
+    "4.32 (3 runs, 4.12-4.50)"."""
+    if len(each) < 2:
+        return fmt(median, ".2f")
+    return f"{fmt(median, '.2f')} ({len(each)} runs, {min(each):.2f}-{max(each):.2f})"
 
 
 def _past_head_start(stats: dict[str, Any], encoder: EncoderOnly) -> str:
@@ -534,6 +564,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", nargs="+", choices=DECODERS, default=[], metavar="DECODER",
                         help="run these decoders' jobs (their --variants too) under cProfile and log what the job's process "
                              "spent its time on (the profile itself beside the run's log)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each job; its row is the median run's, its pipeline seconds with the spread")
     parser.add_argument("--workdir", default="video-decode-work")
     parser.add_argument("--smoke", action="store_true", help="CPU only: the tiny tower, test clips where --clips has none")
     args = parser.parse_args()

@@ -143,6 +143,22 @@ def test_video_decode_variants_take_job_settings_beside_constants(tmp_path: Path
     assert "--set runtime.workers=1" in (tmp_path / "logs" / "run-2.log").read_text().splitlines()[0]
 
 
+def test_video_decodes_repeated_runs_give_the_median_runs_row_and_the_spread() -> None:
+    """`video_decode.py --repeats 3`: a variant's row is its median run's (by pipeline
+    seconds), its pipeline cell the spread of all three; one failed run fails the row,
+    and a single run's cell is its seconds alone."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.video_decode import Planned, _pipeline_seconds, repeated
+
+    plan = Planned("nvdec", 7)
+    seconds = iter([5.0, 3.0, 4.0])
+    stats = repeated(plan, 3, lambda repeat: {"pipeline_seconds": next(seconds), "repeat": repeat})
+    assert stats == {"pipeline_seconds": 4.0, "repeat": 2} and plan.seconds == [5.0, 3.0, 4.0]
+    assert _pipeline_seconds(stats["pipeline_seconds"], plan.seconds) == "4.00 (3 runs, 3.00-5.00)"
+    assert repeated(plan, 3, lambda repeat: None if repeat == 1 else {"pipeline_seconds": 1.0}) is None
+    assert _pipeline_seconds(2.5, [2.5]) == "2.50"
+
+
 @pytest.mark.slow
 def test_thumbnails_replay_their_graphs(tmp_path: Path) -> None:
     done = script("packing", "--smoke", "--thumbnails", "16", "--workdir", str(tmp_path))

@@ -350,8 +350,8 @@ GEMMS_PER_GRAPH = 50
 
 def feed_per_clip(parts: dict[str, float], clips: int) -> list[str] | None:
     """Each of the GPU decoder's parts over a run (`nvdec.CLOCK.since`, or a job's
-    `device_decode_parts`: whole clips, `Decode` calls, surface copies, NV12 conversion, summed
-    over the threads) in milliseconds a clip, in `DecoderClock.PARTS`' order; None where the
+    `device_decode_parts`: whole clips, `Decode` calls, surfaces taken, their copies, NV12
+    conversion, summed over the threads) in milliseconds a clip, in `DecoderClock.PARTS`' order; None where the
     packet feed counted nothing (no clip fed: decord standing in for NVDEC, or none decoded)."""
     from embedjob.decode.nvdec import DecoderClock
 

@@ -919,30 +919,30 @@ class RankPipeline:
 
 
 @contextlib.contextmanager
-def _switch_interval(seconds: float | None) -> Iterator[None]:
-    """Python's thread switch interval at `seconds` inside (as it was where None)."""
-    before = sys.getswitchinterval()
-    if seconds is not None:
-        sys.setswitchinterval(seconds)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
-
-
-@contextlib.contextmanager
-def sm_carveout(sms: int | None) -> Iterator[None]:
-    """torch's SM carveout at `sms` inside (unchanged where None), as it was after: it is
-    the process's, and a later job in it must get every SM."""
-    if sms is None:
+def _process_setting(read: Callable[[], Any], write: Callable[[Any], None], value: Any) -> Iterator[None]:
+    """A process-wide setting (`read` and `write` it) at `value` inside, unchanged where
+    None, and as it was after, even where the block raised: it is the process's, and a
+    later job in it must find it as it was."""
+    if value is None:
         yield
         return
-    before = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(sms)
+    before = read()
+    write(value)
     try:
         yield
     finally:
-        torch._C._set_sm_carveout_experimental(before)
+        write(before)
+
+
+def _switch_interval(seconds: float | None) -> contextlib.AbstractContextManager[None]:
+    """Python's thread switch interval at `seconds` inside (`_process_setting`)."""
+    return _process_setting(sys.getswitchinterval, sys.setswitchinterval, seconds)
+
+
+def sm_carveout(sms: int | None) -> contextlib.AbstractContextManager[None]:
+    """torch's SM carveout at `sms` inside (`_process_setting`): a later job in the process
+    must get every SM."""
+    return _process_setting(torch._C._get_sm_carveout_experimental, torch._C._set_sm_carveout_experimental, sms)
 
 
 @contextlib.contextmanager

@@ -363,15 +363,18 @@ def feed_per_clip(parts: dict[str, float], clips: int) -> list[str] | None:
 class GemmLoad:
     """A stream replaying a graph of GEMMs back to back until stopped, as the encoder's
     graphs keep the SMs busy; with `carveout`, its cuBLAS kernels captured leaving that
-    many SMs free, as a job's with `pipeline.GPU_DECODE_SM_CARVEOUT`."""
+    many SMs free, as a job's with `pipeline.GPU_DECODE_SM_CARVEOUT`; with `green`, the
+    stream one of a green context leaving that many SMs free (`engine.green`), which
+    holds every kernel, not only cuBLAS's."""
 
-    def __init__(self, device: Any, carveout: int | None = None) -> None:
+    def __init__(self, device: Any, carveout: int | None = None, green: int | None = None) -> None:
         import torch
 
+        from embedjob.engine.green import green_stream
         from embedjob.pipeline import sm_carveout
 
         m, k, n = LOAD_SHAPE
-        self.stream = torch.cuda.Stream(device)
+        self.stream = green_stream(device, green).stream if green else torch.cuda.Stream(device)
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
         with torch.cuda.stream(self.stream), sm_carveout(carveout):

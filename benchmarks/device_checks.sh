@@ -72,6 +72,7 @@
 # nvdec_scaling.py on them: NVDEC alone, sessions as threads and as processes; NVDEC_SCALING_FLAGS="--sessions 1 7"
 # picks counts, "--loads none cpu gpu both" adds runs beside 16 decord processes and/or bf16 products on the GPU), fp8-layers NAME...
 # (benchmarks/fp8_layers.py: each linear layer's FP8 error and the cosine kept bf16 layers buy, issue #57),
+# copies (benchmarks/copy_wait.py: a frame's copy beside bf16 products, on the SMs or the copy engines, #56),
 # quantize (benchmarks/quantize_rows.py: the FP8 row quantisation alone at the towers' shapes, by blocks and warps, #57;
 # QUANTIZE_FLAGS="--blocks 3 2 1 --warps default 4" picks them),
 # families (benchmarks/family_checks.py: DINOv3's bf16 paths against float32, Qwen3.5's batches and kernels;
@@ -311,6 +312,12 @@ nvdec_scaling() {
   summary+=("nvdec_scaling.py:" "$(last_table '^# NVDEC alone' "$out/nvdec-scaling.log")")
 }
 
+copies() {
+  # A 1080p NV12 frame's copy alone and beside bf16 products: on the SMs or the copy engines (#56).
+  timeout "$(budget 120)" python3 benchmarks/copy_wait.py "${smoke[@]}" 2>&1 | tee "$out/copies.log"
+  summary+=("copy_wait.py:" "$(sed -n '/^# A 1080p NV12/,$p' "$out/copies.log")")
+}
+
 quantize() {
   # The FP8 row quantisation alone at the towers' shapes, by blocks and warps per row (#57).
   timeout "$(budget 300)" python3 benchmarks/quantize_rows.py "${smoke[@]}" ${QUANTIZE_FLAGS:-} 2>&1 | tee "$out/quantize.log"
@@ -334,20 +341,20 @@ while [ $# -gt 0 ]; do
   stage="$1"
   shift
   case "$stage" in
-    prep | tests | decode | attention | naflex | bench | families | clips | quantize | report) "$stage" ;;
+    prep | tests | decode | attention | naflex | bench | families | clips | copies | quantize | report) "$stage" ;;
     nvdec-scaling) nvdec_scaling ;;
     clips-bg) clips_bg ;;
     clips-stop) clips_stop ;;
     mixes | kernels | captions | video | fp8-layers)
       names=()
-      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench families clips clips-bg clips-stop nvdec-scaling quantize report mixes kernels captions video fp8-layers " != *" $1 "* ]]; do
+      while [ $# -gt 0 ] && [[ " prep tests decode attention naflex bench families clips copies clips-bg clips-stop nvdec-scaling quantize report mixes kernels captions video fp8-layers " != *" $1 "* ]]; do
         names+=("$1")
         shift
       done
       [ ${#names[@]} -gt 0 ] || { echo "device_checks.sh: '$stage' needs mix names (qwen-mixed qwen-224 siglip clip)" >&2; exit 2; }
       "${stage//-/_}" "${names[@]}"
       ;;
-    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, families, clips, clips-bg, clips-stop, nvdec-scaling, quantize, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., fp8-layers NAME..., report)" >&2; exit 2 ;;
+    *) echo "device_checks.sh: unknown stage '$stage' (prep, tests, decode, attention, naflex, bench, families, clips, copies, clips-bg, clips-stop, nvdec-scaling, quantize, mixes NAME..., kernels NAME..., captions NAME..., video NAME..., fp8-layers NAME..., report)" >&2; exit 2 ;;
   esac
 done
 clips_running && clips_said

@@ -19,7 +19,8 @@ of their own (`own-streams`: `nvdec.OWN_STREAMS`), fed only the packets the samp
 (`cut`: `video.PACKETS_IN_WORKERS`, no demuxer on the rank), and so with the surfaces
 copied out on the caller's stream, which the threads share (`cut-caller-copies`:
 `nvdec.COPIES_ON_FEED_STREAM` off), and so with the NV12 turned to RGB by one Triton kernel
-(`cut-fused`: `nvdec.FUSED_RGB`), as `--variants` says. The
+(`cut-fused`: `nvdec.FUSED_RGB`), and so with the surfaces copied out by the driver's 2D
+copy, which the copy engines run (`cut-engine`: `nvdec.COPY_ENGINE`), as `--variants` says. The
 clips are planned first, as the decode workers plan them (`video.decode_video` with
 `defer_video`; the cut, too, is made then, untimed).
 
@@ -33,7 +34,9 @@ Python `--python-busy` of the time (`PythonLoad`), as the rank's main thread hol
 between its waits, under `--switch-interval` (Python's thread switch interval); the `gpu`
 load's products leave `--load-carveout` SMs free, one run each (the job's
 `pipeline.GPU_DECODE_SM_CARVEOUT`; the row names the products' rate alone, lower by the SMs'
-share where they left them: 16 asked for left NVDEC's rate unchanged, RESULTS.md section 11).
+share where they left them: 16 asked for left NVDEC's rate unchanged, RESULTS.md section 11),
+or `--load-green` SMs by a green context (`engine.green`: every kernel of the products held
+to the rest, where the carveout reaches cuBLAS's alone).
 In `video.decoder: auto` the GPU's decoder read about half what it reads alone (RESULTS.md
 section 11): these rows say which neighbour takes it.
 
@@ -93,7 +96,7 @@ IMAGE_PIXELS = 1 << 24
 PROCESS_SECONDS = 600
 """The longest a process may take to report (a crashed one never does)."""
 
-_BASE = {"OWN_STREAMS": False, "FEED_SAMPLED": True, "COPIES_ON_FEED_STREAM": True, "FUSED_RGB": False}
+_BASE = {"OWN_STREAMS": False, "FEED_SAMPLED": True, "COPIES_ON_FEED_STREAM": True, "COPY_ENGINE": False, "FUSED_RGB": False}
 _CUT = {**_BASE, "PACKETS_IN_WORKERS": True}
 VARIANTS = {
     "shared-stream": {**_BASE, "FEED_SAMPLED": False},
@@ -102,6 +105,7 @@ VARIANTS = {
     "cut": _CUT,
     "cut-caller-copies": {**_CUT, "COPIES_ON_FEED_STREAM": False},
     "cut-fused": {**_CUT, "FUSED_RGB": True},
+    "cut-engine": {**_CUT, "COPY_ENGINE": True},
 }
 """`--variants`: the `nvdec` settings each runs with, and `video.PACKETS_IN_WORKERS` for the plans."""
 
@@ -313,13 +317,14 @@ class Loads:
 
 @contextlib.contextmanager
 def loaded(load: str, paths: list[Path], workers: int, nice: int, device: torch.device, busy: float,
-           carveout: int | None = None) -> Iterator[Loads]:
+           carveout: int | None = None, green: int | None = None) -> Iterator[Loads]:
     """The `load` (`LOADS`) running while the block runs (its decord processes at `nice`, its
-    Python thread `busy`, its products leaving `carveout` SMs free)."""
+    Python thread `busy`, its products leaving `carveout` SMs free to cuBLAS, or `green`
+    by a green context)."""
     loads = Loads()
     with contextlib.ExitStack() as stack:
         if load in ("gpu", "both"):
-            gemms = GemmLoad(device, carveout)
+            gemms = GemmLoad(device, carveout, green)
             loads.gemm_tflops = gemms.tflops()
             stack.enter_context(gemms)
         if load == "python":
@@ -448,12 +453,14 @@ def main() -> int:
             setattr(nvdec, setting, VARIANTS[variant][setting])
         clips = plans[VARIANTS[variant].get("PACKETS_IN_WORKERS", False)]
         # The python load holds this process's GIL, which only the threads share.
-        runs_wanted = [(m, n, load, nice, sms) for load in args.loads for nice in (args.load_nice if load in ("cpu", "both") else [0])
-                       for sms in (args.load_carveout if load in ("gpu", "both") else [0])
+        freed = [("carveout", sms) for sms in args.load_carveout] + [("green context", sms) for sms in args.load_green]
+        runs_wanted = [(m, n, load, nice, free) for load in args.loads for nice in (args.load_nice if load in ("cpu", "both") else [0])
+                       for free in (freed if load in ("gpu", "both") else [("carveout", 0)])
                        for m in args.modes for n in args.sessions if not (load == "python" and m == "processes")]
-        for mode, sessions, load, nice, sms in runs_wanted:
+        for mode, sessions, load, nice, (how, sms) in runs_wanted:
             try:
-                with loaded(load, paths, args.load_workers, nice, device, args.python_busy, sms or None) as loads, DecoderBusy() as busy:
+                with loaded(load, paths, args.load_workers, nice, device, args.python_busy, sms if how == "carveout" and sms else None,
+                            sms if how != "carveout" else None) as loads, DecoderBusy() as busy:
                     run = threads_run(clips, sessions, args.window, device) if mode == "threads" else processes_run(paths, sessions, device, VARIANTS[variant])
                 run.decoders = busy.describe()
                 run.load_rate = loads.cpu.rate if loads.cpu is not None else None
@@ -461,7 +468,7 @@ def main() -> int:
                 run, loads = Run(mode, sessions, error=repr(exc)), Loads()
             said = LOAD_NAMES[load].format(workers=args.load_workers, nice=nice, busy=args.python_busy) if load != "none" else ""
             said += f" ({loads.gemm_tflops:.0f} TFLOP/s alone)" if loads.gemm_tflops is not None else ""
-            said += f" leaving {sms} SMs free" if sms else ""
+            said += f" leaving {sms} SMs free ({how})" if sms else ""
             run.mode = f"{mode}, {variant}" + (f", {said}" if said else "")
             runs.append(run)
             log(SCRIPT, f"{run.mode} x {sessions}: {run.error or f'{run.clips / run.wall:.2f} clips/s'}")
@@ -487,6 +494,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load-carveout", type=int, nargs="+", default=[0],
                         help="SMs the gpu load's products leave free (torch's SM carveout), one run each "
                              "(0: none; a job's pipeline.GPU_DECODE_SM_CARVEOUT)")
+    parser.add_argument("--load-green", type=int, nargs="*", default=[],
+                        help="SMs the gpu load's products leave free in a green context (engine.green: every kernel, "
+                             "not only cuBLAS's), one run each after the carveout's")
     parser.add_argument("--python-busy", type=float, default=0.5,
                         help="share of the time the python load's thread runs Python (the rest it sleeps)")
     parser.add_argument("--switch-interval", type=float, default=None,

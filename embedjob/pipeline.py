@@ -56,6 +56,7 @@ from embedjob.decode.nvdec import nvdec_problem
 from embedjob.encoders import EncoderAdapter, load_adapter
 from embedjob.engine.defs import Encoded, Encoder, output_dtype, to_host
 from embedjob.engine.encode import build_encoder
+from embedjob.engine.green import GreenStream, GreenUnavailable, green_stream
 from embedjob.host import device_name
 from embedjob.io import reader
 from embedjob.io.checkpoint import caption_keys, fp8_keys
@@ -126,6 +127,17 @@ SMs took a `video.decoder: nvdec` job on SigLIP-so400m, whose products are all c
 from 29.6 clips a second to 31.0 (one run each, 128 clips, an H100); None until a CLIP
 tower's (its fc1 is the Triton GEMM) and more clips are timed
 (`benchmarks/video_decode.py --tower clip --variants nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=16`)."""
+
+GPU_DECODE_FREE_SMS: int | None = None
+"""SMs the encoder leaves to this rank's GPU decode of videos, or None for none: its graphs
+are captured and replayed, and its other kernels queued, on the stream of a green context
+(`engine.green`) holding them to the other SMs, where the carveout holds cuBLAS's alone.
+Every copy out of the decoder's surfaces, by torch or by the driver, and every kernel of the
+decode otherwise waits for the encoder's kernel in flight to end (0.32 ms beside bf16
+products against 0.02 alone, `benchmarks/copy_wait.py`), and PyNvVideoCodec waits for its
+stream before each picture it shows: NVDEC read 29.6 clips a second beside SigLIP-so400m
+where alone it read 55 (benchmarks/RESULTS.md section 11). A driver without green contexts
+(before CUDA 12.5) leaves the encoder every SM, and says so."""
 
 AUTO_ROWS = 64
 """Items a rank encodes before `preprocess.decoder: auto` first compares decode and device rates."""
@@ -468,6 +480,7 @@ class RankPipeline:
         self.video = "decord"
         self.defer = False
         self.split = DecodeSplit()
+        self._green: GreenStream | None = None
         self.stopped = False
 
     def prepare(self) -> None:
@@ -526,6 +539,8 @@ class RankPipeline:
         taken: collections.deque[reader.Chunk] = collections.deque()
         submitted: collections.deque[reader.InputRow] = collections.deque()
         carveout = GPU_DECODE_SM_CARVEOUT if self.device.type == "cuda" and self.video != "decord" else None
+        self._green = self._encoder_green()
+        self.encoder.capture_on(self._green.stream if self._green is not None else None)
         with sm_carveout(carveout):
             with collector_paused():
                 pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))
@@ -762,7 +777,23 @@ class RankPipeline:
         calls and its own time per window (benchmarks/RESULTS.md)."""
         if not self._gpu_decodes:
             return contextlib.nullcontext()
+        if self._green is not None:
+            return torch.cuda.stream(self._green.stream)
         return torch.cuda.stream(torch.cuda.Stream(self.device))
+
+    def _encoder_green(self) -> GreenStream | None:
+        """The green context's stream the encoder runs on while this rank's GPU decodes
+        videos (`GPU_DECODE_FREE_SMS`), or None: not asked for, no video decoded on the
+        GPU, or a driver that makes none (logged)."""
+        if GPU_DECODE_FREE_SMS is None or self.device.type != "cuda" or self.video == "decord":
+            return None
+        try:
+            green = green_stream(self.device, GPU_DECODE_FREE_SMS)
+        except GreenUnavailable as exc:
+            logger.warning("the encoder keeps every SM beside the GPU's video decoder: %s", exc)
+            return None
+        logger.info("the encoder runs on %d of the GPU's %d SMs, the rest left to its video decoder", green.sms, green.total)
+        return green
 
     def _decode_ahead(self, window: list[Decoded], stream: torch.cuda.Stream) -> JpegsAhead:
         """On the nvjpeg thread: `window`'s first nvjpeg call."""

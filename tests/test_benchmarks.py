@@ -27,6 +27,7 @@ SCRIPTS = [
     "nvdec_scaling",
     "quantize_rows",
     "gemm_epilogue",
+    "copy_wait",
 ]
 SMOKE_SECONDS = 600
 
@@ -88,6 +89,7 @@ SMOKES = {
                        "| threads, cut, beside 2 decord processes at nice 10 | 2 |",
                        "| threads, cut, beside a thread running Python 50% of the time | 2 |", "switch interval 1 ms"]),
     "quantize_rows": (["--smoke"], ["| input (tower: the layers reading it) | blocks (lanes) | warps |", "| 4,096 + 128 + 128 |", "SigLIP-so400m: fc2, 4,304 wide after gelu_tanh", "torch path standing in"]),
+    "copy_wait": (["--smoke"], ["| copy | alone | beside bf16 products |", "skipped every copy", "| driver 2D | skipped |"]),
     "family_checks": (["--smoke"], ["| check | result |", "DINOv3: embedjob float32, graphs of the uncompiled blocks", "Qwen3.5: all batches", "an image job's graph offsets"]),
     # Triton's interpreter runs every kernel on a 100 x 64 x 128 product; a wrong or failed row exits 1.
     "gemm_epilogue": (["--smoke"], ["| shape | variant | ms | TFLOP/s |", "timings not meaningful",

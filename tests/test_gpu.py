@@ -970,14 +970,18 @@ def test_the_fused_nv12_kernel_gives_the_torch_paths_rgb_on_the_gpu(monkeypatch:
 
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
-@pytest.mark.parametrize("on_feed_stream, fused", [(True, False), (False, False), (False, True)], ids=["on_feed_stream", "caller", "fused_rgb"])
-def test_frames_fed_from_the_pictures_a_worker_cut_out_are_decords(monkeypatch: pytest.MonkeyPatch, on_feed_stream: bool, fused: bool) -> None:
+@pytest.mark.parametrize("on_feed_stream, fused, engine", [(True, False, False), (False, False, False), (False, True, False), (False, False, True)],
+                         ids=["on_feed_stream", "caller", "fused_rgb", "copy_engine"])
+def test_frames_fed_from_the_pictures_a_worker_cut_out_are_decords(
+    monkeypatch: pytest.MonkeyPatch, on_feed_stream: bool, fused: bool, engine: bool
+) -> None:
     """`video.PACKETS_IN_WORKERS`: the pictures a worker cuts out of a clip's samples
     (`gop.packet_feed`), handed to the decoder as packets made here with no demuxer on the
     rank, give decord's frames of a decode from the first frame to the last, within a level
     on average, for the plans of the test above and the worker's own (2 frames a second),
-    whichever stream copies the surfaces out (`nvdec.COPIES_ON_FEED_STREAM`), and with
-    the NV12 turned to RGB by the fused kernel (`nvdec.FUSED_RGB`)."""
+    whichever stream copies the surfaces out (`nvdec.COPIES_ON_FEED_STREAM`) and whatever
+    copies them (`nvdec.COPY_ENGINE`: the driver's 2D copy), and with the NV12 turned to
+    RGB by the fused kernel (`nvdec.FUSED_RGB`)."""
     import decord
 
     from embedjob.decode import nvdec, video
@@ -986,6 +990,7 @@ def test_frames_fed_from_the_pictures_a_worker_cut_out_are_decords(monkeypatch: 
 
     monkeypatch.setattr(video, "PACKETS_IN_WORKERS", True)
     monkeypatch.setattr(nvdec, "COPIES_ON_FEED_STREAM", on_feed_stream)
+    monkeypatch.setattr(nvdec, "COPY_ENGINE", engine)
     monkeypatch.setattr(nvdec, "FUSED_RGB", fused)
     monkeypatch.setattr(nvdec, "FEED_SAMPLED", False)  # what the feed cannot take fails here, not on the rank's demuxer
     monkeypatch.setattr(nvdec, "_pool", None)
@@ -1070,10 +1075,13 @@ def test_nvdec_sessions_on_streams_of_their_own_read_the_frames_of_the_shared_st
 
 @pytest.mark.skipif(not _has_nvdec(), reason="needs PyNvVideoCodec (pip install 'embedjob[nvdec]')")
 @pytest.mark.parametrize("setting", ["nvdec", "auto"])
-@pytest.mark.parametrize("thread_streams, fused, carveout", [(False, False, None), (True, False, None), (True, True, None), (False, False, 8)],
-                         ids=["caller_stream", "thread_streams", "fused_rgb", "sm_carveout"])
+@pytest.mark.parametrize("thread_streams, fused, carveout, free_sms",
+                         [(False, False, None, None), (True, False, None, None), (True, True, None, None), (False, False, 8, None),
+                          (False, False, None, 16)],
+                         ids=["caller_stream", "thread_streams", "fused_rgb", "sm_carveout", "green_context"])
 def test_an_nvdec_job_gives_the_decord_jobs_rows(
-    tmp_path: Path, cache_dir: str, setting: str, thread_streams: bool, fused: bool, carveout: int | None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, cache_dir: str, setting: str, thread_streams: bool, fused: bool, carveout: int | None, free_sms: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`video.decoder` nvdec, or auto, here made to leave every other clip to the GPU from
     the first row on, through setup too (`decode_split.SETUP_SHARE`, none in a job: the
@@ -1085,7 +1093,8 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
     session: the plan a worker sends carries what the feed needs. The decode threads queue
     their work on the caller's stream or on their own (`nvdec.THREAD_STREAMS`), and so
     with the NV12 turned to RGB by the fused kernel (`nvdec.FUSED_RGB`), or the encoder
-    leaves SMs to the decoder (`pipeline.GPU_DECODE_SM_CARVEOUT`, the decord job none). The
+    leaves SMs to the decoder (`pipeline.GPU_DECODE_SM_CARVEOUT`, the decord job none; or
+    `GPU_DECODE_FREE_SMS`: its graphs captured and replayed in a green context). The
     rank reports the decoder threads' seconds by part (`device_decode_parts`) and the caching
     allocator's calls while they ran (`device_allocations`), a decord job neither."""
     from embedjob import decode_split, pipeline
@@ -1111,6 +1120,10 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
     carveouts: list[int | None] = []
     carved = pipeline.sm_carveout
     monkeypatch.setattr(pipeline, "sm_carveout", lambda sms: carveouts.append(sms) or carved(sms))
+    monkeypatch.setattr(pipeline, "GPU_DECODE_FREE_SMS", free_sms)
+    greens: list[Any] = []
+    made = pipeline.green_stream
+    monkeypatch.setattr(pipeline, "green_stream", lambda device, free: greens.append(made(device, free)) or greens[-1])
     outputs, stats = {}, {}
     for decoder in ("decord", setting):
         overrides = [f"output.path={tmp_path / decoder}", "runtime.device=cuda", f"runtime.cache_dir={cache_dir}",
@@ -1119,6 +1132,7 @@ def test_an_nvdec_job_gives_the_decord_jobs_rows(
         outputs[decoder] = pq.read_table(sorted((tmp_path / decoder).glob("part-*.parquet"))).to_pylist()
     assert stats["decord"]["device_decoded"] == 0 and stats[setting]["device_decoded"] > 0
     assert carveouts == [None, carveout] and torch._C._get_sm_carveout_experimental() is None
+    assert [(g.total - g.sms >= free_sms) for g in greens] == ([True] if free_sms else [])
     assert 0 < len(fed) <= stats[setting]["device_decoded"]
     parts = stats[setting]["ranks"][0]["device_decode_parts"]
     assert parts["clip"] >= parts["Decode"] > 0 and parts["RGB"] > 0

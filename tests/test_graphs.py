@@ -253,3 +253,34 @@ def test_a_mid_run_capture_waits_for_the_decode_threads_which_never_wait_for_eac
         events.append("second capture")
     late.join(5)
     assert events == ["nvjpeg", "finish", "capture", "second capture", "next window"]
+
+
+def test_a_green_stream_without_a_cuda_driver_says_why_and_the_job_keeps_every_sm(monkeypatch: pytest.MonkeyPatch,
+                                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """`pipeline.GPU_DECODE_FREE_SMS` asks for a green context (`engine.green`); where the
+    driver makes none the encoder runs on a stream of its own with every SM, and the log
+    says why, instead of the job failing."""
+    import ctypes
+    import logging
+
+    from embedjob import pipeline
+    from embedjob.engine import green
+
+    def no_driver(name: str) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    green._driver.cache_clear()
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    try:
+        with pytest.raises(green.GreenUnavailable, match="no CUDA driver library"):
+            green.green_stream(torch.device("cuda", 0), 16)
+        rank = pipeline.RankPipeline.__new__(pipeline.RankPipeline)
+        rank.device, rank.video = torch.device("cuda", 0), "nvdec"
+        monkeypatch.setattr(pipeline, "GPU_DECODE_FREE_SMS", 16)
+        with caplog.at_level(logging.WARNING, logger=pipeline.logger.name):
+            assert rank._encoder_green() is None
+        assert "keeps every SM" in caplog.text and "no CUDA driver library" in caplog.text
+        rank.video = "decord"
+        assert rank._encoder_green() is None
+    finally:
+        green._driver.cache_clear()

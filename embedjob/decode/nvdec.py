@@ -20,6 +20,7 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import os
 import tempfile
 import threading
@@ -485,8 +486,8 @@ def _feed(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: tuple[
     to this thread's decoder of `kind`. The decoder makes its frames on the thread's
     stream and reuses their memory, so whatever it does after they are copied out (in
     this video or the next) waits for the copies: queued on that stream after its writes
-    (`COPIES_ON_FEED_STREAM`), else on the caller's, which the two streams wait for in
-    turn. A decoder that fails is dropped: it is not trusted with the next video."""
+    (`COPIES_ON_FEED_STREAM`, `COPY_ENGINE`), else on the caller's, which the two streams
+    wait for in turn. A decoder that fails is dropped: it is not trusted with the next video."""
     try:
         return _fed_frames(nvc, packets, wanted, kind, device, colour, coded)
     except Exception:
@@ -498,11 +499,11 @@ def _fed_frames(nvc: Any, packets: Iterable[Any], wanted: dict[int, int], kind: 
                 device: torch.device, colour: Colour, coded: tuple[int, int]) -> torch.Tensor:
     """The body of `_feed`, which drops the decoder where this fails. Each wanted frame's
     NV12 is copied out of its surface into its place in one batch as it comes (on the
-    decoder's stream with `COPIES_ON_FEED_STREAM`); the batch is turned to RGB at the
-    end, `BATCH_RGB` frames a call, on the caller's stream."""
+    decoder's stream with `COPIES_ON_FEED_STREAM` or `COPY_ENGINE`); the batch is turned
+    to RGB at the end, `BATCH_RGB` frames a call, on the caller's stream."""
     decoder, own = _fed_session(nvc, kind, device)
     current = torch.cuda.current_stream(device) if own is not None else None
-    on_own = own is not None and COPIES_ON_FEED_STREAM
+    on_own = own is not None and (COPIES_ON_FEED_STREAM or COPY_ENGINE)
     apart = own is not None and not on_own
     batch: torch.Tensor | None = None
     copied: set[int] = set()
@@ -545,8 +546,60 @@ def _copied_out(pts: int, surface: torch.Tensor, batch: torch.Tensor | None, wan
         batch = surface.new_empty((len(wanted), *surface.shape))
     if surface.shape != batch.shape[1:]:
         raise RuntimeError(f"the video decoder returned NV12 frames of shapes {tuple(surface.shape)} and {tuple(batch.shape[1:])}")
-    batch[wanted[pts]].copy_(surface)
+    if COPY_ENGINE and surface.is_cuda:
+        _engine_copy(batch[wanted[pts]], surface)
+    else:
+        batch[wanted[pts]].copy_(surface)
     return batch
+
+
+COPY_ENGINE = False
+"""Whether a fed decoder's wanted surfaces are copied out by the driver's 2D copy
+(`cuMemcpy2DAsync`, which the copy engines run) on the decoder's own stream, instead of by
+`Tensor.copy_` on the caller's. The decoder waits for its stream before each picture it
+shows, and a copy the SMs run waits there behind the encoder's kernels: in a
+`video.decoder: nvdec` job NVDEC read 29.6 clips a second beside SigLIP-so400m, 44.7
+beside the tower's tiny version (benchmarks/RESULTS.md section 11;
+`benchmarks/copy_wait.py` times each way of copying beside bf16 products)."""
+
+_DEVICE_MEMORY = 2
+"""CU_MEMORYTYPE_DEVICE: both sides of `_engine_copy` are device memory."""
+
+
+class _Copy2D(ctypes.Structure):
+    """The driver's CUDA_MEMCPY2D: where a pitched copy reads, where it writes, how much."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
+    ]
+
+
+def _engine_copy(target: torch.Tensor, surface: torch.Tensor) -> None:
+    """`surface` (rows of uint8, each contiguous, any pitch) copied into `target` (the same
+    shape, contiguous) by the driver on the current stream. Rows that are not each
+    contiguous are copied by `Tensor.copy_`."""
+    if surface.dim() != 2 or surface.stride(1) != 1 or not target.is_contiguous() or surface.dtype != torch.uint8:
+        target.copy_(surface)
+        return
+    rows, width = surface.shape
+    copy = _Copy2D(srcMemoryType=_DEVICE_MEMORY, srcDevice=surface.data_ptr(), srcPitch=surface.stride(0),
+                   dstMemoryType=_DEVICE_MEMORY, dstDevice=target.data_ptr(), dstPitch=width,
+                   WidthInBytes=width, Height=rows)
+    status = _driver().cuMemcpy2DAsync_v2(ctypes.byref(copy), ctypes.c_void_p(torch.cuda.current_stream(target.device).cuda_stream))
+    if status:
+        raise RuntimeError(f"the driver's 2D copy of a decoded frame failed (CUDA error {status})")
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    """The CUDA driver library, which PyNvVideoCodec's decoder runs on too."""
+    return ctypes.CDLL("libcuda.so.1")
 
 
 COPIES_ON_FEED_STREAM = False

@@ -171,6 +171,11 @@ class BatchEncoder:
         for path in self.paths:
             path.manager.capture()
 
+    def capture_on(self, stream: torch.cuda.Stream | None) -> None:
+        """Warm up and capture every path's graphs on `stream` (`GraphManager.stream`) from now on."""
+        for path in self.paths:
+            path.manager.stream = stream
+
     def clear(self) -> None:
         for path in self.paths:
             path.manager.clear()

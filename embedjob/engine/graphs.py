@@ -96,9 +96,9 @@ class _RecordedGraph:
 class _CudaGraph:
     """A captured CUDA graph and the static output tensor it writes."""
 
-    def __init__(self, body: Callable[[], torch.Tensor], pool: Any) -> None:
+    def __init__(self, body: Callable[[], torch.Tensor], pool: Any, stream: torch.cuda.Stream | None) -> None:
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.output = body()
 
     def replay(self) -> None:
@@ -128,6 +128,10 @@ class GraphManager:
         self._graphs: dict[int, _Entry] = {}
         self._pool: Any = None
         self._captured = False
+        self.stream: torch.cuda.Stream | None = None
+        """The stream graphs are warmed up and captured on, or None for new ones (torch's
+        own for capture). A captured kernel runs in the context of the stream it was
+        captured on: a green context's (`engine.green`) holds the graphs to its SMs."""
 
     @property
     def num_graphs(self) -> int:
@@ -199,12 +203,12 @@ class GraphManager:
 
         if self.backend == "replay":
             return _Entry(static, _RecordedGraph(body))
-        side = torch.cuda.Stream(self.adapter.device)
+        side = self.stream or torch.cuda.Stream(self.adapter.device)
         side.wait_stream(torch.cuda.current_stream(self.adapter.device))
         with torch.cuda.stream(side):
             body()
         torch.cuda.current_stream(self.adapter.device).wait_stream(side)
-        return _Entry(static, _CudaGraph(body, self._pool))
+        return _Entry(static, _CudaGraph(body, self._pool, self.stream))
 
     def _entry(self, budget: int | None) -> _Entry | None:
         """The graph of `budget`; the replay backend allocates a budget's buffers on first

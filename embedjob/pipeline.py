@@ -541,6 +541,10 @@ class RankPipeline:
         carveout = GPU_DECODE_SM_CARVEOUT if self.device.type == "cuda" and self.video != "decord" else None
         self._green = self._encoder_green()
         self.encoder.capture_on(self._green.stream if self._green is not None else None)
+        if self._green is not None:
+            # Persistent kernels (cuBLAS's, `gemm_kernel`'s) size their grids to the SMs the
+            # carveout leaves: as many programs as the green context has SMs, no second wave.
+            carveout = self._green.total - self._green.sms
         with sm_carveout(carveout):
             with collector_paused():
                 pool, stream = self._start_decoding_while_capturing(self._rows(first, taken, submitted))

@@ -17,7 +17,8 @@ kernel on its stream), their rate alone under the table:
 - `torch copy_, pitched source`: from a frame whose rows are 2,048 bytes apart, as a
   decoder's mapped surface is;
 - `driver DtoD`: `cuMemcpyDtoDAsync` of the contiguous frame;
-- `driver 2D`: `cuMemcpy2DAsync` from the pitched frame;
+- `driver 2D`: `cuMemcpy2DAsync` from the pitched frame (`nvdec.engine_copy`, what
+  `nvdec.COPY_ENGINE` copies with);
 - `kernel`: one elementwise torch kernel over the frame (`bitwise_not`), as the NV12
   conversion's twenty are.
 
@@ -31,12 +32,18 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from common import GemmLoad, fmt, log, skipped, table
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import GemmLoad, fmt, skipped, table  # noqa: E402
+from embedjob.decode.nvdec import engine_copy  # noqa: E402
 
 SCRIPT = "copy_wait.py"
 HEIGHT, WIDTH, PITCH = 1080 * 3 // 2, 1920, 2048
@@ -44,21 +51,6 @@ OPS = ("torch copy_", "torch copy_, pitched source", "driver DtoD", "driver 2D",
 FREE_SMS = 16
 SETTINGS = ("alone", "beside bf16 products", f"beside them, cuBLAS leaving {FREE_SMS} SMs (carveout)",
             f"beside them, a green context leaving {FREE_SMS} SMs")
-MEMORY_DEVICE = 2  # CU_MEMORYTYPE_DEVICE
-
-
-class Memcpy2D(ctypes.Structure):
-    """The driver's CUDA_MEMCPY2D."""
-
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
-        ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
-        ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t),
-    ]
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,9 +67,6 @@ def ops(device: torch.device) -> dict[str, Callable[[torch.cuda.Stream], None]]:
     source = pitched[:, :WIDTH]
     flat = source.contiguous()
     target = torch.empty_like(flat)
-    copy = Memcpy2D(srcMemoryType=MEMORY_DEVICE, srcDevice=pitched.data_ptr(), srcPitch=PITCH,
-                    dstMemoryType=MEMORY_DEVICE, dstDevice=target.data_ptr(), dstPitch=WIDTH,
-                    WidthInBytes=WIDTH, Height=HEIGHT)
 
     def checked(status: int, call: str) -> None:
         if status:
@@ -89,8 +78,7 @@ def ops(device: torch.device) -> dict[str, Callable[[torch.cuda.Stream], None]]:
         "driver DtoD": lambda stream: checked(driver.cuMemcpyDtoDAsync_v2(
             ctypes.c_uint64(target.data_ptr()), ctypes.c_uint64(flat.data_ptr()), ctypes.c_size_t(flat.numel()),
             ctypes.c_void_p(stream.cuda_stream)), "cuMemcpyDtoDAsync"),
-        "driver 2D": lambda stream: checked(driver.cuMemcpy2DAsync_v2(ctypes.byref(copy), ctypes.c_void_p(stream.cuda_stream)),
-                                            "cuMemcpy2DAsync"),
+        "driver 2D": lambda stream: engine_copy(target, source),
         "kernel": lambda stream: torch.bitwise_not(flat, out=target),
     }
 

@@ -547,7 +547,7 @@ def _copied_out(pts: int, surface: torch.Tensor, batch: torch.Tensor | None, wan
     if surface.shape != batch.shape[1:]:
         raise RuntimeError(f"the video decoder returned NV12 frames of shapes {tuple(surface.shape)} and {tuple(batch.shape[1:])}")
     if COPY_ENGINE and surface.is_cuda:
-        _engine_copy(batch[wanted[pts]], surface)
+        engine_copy(batch[wanted[pts]], surface)
     else:
         batch[wanted[pts]].copy_(surface)
     return batch
@@ -563,7 +563,7 @@ beside the tower's tiny version (benchmarks/RESULTS.md section 11;
 `benchmarks/copy_wait.py` times each way of copying beside bf16 products)."""
 
 _DEVICE_MEMORY = 2
-"""CU_MEMORYTYPE_DEVICE: both sides of `_engine_copy` are device memory."""
+"""CU_MEMORYTYPE_DEVICE: both sides of `engine_copy` are device memory."""
 
 
 class _Copy2D(ctypes.Structure):
@@ -580,7 +580,7 @@ class _Copy2D(ctypes.Structure):
     ]
 
 
-def _engine_copy(target: torch.Tensor, surface: torch.Tensor) -> None:
+def engine_copy(target: torch.Tensor, surface: torch.Tensor) -> None:
     """`surface` (rows of uint8, each contiguous, any pitch) copied into `target` (the same
     shape, contiguous) by the driver on the current stream. Rows that are not each
     contiguous are copied by `Tensor.copy_`."""

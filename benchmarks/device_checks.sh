@@ -26,20 +26,21 @@
 #     CLIPS=1152 CLIP_SECONDS=5.25 bash benchmarks/device_checks.sh clips-bg kernels siglip quantize
 #     bash benchmarks/device_checks.sh tests nvdec-scaling    (on the clips made so far)
 #     NVDEC_SESSIONS="4 7" bash benchmarks/device_checks.sh clips video siglip
-# What takes the GPU's decoder from 55 clips a second alone to 30 in an nvdec job (RESULTS.md section 11: the
-# encoder's work on the device, 45 with the tower's tiny version; a carveout told to free 16 SMs changed nothing, its
-# products' rate now beside it): the tables' video clock and power, the frames' hand-over (`surface`) and the
-# allocator's driver calls, on clips-bg's 128 clips
-# (CLIPS=128), one call, VIDEO_REPEATS=3 (one run says little: two of one tree read 29.6 and 30.2):
-#     VIDEO_DECODERS=nvdec bash benchmarks/device_checks.sh video siglip
-#     VIDEO_DECODERS=nvdec VIDEO_FLAGS=--tiny-tower bash benchmarks/device_checks.sh video siglip
-#     VIDEO_DECODERS=nvdec VIDEO_VARIANTS="nvdec:embedjob.pipeline.GPU_DECODE_SM_CARVEOUT=16"
-#       bash benchmarks/device_checks.sh video clip      (CLIP's fc1 is the persistent Triton GEMM)
-#     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut --loads none gpu --load-carveout 0 16"
-#       bash benchmarks/device_checks.sh nvdec-scaling
-# (the decoder alone and beside bf16 products leaving 0 and 16 SMs free; VIDEO_PROFILE=nvdec names the rank's hot
-# calls; "--loads python" and "--switch-interval 0.0005" time it beside Python holding the GIL). Chained in one call,
-# give each its own OUT=$OUT/NAME and DEADLINE.
+# What takes the GPU's decoder from 55 clips a second alone to 30 in an nvdec job (RESULTS.md section 11): each copy
+# and kernel of the decode waits for the encoder's kernel in flight. First, whether a green context frees them
+# (`copies`: the copy beside products, plain, cuBLAS's carveout, a green context; no clips needed, carry .whl):
+#     bash benchmarks/device_checks.sh copies
+# then, on clips-bg's 128 clips (CLIPS=128, calls back to back), NVDEC beside products in a green context and with
+# the driver's copies, and the nvdec job with the encoder in one (one run says little: VIDEO_REPEATS=2 or 3):
+#     NVDEC_SCALING_FLAGS="--sessions 7 --modes threads --variants cut cut-engine --loads none gpu --load-green 16"
+#       bash benchmarks/device_checks.sh clips nvdec-scaling
+#     VIDEO_DECODERS=nvdec VIDEO_REPEATS=2 VIDEO_VARIANTS="nvdec:embedjob.pipeline.GPU_DECODE_FREE_SMS=16
+#       nvdec:embedjob.decode.nvdec.COPY_ENGINE=True" bash benchmarks/device_checks.sh video siglip
+# and where it wins, `auto` so on 1,152 clips (VIDEO_DECODERS="decord auto", VIDEO_VARIANTS="auto:...FREE_SMS=16")
+# and CLIP (its fc1 the persistent Triton GEMM). VIDEO_FLAGS=--tiny-tower embeds with the tower's tiny version,
+# VIDEO_PROFILE=nvdec names the rank's hot calls; NVDEC_SCALING_FLAGS "--loads python" and "--switch-interval
+# 0.0005" time the decoder beside Python holding the GIL. Chained in one call, give each its own OUT=$OUT/NAME and
+# DEADLINE.
 # video.decoder auto leaves its GPU none of the clips the workers start while the rank sets up (decode_split.SETUP_SHARE);
 # against the even split from the first row it replaced, on 1,152 clips (whole run and past the head start):
 #     VIDEO_DECODERS="decord auto" VIDEO_VARIANTS="auto:embedjob.decode_split.SETUP_SHARE=0.5" ... clips video siglip

@@ -1488,3 +1488,16 @@ def test_the_sm_carveout_holds_through_the_run_and_the_process_gets_every_sm_bac
     assert torch._C._get_sm_carveout_experimental() == before
     with pipeline.sm_carveout(None):
         assert torch._C._get_sm_carveout_experimental() == before
+
+
+def test_the_driver_copy_of_a_surface_never_takes_host_memory_and_copies_a_pitched_one_whole() -> None:
+    """`nvdec.COPY_ENGINE`'s copy (`engine_copy`) hands the driver device memory only: a
+    frame in host memory, or one whose rows are not each contiguous, is copied by torch,
+    every byte of the picture and none of the pitch's padding."""
+    from embedjob.decode import nvdec
+
+    pitched = torch.arange(12 * 20, dtype=torch.int32).remainder(251).to(torch.uint8).reshape(12, 20)
+    for surface in (pitched[:, :16], pitched[:, :16].t().contiguous().t(), pitched[:, :16].contiguous()):
+        target = torch.zeros(12, 16, dtype=torch.uint8)
+        nvdec.engine_copy(target, surface)
+        assert torch.equal(target, pitched[:, :16])

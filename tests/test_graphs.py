@@ -284,3 +284,31 @@ def test_a_green_stream_without_a_cuda_driver_says_why_and_the_job_keeps_every_s
         assert rank._encoder_green() is None
     finally:
         green._driver.cache_clear()
+
+
+def test_a_green_context_leaves_at_least_the_sms_asked_where_the_driver_rounds_its_groups_up() -> None:
+    """The driver sizes an SM group in steps (8 SMs on Hopper), rounding up: asked to leave
+    16 of 132 SMs, a group of 116 would come back as 120, leaving 12. `engine.green` asks
+    for less until the group leaves what the job asked (112 SMs, 20 free), and says so
+    where the driver splits none."""
+    import ctypes
+
+    from embedjob.engine import green
+
+    def stepped(part: ctypes.Array, groups: object, whole: ctypes.Array, rest: ctypes.Array, flags: int, asked: int) -> int:
+        part[green._SM_COUNT_AT : green._SM_COUNT_AT + 4] = (-(-asked // 8) * 8).to_bytes(4, "little")
+        groups._obj.value = 1  # type: ignore[attr-defined]
+        return 0
+
+    class Driver:
+        cuDevSmResourceSplitByCount = staticmethod(stepped)
+
+    whole = ctypes.create_string_buffer(green._RESOURCE_BYTES)
+    part = green._split(Driver(), whole, 132 - 16)  # type: ignore[arg-type]
+    assert green._sm_count(part) == 112
+
+    class Refusing:
+        cuDevSmResourceSplitByCount = staticmethod(lambda *args: 801)  # CUDA_ERROR_NOT_SUPPORTED
+
+    with pytest.raises(green.GreenUnavailable, match="no group of at most 116 SMs"):
+        green._split(Refusing(), whole, 116)  # type: ignore[arg-type]

@@ -546,7 +546,7 @@ def _copied_out(pts: int, surface: torch.Tensor, batch: torch.Tensor | None, wan
         batch = surface.new_empty((len(wanted), *surface.shape))
     if surface.shape != batch.shape[1:]:
         raise RuntimeError(f"the video decoder returned NV12 frames of shapes {tuple(surface.shape)} and {tuple(batch.shape[1:])}")
-    if COPY_ENGINE and surface.is_cuda:
+    if COPY_ENGINE:
         engine_copy(batch[wanted[pts]], surface)
     else:
         batch[wanted[pts]].copy_(surface)
@@ -581,10 +581,11 @@ class _Copy2D(ctypes.Structure):
 
 
 def engine_copy(target: torch.Tensor, surface: torch.Tensor) -> None:
-    """`surface` (rows of uint8, each contiguous, any pitch) copied into `target` (the same
-    shape, contiguous) by the driver on the current stream. Rows that are not each
-    contiguous are copied by `Tensor.copy_`."""
-    if surface.dim() != 2 or surface.stride(1) != 1 or not target.is_contiguous() or surface.dtype != torch.uint8:
+    """`surface` (rows of uint8 on a GPU, each contiguous, any pitch) copied into `target`
+    (the same shape, contiguous, on that GPU) by the driver on the current stream. Anything
+    else (rows not each contiguous, host memory) is copied by `Tensor.copy_`."""
+    if (surface.dim() != 2 or surface.stride(1) != 1 or not target.is_contiguous() or surface.dtype != torch.uint8
+            or target.dtype != torch.uint8 or not (surface.is_cuda and target.is_cuda) or surface.shape != target.shape):
         target.copy_(surface)
         return
     rows, width = surface.shape

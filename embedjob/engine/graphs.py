@@ -203,7 +203,7 @@ class GraphManager:
 
         if self.backend == "replay":
             return _Entry(static, _RecordedGraph(body))
-        side = self.stream or torch.cuda.Stream(self.adapter.device)
+        side = self.stream if self.stream is not None else torch.cuda.Stream(self.adapter.device)
         side.wait_stream(torch.cuda.current_stream(self.adapter.device))
         with torch.cuda.stream(side):
             body()

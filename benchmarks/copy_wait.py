@@ -11,7 +11,9 @@ end (`perf_counter` around the queueing and the stream's wait, median and 90th p
 of `--repeats`), alone and beside `common.GemmLoad` (bf16 products replayed back to back
 on another stream, as the encoder's graphs run), the products leaving 16 SMs free by
 torch's carveout (cuBLAS's kernels only) or by a green context (`engine.green`, every
-kernel on its stream), their rate alone under the table:
+kernel on its stream), their rate alone under the table. The process takes the job's 32
+hardware work queues (`config.spread_device_queues`; the first run, 12-08, had CUDA's 8,
+which a copy's stream may share with the products'):
 
 - `torch copy_`: `Tensor.copy_` between contiguous frames (what `nvdec._copied_out` does);
 - `torch copy_, pitched source`: from a frame whose rows are 2,048 bytes apart, as a
@@ -43,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import GemmLoad, fmt, skipped, table  # noqa: E402
+from embedjob.config import spread_device_queues  # noqa: E402
 from embedjob.decode.nvdec import engine_copy  # noqa: E402
 
 SCRIPT = "copy_wait.py"
@@ -119,6 +122,7 @@ def measure(repeats: int) -> tuple[dict[tuple[str, str], tuple[float, float]], l
 
 def main() -> int:
     args = parse_args()
+    spread_device_queues()  # the job's 32 hardware queues: with 8 two streams may share one
     if args.smoke:
         skipped(SCRIPT, "every copy", "--smoke has no GPU: the rows are empty")
         found: dict[tuple[str, str], tuple[float, float]] = {}

@@ -36,7 +36,8 @@ load's products leave `--load-carveout` SMs free, one run each (the job's
 `pipeline.GPU_DECODE_SM_CARVEOUT`; the row names the products' rate alone, lower by the SMs'
 share where they left them: 16 asked for left NVDEC's rate unchanged, RESULTS.md section 11),
 or `--load-green` SMs by a green context (`engine.green`: every kernel of the products held
-to the rest, where the carveout reaches cuBLAS's alone).
+to the rest, where the carveout reaches cuBLAS's alone). The process takes the job's 32
+hardware work queues (`config.spread_device_queues`; runs before 12-08 had CUDA's 8).
 In `video.decoder: auto` the GPU's decoder read about half what it reads alone (RESULTS.md
 section 11): these rows say which neighbour takes it.
 
@@ -82,6 +83,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import DecoderBusy, GemmLoad, feed_per_clip, fmt, log, skipped, table  # noqa: E402
+from embedjob.config import spread_device_queues  # noqa: E402
 from embedjob.decode import nvdec  # noqa: E402
 from embedjob.decode.types import DecodeOptions, DeferredVideo  # noqa: E402
 from embedjob.workers.pool import WORKER_NICE  # noqa: E402
@@ -429,6 +431,7 @@ def clip_paths(args: argparse.Namespace) -> list[Path]:
 
 def main() -> int:
     args = parse_args()
+    spread_device_queues()  # the job's 32 hardware queues: with 8 the load's stream may share the decode's
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     paths = clip_paths(args)

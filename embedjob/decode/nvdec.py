@@ -555,12 +555,14 @@ def _copied_out(pts: int, surface: torch.Tensor, batch: torch.Tensor | None, wan
 
 COPY_ENGINE = False
 """Whether a fed decoder's wanted surfaces are copied out by the driver's 2D copy
-(`cuMemcpy2DAsync`, which the copy engines run) on the decoder's own stream, instead of by
-`Tensor.copy_` on the caller's. The decoder waits for its stream before each picture it
-shows, and a copy the SMs run waits there behind the encoder's kernels: in a
-`video.decoder: nvdec` job NVDEC read 29.6 clips a second beside SigLIP-so400m, 44.7
-beside the tower's tiny version (benchmarks/RESULTS.md section 11;
-`benchmarks/copy_wait.py` times each way of copying beside bf16 products)."""
+(`engine_copy`) on the decoder's own stream, instead of by `Tensor.copy_` on the caller's:
+the lever where the copy engines run it apart from the SMs. The decoder waits for its
+stream before each picture it shows, and a copy queued behind the encoder's kernels waits
+there too: in a `video.decoder: nvdec` job NVDEC read 29.6 clips a second beside
+SigLIP-so400m, 44.7 beside the tower's tiny version. Beside bf16 products, with CUDA's 8
+hardware queues, the driver's copy waited for the product in flight as torch's did
+(`benchmarks/copy_wait.py`, benchmarks/RESULTS.md section 11): off until it is timed
+under the job's 32."""
 
 _DEVICE_MEMORY = 2
 """CU_MEMORYTYPE_DEVICE: both sides of `engine_copy` are device memory."""

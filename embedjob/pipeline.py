@@ -134,10 +134,11 @@ are captured and replayed, and its other kernels queued, on the stream of a gree
 (`engine.green`) holding them to the other SMs, where the carveout holds cuBLAS's alone.
 Every copy out of the decoder's surfaces, by torch or by the driver, and every kernel of the
 decode otherwise waits for the encoder's kernel in flight to end (0.32 ms beside bf16
-products against 0.02 alone, `benchmarks/copy_wait.py`), and PyNvVideoCodec waits for its
+products against 0.02 alone, with CUDA's 8 hardware queues: `benchmarks/copy_wait.py`,
+which now takes the job's 32, says whether that holds there), and PyNvVideoCodec waits for its
 stream before each picture it shows: NVDEC read 29.6 clips a second beside SigLIP-so400m
-where alone it read 55 (benchmarks/RESULTS.md section 11). A driver without green contexts
-(before CUDA 12.5) leaves the encoder every SM, and says so."""
+where alone it read 55 (benchmarks/RESULTS.md section 11). Untimed on a GPU, so off. A
+driver without green contexts (before CUDA 12.5) leaves the encoder every SM, and says so."""
 
 AUTO_ROWS = 64
 """Items a rank encodes before `preprocess.decoder: auto` first compares decode and device rates."""

@@ -5,7 +5,7 @@ A kernel that holds every SM (a persistent GEMM, one wave of attention) keeps an
 stream's kernel, and the device-to-device copies too, waiting until its last block ends:
 beside bf16 products on another stream, a 1080p frame's copy took 0.32 ms (one product)
 instead of 0.02, by `Tensor.copy_` or the driver's copies alike, at any stream priority
-(`benchmarks/copy_wait.py`, benchmarks/RESULTS.md section 11). torch's SM carveout reaches
+(CUDA's 8 hardware queues; `benchmarks/copy_wait.py`, benchmarks/RESULTS.md section 11). torch's SM carveout reaches
 only cuBLAS; a green context holds every kernel queued on its streams, graphs' included,
 to its SMs. The driver's API is called through ctypes (CUDA 12.5 or later), as torch's
 own wrapper needs the `cuda-python` bindings.

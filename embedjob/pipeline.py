@@ -982,14 +982,19 @@ def sm_carveout(sms: int | None) -> contextlib.AbstractContextManager[None]:
 
 
 @contextlib.contextmanager
-def _counted_into(parts: dict[str, float]) -> Iterator[None]:
-    """On leaving, `parts` holds the seconds the GPU decoder's parts (`nvdec.CLOCK`) took
-    inside: this rank's, as its process decodes for it alone."""
-    before = nvdec.CLOCK.seconds()
+def _added_into(into: dict[str, Any], read: Callable[[], dict[str, Any]]) -> Iterator[None]:
+    """On leaving, even where the block raised, `into` holds what each of `read`'s counts
+    (this process's: this rank's, as its process serves it alone) added inside."""
+    before = read()
     try:
         yield
     finally:
-        parts.update(nvdec.CLOCK.since(before))
+        into.update({name: value - before.get(name, 0) for name, value in read().items()})
+
+
+def _counted_into(parts: dict[str, float]) -> contextlib.AbstractContextManager[None]:
+    """`parts` gets the seconds the GPU decoder's parts (`nvdec.CLOCK`) took inside."""
+    return _added_into(parts, nvdec.CLOCK.seconds)
 
 
 ALLOCATOR_COUNTS = {"num_device_alloc": "cudaMalloc", "num_device_free": "cudaFree",
@@ -1000,20 +1005,17 @@ after freeing its cache, and the frees of every stream's pending blocks; each st
 thread that allocates, the last two the whole device."""
 
 
-@contextlib.contextmanager
-def _allocations_into(counts: dict[str, int], device: torch.device) -> Iterator[None]:
-    """On leaving, `counts` holds what the caching allocator's `ALLOCATOR_COUNTS` on `device`
-    added inside (the process's: this rank's, as its process serves it alone); nothing off
-    a GPU."""
+def _allocations_into(counts: dict[str, int], device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """`counts` gets what the caching allocator's `ALLOCATOR_COUNTS` on `device` added
+    inside; nothing off a GPU."""
     if device.type != "cuda":
-        yield
-        return
-    before = torch.cuda.memory_stats(device)
-    try:
-        yield
-    finally:
-        after = torch.cuda.memory_stats(device)
-        counts.update({name: after.get(key, 0) - before.get(key, 0) for key, name in ALLOCATOR_COUNTS.items()})
+        return contextlib.nullcontext()
+
+    def read() -> dict[str, int]:
+        stats = torch.cuda.memory_stats(device)
+        return {name: stats.get(key, 0) for key, name in ALLOCATOR_COUNTS.items()}
+
+    return _added_into(counts, read)
 
 
 @contextlib.contextmanager

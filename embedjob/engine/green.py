@@ -38,13 +38,12 @@ _NON_BLOCKING = 1
 @dataclass(frozen=True)
 class GreenStream:
     """A stream of a green context on `device` whose kernels run on `sms` of its `total`
-    SMs. `context` (the CUgreenCtx) lives as long as the process: streams of it are
-    captured into graphs that outlive any one caller."""
+    SMs. The context is never destroyed: graphs captured on its stream outlive any one
+    caller, so it lives as long as the process."""
 
     stream: torch.cuda.ExternalStream
     sms: int
     total: int
-    context: int
 
 
 class GreenUnavailable(RuntimeError):
@@ -77,8 +76,7 @@ def _made(index: int, free: int) -> GreenStream:
     _check(driver, "cuDevResourceGenerateDesc", ctypes.byref(desc), part, 1)
     _check(driver, "cuGreenCtxCreate", ctypes.byref(context), desc, device, _GREEN_DEFAULT_STREAM)
     _check(driver, "cuGreenCtxStreamCreate", ctypes.byref(stream), context, _NON_BLOCKING, 0)
-    return GreenStream(torch.cuda.ExternalStream(stream.value, device=torch.device("cuda", index)), sms, total,
-                       context.value or 0)
+    return GreenStream(torch.cuda.ExternalStream(stream.value, device=torch.device("cuda", index)), sms, total)
 
 
 def _split(driver: ctypes.CDLL, whole: ctypes.Array, most: int) -> ctypes.Array:
